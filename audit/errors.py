@@ -1,0 +1,5 @@
+"""User-facing errors: the CLI prints these as one clear line instead of a traceback."""
+
+
+class TallyError(Exception):
+    """A problem with the user's input or environment that Tally can explain."""

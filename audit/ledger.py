@@ -1,0 +1,243 @@
+"""The DuckDB ledger: one schema, created by code, versioned, opened by one writer process.
+
+DuckDB's file lock lets only one process open the file, so hosts never touch it: the ingester
+(`tally ingest` or the API service) owns it, and threads inside that process each take their
+own `cursor()`.
+
+Restart lineage lives in `attempts.rolled_back_from_step`: the smallest `resumed_from_step` of
+any later attempt of the same run. Rows of an attempt at or after that step were rolled back;
+they stay in `consumption` (they prove whether the replay was exact) and the
+`effective_consumption` view leaves them out.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from audit.errors import TallyError
+
+SCHEMA_VERSION = 1
+
+_DDL = """
+CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
+CREATE SEQUENCE run_ids START 1;
+CREATE SEQUENCE file_ids START 1;
+CREATE TABLE runs (
+    run INTEGER PRIMARY KEY,
+    run_id VARCHAR NOT NULL UNIQUE,
+    manifest_fingerprint VARCHAR,
+    first_ingested TIMESTAMP NOT NULL DEFAULT current_timestamp
+);
+CREATE TABLE attempts (
+    run INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    resumed_from_step BIGINT,          -- NULL for a fresh start
+    host_count INTEGER NOT NULL,
+    writer_version VARCHAR NOT NULL,
+    rolled_back_from_step BIGINT,      -- derived: min resumed_from_step of later attempts
+    PRIMARY KEY (run, attempt)
+);
+CREATE TABLE segments (                -- one row per ingested spool file
+    file_id INTEGER PRIMARY KEY,
+    path VARCHAR NOT NULL UNIQUE,      -- relative to the spool root
+    kind VARCHAR NOT NULL,             -- 'seg' or 'met'
+    run INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    host INTEGER NOT NULL,
+    first_step BIGINT NOT NULL,
+    last_step BIGINT NOT NULL,
+    n_rows BIGINT NOT NULL,
+    n_tokens BIGINT NOT NULL,
+    bytes BIGINT NOT NULL,
+    ingested_at TIMESTAMP NOT NULL DEFAULT current_timestamp
+);
+CREATE TABLE consumption (
+    run INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    host INTEGER NOT NULL,
+    step BIGINT NOT NULL,
+    "row" INTEGER NOT NULL,
+    record_key BIGINT NOT NULL,
+    "offset" INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    content_hash UBIGINT NOT NULL,
+    epoch INTEGER NOT NULL,
+    file_id INTEGER NOT NULL
+);
+CREATE TABLE host_steps (              -- aggregate kept at ingest: one row per (file, step)
+    run INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    host INTEGER NOT NULL,
+    step BIGINT NOT NULL,
+    n_segments BIGINT NOT NULL,
+    n_tokens BIGINT NOT NULL,
+    file_id INTEGER NOT NULL
+);
+CREATE TABLE metrics (
+    run INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    host INTEGER NOT NULL,
+    step BIGINT NOT NULL,
+    name VARCHAR NOT NULL,
+    value DOUBLE NOT NULL,
+    file_id INTEGER NOT NULL
+);
+CREATE TABLE quarantine (
+    path VARCHAR PRIMARY KEY,
+    bytes BIGINT NOT NULL,
+    mtime_ns BIGINT NOT NULL,
+    reason VARCHAR NOT NULL,
+    quarantined_at TIMESTAMP NOT NULL DEFAULT current_timestamp
+);
+CREATE VIEW effective_consumption AS
+    SELECT c.* FROM consumption c JOIN attempts a USING (run, attempt)
+    WHERE a.rolled_back_from_step IS NULL OR c.step < a.rolled_back_from_step;
+CREATE VIEW rolled_back_consumption AS
+    SELECT c.* FROM consumption c JOIN attempts a USING (run, attempt)
+    WHERE c.step >= a.rolled_back_from_step;
+"""
+
+_RECOMPUTE_LINEAGE = """
+UPDATE attempts AS a SET rolled_back_from_step = (
+    SELECT min(b.resumed_from_step) FROM attempts b WHERE b.run = a.run AND b.attempt > a.attempt
+) WHERE a.run = ?
+"""
+
+
+def one(cur: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> tuple | None:
+    """The first row of a query, with the result fully consumed (DuckDB 2 refuses new work on
+    a cursor whose last result is still open)."""
+    rows = cur.execute(sql, params or []).fetchall()
+    return rows[0] if rows else None
+
+
+class Ledger:
+    """An open ledger file. Use as a context manager; `cursor()` per thread."""
+
+    def __init__(self, path: str | os.PathLike, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        if read_only and not self.path.exists():
+            raise TallyError(f"no ledger at {self.path}")
+        try:
+            self.con = duckdb.connect(str(self.path), read_only=read_only)
+        except duckdb.IOException as exc:
+            msg = str(exc)
+            if "lock" in msg.lower():
+                raise TallyError(
+                    f"ledger {self.path} is held by another process (only one process may open "
+                    f"a DuckDB file; stop it or ask the service that owns it): {msg}"
+                ) from None
+            raise TallyError(f"cannot open ledger {self.path}: {msg}") from None
+        except duckdb.Error as exc:
+            raise TallyError(f"{self.path} is not a readable DuckDB ledger: {exc}") from None
+        try:
+            self._check_or_create(read_only)
+        except BaseException:
+            self.con.close()
+            raise
+
+    def _check_or_create(self, read_only: bool) -> None:
+        tables = {r[0] for r in self.con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'"
+        ).fetchall()}
+        if not tables:
+            if read_only:
+                raise TallyError(f"{self.path} is an empty DuckDB file, not a Tally ledger")
+            self.con.execute("BEGIN")
+            self.con.execute(_DDL)
+            self.con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+            self.con.execute("COMMIT")
+            return
+        if "meta" not in tables:
+            raise TallyError(f"{self.path} is a DuckDB file but not a Tally ledger (no meta table)")
+        row = one(self.con, "SELECT value FROM meta WHERE key = 'schema_version'")
+        found = row[0] if row else "none"
+        if found != str(SCHEMA_VERSION):
+            raise TallyError(
+                f"ledger {self.path} has schema version {found}; this Tally reads version "
+                f"{SCHEMA_VERSION}. Re-ingest the spool into a new ledger file."
+            )
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A cursor for one thread (DuckDB connections are not shared across threads)."""
+        return self.con.cursor()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- writes used by ingest (inside the caller's transaction) ---------------------------
+    def ensure_run(self, cur: duckdb.DuckDBPyConnection, run_id: str, fingerprint: str) -> int:
+        row = one(cur, "SELECT run, manifest_fingerprint FROM runs WHERE run_id = ?", [run_id])
+        if row is None:
+            run = one(cur, "SELECT nextval('run_ids')")[0]
+            cur.execute("INSERT INTO runs (run, run_id, manifest_fingerprint) VALUES (?, ?, ?)",
+                        [run, run_id, fingerprint or None])
+            return run
+        run, known = row
+        if fingerprint and known and fingerprint != known:
+            raise ValueError(f"manifest fingerprint {fingerprint} differs from the run's {known}")
+        if fingerprint and not known:
+            cur.execute("UPDATE runs SET manifest_fingerprint = ? WHERE run = ?",
+                        [fingerprint, run])
+        return run
+
+    def ensure_attempt(self, cur: duckdb.DuckDBPyConnection, run: int, attempt: int,
+                       resumed_from_step: int | None, host_count: int, writer_version: str) -> None:
+        row = one(cur, "SELECT resumed_from_step, host_count FROM attempts "
+                  "WHERE run = ? AND attempt = ?", [run, attempt])
+        if row is None:
+            cur.execute(
+                "INSERT INTO attempts (run, attempt, resumed_from_step, host_count, writer_version)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [run, attempt, resumed_from_step, host_count, writer_version],
+            )
+            cur.execute(_RECOMPUTE_LINEAGE, [run])
+        elif tuple(row) != (resumed_from_step, host_count):
+            raise ValueError(
+                f"metadata says attempt {attempt} resumed from {resumed_from_step} on "
+                f"{host_count} hosts, but earlier files of it say {row[0]} on {row[1]} hosts"
+            )
+
+    # ---- reads ------------------------------------------------------------------------------
+    def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        cur = self.cursor()
+        try:
+            res = cur.execute(sql, params or [])
+            names = [d[0] for d in res.description]
+            return [dict(zip(names, r, strict=True)) for r in res.fetchall()]
+        finally:
+            cur.close()
+
+    def overview(self) -> dict[str, Any]:
+        """Runs, attempts, hosts with step ranges and row counts, and quarantined files."""
+        runs = self.query("SELECT run, run_id, manifest_fingerprint FROM runs ORDER BY run_id")
+        attempts = self.query("""
+            SELECT a.run, a.attempt, a.resumed_from_step, a.host_count, a.rolled_back_from_step,
+                   coalesce(sum(h.n_segments), 0) AS segments,
+                   coalesce(sum(h.n_segments) FILTER (
+                       WHERE h.step >= a.rolled_back_from_step), 0) AS rolled_back_segments
+            FROM attempts a LEFT JOIN host_steps h USING (run, attempt)
+            GROUP BY ALL ORDER BY a.run, a.attempt""")
+        hosts = self.query("""
+            SELECT run, attempt, host, count(*) AS files, min(first_step) AS first_step,
+                   max(last_step) AS last_step, sum(n_rows) AS segments, sum(n_tokens) AS tokens
+            FROM segments WHERE kind = 'seg' GROUP BY ALL ORDER BY run, attempt, host""")
+        out = []
+        for r in runs:
+            atts = [a for a in attempts if a["run"] == r["run"]]
+            for a in atts:
+                a["hosts"] = [h for h in hosts
+                              if h["run"] == r["run"] and h["attempt"] == a["attempt"]]
+            out.append({**r, "attempts": atts})
+        quarantine = self.query("SELECT path, reason FROM quarantine ORDER BY path")
+        return {"runs": out, "quarantine": quarantine}

@@ -1,0 +1,139 @@
+"""Segments: the parts of records inside one batch, the unit the ledger counts.
+
+A segment is `(row, record_key, offset, n_tokens, epoch, content_hash)`. An unpacked record is
+one segment with offset 0; packing puts several in a row, concat-then-split can cut one record
+across rows. `segments_from_batch` turns a batch in Grain's packed layout into segments.
+
+Batch layout (what `pipeline`'s keyed loader emits, and what any loop can build):
+- `tokens`: int [B, L] token ids.
+- `tokens_segment_ids`: int [B, L], 0 for padding, a new id per segment within a row
+  (Grain's packing output). Absent: each row is one segment of all L tokens.
+- `key`: int64 [B, L] per token, or [B] per row: the record's global index `epoch * N + key`
+  carried from `map_with_index` directly after the source.
+- `pos`: int [B, L] per token, the token's position in its record, carried from before packing
+  so that a record cut by concat-then-split keeps its true offset. Absent: Grain's
+  `tokens_positions` (right for first-fit packing), or offset 0 for unpacked rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from audit.hashing import as_token_array, hash_runs
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Column arrays for the segments of one step, in the spool's dtypes."""
+
+    row: np.ndarray  # int32
+    record_key: np.ndarray  # int64
+    offset: np.ndarray  # int32
+    n_tokens: np.ndarray  # int32
+    epoch: np.ndarray  # int32, -1 when unknown
+    content_hash: np.ndarray  # uint64
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        row: np.ndarray,
+        record_key: np.ndarray,
+        n_tokens: np.ndarray,
+        content_hash: np.ndarray,
+        offset: np.ndarray | None = None,
+        epoch: np.ndarray | None = None,
+    ) -> Segments:
+        """Checked constructor: equal lengths, sane values, spool dtypes."""
+        n = len(row)
+        cols = {
+            "row": np.asarray(row, dtype=np.int32),
+            "record_key": np.asarray(record_key, dtype=np.int64),
+            "offset": np.zeros(n, np.int32) if offset is None else np.asarray(offset, np.int32),
+            "n_tokens": np.asarray(n_tokens, dtype=np.int32),
+            "epoch": np.full(n, -1, np.int32) if epoch is None else np.asarray(epoch, np.int32),
+            "content_hash": np.asarray(content_hash, dtype=np.uint64),
+        }
+        for name, arr in cols.items():
+            if arr.shape != (n,):
+                raise ValueError(
+                    f"segments: column {name!r} has shape {arr.shape}, expected ({n},)")
+        if n:
+            if cols["row"].min() < 0:
+                raise ValueError("segments: negative row")
+            if cols["record_key"].min() < 0:
+                raise ValueError("segments: negative record_key")
+            if cols["offset"].min() < 0:
+                raise ValueError("segments: negative offset")
+            if cols["n_tokens"].min() < 1:
+                raise ValueError("segments: a segment must hold at least one token")
+        return cls(**cols)
+
+
+def segments_from_batch(
+    batch: Mapping[str, np.ndarray],
+    *,
+    records_per_epoch: int | None = None,
+    feature: str = "tokens",
+    key: str = "key",
+    position: str = "pos",
+) -> Segments:
+    """The segments a batch holds, with each segment's hash over exactly its tokens.
+
+    `records_per_epoch` (N) splits the carried index into `epoch = idx // N` and
+    `record_key = idx % N`; without it the index is taken as the record key and epoch is -1.
+    """
+    tokens = np.asarray(batch[feature])
+    if tokens.ndim != 2:
+        raise ValueError(f"batch[{feature!r}] must be [batch, length], got shape {tokens.shape}")
+    n_rows, length = tokens.shape
+    keys = np.asarray(batch[key])
+    if keys.shape not in ((n_rows,), (n_rows, length)):
+        raise ValueError(
+            f"batch[{key!r}] has shape {keys.shape}; expected ({n_rows},) or ({n_rows}, {length})"
+        )
+    seg_ids = batch.get(f"{feature}_segment_ids")
+    positions = batch.get(position)
+    if positions is None:
+        positions = batch.get(f"{feature}_positions")
+
+    flat_tokens = as_token_array(tokens).reshape(-1)
+    col = np.tile(np.arange(length), n_rows)
+    if seg_ids is None:
+        seg = np.ones(n_rows * length, dtype=np.int32)
+    else:
+        seg = np.asarray(seg_ids).reshape(-1)
+    # A run starts at each row start and wherever the segment id (or the carried key) changes.
+    change = np.ones(seg.shape, dtype=bool)
+    change[1:] = seg[1:] != seg[:-1]
+    if keys.ndim == 2:
+        flat_keys = keys.reshape(-1)
+        change[1:] |= flat_keys[1:] != flat_keys[:-1]
+    change |= col == 0
+    starts = np.flatnonzero(change)
+    lengths = np.diff(np.append(starts, seg.size))
+    keep = seg[starts] != 0  # id 0 is padding
+    starts, lengths = starts[keep], lengths[keep]
+
+    rows = starts // length
+    index = keys.reshape(-1)[starts] if keys.ndim == 2 else keys[rows]
+    index = index.astype(np.int64)
+    if records_per_epoch is not None:
+        epoch, record_key = np.divmod(index, records_per_epoch)
+    else:
+        epoch, record_key = None, index
+    offset = None if positions is None else np.asarray(positions).reshape(-1)[starts]
+    return Segments.build(
+        row=rows,
+        record_key=record_key,
+        offset=offset,
+        n_tokens=lengths,
+        epoch=epoch,
+        content_hash=hash_runs(flat_tokens, starts, lengths),
+    )

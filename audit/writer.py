@@ -1,0 +1,282 @@
+"""The ledger writer a training loop calls once per consumed step.
+
+The training thread only enqueues references to the step's arrays; a background thread hashes
+segments, buffers rows and publishes spool files (temporary name, fsync, rename, fsync of the
+directory) every `flush_every` steps, every `flush_seconds`, on `flush()` (call it before saving
+a checkpoint, so the ledger is never behind a checkpoint) and on `close()`.
+
+Guarantees:
+- The queue is bounded: when it is full, the training thread waits (back-pressure); rows are
+  never dropped.
+- A failure in the background (bad batch, disk full) is raised by the next call on the training
+  thread, never swallowed. Rows that could not be published stay buffered and are retried by the
+  next publish, so a caller that frees the disk and calls `flush()` again loses nothing.
+- A step is published once: the rows of a step sit in exactly one file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from audit import spool as sp
+from audit.errors import TallyError
+from audit.segments import Segments, segments_from_batch
+
+
+class WriterError(TallyError):
+    """The background writer failed; the cause is chained."""
+
+
+class LedgerWriter:
+    def __init__(
+        self,
+        spool: str | os.PathLike,
+        run_id: str,
+        *,
+        host: int = 0,
+        host_count: int = 1,
+        attempt: int = 0,
+        resumed_from_step: int | None = None,
+        records_per_epoch: int | None = None,
+        manifest_fingerprint: str | None = None,
+        flush_every: int = 100,
+        flush_seconds: float = 30.0,
+        queue_size: int = 8,
+        fsync: bool = True,
+    ) -> None:
+        if not 0 <= host < host_count:
+            raise ValueError(f"host {host} is outside 0..{host_count - 1}")
+        if attempt < 0 or (attempt > 0) != (resumed_from_step is not None):
+            raise ValueError("attempt 0 is a fresh start; attempt > 0 needs resumed_from_step")
+        if flush_every < 1:
+            raise ValueError("flush_every must be >= 1")
+        self.run_id = sp.check_run_id(run_id)
+        self.host, self.host_count, self.attempt = host, host_count, attempt
+        self.records_per_epoch = records_per_epoch
+        self.flush_every, self.flush_seconds, self._fsync = flush_every, flush_seconds, fsync
+        self.dir = sp.host_dir(Path(spool), run_id, attempt, host)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Temporaries of a killed writer of this host, in this attempt or an earlier one.
+        for b in range(attempt + 1):
+            for stale in sp.host_dir(Path(spool), run_id, b, host).glob(".*.tmp"):
+                stale.unlink(missing_ok=True)
+        self._seq = sp.next_seq(self.dir)
+        self._meta = {
+            "format_version": sp.FORMAT_VERSION,
+            "run_id": run_id,
+            "attempt": str(attempt),
+            "host": str(host),
+            "host_count": str(host_count),
+            "resumed_from_step": "" if resumed_from_step is None else str(resumed_from_step),
+            "writer_version": sp.WRITER_VERSION,
+            "manifest_fingerprint": manifest_fingerprint or "",
+        }
+        # Background state: touched only by the writer thread, except _error (handed over).
+        self._steps: list[int] = []
+        self._segs: list[Segments] = []
+        self._metrics: list[tuple[int, str, float]] = []
+        self._oldest = 0.0
+        self._error: BaseException | None = None
+        self._closed = False
+        self.durable_step: int | None = None  # last step of the newest published segment file
+        self.files_published = 0
+        self.blocked_seconds = 0.0  # training-thread time spent in this writer's calls
+        self.background_seconds = 0.0  # writer-thread time spent hashing and publishing
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._thread = threading.Thread(target=self._run, name=f"tally-writer-h{host}", daemon=True)
+        self._thread.start()
+        ref = weakref.ref(self)
+        self._atexit = lambda: (w := ref()) is not None and w._close_quietly()
+        atexit.register(self._atexit)
+
+    # ---- training-thread API -------------------------------------------------------------
+    def write_batch(self, step: int, batch: Mapping[str, np.ndarray], **layout: str) -> None:
+        """Record the batch consumed at `step` (Grain layout, see `audit.segments`).
+
+        Only references are queued: the loop must not mutate the arrays afterwards (Grain and
+        jax.device_get hand out fresh arrays each step).
+        """
+        self._put(("batch", int(step), batch, layout))
+
+    def write_segments(self, step: int, segments: Segments) -> None:
+        """Record precomputed segments (hashes already known) consumed at `step`."""
+        self._put(("segments", int(step), segments))
+
+    def log_metric(self, step: int, name: str, value: float) -> None:
+        self._put(("metric", int(step), str(name), float(value)))
+
+    def flush(self) -> None:
+        """Block until everything handed over so far is published; raise if that failed."""
+        done = threading.Event()
+        self._put(("flush", done))
+        self._wait(done)
+        self._raise_pending()
+
+    def close(self) -> None:
+        if self._closed:
+            self._raise_pending()
+            return
+        done = threading.Event()
+        self._put(("close", done))
+        self._wait(done)
+        self._closed = True
+        self._thread.join()
+        atexit.unregister(self._atexit)
+        self._raise_pending()
+
+    def __enter__(self) -> LedgerWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            self.close()
+        else:
+            self._close_quietly()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _put(self, item: tuple) -> None:
+        if self._closed:
+            raise WriterError("ledger writer is closed")
+        self._raise_pending()
+        t0 = time.perf_counter()
+        self._queue.put(item)  # blocks when full: back-pressure, never a dropped row
+        self.blocked_seconds += time.perf_counter() - t0
+
+    def _wait(self, done: threading.Event) -> None:
+        while not done.wait(1.0):
+            if not self._thread.is_alive():
+                raise WriterError("ledger writer thread died")
+
+    def _raise_pending(self) -> None:
+        err, self._error = self._error, None
+        if err is not None:
+            raise WriterError(f"ledger writer for {self.dir} failed: {err}") from err
+
+    def _close_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _run(self) -> None:
+        while True:
+            timeout = None
+            if self._steps or self._metrics:
+                timeout = max(0.0, self._oldest + self.flush_seconds - time.monotonic())
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:  # flush_seconds elapsed with rows buffered
+                try:
+                    self._publish()
+                except Exception as exc:
+                    self._fail(exc)
+                    self._oldest = time.monotonic()  # retry after another flush_seconds
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._handle(item)
+            except Exception as exc:
+                self._fail(exc)
+            finally:
+                self.background_seconds += time.perf_counter() - t0
+                if item[0] in ("flush", "close"):
+                    item[-1].set()
+            if item[0] == "close":
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        # Handed to the training thread by its next call, never swallowed; the first cause wins.
+        if self._error is None:
+            self._error = exc
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "batch":
+            _, step, batch, layout = item
+            segs = segments_from_batch(batch, records_per_epoch=self.records_per_epoch, **layout)
+            self._add(step, segs)
+        elif kind == "segments":
+            self._add(item[1], item[2])
+        elif kind == "metric":
+            self._touch()
+            self._metrics.append(item[1:4])
+        else:  # flush or close
+            self._publish()
+
+    def _touch(self) -> None:
+        if not (self._steps or self._metrics):
+            self._oldest = time.monotonic()
+
+    def _add(self, step: int, segs: Segments) -> None:
+        self._touch()
+        self._steps.append(step)
+        self._segs.append(segs)
+        if len(set(self._steps)) >= self.flush_every:
+            self._publish()
+
+    def _publish(self) -> None:
+        if self._steps:
+            self._write(*self._segment_table())
+            self._steps, self._segs = [], []
+        if self._metrics:
+            self._write(*self._metric_table())
+            self._metrics = []
+
+    def _segment_table(self) -> tuple[str, pa.Table, int, int]:
+        lens = [len(s) for s in self._segs]
+        steps = np.repeat(np.asarray(self._steps, dtype=np.int64), lens)
+        cols = {
+            "step": steps,
+            "host": np.full(len(steps), self.host, dtype=np.int32),
+            **{f: np.concatenate([getattr(s, f) for s in self._segs]) for f in (
+                "row", "record_key", "offset", "n_tokens", "content_hash", "epoch")},
+        }
+        table = pa.Table.from_pydict(cols, schema=sp.SEGMENT_SCHEMA)
+        return "seg", table, min(self._steps), max(self._steps)
+
+    def _metric_table(self) -> tuple[str, pa.Table, int, int]:
+        steps, names, values = zip(*self._metrics, strict=True)
+        table = pa.Table.from_pydict(
+            {"step": steps, "host": [self.host] * len(steps), "name": names, "value": values},
+            schema=sp.METRIC_SCHEMA,
+        )
+        return "met", table, min(steps), max(steps)
+
+    def _write(self, kind: str, table: pa.Table, first: int, last: int) -> None:
+        meta = {**self._meta, "kind": kind, "rows": str(table.num_rows),
+                "first_step": str(first), "last_step": str(last)}
+        table = table.replace_schema_metadata({sp.META_PREFIX + k: v for k, v in meta.items()})
+        final = self.dir / sp.file_name(kind, first, self._seq)
+        tmp = self.dir / sp.temp_name(final.name)
+        try:
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f, compression="zstd")
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
+            if final.exists():
+                raise FileExistsError(f"{final} already exists; two writers for one host?")
+            os.rename(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self._fsync:
+            fd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._seq += 1
+        self.files_published += 1
+        if kind == "seg":
+            self.durable_step = last

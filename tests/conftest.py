@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def unpacked_batch(step: int, rows: int = 4, length: int = 16, n_records: int = 1000,
+                   host: int = 0, hosts: int = 1) -> dict[str, np.ndarray]:
+    """A deterministic one-record-per-row batch: row r of host h at step s reads one key."""
+    keys = (np.arange(rows) + (step * hosts + host) * rows) % n_records
+    rng = np.random.default_rng(keys[0])
+    lens = rng.integers(1, length + 1, rows)
+    tokens = np.zeros((rows, length), np.int32)
+    seg = np.zeros((rows, length), np.int32)
+    for r, (k, n) in enumerate(zip(keys, lens, strict=True)):
+        tokens[r, :n] = record_tokens(int(k))[:n]
+        seg[r, :n] = 1
+    return {"tokens": tokens, "tokens_segment_ids": seg, "key": keys.astype(np.int64)}
+
+
+def record_tokens(key: int, length: int = 64) -> np.ndarray:
+    return np.random.default_rng(1_000_003 + key).integers(0, 50_000, length, dtype=np.int32)
+
+
+def run_py(code: str, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT, **kw)
+
+
+def popen_py(code: str, *args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Path:
+    return tmp_path / "spool"

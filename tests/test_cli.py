@@ -1,0 +1,57 @@
+"""The `tally` command line, run as a real process."""
+
+import json
+import subprocess
+import sys
+
+from audit.writer import LedgerWriter
+from tests.conftest import ROOT, unpacked_batch
+
+
+def tally(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+def test_ingest_and_ledger_commands(spool, tmp_path):
+    for h in range(2):
+        with LedgerWriter(spool, "cli", host=h, host_count=2, flush_every=4) as w:
+            for s in range(10):
+                w.write_batch(s, unpacked_batch(s, host=h, hosts=2))
+    (spool / "cli" / "attempt=0" / "host=0" / "seg-000000000099-000099.parquet").write_text("x")
+    led = str(tmp_path / "l.duckdb")
+    r = tally("ingest", str(spool), "--ledger", led)
+    assert r.returncode == 0, r.stderr
+    assert "ingested 6 files (80 rows)" in r.stdout and "1 quarantined" in r.stdout
+    assert "quarantined cli/attempt=0/host=0/seg-000000000099-000099.parquet: unreadable" \
+        in r.stderr
+    r = tally("ingest", str(spool), "--ledger", led, "-q")
+    assert "ingested 0 files" in r.stdout and "6 already in the ledger" in r.stdout
+
+    r = tally("ledger", led)
+    assert r.returncode == 0, r.stderr
+    assert "run cli" in r.stdout
+    assert "attempt 0: fresh start, 2 host(s), 80 segments" in r.stdout
+    assert "host 1: steps 0..9, 3 file(s), 40 segments" in r.stdout
+    assert "quarantined files (1)" in r.stdout
+    data = json.loads(tally("ledger", led, "--json").stdout)
+    assert data["runs"][0]["attempts"][0]["hosts"][1]["segments"] == 40
+
+
+def test_user_mistakes_are_one_line_errors_not_tracebacks(tmp_path):
+    r = tally("ledger", str(tmp_path / "missing.duckdb"))
+    assert r.returncode == 2 and r.stderr.startswith("tally: error: no ledger at")
+    assert "Traceback" not in r.stderr
+    r = tally("ingest", str(tmp_path / "nospool"), "--ledger", str(tmp_path / "l.duckdb"))
+    assert r.returncode == 2 and "is not a directory" in r.stderr
+    bad = tmp_path / "bad.duckdb"
+    bad.write_text("garbage")
+    r = tally("ledger", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "bad.duckdb" in r.stderr
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    r = tally("demo", "--out", str(tmp_path / "demo"))
+    assert r.returncode == 0, r.stderr
+    assert "steps >= 30 rolled back" in r.stdout
+    assert (tmp_path / "demo" / "ledger.duckdb").exists()

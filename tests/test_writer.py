@@ -1,0 +1,156 @@
+"""The ledger writer: spool files, flush policy, back-pressure, error hand-over, round trip."""
+
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from audit import spool as sp
+from audit.hashing import content_hash
+from audit.ingest import ingest
+from audit.ledger import Ledger
+from audit.segments import Segments, segments_from_batch
+from audit.writer import LedgerWriter, WriterError
+from tests.conftest import unpacked_batch
+
+
+def _published(spool):
+    return [f for f in sp.scan(spool) if isinstance(f, sp.SpoolFile)]
+
+
+def test_round_trip_writer_spool_ingest_holds_exactly_the_rows_written(spool, tmp_path):
+    expected = []
+    with LedgerWriter(spool, "rt", host=1, host_count=2, records_per_epoch=1000,
+                      manifest_fingerprint="fp1", flush_every=7) as w:
+        for step in range(50):
+            b = unpacked_batch(step, host=1, hosts=2)
+            w.write_batch(step, b)
+            s = segments_from_batch(b, records_per_epoch=1000)
+            expected += [(step, 1, int(s.row[i]), int(s.record_key[i]), int(s.offset[i]),
+                          int(s.n_tokens[i]), int(s.content_hash[i]), int(s.epoch[i]))
+                         for i in range(len(s))]
+            w.log_metric(step, "train_loss", 1.0 / (step + 1))
+    files = _published(spool)
+    # 50 steps at 7 per file -> 8 segment files, plus metric files published alongside.
+    assert len([f for f in files if f.kind == "seg"]) == 8
+    assert all(f.run_id == "rt" and f.host == 1 and f.attempt == 0 for f in files)
+    md = pq.read_schema(files[0].path).metadata
+    assert md[b"tally.host_count"] == b"2" and md[b"tally.manifest_fingerprint"] == b"fp1"
+
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        res = ingest(spool, ledger)
+        assert res.quarantined == [] and res.rows == len(expected) + 50
+        got = ledger.cursor().execute(
+            'SELECT step, host, "row", record_key, "offset", n_tokens, content_hash, epoch '
+            'FROM consumption ORDER BY step, "row"').fetchall()
+        assert got == sorted(expected)
+        metrics = ledger.cursor().execute(
+            "SELECT step, value FROM metrics WHERE name = 'train_loss' ORDER BY step").fetchall()
+        assert metrics == [(s, 1.0 / (s + 1)) for s in range(50)]
+        assert ledger.query("SELECT manifest_fingerprint FROM runs") == [
+            {"manifest_fingerprint": "fp1"}]
+
+
+def test_segment_hashes_match_the_records_tokens(spool):
+    with LedgerWriter(spool, "h", records_per_epoch=1000) as w:
+        w.write_batch(0, unpacked_batch(0))
+    t = pq.read_table(_published(spool)[0].path)
+    for key, n, h in zip(t["record_key"].to_pylist(), t["n_tokens"].to_pylist(),
+                         t["content_hash"].to_pylist(), strict=True):
+        from tests.conftest import record_tokens
+        assert h == content_hash(record_tokens(key)[:n])
+
+
+def test_flush_publishes_on_demand_and_durable_step_follows(spool):
+    w = LedgerWriter(spool, "f", flush_every=1000)
+    for step in range(5):
+        w.write_batch(step, unpacked_batch(step))
+    assert w.durable_step is None
+    w.flush()  # e.g. before a checkpoint is written
+    assert w.durable_step == 4
+    assert [f.first_step for f in _published(spool)] == [0]
+    w.write_batch(5, unpacked_batch(5))
+    w.close()
+    assert w.durable_step == 5
+    assert [f.first_step for f in _published(spool)] == [0, 5]
+    with pytest.raises(WriterError, match="closed"):
+        w.write_batch(6, unpacked_batch(6))
+
+
+def test_time_based_flush_publishes_without_more_steps(spool):
+    import time
+    w = LedgerWriter(spool, "t", flush_every=1000, flush_seconds=0.2)
+    w.write_batch(0, unpacked_batch(0))
+    deadline = time.monotonic() + 10
+    while w.durable_step is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.durable_step == 0
+    w.close()
+
+
+def test_backpressure_never_drops_rows(spool, tmp_path):
+    # A queue of one item and 200 large steps: the loop must wait, never drop.
+    big = {"tokens": np.random.default_rng(0).integers(0, 9, (64, 2048), dtype=np.int32),
+           "key": np.arange(64, dtype=np.int64)}
+    with LedgerWriter(spool, "bp", queue_size=1, flush_every=50) as w:
+        for step in range(200):
+            w.write_batch(step, big)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        ingest(spool, ledger)
+        assert ledger.query("SELECT count(*) AS n, count(DISTINCT step) AS s FROM consumption") \
+            == [{"n": 200 * 64, "s": 200}]
+
+
+def test_bad_batch_is_raised_on_the_next_call(spool):
+    w = LedgerWriter(spool, "bad")
+    w.write_batch(0, {"tokens": np.ones((2, 3), np.int32)})  # no 'key'
+    with pytest.raises(WriterError, match="'key'"):
+        w.flush()
+    w.close()
+
+
+def test_write_error_is_raised_and_rows_survive_a_retry(spool, tmp_path):
+    w = LedgerWriter(spool, "disk", flush_every=1000)
+    for step in range(3):
+        w.write_batch(step, unpacked_batch(step))
+    # Make publishing fail: the host directory disappears behind a plain file.
+    shutil.rmtree(w.dir)
+    w.dir.write_text("not a directory")
+    with pytest.raises(WriterError, match="failed"):
+        w.flush()
+    w.write_batch(3, unpacked_batch(3))  # the error was handed over once; the loop goes on
+    w.dir.unlink()
+    w.dir.mkdir()
+    w.close()  # retry publishes everything buffered, nothing lost
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        ingest(spool, ledger)
+        assert ledger.query("SELECT count(DISTINCT step) AS s, count(*) AS n FROM consumption") \
+            == [{"s": 4, "n": 16}]
+
+
+def test_precomputed_segments_and_resume_metadata(spool, tmp_path):
+    segs = Segments.build(row=[0, 0], record_key=[3, 4], offset=[0, 5], n_tokens=[5, 2],
+                          epoch=[0, 0], content_hash=[11, 12])
+    with LedgerWriter(spool, "pre", attempt=2, resumed_from_step=10, host_count=1) as w:
+        w.write_segments(10, segs)
+    f = _published(spool)[0]
+    assert (f.attempt, f.first_step) == (2, 10)
+    md = pq.read_schema(f.path).metadata
+    assert md[b"tally.resumed_from_step"] == b"10"
+
+
+def test_invalid_arguments_are_refused(spool):
+    with pytest.raises(ValueError, match="outside"):
+        LedgerWriter(spool, "x", host=2, host_count=2)
+    with pytest.raises(ValueError, match="resumed_from_step"):
+        LedgerWriter(spool, "x", attempt=1)
+    with pytest.raises(ValueError, match="run id"):
+        LedgerWriter(spool, "../evil")
+
+
+def test_a_new_writer_for_the_same_host_never_overwrites(spool):
+    for _ in range(2):
+        with LedgerWriter(spool, "again") as w:
+            w.write_batch(0, unpacked_batch(0))
+    assert [f.seq for f in _published(spool)] == [0, 1]
