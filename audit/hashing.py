@@ -32,11 +32,11 @@ def content_hash(tokens: np.ndarray | list[int]) -> int:
 def hash_runs(flat_tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Hash of flat_tokens[s : s + n] for each (s, n), as uint64.
 
-    `flat_tokens` must already be a contiguous int32 array (see `as_token_array`); slicing a
-    byte view avoids a copy per segment, which is what keeps a 512 x 8192 batch near 1 ms.
+    `flat_tokens` must already be a contiguous int32 array (see `as_token_array`). Slicing one
+    byte view avoids a copy per segment; at ~0.3 us of Python per segment, this loop, not xxh3
+    itself (~20 GB/s), is what a packed batch of thousands of segments pays for.
     """
     view = memoryview(flat_tokens).cast("B")
-    out = np.empty(len(starts), dtype=np.uint64)
-    for i, (s, n) in enumerate(zip((starts * 4).tolist(), (lengths * 4).tolist(), strict=True)):
-        out[i] = _xxh3(view[s : s + n])
-    return out
+    begin = (starts * 4).tolist()
+    end = ((starts + lengths) * 4).tolist()
+    return np.array([_xxh3(view[b:e]) for b, e in zip(begin, end, strict=True)], dtype=np.uint64)
