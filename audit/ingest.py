@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,25 +153,61 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False) -> Inge
             if held.get(item.rel) == (st.st_size, st.st_mtime_ns):
                 continue  # known bad and unchanged: reported by `tally ledger`, not again here
             todo.append((item, st))
-        bar = tqdm(todo, unit="file", desc="ingest", disable=not progress, file=sys.stderr)
-        for item, st in bar:
-            if isinstance(item, sp.Stray):
-                _quarantine(cur, result, item.rel, st, item.reason)
+        bar = tqdm(total=len(todo), unit="file", desc="ingest", disable=not progress,
+                   file=sys.stderr)
+        for (item, st), read in _read_ahead(todo):
+            bar.update()
+            if isinstance(read, BadFile):
+                _quarantine(cur, result, item.rel, st, str(read))
                 continue
             try:
-                table, info = read_checked(item)
-                _ingest_one(ledger, cur, item, st.st_size, table, info)
+                _ingest_one(ledger, cur, item, st.st_size, *read)
             except BadFile as exc:
                 _quarantine(cur, result, item.rel, st, str(exc))
                 continue
             result.files += 1
-            result.rows += table.num_rows
+            result.rows += read[0].num_rows
             if item.rel in held:
                 cur.execute("DELETE FROM quarantine WHERE path = ?", [item.rel])
+        bar.close()
     finally:
         cur.close()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _read(item: sp.SpoolFile | sp.Stray) -> tuple[pa.Table, dict, pa.Table | None] | BadFile:
+    """Read, check and pre-aggregate one file (runs in the read-ahead thread)."""
+    if isinstance(item, sp.Stray):
+        return BadFile(item.reason)
+    try:
+        table, info = read_checked(item)
+    except BadFile as exc:
+        return exc
+    steps = None
+    if item.kind == "seg":
+        steps = table.group_by(["host", "step"]).aggregate(
+            [("n_tokens", "count"), ("n_tokens", "sum")])
+    return table, info, steps
+
+
+def _read_ahead(todo: list, depth: int = 2) -> Iterator:
+    """`(entry, _read(entry))` in order, reading up to `depth` files ahead of the inserts.
+
+    Parquet decoding and DuckDB's insert both release the GIL, so they overlap; the bounded
+    depth keeps memory at a few files whatever the size of the backlog.
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-read") as pool:
+        pending: deque = deque()
+        entries = iter(todo)
+        for entry in entries:
+            pending.append((entry, pool.submit(_read, entry[0])))
+            if len(pending) > depth:
+                first, fut = pending.popleft()
+                yield first, fut.result()
+        while pending:
+            first, fut = pending.popleft()
+            yield first, fut.result()
 
 
 def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
@@ -180,7 +219,7 @@ def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
 
 
 def _ingest_one(ledger: Ledger, cur, f: sp.SpoolFile, size: int, table: pa.Table,
-                info: dict) -> None:
+                info: dict, steps: pa.Table | None) -> None:
     cur.execute("BEGIN TRANSACTION")
     try:
         try:
@@ -196,9 +235,11 @@ def _ingest_one(ledger: Ledger, cur, f: sp.SpoolFile, size: int, table: pa.Table
             cur.execute("""
                 INSERT INTO consumption SELECT $1, $2, host, step, "row", record_key, "offset",
                     n_tokens, content_hash, epoch, $3 FROM incoming""", ids)
+            cur.register("incoming_steps", steps)
             cur.execute("""
-                INSERT INTO host_steps SELECT $1, $2, host, step, count(*), sum(n_tokens), $3
-                FROM incoming GROUP BY host, step""", ids)
+                INSERT INTO host_steps SELECT $1, $2, host, step, n_tokens_count, n_tokens_sum, $3
+                FROM incoming_steps""", ids)
+            cur.unregister("incoming_steps")
             n_tokens = pc.sum(table["n_tokens"]).as_py()
         else:
             cur.execute("INSERT INTO metrics SELECT $1, $2, host, step, name, value, $3 "

@@ -1,0 +1,97 @@
+"""Ingest rate: `audit.ingest` against a bare DuckDB `INSERT ... SELECT` of the same tables.
+
+Writes a spool of `--files` segment files of `--rows` rows each through the real writer, then
+times (a) ingest of the spool into a fresh ledger (footer, schema, metadata and value checks,
+one transaction per file with its `segments` row and `host_steps` aggregate) and (b) the
+reference: the same Arrow tables, already in memory, inserted into a fresh DuckDB file with one
+`INSERT ... SELECT` each. Prints both rates and their ratio.
+
+    python -m bench.ingest_rate [--files 200] [--rows 100000] [--dir bench/out/ingest]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+
+from audit import spool as sp
+from audit.ingest import ingest
+from audit.ledger import Ledger
+from audit.segments import Segments
+from audit.writer import LedgerWriter
+
+
+def make_spool(spool: Path, files: int, rows: int, hosts: int = 8) -> None:
+    rng = np.random.default_rng(0)
+    per_host = files // hosts
+    for h in range(hosts):
+        with LedgerWriter(spool, "bench", host=h, host_count=hosts, flush_every=1, fsync=False,
+                          queue_size=4) as w:
+            for step in range(per_host):
+                w.write_segments(step, Segments.build(
+                    row=np.arange(rows) % 512, record_key=rng.integers(0, 10**7, rows),
+                    offset=np.zeros(rows), n_tokens=rng.integers(1, 8192, rows),
+                    content_hash=rng.integers(0, 2**63, rows, dtype=np.int64).view(np.uint64),
+                    epoch=np.zeros(rows)))
+
+
+def reference(tables: list, path: Path) -> float:
+    con = duckdb.connect(str(path))
+    con.execute('CREATE TABLE consumption (step BIGINT, host INTEGER, "row" INTEGER, '
+                'record_key BIGINT, "offset" INTEGER, n_tokens INTEGER, content_hash UBIGINT, '
+                'epoch INTEGER)')
+    t0 = time.perf_counter()
+    for t in tables:
+        con.register("incoming", t)
+        con.execute("INSERT INTO consumption SELECT * FROM incoming")
+        con.unregister("incoming")
+    con.execute("CHECKPOINT")
+    dt = time.perf_counter() - t0
+    con.close()
+    return dt
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", type=int, default=200)
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--dir", default="bench/out/ingest")
+    args = ap.parse_args(argv)
+    out = Path(args.dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    spool = out / "spool"
+    t0 = time.perf_counter()
+    make_spool(spool, args.files, args.rows)
+    print(f"spool: {args.files} files x {args.rows:,} rows written in "
+          f"{time.perf_counter() - t0:.1f} s")
+    paths = [f.path for f in sp.scan(spool)]
+    tables = [pq.read_table(p) for p in paths]
+    total = sum(t.num_rows for t in tables)
+
+    ref_s = reference(tables, out / "reference.duckdb")
+    del tables
+    with Ledger(out / "ledger.duckdb") as ledger:
+        t0 = time.perf_counter()
+        res = ingest(spool, ledger)
+        ledger.con.execute("CHECKPOINT")
+        ours_s = time.perf_counter() - t0
+        assert res.rows == total and not res.quarantined
+    ref_rate, ours_rate = total / ref_s, total / ours_s
+    print(f"reference INSERT ... SELECT of in-memory Arrow tables: {total:,} rows in "
+          f"{ref_s:.2f} s = {ref_rate / 1e6:.2f} M rows/s")
+    print(f"tally ingest from Parquet files (checked, one transaction per file): {total:,} rows "
+          f"in {ours_s:.2f} s = {ours_rate / 1e6:.2f} M rows/s")
+    print(f"ratio ingest / reference: {ours_rate / ref_rate:.2f} (target >= 0.5)")
+    return {"rows": total, "ref_rate": ref_rate, "ours_rate": ours_rate,
+            "ratio": ours_rate / ref_rate}
+
+
+if __name__ == "__main__":
+    main()
