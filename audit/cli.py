@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,51 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from pipeline.synth import synth_corpus
+
+    desc = synth_corpus(args.out, records=args.records, seed=args.seed, shards=args.shards,
+                        heldout_fraction=args.heldout_fraction,
+                        duplicate_fraction=args.duplicate_fraction, max_len=args.max_len,
+                        length_scale=args.length_scale)
+    print(f"corpus {args.out}: {desc['records']:,} records ({desc['train_records']:,} train, "
+          f"{desc['heldout_records']:,} held out, {desc['duplicates']:,} exact duplicates), "
+          f"{desc['tokens']:,} tokens; train records per domain: "
+          + ", ".join(f"{k} {v:,}" for k, v in desc["train_records_per_domain"].items()))
+    return 0
+
+
+def _cmd_manifest(args: argparse.Namespace) -> int:
+    from pipeline.manifest import build_manifest
+
+    summary = build_manifest(args.corpus, args.output, runner=_runner(args),
+                             chunk_records=args.chunk_records, progress=not args.quiet)
+    print(summary.line())
+    return 0
+
+
+def _add_runner_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Beam runner")
+    g.add_argument("--runner", default="direct",
+                   help="direct (FnApiRunner, default), dask, or a Beam runner name such as "
+                        "DataflowRunner, FlinkRunner, SparkRunner")
+    g.add_argument("--mode", default="in_memory", choices=["in_memory", "multi_processing"],
+                   help="FnApiRunner mode (direct runner only)")
+    g.add_argument("--workers", type=int, default=2,
+                   help="worker processes (multi_processing, or a local Dask cluster)")
+    g.add_argument("--dask-address", help="scheduler of a running dask.distributed cluster "
+                                          "(default: start a local one)")
+    g.add_argument("beam_args", nargs="*", metavar="-- BEAM_OPTION",
+                   help="standard Beam pipeline options, after '--'")
+
+
+def _runner(args: argparse.Namespace):
+    from pipeline.runners import RunnerSpec
+
+    return RunnerSpec(name=args.runner, workers=args.workers, mode=args.mode,
+                      dask_address=args.dask_address, beam_args=args.beam_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tally", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -82,6 +128,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=_cmd_ledger)
 
+    s = sub.add_parser("corpus", help="corpus tools")
+    corpus = s.add_subparsers(dest="corpus_command", required=True)
+    s = corpus.add_parser("synth", help="write a realistic synthetic corpus (ArrayRecord)")
+    s.add_argument("out", help="output directory")
+    s.add_argument("--records", type=int, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--shards", type=int, default=4, help="train shards (default 4)")
+    s.add_argument("--heldout-fraction", type=float, default=0.02)
+    s.add_argument("--duplicate-fraction", type=float, default=0.01,
+                   help="share of documents that exactly repeat an earlier one")
+    s.add_argument("--max-len", type=int, default=8192, help="longest document, tokens")
+    s.add_argument("--length-scale", type=float, default=1.0,
+                   help="scale every domain's median document length")
+    s.set_defaults(func=_cmd_synth)
+
+    s = sub.add_parser("manifest", help="Beam job: the corpus manifest with its fingerprint")
+    s.add_argument("corpus", help="corpus directory (*.array_record and/or *.parquet shards)")
+    s.add_argument("-o", "--output", required=True, help="manifest Parquet file to write")
+    s.add_argument("--chunk-records", type=int, default=20_000,
+                   help="records per pipeline element (default 20000)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_runner_args(s)
+    s.set_defaults(func=_cmd_manifest)
+
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")
     s.set_defaults(func=_cmd_demo)
@@ -90,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Beam logs optional-dependency warnings at import; they are noise on a terminal.
+    logging.getLogger().setLevel(logging.ERROR)
     try:
         return args.func(args)
     except TallyError as exc:

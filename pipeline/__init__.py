@@ -1,0 +1,1 @@
+"""Corpus formats, the manifest job (Beam) and the keyed Grain loader."""

@@ -1,0 +1,221 @@
+"""The manifest job (Beam): one row per corpus record, in the corpus' global order.
+
+Columns: record_key, content_hash, n_tokens, domain, split, source, source_index. The file's
+metadata holds the manifest fingerprint (`tally.manifest_fingerprint`), which a run records to
+say which corpus it trained against.
+
+The pipeline's elements are record ranges of a shard; each range is read, hashed with the
+project's one hash function, and written as an Arrow part file by one worker, so no element is
+one Python object per record. The driver then concatenates the parts in key order into the
+manifest, checking that they cover every record exactly once. Bad input (a record without
+tokens, a token array of the wrong type) is reported by the worker that found it and raised by
+the driver as one clear error naming the file and the record.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+from tqdm import tqdm
+
+from audit.hashing import hash_runs
+from pipeline.corpus import CorpusError, Shard, list_shards, read_range
+from pipeline.runners import RunnerSpec, pipeline
+
+MANIFEST_SCHEMA = pa.schema([
+    ("record_key", pa.int64()),
+    ("content_hash", pa.uint64()),
+    ("n_tokens", pa.int32()),
+    ("domain", pa.string()),
+    ("split", pa.string()),
+    ("source", pa.string()),
+    ("source_index", pa.int64()),
+])
+FINGERPRINT_KEY = b"tally.manifest_fingerprint"
+
+
+class Fingerprint:
+    """xxh3_64 per column over the manifest in key order, then over the column digests.
+
+    Fed table by table; the result does not depend on how the rows were batched.
+    """
+
+    def __init__(self) -> None:
+        self._h = {name: xxhash.xxh3_64() for name in MANIFEST_SCHEMA.names}
+
+    def update(self, table: pa.Table) -> None:
+        for name in MANIFEST_SCHEMA.names:
+            col = table[name]
+            if pa.types.is_string(col.type):
+                vals = col.to_pylist()
+                self._h[name].update(("\0".join(vals) + "\0").encode() if vals else b"")
+            else:
+                arr = col.to_numpy()
+                self._h[name].update(np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")))
+
+    def hexdigest(self) -> str:
+        return xxhash.xxh3_64_hexdigest(b"".join(h.digest() for h in self._h.values()))
+
+
+def manifest_rows(shard: Shard, start: int, end: int) -> pa.Table:
+    """Manifest rows for records [start, end) of one shard."""
+    values, offsets, domains = read_range(shard, start, end)
+    lengths = np.diff(offsets)
+    n = end - start
+    return pa.Table.from_pydict({
+        "record_key": np.arange(shard.base_key + start, shard.base_key + end, dtype=np.int64),
+        "content_hash": hash_runs(values, offsets[:-1], lengths),
+        "n_tokens": lengths.astype(np.int32),
+        "domain": domains,
+        "split": [shard.split] * n,
+        "source": [shard.path.name] * n,
+        "source_index": np.arange(start, end, dtype=np.int64),
+    }, schema=MANIFEST_SCHEMA)
+
+
+class _WritePart(beam.DoFn):
+    """Writes one record range's manifest rows as a part file (or an error file)."""
+
+    def __init__(self, parts: str) -> None:
+        self.parts = parts
+
+    def process(self, chunk: tuple[Shard, int, int]):
+        shard, start, end = chunk
+        key = shard.base_key + start
+        try:
+            table = manifest_rows(shard, start, end)
+        except CorpusError as exc:
+            Path(self.parts, f"error-{key:012d}.txt").write_text(str(exc))
+            return
+        final = Path(self.parts, f"part-{key:012d}.parquet")
+        tmp = final.with_name("." + final.name)
+        pq.write_table(table, tmp)
+        os.replace(tmp, final)
+        yield key, table.num_rows
+
+
+@dataclass
+class ManifestSummary:
+    path: Path
+    records: int
+    train_records: int
+    tokens: int
+    fingerprint: str
+    seconds: float
+    bytes_read: int
+
+    def line(self) -> str:
+        return (f"manifest {self.path}: {self.records:,} records ({self.train_records:,} train), "
+                f"{self.tokens:,} tokens, fingerprint {self.fingerprint}, "
+                f"{self.seconds:.1f} s ({self.records / max(self.seconds, 1e-9):,.0f} records/s, "
+                f"{self.bytes_read / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)")
+
+
+def build_manifest(corpus: str | Path, out: str | Path, *, runner: RunnerSpec | None = None,
+                   chunk_records: int = 20_000, progress: bool = False) -> ManifestSummary:
+    """Run the manifest job over `corpus` and write `out` (Parquet) atomically."""
+    runner = runner or RunnerSpec()
+    t0 = time.perf_counter()
+    shards = list_shards(corpus)
+    chunks = [(s, a, min(a + chunk_records, s.num_records))
+              for s in shards for a in range(0, s.num_records, chunk_records)]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    parts = out.with_name(f".{out.name}.parts")
+    shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir()
+    try:
+        with _progress(parts, len(chunks), progress), \
+                pipeline(runner, partitions=len(chunks)) as p:
+            _ = (p | "ranges" >> beam.Create(chunks)
+                   | "spread" >> beam.Reshuffle()
+                   | "hash" >> beam.ParDo(_WritePart(str(parts))))
+        errors = sorted(parts.glob("error-*.txt"))
+        if errors:
+            raise CorpusError(errors[0].read_text()
+                              + (f" (and {len(errors) - 1} more bad ranges)" if len(errors) > 1
+                                 else ""))
+        summary = _concatenate(parts, out, shards, corpus)
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+    summary.seconds = time.perf_counter() - t0
+    summary.bytes_read = sum(s.path.stat().st_size for s in shards)
+    return summary
+
+
+def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus) -> ManifestSummary:
+    total = sum(s.num_records for s in shards)
+    fp = Fingerprint()
+    tmp = out.with_name(f".{out.name}.tmp")
+    expected, tokens = 0, 0
+    with pq.ParquetWriter(tmp, MANIFEST_SCHEMA) as w:
+        for part in sorted(parts.glob("part-*.parquet")):
+            table = pq.read_table(part)
+            first = table["record_key"][0].as_py()
+            if first != expected:
+                raise CorpusError(f"manifest job lost records {expected}..{first - 1} "
+                                  "(a worker failed without an error?)")
+            w.write_table(table)
+            fp.update(table)
+            expected += table.num_rows
+            tokens += int(np.sum(table["n_tokens"].to_numpy(), dtype=np.int64))
+        if expected != total:
+            raise CorpusError(f"manifest job produced {expected} of {total} records")
+        n_train = sum(s.num_records for s in shards if s.split == "train")
+        w.add_key_value_metadata({
+            FINGERPRINT_KEY.decode(): fp.hexdigest(),
+            "tally.records": str(total),
+            "tally.train_records": str(n_train),
+            "tally.corpus": str(Path(corpus).resolve()),
+        })
+    os.replace(tmp, out)
+    return ManifestSummary(out, total, n_train, tokens, fp.hexdigest(), 0.0, 0)
+
+
+def manifest_info(path: str | Path) -> dict[str, str]:
+    """The manifest's `tally.*` metadata: fingerprint, records, train_records, corpus."""
+    try:
+        md = pq.read_metadata(path).metadata or {}
+    except Exception as exc:
+        raise CorpusError(f"cannot read manifest {path}: {exc}") from None
+    if FINGERPRINT_KEY not in md:
+        raise CorpusError(f"{path} is not a Tally manifest (no fingerprint in its metadata)")
+    return {k.decode()[len("tally."):]: v.decode() for k, v in md.items()
+            if k.startswith(b"tally.")}
+
+
+class _progress:
+    """A progress bar fed by the part files appearing, whatever runner does the work."""
+
+    def __init__(self, parts: Path, total: int, enabled: bool) -> None:
+        self.parts, self.total, self.enabled = parts, total, enabled
+        self._stop = threading.Event()
+
+    def __enter__(self) -> None:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        with tqdm(total=self.total, unit="range", desc="manifest") as bar:
+            while True:
+                done = len(list(self.parts.glob("*-*.*")))
+                bar.update(done - bar.n)
+                if self._stop.wait(0.5):
+                    bar.update(len(list(self.parts.glob("*-*.*"))) - bar.n)
+                    return
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._stop.set()
+            self._thread.join()
