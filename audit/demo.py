@@ -1,8 +1,11 @@
 """`tally demo`: the smallest real end-to-end path, on embedded defaults.
 
-Two hosts consume a small synthetic corpus through a correctly sharded loop, crash, resume from
-a checkpoint at step 30 as attempt 1, and every consumed batch goes through the real ledger
-writer into a spool, which is then ingested into a DuckDB ledger and summarised.
+Synthesizes a small corpus, builds its manifest with the Beam job (FnApiRunner), and has two
+hosts consume it through the keyed Grain loader (first-fit packing). Every consumed batch goes
+through the real ledger writer into a spool. The hosts save their loader state at step 30 (a
+checkpoint), run on to step 45 and die; attempt 1 resumes from the checkpoint. The spool is
+then ingested into a DuckDB ledger and summarised: the rolled-back steps 30..44 stay in the
+ledger beside their replay.
 """
 
 from __future__ import annotations
@@ -10,49 +13,49 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from audit.cli import format_overview
 from audit.ingest import ingest
 from audit.ledger import Ledger
 from audit.writer import LedgerWriter
 
-HOSTS, ROWS, LENGTH, RECORDS, STEPS = 2, 8, 128, 1024, 60
-
-
-def _batches(corpus: list[np.ndarray], host: int, steps: range, seed: int = 0):
-    """One global shuffle per epoch, sliced per host: the correct way to shard."""
-    per_step = HOSTS * ROWS
-    for step in steps:
-        epoch, pos = divmod(step * per_step, len(corpus))
-        order = np.random.default_rng(seed + epoch).permutation(len(corpus))
-        keys = order[pos + host * ROWS: pos + (host + 1) * ROWS]
-        tokens = np.zeros((ROWS, LENGTH), np.int32)
-        seg = np.zeros((ROWS, LENGTH), np.int32)
-        for r, k in enumerate(keys):
-            doc = corpus[k][:LENGTH]
-            tokens[r, : len(doc)], seg[r, : len(doc)] = doc, 1
-        yield step, {"tokens": tokens, "tokens_segment_ids": seg,
-                     "key": epoch * len(corpus) + keys.astype(np.int64)}
+HOSTS, CHECKPOINT, CRASH, STEPS = 2, 30, 45, 60
 
 
 def run_demo(out: Path) -> None:
+    from pipeline.corpus import TokenSource
+    from pipeline.loader import KeyedLoader, LoaderConfig
+    from pipeline.manifest import build_manifest
+    from pipeline.synth import synth_corpus
+
     if out.exists():
         shutil.rmtree(out)
-    rng = np.random.default_rng(0)
-    corpus = [rng.integers(0, 32000, rng.integers(16, LENGTH), dtype=np.int32)
-              for _ in range(RECORDS)]
+    corpus = out / "corpus"
+    desc = synth_corpus(corpus, records=3000, seed=0, length_scale=0.25, max_len=1024)
+    print(f"corpus: {desc['records']:,} records, {desc['tokens']:,} tokens in {corpus}")
+    summary = build_manifest(corpus, out / "manifest.parquet")
+    print(summary.line())
+
+    source = TokenSource(corpus)
+    cfg = LoaderConfig(seq_len=256, global_batch=16, packing="first_fit", seed=0)
     spool = out / "spool"
-    for attempt, steps, crash_at in ((0, range(0, 45), 45), (1, range(30, STEPS), None)):
+    checkpoint = {}
+    for attempt, first, last in ((0, 0, CRASH), (1, CHECKPOINT, STEPS)):
         for host in range(HOSTS):
+            loader = KeyedLoader(source, cfg, host, HOSTS)
+            if attempt:
+                loader.set_state(checkpoint[host])
             with LedgerWriter(spool, "demo", host=host, host_count=HOSTS, attempt=attempt,
-                              resumed_from_step=30 if attempt else None,
-                              records_per_epoch=RECORDS, flush_every=10) as w:
-                for step, batch in _batches(corpus, host, steps):
-                    w.write_batch(step, batch)
-        if crash_at is not None:
-            print(f"attempt {attempt}: hosts stopped at step {crash_at}; resuming from step 30")
+                              resumed_from_step=first if attempt else None,
+                              records_per_epoch=len(source), flush_every=10,
+                              manifest_fingerprint=summary.fingerprint) as writer:
+                for step in range(first, last):
+                    if step == CHECKPOINT and not attempt:
+                        writer.flush()  # the ledger is never behind a checkpoint
+                        checkpoint[host] = loader.get_state()
+                    writer.write_batch(step, next(loader))
+        if not attempt:
+            print(f"attempt 0: hosts died at step {CRASH}; resuming from the step-{CHECKPOINT} "
+                  "checkpoint")
     with Ledger(out / "ledger.duckdb") as ledger:
-        result = ingest(spool, ledger)
-        print(result.summary())
+        print(ingest(spool, ledger).summary())
         print(format_overview(ledger.overview(), out / "ledger.duckdb"))

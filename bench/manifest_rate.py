@@ -5,7 +5,7 @@ local cluster) and, as the reference in the same run, one plain Python process t
 shard and hashes every record with the same hash function and no Beam. Prints records/s, MB/s
 and the ratio of each runner to the reference.
 
-    python -m bench.manifest_rate [--records 380000] [--dir bench/out/manifest]
+    python -m bench.manifest_rate [--records 540000] [--dir bench/out/manifest]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def plain(corpus: Path) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=380_000)
+    ap.add_argument("--records", type=int, default=540_000)
     ap.add_argument("--dir", default="bench/out/manifest")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)

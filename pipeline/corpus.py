@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from audit.errors import TallyError
-from audit.hashing import TOKEN_DTYPE
+from audit.hashing import TOKEN_DTYPE, content_hash, hash_runs
 
 MAGIC = b"TLY1"
 _HEADER = len(MAGIC) + 2
@@ -110,20 +110,21 @@ def list_shards(corpus: str | Path) -> list[Shard]:
     return shards
 
 
-def read_range(shard: Shard, start: int, end: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Records [start, end) of a shard as (flat int32 tokens, offsets[n+1], domains)."""
-    where = f"{shard.path}"
+def hash_range(shard: Shard, start: int, end: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Content hashes (uint64), lengths (int32) and domains of records [start, end)."""
     try:
         if shard.fmt == "array_record":
-            return _read_array_record(shard, start, end)
-        return _read_parquet(shard, start, end)
+            return _hash_array_record(shard, start, end)
+        values, offsets, domains = _read_parquet(shard, start, end)
+        lengths = np.diff(offsets)
+        return hash_runs(values, offsets[:-1], lengths), lengths.astype(np.int32), domains
     except CorpusError:
         raise
     except Exception as exc:
-        raise CorpusError(f"{where}: cannot read records {start}..{end - 1}: {exc}") from None
+        raise CorpusError(f"{shard.path}: cannot read records {start}..{end - 1}: {exc}") from None
 
 
-def _read_array_record(shard: Shard, start: int, end: int):
+def _hash_array_record(shard: Shard, start: int, end: int):
     from array_record.python.array_record_module import ArrayRecordReader
 
     reader = ArrayRecordReader(str(shard.path))
@@ -131,14 +132,17 @@ def _read_array_record(shard: Shard, start: int, end: int):
         raws = reader.read(start, end)
     finally:
         reader.close()
-    toks, domains = [], []
+    n = len(raws)
+    hashes = np.empty(n, dtype=np.uint64)
+    lengths = np.empty(n, dtype=np.int32)
+    domains = []
     for i, raw in enumerate(raws):
-        t, d = decode_record(raw, f"{shard.path} record {start + i}")
-        toks.append(t)
-        domains.append(d)
-    offsets = np.zeros(len(toks) + 1, dtype=np.int64)
-    np.cumsum([len(t) for t in toks], out=offsets[1:])
-    return np.concatenate(toks) if toks else np.zeros(0, TOKEN_DTYPE), offsets, domains
+        # Hash each record's token view in place: no copy of the shard's tokens.
+        tokens, domain = decode_record(raw, f"{shard.path} record {start + i}")
+        hashes[i] = content_hash(tokens)
+        lengths[i] = len(tokens)
+        domains.append(domain)
+    return hashes, lengths, domains
 
 
 def _token_values(col: pa.ChunkedArray, shard: Shard, start: int) -> tuple[np.ndarray, np.ndarray]:

@@ -28,8 +28,7 @@ import pyarrow.parquet as pq
 import xxhash
 from tqdm import tqdm
 
-from audit.hashing import hash_runs
-from pipeline.corpus import CorpusError, Shard, list_shards, read_range
+from pipeline.corpus import CorpusError, Shard, hash_range, list_shards
 from pipeline.runners import RunnerSpec, pipeline
 
 MANIFEST_SCHEMA = pa.schema([
@@ -69,13 +68,12 @@ class Fingerprint:
 
 def manifest_rows(shard: Shard, start: int, end: int) -> pa.Table:
     """Manifest rows for records [start, end) of one shard."""
-    values, offsets, domains = read_range(shard, start, end)
-    lengths = np.diff(offsets)
+    hashes, lengths, domains = hash_range(shard, start, end)
     n = end - start
     return pa.Table.from_pydict({
         "record_key": np.arange(shard.base_key + start, shard.base_key + end, dtype=np.int64),
-        "content_hash": hash_runs(values, offsets[:-1], lengths),
-        "n_tokens": lengths.astype(np.int32),
+        "content_hash": hashes,
+        "n_tokens": lengths,
         "domain": domains,
         "split": [shard.split] * n,
         "source": [shard.path.name] * n,

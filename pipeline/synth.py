@@ -62,10 +62,10 @@ def synth_corpus(
     dup_of = np.full(records, -1)
     n_dup = int(records * duplicate_fraction)
     if n_dup:
-        where = rng.choice(np.arange(1, records), size=n_dup, replace=False)
-        dup_of[where] = [rng.integers(0, w) for w in where]
-        dup_of[where] = np.where(dup_of[dup_of[where]] >= 0, dup_of[dup_of[where]], dup_of[where])
-        dom[where], lens[where] = dom[dup_of[where]], lens[dup_of[where]]
+        for w in np.sort(rng.choice(np.arange(1, records), size=n_dup, replace=False)):
+            o = int(rng.integers(0, w))
+            o = o if dup_of[o] < 0 else dup_of[o]  # point at the original, never at a copy
+            dup_of[w], dom[w], lens[w] = o, dom[o], lens[o]
     n_heldout = max(1, int(records * heldout_fraction))
     n_train = records - n_heldout
     bounds = np.linspace(0, n_train, shards + 1).astype(int)

@@ -55,3 +55,16 @@ def test_demo_runs_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "steps >= 30 rolled back" in r.stdout
     assert (tmp_path / "demo" / "ledger.duckdb").exists()
+
+
+def test_corpus_synth_and_manifest_commands(tmp_path):
+    r = tally("corpus", "synth", str(tmp_path / "c"), "--records", "500", "--seed", "2",
+              "--length-scale", "0.1")
+    assert r.returncode == 0, r.stderr
+    assert "500 records (490 train, 10 held out, 5 exact duplicates)" in r.stdout
+    r = tally("manifest", str(tmp_path / "c"), "-o", str(tmp_path / "m.parquet"), "-q")
+    assert r.returncode == 0, r.stderr
+    assert "500 records (490 train)" in r.stdout and "fingerprint" in r.stdout
+    r = tally("manifest", str(tmp_path / "nope"), "-o", str(tmp_path / "m2.parquet"))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"tally: error: corpus {tmp_path / 'nope'} is not a directory")
