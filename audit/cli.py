@@ -91,6 +91,17 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    from audit.reconcile import reconcile
+    from audit.report import summary
+
+    report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
+                       spool=args.spool, ledger=args.ledger, at_step=args.at_step,
+                       runner=_runner(args))
+    print(summary(report, Path(args.output)))
+    return 0 if report["verdict"] != "FAIL" or not args.strict else 1
+
+
 def _add_runner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Beam runner")
     g.add_argument("--runner", default="direct",
@@ -151,6 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_runner_args(s)
     s.set_defaults(func=_cmd_manifest)
+
+    s = sub.add_parser("reconcile", help="Beam job: a run's consumption vs the manifest, "
+                                         "with a report")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--spool", help="spool directory (published segment files are read)")
+    src.add_argument("--ledger", help="DuckDB ledger file (exported, then read)")
+    s.add_argument("--manifest", required=True, help="manifest Parquet file")
+    s.add_argument("--run", required=True, help="run id")
+    s.add_argument("-o", "--output", required=True, help="report directory")
+    s.add_argument("--at-step", type=int, help="audit as of this step")
+    s.add_argument("--strict", action="store_true", help="exit 1 when the verdict is FAIL")
+    _add_runner_args(s)
+    s.set_defaults(func=_cmd_reconcile)
 
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")

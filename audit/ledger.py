@@ -4,8 +4,8 @@ DuckDB's file lock lets only one process open the file, so hosts never touch it:
 (`tally ingest` or the API service) owns it, and threads inside that process each take their
 own `cursor()`.
 
-Restart lineage lives in `attempts.rolled_back_from_step`: the smallest `resumed_from_step` of
-any later attempt of the same run. Rows of an attempt at or after that step were rolled back;
+Restart lineage lives in `attempts.rolled_back_from_step` (`rolled_back_from`, the one
+definition of the rule). Rows of an attempt at or after that step were rolled back;
 they stay in `consumption` (they prove whether the replay was exact) and the
 `effective_consumption` view leaves them out.
 """
@@ -101,11 +101,20 @@ CREATE VIEW rolled_back_consumption AS
     WHERE c.step >= a.rolled_back_from_step;
 """
 
-_RECOMPUTE_LINEAGE = """
-UPDATE attempts AS a SET rolled_back_from_step = (
-    SELECT min(b.resumed_from_step) FROM attempts b WHERE b.run = a.run AND b.attempt > a.attempt
-) WHERE a.run = ?
-"""
+def rolled_back_from(resumed: dict[int, int | None]) -> dict[int, int | None]:
+    """The restart-lineage rule, for every attempt of one run.
+
+    `resumed` maps attempt -> resumed_from_step (None for a fresh start). Attempt a's rows at
+    or after the smallest resumed_from_step of any later attempt are rolled back.
+    """
+    out: dict[int, int | None] = {}
+    later: int | None = None
+    for a in sorted(resumed, reverse=True):
+        out[a] = later
+        s = resumed[a]
+        if s is not None:
+            later = s if later is None else min(later, s)
+    return out
 
 
 def one(cur: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> tuple | None:
@@ -201,7 +210,11 @@ class Ledger:
                 " VALUES (?, ?, ?, ?, ?)",
                 [run, attempt, resumed_from_step, host_count, writer_version],
             )
-            cur.execute(_RECOMPUTE_LINEAGE, [run])
+            resumed = dict(cur.execute("SELECT attempt, resumed_from_step FROM attempts "
+                                       "WHERE run = ?", [run]).fetchall())
+            cur.executemany("UPDATE attempts SET rolled_back_from_step = ? "
+                            "WHERE run = ? AND attempt = ?",
+                            [[cut, run, a] for a, cut in rolled_back_from(resumed).items()])
         elif tuple(row) != (resumed_from_step, host_count):
             raise ValueError(
                 f"metadata says attempt {attempt} resumed from {resumed_from_step} on "

@@ -1,0 +1,143 @@
+"""Findings and a verdict from a reconcile report: each finding names the likely cause, with
+the numbers that point at it (DESIGN.md, "Known ways loaders go wrong")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from audit.exposure import independent_hosts
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def findings(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(severity: str, code: str, message: str, **numbers: Any) -> None:
+        out.append({"severity": severity, "code": code, "message": message, "numbers": numbers})
+
+    cov, integ = r["coverage"], r["integrity"]
+    n, total = cov["train_records"], cov["exposures"]
+    if r["run_manifest_fingerprint"] and r["run_manifest_fingerprint"] != r["manifest"][
+            "fingerprint"]:
+        add("FAIL", "manifest_mismatch",
+            f"the run trained against manifest {r['run_manifest_fingerprint']}, this report "
+            f"reconciles against {r['manifest']['fingerprint']}: numbers below may be wrong")
+    if integ["unknown_keys"]:
+        add("FAIL", "unknown_keys",
+            f"{integ['unknown_keys']:,} consumed record keys are not in the manifest "
+            f"({integ['unknown_segments']:,} segments): the loader read another corpus, or the "
+            "manifest is stale", keys=integ["unknown_keys"])
+    if integ["hash_mismatches"]:
+        add("FAIL", "hash_mismatch",
+            f"{integ['hash_mismatches']:,} consumed records differ from the manifest's content "
+            "hash: the corpus files changed after the manifest was built",
+            mismatches=integ["hash_mismatches"])
+    if integ["heldout_consumed_records"]:
+        add("FAIL", "heldout_leak",
+            f"{integ['heldout_consumed_records']:,} held-out records were trained on "
+            f"({integ['heldout_exposures']:,} exposures): held-out loss is no longer held out",
+            records=integ["heldout_consumed_records"])
+    for rs in r["restarts"]:
+        if rs["exact"] is False:
+            add("FAIL", "replay_inexact",
+                f"attempt {rs['attempt']}'s steps from {rs['rolled_back_from_step']} were rolled "
+                f"back and replayed, and {rs['replayed_steps'] - rs['identical_steps']} of "
+                f"{rs['replayed_steps']} replayed steps differ from the original "
+                f"(first at step {rs['first_differing_step']}): the loader state was not "
+                "restored exactly", attempt=rs["attempt"], step=rs["first_differing_step"])
+    _exposure_findings(r, add)
+    if not n:
+        return out
+    if not total:
+        add("WARN", "nothing_consumed", "no train record has been consumed yet")
+    return out
+
+
+def _exposure_findings(r: dict[str, Any], add) -> None:
+    cov, hosts = r["coverage"], r["hosts"]
+    n, total, h = cov["train_records"], cov["exposures"], hosts["count"]
+    excess, missing = cov["excess_exposures"], cov["missing_exposures"]
+    if not n or not total or (not excess and not missing):
+        return
+    first_bad = r["first_bad_step"]
+    where = f" from step {first_bad}" if first_bad is not None else ""
+    seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
+    unseen = cov["never_seen_fraction"]
+    overlap = hosts["overlap_matrix"]
+    per = hosts["per_host"]
+    active = [p for p in per if p["exposures"]]
+    explained = False
+
+    # Every host saw (almost) everything any host saw: no sharding at all.
+    if len(active) > 1:
+        diag = [overlap[p["host"]][p["host"]] for p in active]
+        off = [overlap[a["host"]][b["host"]] for a in active for b in active if a is not b]
+        if min(off) >= 0.95 * max(diag):
+            add("FAIL", "no_sharding",
+                f"each of {len(active)} hosts saw the same records ({min(off):,} of "
+                f"{max(diag):,} shared by every pair): no sharding — every record is seen "
+                f"{len(active)} times per epoch", hosts=len(active))
+            explained = True
+    # Exposure spread like independent draws per host.
+    if not explained and len(active) > 1:
+        exp = independent_hosts(total, n, len(active))
+        all_overlap = all(overlap[a["host"]][b["host"]] > 0 for a in active for b in active)
+        if all_overlap and abs(unseen - exp["never_seen"]) < 0.03 and unseen > 0.05:
+            msg = (f"exposure matches sampling with replacement: {_pct(unseen)} never seen vs "
+                   f"{_pct(exp['never_seen'])} expected, {_pct(seen2)} seen 2+ vs "
+                   f"{_pct(exp['seen_2plus'])}; every host overlaps every other — per-host "
+                   "shuffle seeds or double sharding")
+            before = r.get("exposures_before_first_bad")
+            if before is not None and abs(before / n - 1 / len(active)) < 0.25 / len(active):
+                msg += (f"; no record repeated until the hosts had read 1/{len(active)} of the "
+                        f"corpus (each 1/{len(active)}^2): the per-host slice was applied twice")
+            add("FAIL", "with_replacement", msg, never_seen=unseen, expected=exp["never_seen"],
+                seen_2plus=seen2)
+            explained = True
+    # A resume on another host count, or with another global batch.
+    for rs in r["restarts"]:
+        if explained or rs["resumed_from_step"] is None:
+            continue
+        prev = rs.get("previous_host_count")
+        if prev is not None and prev != rs["host_count"] and first_bad is not None \
+                and first_bad >= rs["resumed_from_step"]:
+            add("FAIL", "reshard_band",
+                f"after the resume at step {rs['resumed_from_step']} on {rs['host_count']} hosts "
+                f"(was {prev}), {excess:,} exposures repeat records and {missing:,} are missing"
+                f"{where}: loader state restored on a different host count without an elastic "
+                "iterator", step=rs["resumed_from_step"])
+            explained = True
+    for change in r.get("batch_changes", []):
+        if not explained:
+            add("FAIL", "batch_changed",
+                f"the global batch changed from {change['before']} to {change['after']} rows at "
+                f"step {change['step']}: records at the boundary were skipped or repeated "
+                f"({excess:,} extra, {missing:,} missing exposures)", **change)
+            explained = True
+    unread = [s for s in r["sources"] if s["never_seen"] == s["records"]]
+    if not explained and unread and len(unread) < len(r["sources"]):
+        k = sum(s["records"] for s in unread)
+        add("FAIL", "files_unread",
+            f"{len(unread)} corpus files were never read ({k:,} records: "
+            + ", ".join(s["source"] for s in unread[:5])
+            + "): file-level sharding with a file count not divisible by the host count",
+            files=len(unread), records=k)
+        explained = True
+    epochs = max(1, -(-total // n))
+    if not explained and excess and not missing and excess <= max(1, h - 1) * epochs:
+        add("FAIL", "padding",
+            f"{excess:,} records seen once more than the rest over {epochs} epoch(s): the "
+            f"sampler pads each epoch to a multiple of the {h} hosts", excess=excess)
+        explained = True
+    if not explained:
+        add("FAIL", "uneven_exposure",
+            f"{excess:,} exposures beyond the ideal and {missing:,} below it{where}: "
+            f"{_pct(unseen)} never seen, {_pct(seen2)} seen 2+", excess=excess, missing=missing)
+
+
+def verdict(found: list[dict[str, Any]]) -> str:
+    sev = {f["severity"] for f in found}
+    return "FAIL" if "FAIL" in sev else "WARN" if "WARN" in sev else "PASS"
