@@ -58,6 +58,8 @@ class LoaderConfig:
     epochs: int | None = None  # None: repeat forever (training); k: exactly k epochs
     drop_remainder: bool = True
     workers: int = 0  # Grain mp_prefetch worker processes (0: in the calling process)
+    read_threads: int = 16  # Grain ReadOptions: threads reading ahead (0: read on demand)
+    read_buffer: int = 500  # Grain ReadOptions: records read ahead
     elastic: bool = False
     fault: str | None = None
 
@@ -136,12 +138,14 @@ class KeyedLoader:
             _absl_flags_parsed()
             mp = grain.MultiprocessingOptions(num_workers=cfg.workers)
         records = global_records(source, cfg, host)
+        read = grain.ReadOptions(num_threads=cfg.read_threads,
+                                 prefetch_buffer_size=cfg.read_buffer)
         if cfg.elastic:
             self._it = iter(gx.ElasticIterator(
                 records, cfg.global_batch, grain.sharding.ShardOptions(host, host_count),
-                multiprocessing_options=mp))
+                read_options=read, multiprocessing_options=mp))
             return
-        ds = _host_slice(records, cfg, host, host_count).to_iter_dataset()
+        ds = _host_slice(records, cfg, host, host_count).to_iter_dataset(read_options=read)
         length = {"tokens": cfg.seq_len, "key": cfg.seq_len, "pos": cfg.seq_len}
         if cfg.packing == "first_fit":
             ds = gx.FirstFitPackIterDataset(ds, length_struct=length,
