@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pickle
 import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,9 @@ from pipeline.runners import RunnerSpec, pipeline
 
 COLUMNS = ("attempt", "host", "step", "row", "record_key", "offset", "n_tokens", "content_hash",
            "epoch")
+# What crosses the shuffle, narrowed: ~30 bytes a row instead of ~52.
+BUCKET_COLUMNS = {"record_key": np.int64, "step": np.int32, "host": np.int16,
+                  "offset": np.int32, "n_tokens": np.int32, "content_hash": np.uint64}
 EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
 
 
@@ -224,10 +226,13 @@ class ReadConsumption(beam.DoFn):
             return
         if plan.at_step is not None:
             cols = _take(cols, cols["step"] <= plan.at_step)
-        cut = np.array([plan.cutoffs.get(int(a)) if plan.cutoffs.get(int(a)) is not None
-                        else np.iinfo(np.int64).max for a in cols["attempt"]], dtype=np.int64) \
-            if len(cols["step"]) else np.zeros(0, np.int64)
-        effective = cols["step"] < cut
+        # Each row's rollback cutoff, looked up by its attempt (no cutoff: never rolled back).
+        lut = np.full(max(plan.cutoffs, default=0) + 1, np.iinfo(np.int64).max, np.int64)
+        for a, cut in plan.cutoffs.items():
+            if cut is not None:
+                lut[a] = cut
+        known = cols["attempt"] < len(lut)
+        effective = ~known | (cols["step"] < lut[np.where(known, cols["attempt"], 0)])
         rolled = _take(cols, ~effective)
         cols = _take(cols, effective)
         # Replay comparison: rolled-back rows, and effective rows at rolled-back steps.
@@ -245,8 +250,9 @@ class ReadConsumption(beam.DoFn):
         starts = cols["offset"] == 0
         hosts = self.plan.hosts
         # Rows per step: distinct (host, row) pairs; a host's step sits in one file.
-        _, first = np.unique(np.stack([cols["host"], cols["row"], steps.astype(np.int64)]),
-                             axis=1, return_index=True)
+        rows_n, hosts_n = int(cols["row"].max()) + 1, int(cols["host"].max()) + 1
+        _, first = np.unique((steps * hosts_n + cols["host"]) * rows_n + cols["row"],
+                             return_index=True)
         yield "partials", {
             "steps": {
                 "segments": _bincount(steps),
@@ -265,7 +271,7 @@ class ReadConsumption(beam.DoFn):
         bucket = cols["record_key"] // plan.bucket_size
         order = np.argsort(bucket, kind="stable")
         bucket = bucket[order]
-        cols = {k: v[order] for k, v in cols.items()}
+        cols = {k: cols[k][order].astype(t, copy=False) for k, t in BUCKET_COLUMNS.items()}
         bounds = np.flatnonzero(np.diff(bucket)) + 1
         for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(bucket)], strict=True):
             b = int(bucket[lo])
@@ -294,8 +300,14 @@ class ReadManifest(beam.DoFn):
         t = pf.read_row_groups(groups, columns=["record_key", "content_hash", "n_tokens",
                                                 "domain", "split", "source"])
         t = t.slice(lo - first, hi - lo)
-        yield bucket, {c: (t[c].to_numpy() if c in ("record_key", "content_hash", "n_tokens")
-                           else np.array(t[c].to_pylist(), dtype=object)) for c in t.column_names}
+        out = {c: t[c].to_numpy() for c in ("record_key", "content_hash", "n_tokens")}
+        for c in ("domain", "split", "source"):
+            # Strings travel as codes plus a short list of names: pickling a column of
+            # Python strings costs more than everything else in the job.
+            enc = t[c].combine_chunks().dictionary_encode()
+            out[c] = enc.indices.to_numpy(zero_copy_only=False).astype(np.int32)
+            out[f"{c}_names"] = enc.dictionary.to_pylist()
+        yield bucket, out
 
 
 # ---- stage 3: the join ----------------------------------------------------------------------
@@ -304,13 +316,20 @@ def _joined(bucket: int, grouped: dict, plan: Plan):
     """(manifest columns, effective columns, manifest row index of each consumed row)."""
     cons = grouped["c"]
     man = grouped["m"][0] if grouped["m"] else None
-    c = ({k: np.concatenate([x[k] for x in cons]) for k in COLUMNS} if cons
-         else {k: np.zeros(0, np.int64) for k in COLUMNS})
+    c = ({k: np.concatenate([x[k] for x in cons]).astype(np.int64 if k != "content_hash"
+                                                           else np.uint64)
+          for k in BUCKET_COLUMNS} if cons
+         else {k: np.zeros(0, t) for k, t in BUCKET_COLUMNS.items()})
     if man is None:  # keys beyond the manifest
         return None, c, np.full(len(c["step"]), -1)
     j = c["record_key"] - man["record_key"][0] if len(man["record_key"]) else c["record_key"]
     j = np.where((j >= 0) & (j < len(man["record_key"])), j, -1)
     return man, c, j
+
+
+def _strings(man: dict, col: str) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(man[col], pa.array(man[f"{col}_names"],
+                                                             pa.string())).cast(pa.string())
 
 
 class BucketStats(beam.DoFn):
@@ -343,7 +362,8 @@ class BucketStats(beam.DoFn):
         mismatch = full & (c["content_hash"] != man["content_hash"][j])
         exposures = _bincount(j[starts], n=n)
         tokens = _bincount(j, c["n_tokens"].astype(np.int64), n=n)
-        train = man["split"] == "train"
+        train = np.isin(man["split"], [i for i, name in enumerate(man["split_names"])
+                                       if name == "train"])
         # Hosts that saw each record (starts), as a records x hosts matrix.
         seen = np.zeros((n, plan.hosts), dtype=bool)
         seen[j[starts], c["host"][starts]] = True
@@ -362,7 +382,10 @@ class BucketStats(beam.DoFn):
         first_step[js[head]] = ss[head]
         rank = np.arange(len(js)) - np.repeat(head, np.diff(np.r_[head, len(js)])) + 1
         max_rank = np.zeros(int(ss.max()) + 1 if ss.size else 0, dtype=np.int64)
-        np.maximum.at(max_rank, ss, rank)
+        if ss.size:  # highest rank per step: sort by (step, rank), keep each step's last
+            by_step = np.lexsort((rank, ss))
+            last = np.r_[ss[by_step][1:] != ss[by_step][:-1], True]
+            max_rank[ss[by_step][last]] = rank[by_step][last]
         e_train = exposures[train]
         hist = np.array([(e_train == 0).sum(), (e_train == 1).sum(), (e_train == 2).sum(),
                          (e_train >= 3).sum()], dtype=np.int64)
@@ -387,19 +410,23 @@ class BucketStats(beam.DoFn):
             {"record_key": int(man["record_key"][jj]), "step": int(s), "host": int(h)}
             for jj, s, h in zip(j[mismatch][:EXAMPLES], c["step"][mismatch][:EXAMPLES],
                                 c["host"][mismatch][:EXAMPLES], strict=True)]
-        for name in np.unique(man["domain"][train]):
-            m = train & (man["domain"] == name)
-            out["domain"][str(name)] = np.array([
-                m.sum(), man["n_tokens"][m].astype(np.int64).sum(), exposures[m].sum(),
-                tokens[m].sum(), (exposures[m] == 0).sum()], dtype=np.int64)
-        for name in np.unique(man["source"][train]):
-            m = train & (man["source"] == name)
-            out["source"][str(name)] = np.array([m.sum(), (exposures[m] == 0).sum()],
-                                                dtype=np.int64)
+        for col, fields in (("domain", ("records", "tokens", "exposures", "consumed",
+                                        "never_seen")), ("source", ("records", "never_seen"))):
+            codes, k = man[col][train], len(man[f"{col}_names"])
+            sums = {
+                "records": np.bincount(codes, minlength=k),
+                "tokens": np.bincount(codes, man["n_tokens"][train].astype(np.float64), k),
+                "exposures": np.bincount(codes, exposures[train].astype(np.float64), k),
+                "consumed": np.bincount(codes, tokens[train].astype(np.float64), k),
+                "never_seen": np.bincount(codes, (exposures[train] == 0), k),
+            }
+            for code, name in enumerate(man[f"{col}_names"]):
+                if sums["records"][code]:
+                    out[col][name] = np.array([sums[f][code] for f in fields]).astype(np.int64)
         pq.write_table(pa.table({
             "record_key": man["record_key"],
-            "split": pa.array(man["split"].tolist(), pa.string()),
-            "domain": pa.array(man["domain"].tolist(), pa.string()),
+            "split": _strings(man, "split"),
+            "domain": _strings(man, "domain"),
             "n_tokens": man["n_tokens"],
             "exposures": exposures,
             "tokens_consumed": tokens,
@@ -439,11 +466,11 @@ def _multiset(parts: list[dict]) -> list[tuple]:
 
 # ---- the job --------------------------------------------------------------------------------
 
-def run_reconcile(plan: Plan, runner: RunnerSpec | None = None) -> tuple[dict, Path]:
-    """Run the pipeline; return the merged aggregates and the folder of per-record parts."""
-    work = Path(tempfile.mkdtemp(prefix="tally-reconcile-"))
+def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> dict:
+    """Run the pipeline; return the merged aggregates. Workers write per-record parts and
+    results under `work`, which must be reachable from every worker."""
     parts = work / "records"
-    parts.mkdir()
+    parts.mkdir(parents=True)
 
     with pipeline(runner or RunnerSpec(), partitions=max(2, len(plan.files))) as p:
         read = (p | "files" >> beam.Create(plan.files) | "spread files" >> beam.Reshuffle()
@@ -472,16 +499,12 @@ def run_reconcile(plan: Plan, runner: RunnerSpec | None = None) -> tuple[dict, P
     skipped = pickle.loads((work / "skipped.pkl").read_bytes()) if (work / "skipped.pkl").exists() \
         else None
     merged["skipped_files"] = skipped or []
-    return merged, work
+    return merged
 
 
 def records_table(work: Path) -> pa.Table:
     parts = sorted((work / "records").glob("records-*.parquet"))
     return pa.concat_tables([pq.read_table(p) for p in parts]) if parts else pa.table({})
-
-
-def cleanup(work: Path) -> None:
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
@@ -495,22 +518,24 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         raise TallyError("give exactly one of --spool or --ledger")
     if not Path(manifest).exists():
         raise TallyError(f"no manifest at {manifest}")
-    tmp = Path(tempfile.mkdtemp(prefix="tally-inputs-"))
-    work = None
+    out = Path(out)
+    # Under the output folder, so that workers on other machines can reach it when the output
+    # is on a shared file system; removed when the job is done.
+    work = out / ".work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     try:
         if spool is not None:
             if not Path(spool).is_dir():
                 raise TallyError(f"spool {spool} is not a directory")
             files, attempts, fp = spool_inputs(Path(spool), run_id)
         else:
-            files, attempts, fp = ledger_inputs(Path(ledger), run_id, tmp)
+            files, attempts, fp = ledger_inputs(Path(ledger), run_id, work)
         plan = make_plan(run_id=run_id, manifest=manifest, files=files, attempts=attempts,
                          run_fingerprint=fp, at_step=at_step, bucket_records=bucket_records)
-        merged, work = run_reconcile(plan, runner)
+        merged = run_reconcile(plan, work, runner)
         report, tables = rp.build(plan, merged)
-        rp.write(report, tables, records_table(work), Path(out))
+        rp.write(report, tables, records_table(work), out)
         return report
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if work is not None:
-            cleanup(work)
+        shutil.rmtree(work, ignore_errors=True)

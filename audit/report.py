@@ -192,6 +192,10 @@ def write(report: dict, tables: dict[str, pa.Table], records: pa.Table, out: Pat
     (out / "report.html").write_text(render_html(report, tables["steps"]))
 
 
+def _step(s: int | None) -> str:
+    return "none" if s is None else str(s)
+
+
 def _json(o: Any) -> Any:
     if isinstance(o, np.integer):
         return int(o)
@@ -211,7 +215,7 @@ def summary(report: dict, out: Path | None = None) -> str:
         f"seen 2+ {100 * (f['2'] + f['3+']):.1f}% ({c['exposures']:,} exposures; ideal "
         f"{c['ideal']['min']}..{c['ideal']['max']} each)",
         f"  excess exposures {c['excess_exposures']:,}, missing {c['missing_exposures']:,}; "
-        f"first bad step {report['first_bad_step']}",
+        f"first bad step {_step(report['first_bad_step'])}",
     ]
     lines += [f"  {x['severity']}: {x['message']}" for x in report["findings"]]
     if out is not None:
@@ -243,8 +247,8 @@ def _line_chart(xs, ys, ideal, w=520, h=240) -> str:
                     f'<line x1="40" x2="{w - 10}" y1="{py(v):.1f}" y2="{py(v):.1f}" '
                     f'stroke="#eee"/>' for v in (0, .25, .5, .75, 1))
     return (f'<svg width="{w}" height="{h}" role="img" data-series="coverage">{ticks}'
-            f'<polyline fill="none" stroke="#999" stroke-dasharray="4 3" points="{ipts}"/>'
             f'<polyline fill="none" stroke="#0969da" stroke-width="2" points="{pts}"/>'
+            f'<polyline fill="none" stroke="#555" stroke-dasharray="4 3" points="{ipts}"/>'
             f'<text x="40" y="{h - 6}">step {int(x0)}</text>'
             f'<text x="{w - 90}" y="{h - 6}">step {int(x1)}</text>'
             f'<text x="{w - 200}" y="14" fill="#0969da">coverage</text>'
@@ -263,7 +267,8 @@ def _bars(labels, series: dict[str, list[float]], w=520, h=240) -> str:
             x = 40 + i * group + si * bw
             out.append(f'<rect x="{x:.1f}" y="{h - 25 - bh:.1f}" width="{bw:.1f}" '
                        f'height="{bh:.1f}" fill="{colors[si % 3]}"><title>{html.escape(name)} '
-                       f'{labels[i]}: {100 * v:.1f}%</title></rect>')
+                       f'{labels[i]}: {100 * v:.1f}%</title></rect>'
+                       f'<text x="{x + 2:.1f}" y="{h - 28 - bh:.1f}">{100 * v:.0f}%</text>')
         out.append(f'<text x="{40 + si * 110}" y="14" fill="{colors[si % 3]}">'
                    f'{html.escape(name)}</text>')
     for i, lab in enumerate(labels):
@@ -333,7 +338,7 @@ def render_html(r: dict, steps: pa.Table) -> str:
 never seen {100 * c['histogram_fraction']['0']:.1f}%, seen 2+
 {100 * (c['histogram_fraction']['2'] + c['histogram_fraction']['3+']):.1f}%;
 {c['exposures']:,} exposures (ideal {lo}..{hi} per record); excess {c['excess_exposures']:,},
-missing {c['missing_exposures']:,}; first bad step {r['first_bad_step']}.
+missing {c['missing_exposures']:,}; first bad step {_step(r['first_bad_step'])}.
 Manifest {html.escape(r['manifest']['fingerprint'])}{' as of step ' + str(r['at_step'])
 if r['at_step'] is not None else ''}.</p>
 <ul>{finds}</ul>

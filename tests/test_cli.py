@@ -68,3 +68,28 @@ def test_corpus_synth_and_manifest_commands(tmp_path):
     r = tally("manifest", str(tmp_path / "nope"), "-o", str(tmp_path / "m2.parquet"))
     assert r.returncode == 2 and r.stderr.strip() == (
         f"tally: error: corpus {tmp_path / 'nope'} is not a directory")
+
+
+def test_reconcile_command_on_the_demo_run(tmp_path):
+    demo = tmp_path / "demo"
+    assert tally("demo", "--out", str(demo)).returncode == 0
+    out = tmp_path / "report"
+    r = tally("reconcile", "--spool", str(demo / "spool"), "--manifest",
+              str(demo / "manifest.parquet"), "--run", "demo", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("run demo: PASS")
+    assert f"report: {out / 'report.html'}" in r.stdout
+    data = json.loads((out / "report.json").read_text())
+    # Attempt 0's steps 30..44 were rolled back and replayed identically after the resume.
+    (restart,) = [x for x in data["restarts"] if x["attempt"] == 0]
+    assert (restart["rolled_back_steps"], restart["replayed_steps"], restart["exact"]) == (
+        15, 15, True)
+    assert not (out / ".work").exists()
+    r = tally("ingest", str(demo / "spool"), "--ledger", str(tmp_path / "l.duckdb"), "-q")
+    r = tally("reconcile", "--ledger", str(tmp_path / "l.duckdb"), "--manifest",
+              str(demo / "manifest.parquet"), "--run", "demo", "-o", str(tmp_path / "r2"),
+              "--at-step", "20")
+    assert r.returncode == 0 and "(as of step 20)" in r.stdout, r.stderr
+    r = tally("reconcile", "--spool", str(demo / "spool"), "--manifest",
+              str(demo / "manifest.parquet"), "--run", "nope", "-o", str(tmp_path / "r3"))
+    assert r.returncode == 2 and "no segment files for run 'nope'" in r.stderr

@@ -1,0 +1,147 @@
+"""Reconcile throughput and memory: the Beam job against the DuckDB SQL reference.
+
+Builds a manifest of `--records` records and a spool of `--rows` consumption rows (8 hosts,
+100,000-row segment files, keys drawn uniformly, so every record is seen ~rows/records times),
+ingests the spool into a ledger, then times (a) the DuckDB SQL reference (tests/sql_reference.py:
+the same numbers, one query each) and (b) `tally reconcile` on FnApiRunner multi_processing,
+sampling the peak resident memory of the job's whole process tree.
+
+    python -m bench.reconcile_rate [--rows 50000000] [--records 10000000] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from audit.ingest import ingest
+from audit.ledger import Ledger
+from audit.reconcile import reconcile
+from audit.segments import Segments
+from audit.writer import LedgerWriter
+from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
+from pipeline.runners import RunnerSpec
+
+DOMAINS = np.array(["web", "code", "wiki", "books"])
+
+
+def make_manifest(path: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    hashes = rng.integers(0, 2**63, n).astype(np.uint64)
+    lengths = rng.integers(16, 4096, n).astype(np.int32)
+    t = pa.table({
+        "record_key": np.arange(n, dtype=np.int64), "content_hash": hashes,
+        "n_tokens": lengths,
+        "domain": pa.array(DOMAINS[rng.integers(0, 4, n)]),
+        "split": pa.array(np.full(n, "train")),
+        "source": pa.array(np.char.add("train-", (np.arange(n) // 500_000).astype(str))),
+        "source_index": np.arange(n, dtype=np.int64) % 500_000,
+    }, schema=MANIFEST_SCHEMA)
+    fp = Fingerprint()
+    fp.update(t)
+    with pq.ParquetWriter(path, MANIFEST_SCHEMA) as w:
+        w.write_table(t, row_group_size=1_000_000)
+        w.add_key_value_metadata({FINGERPRINT_KEY.decode(): fp.hexdigest(),
+                                  "tally.records": str(n), "tally.train_records": str(n)})
+    return hashes, lengths
+
+
+def make_spool(spool: Path, rows: int, manifest: tuple[np.ndarray, np.ndarray],
+               hosts: int = 8, per_file: int = 100_000) -> None:
+    hashes, lengths = manifest
+    rng = np.random.default_rng(1)
+    steps = rows // (hosts * per_file)
+    for h in range(hosts):
+        with LedgerWriter(spool, "bench", host=h, host_count=hosts, flush_every=1,
+                          fsync=False) as w:
+            for step in range(steps):
+                keys = rng.integers(0, len(hashes), per_file)
+                w.write_segments(step, Segments.build(
+                    row=np.arange(per_file) % 1024, record_key=keys,
+                    n_tokens=lengths[keys], content_hash=hashes[keys],
+                    epoch=np.zeros(per_file)))
+
+
+class PeakRSS:
+    """Peak resident memory of this process and all its children, sampled every 0.2 s."""
+
+    def __init__(self) -> None:
+        self.peak, self._stop = 0, threading.Event()
+
+    def __enter__(self):
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.wait(0.2):
+            procs = [me, *me.children(recursive=True)]
+            total = 0
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    total += p.memory_info().rss
+            self.peak = max(self.peak, total)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=50_000_000)
+    ap.add_argument("--records", type=int, default=10_000_000)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dir", default="bench/out/reconcile")
+    args = ap.parse_args(argv)
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.sql_reference import reference
+
+    out = Path(args.dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t0 = time.perf_counter()
+    make_spool(out / "spool", args.rows, make_manifest(out / "manifest.parquet", args.records))
+    with Ledger(out / "ledger.duckdb") as ledger:
+        res = ingest(out / "spool", ledger)
+    print(f"setup: {args.records:,}-record manifest, {res.rows:,} rows in {res.files} files, "
+          f"ingested; {time.perf_counter() - t0:.0f} s")
+
+    t0 = time.perf_counter()
+    with PeakRSS() as mem_ref:
+        ref = reference(str(out / "ledger.duckdb"), str(out / "manifest.parquet"), "bench")
+    ref_s = time.perf_counter() - t0
+    print(f"DuckDB SQL reference: {ref_s:.1f} s = {res.rows / ref_s / 1e6:.2f} M rows/s, "
+          f"peak RSS {mem_ref.peak / 2**30:.2f} GiB")
+
+    t0 = time.perf_counter()
+    with PeakRSS() as mem:
+        report = reconcile(run_id="bench", manifest=out / "manifest.parquet",
+                           out=out / "report", spool=out / "spool",
+                           runner=RunnerSpec("direct", mode="multi_processing",
+                                             workers=args.workers))
+    beam_s = time.perf_counter() - t0
+    got = report["coverage"]
+    if (got["exposures"], list(got["histogram"].values())) != (ref["exposures"],
+                                                                ref["histogram"]):
+        print(f"MISMATCH: Beam {got['exposures']} exposures {got['histogram']}, SQL "
+              f"{ref['exposures']} {ref['histogram']}")
+    print(f"Beam reconcile, FnApiRunner multi_processing x{args.workers}: {beam_s:.1f} s = "
+          f"{res.rows / beam_s / 1e6:.2f} M rows/s, peak RSS {mem.peak / 2**30:.2f} GiB "
+          f"(target >= 3 M rows/s, <= 4 GB); ratio to SQL reference {ref_s / beam_s:.2f}")
+    return {"rows": res.rows, "ref_s": ref_s, "beam_s": beam_s, "peak": mem.peak}
+
+
+if __name__ == "__main__":
+    main()
