@@ -14,6 +14,7 @@ rolled-back rows are compared step by step with the surviving replay.
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from audit import spool as sp
 from audit.errors import TallyError
@@ -202,6 +204,10 @@ def _read_file(f: InputFile) -> dict[str, np.ndarray]:
     return {c: table[c].to_numpy() for c in COLUMNS}
 
 
+def _name(path: str) -> str:
+    return xxhash.xxh3_64_hexdigest(path.encode())
+
+
 def _take(cols: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
     return {k: v[mask] for k, v in cols.items()}
 
@@ -222,7 +228,8 @@ class ReadConsumption(beam.DoFn):
         try:
             cols = _read_file(f)
         except BadFile as exc:
-            yield "skipped", [f"{f.path}: {exc}"]
+            yield "skipped", {"_id": f"skipped-{_name(f.path)}", "skipped_files": [
+                f"{f.path}: {exc}"]}
             return
         if plan.at_step is not None:
             cols = _take(cols, cols["step"] <= plan.at_step)
@@ -254,6 +261,7 @@ class ReadConsumption(beam.DoFn):
         _, first = np.unique((steps * hosts_n + cols["host"]) * rows_n + cols["row"],
                              return_index=True)
         yield "partials", {
+            "_id": f"file-{_name(f.path)}",
             "steps": {
                 "segments": _bincount(steps),
                 "tokens": _bincount(steps, cols["n_tokens"].astype(np.int64)),
@@ -344,6 +352,7 @@ class BucketStats(beam.DoFn):
         man, c, j = _joined(bucket, grouped, plan)
         known = j >= 0
         out: dict[str, Any] = {
+            "_id": f"bucket-{bucket}",
             "unknown_segments": int((~known).sum()),
             "unknown_keys": int(np.unique(c["record_key"][~known]).size),
             "examples": {"unknown": [{"record_key": int(k), "step": int(s), "host": int(h)}
@@ -451,9 +460,10 @@ class CompareReplay(beam.DoFn):
         want = _multiset(eff)
         for a, ps in rb.items():
             got = _multiset(ps)
-            yield {"replay": {str(a): np.array([1, int(bool(eff)), int(bool(eff) and got == want),
-                                           ], dtype=np.int64)},
-                   f"min_differs_{a}": None if (not eff or got == want) else step}
+            same = bool(eff) and got == want
+            yield {"_id": f"replay-{step}-{a}",
+                   "replay": {str(a): np.array([1, int(bool(eff)), int(same)], np.int64)},
+                   f"min_differs_{a}": None if (not eff or same) else step}
 
 
 def _multiset(parts: list[dict]) -> list[tuple]:
@@ -486,20 +496,41 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> d
         stats = joined | "stats" >> beam.ParDo(BucketStats(plan, str(parts)))
         replay = (out["replay"] | "by step" >> beam.GroupByKey()
                   | "compare" >> beam.ParDo(CompareReplay()))
-        # One leaf: the Dask runner computes only the last transform and what feeds it.
-        results = ((stats, replay, out["partials"]) | "all partials" >> beam.Flatten()
-                   | "as merged" >> beam.Map(lambda x: ("merged", x)))
-        skipped = out["skipped"] | "as skipped" >> beam.Map(lambda x: ("skipped", x))
-        ((results, skipped) | "results" >> beam.Flatten() | "by name" >> beam.GroupByKey()
-         | "save" >> beam.MapTuple(lambda name, xs: (work / f"{name}.pkl").write_bytes(
-             pickle.dumps(_reduce(xs)))))
-    if not (work / "merged.pkl").exists():
-        raise TallyError("the reconcile job produced no result (no readable consumption?)")
-    merged = pickle.loads((work / "merged.pkl").read_bytes()) or {}
-    skipped = pickle.loads((work / "skipped.pkl").read_bytes()) if (work / "skipped.pkl").exists() \
-        else None
-    merged["skipped_files"] = skipped or []
+        # Every partial result goes to its own file; the driver merges them and checks that
+        # nothing went missing. One leaf: the Dask runner computes only the last transform.
+        saved = ((stats, replay, out["partials"], out["skipped"])
+                 | "all partials" >> beam.Flatten()
+                 | "save" >> beam.ParDo(_Save(str(work / "partials"))))
+        (saved | "count" >> beam.Map(lambda n: (0, n)) | "total" >> beam.GroupByKey()
+         | "done" >> beam.MapTuple(lambda _, ns: (work / "saved").write_text(str(sum(ns)))))
+    files = sorted((work / "partials").glob("*.pkl"))
+    if not (work / "saved").exists():
+        raise TallyError("the reconcile job did not finish writing its results")
+    merged = _reduce(pickle.loads(f.read_bytes()) for f in files) or {}
+    merged.setdefault("skipped_files", [])
+    read = int(merged.get("segments", 0))
+    joined = sum(int(merged.get(k, 0)) for k in ("unknown_segments", "hash_checked",
+                                                 "hash_unverifiable"))
+    if read != joined:
+        raise TallyError(f"the reconcile job lost rows: {read:,} effective rows read, "
+                         f"{joined:,} joined with the manifest (runner {runner}); no report "
+                         "written")
     return merged
+
+
+class _Save(beam.DoFn):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def process(self, partial: dict):
+        # Named by what it summarises, written by rename: a retried bundle replaces its
+        # earlier result instead of adding a second one, and never leaves half a file.
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
+        final = Path(self.folder, f"{partial.pop('_id')}.pkl")
+        tmp = final.with_name(f".{final.name}.{os.getpid()}")
+        tmp.write_bytes(pickle.dumps(partial))
+        os.replace(tmp, final)
+        yield 1
 
 
 def records_table(work: Path) -> pa.Table:
