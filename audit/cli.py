@@ -97,7 +97,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
     report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
                        spool=args.spool, ledger=args.ledger, at_step=args.at_step,
-                       runner=_runner(args))
+                       runner=_runner(args), memory_gb=args.memory_gb)
     print(summary(report, Path(args.output)))
     return 0 if report["verdict"] != "FAIL" or not args.strict else 1
 
@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, help="report directory")
     s.add_argument("--at-step", type=int, help="audit as of this step")
     s.add_argument("--strict", action="store_true", help="exit 1 when the verdict is FAIL")
+    s.add_argument("--memory-gb", type=float, default=3.0,
+                   help="memory budget: the job runs in key-range passes to stay within it "
+                        "(default 3)")
     _add_runner_args(s)
     s.set_defaults(func=_cmd_reconcile)
 
