@@ -8,18 +8,16 @@ a record is missed by every host with probability (1 - m/N)^H, -> e^(-C/N) for m
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 HIST_BINS = ("0", "1", "2", "3+")
 
 
-def histogram(exposures: np.ndarray) -> np.ndarray:
-    """Counts of records seen 0, 1, 2 and 3+ times."""
-    e = np.asarray(exposures)
-    return np.array([(e == 0).sum(), (e == 1).sum(), (e == 2).sum(), (e >= 3).sum()],
-                    dtype=np.int64)
+def histogram(counts: np.ndarray) -> np.ndarray:
+    """Records seen 0, 1, 2 and 3+ times, from counts[e] = number of records seen e times."""
+    c = np.zeros(max(4, len(counts)), dtype=np.int64)
+    c[: len(counts)] = counts
+    return np.array([c[0], c[1], c[2], c[3:].sum()], dtype=np.int64)
 
 
 def ideal_bounds(total: int, n: int) -> tuple[int, int]:
@@ -32,11 +30,14 @@ def ideal_coverage(cum_exposures: np.ndarray | int, n: int) -> np.ndarray | floa
     return np.minimum(1.0, np.asarray(cum_exposures, dtype=np.float64) / n) if n else 0.0
 
 
-def excess(exposures: np.ndarray, total: int, n: int) -> tuple[int, int]:
-    """(exposures beyond ceil(C/N), exposures missing below floor(C/N)), summed over records."""
+def excess(counts: np.ndarray, total: int, n: int) -> tuple[int, int]:
+    """(exposures beyond ceil(C/N), exposures missing below floor(C/N)), over all records,
+    from counts[e] = number of records seen e times."""
     lo, hi = ideal_bounds(total, n)
-    e = np.asarray(exposures, dtype=np.int64)
-    return int(np.maximum(0, e - hi).sum()), int(np.maximum(0, lo - e).sum())
+    levels = np.arange(len(counts))
+    counts = np.asarray(counts, dtype=np.int64)
+    return (int((np.maximum(0, levels - hi) * counts).sum()),
+            int((np.maximum(0, lo - levels) * counts).sum()))
 
 
 def independent_hosts(total: int, n: int, hosts: int) -> dict[str, float]:
@@ -47,9 +48,3 @@ def independent_hosts(total: int, n: int, hosts: int) -> dict[str, float]:
     p0 = (1 - p) ** hosts
     p1 = hosts * p * (1 - p) ** (hosts - 1)
     return {"never_seen": p0, "seen_2plus": max(0.0, 1 - p0 - p1)}
-
-
-def poisson(total: int, n: int) -> dict[str, float]:
-    """Sampling with replacement: never seen e^-l, seen 2+ 1 - e^-l (1 + l), l = C/N."""
-    lam = total / n if n else 0.0
-    return {"never_seen": math.exp(-lam), "seen_2plus": 1 - math.exp(-lam) * (1 + lam)}

@@ -32,13 +32,15 @@ from audit import spool as sp
 from audit.errors import TallyError
 from audit.ingest import BadFile, read_checked
 from audit.ledger import Ledger, rolled_back_from
+from pipeline.corpus import read_rows
 from pipeline.runners import RunnerSpec, pipeline
 
 COLUMNS = ("attempt", "host", "step", "row", "record_key", "offset", "n_tokens", "content_hash",
            "epoch")
 # What crosses the shuffle, narrowed: ~30 bytes a row instead of ~52.
 BUCKET_COLUMNS = {"record_key": np.int64, "step": np.int32, "host": np.int16,
-                  "offset": np.int32, "n_tokens": np.int32, "content_hash": np.uint64}
+                  "offset": np.int32, "n_tokens": np.int32, "content_hash": np.uint64,
+                  "epoch": np.int32}
 EXAMPLES = 20
 # Peak memory per shuffled row on FnApiRunner (measured: 8.9 GiB for 49.6M rows in one pass).
 BYTES_PER_ROW = 180  # examples kept per finding (hash mismatches, unknown keys)
@@ -315,17 +317,8 @@ class ReadManifest(beam.DoFn):
         hi = min(lo + self.plan.bucket_size, self.plan.records)
         if lo >= hi:  # the overflow bucket: keys beyond the manifest
             return
-        pf = pq.ParquetFile(self.plan.manifest)
-        groups, first, row = [], None, 0
-        for g in range(pf.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if row + n > lo and row < hi:
-                groups.append(g)
-                first = row if first is None else first
-            row += n
-        t = pf.read_row_groups(groups, columns=["record_key", "content_hash", "n_tokens",
-                                                "domain", "split", "source"])
-        t = t.slice(lo - first, hi - lo)
+        t = read_rows(pq.ParquetFile(self.plan.manifest), lo, hi,
+                      ["record_key", "content_hash", "n_tokens", "domain", "split", "source"])
         out = {c: t[c].to_numpy() for c in ("record_key", "content_hash", "n_tokens")}
         for c in ("domain", "split", "source"):
             # Strings travel as codes plus a short list of names: pickling a column of
@@ -402,6 +395,10 @@ class BucketStats(beam.DoFn):
         # perfect loader allows by then (the first bad step).
         first_step = np.full(n, -1, dtype=np.int64)
         ev = starts & train[j]
+        # Within one epoch a record is due at most once: count the exposures beyond that.
+        ep = ev & (c["epoch"] >= 0)
+        _, per_epoch = np.unique(j[ep] * (int(c["epoch"][ep].max(initial=0)) + 1)
+                                 + c["epoch"][ep], return_counts=True)
         js, ss = j[ev], c["step"][ev]
         order = np.lexsort((ss, js))
         js, ss = js[order], ss[order]
@@ -414,12 +411,11 @@ class BucketStats(beam.DoFn):
             last = np.r_[ss[by_step][1:] != ss[by_step][:-1], True]
             max_rank[ss[by_step][last]] = rank[by_step][last]
         e_train = exposures[train]
-        hist = np.array([(e_train == 0).sum(), (e_train == 1).sum(), (e_train == 2).sum(),
-                         (e_train >= 3).sum()], dtype=np.int64)
         out.update({
             "train_exposures": int(e_train.sum()),
-            "histogram": hist,
-            "exposure_counts": _bincount(np.minimum(e_train, 1000)),
+            "epoch_duplicates": int((per_epoch - 1).sum()),
+            "epoch_duplicate_records": int((per_epoch > 1).sum()),
+            "exposure_counts": _bincount(e_train),  # records seen e times, by e
             "hash_checked": int(full.sum()),
             "hash_unverifiable": int((~full).sum()),
             "hash_mismatches": int(mismatch.sum()),

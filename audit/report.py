@@ -37,16 +37,12 @@ def _pad(a: np.ndarray, n: int) -> np.ndarray:
 def build(plan, merged: dict) -> tuple[dict[str, Any], dict[str, pa.Table]]:
     """The report dict and its tables, from the plan and the job's merged aggregates."""
     n = plan.train_records
-    hist = _pad(_arr(merged, "histogram"), 4)
+    counts = _arr(merged, "exposure_counts")
+    hist = exposure.histogram(counts)
     seen_train = int(hist[1:].sum())
-    hist[0] = n - seen_train  # buckets no consumption reached still count as never seen
     total = int(merged.get("train_exposures", 0))
-    counts = _pad(_arr(merged, "exposure_counts"), 1001)
-    counts[0] = hist[0]
     lo, hi = exposure.ideal_bounds(total, n)
-    e_levels = np.arange(len(counts))
-    excess = int((np.maximum(0, e_levels - hi) * counts).sum())
-    missing = int((np.maximum(0, lo - e_levels) * counts).sum())
+    excess, missing = exposure.excess(counts, total, n)
 
     last = merged.get("max_step")
     n_steps = 0 if last is None else last + 1
@@ -125,7 +121,9 @@ def build(plan, merged: dict) -> tuple[dict[str, Any], dict[str, pa.Table]]:
         "run_manifest_fingerprint": plan.run_fingerprint,
         "consumption": {"segments": int(merged.get("segments", 0)),
                         "first_step": merged.get("min_step"), "last_step": last,
-                        "files": len(plan.files), "skipped_files": merged["skipped_files"]},
+                        "files": len(plan.files), "skipped_files": merged["skipped_files"],
+                        "rows_per_step": int(np.median(steps["rows"].to_numpy()))
+                        if steps.num_rows else 0},
         "coverage": {
             "train_records": n, "exposures": total, "seen": seen_train,
             "coverage": seen_train / n if n else 0.0, "never_seen": int(hist[0]),
@@ -136,6 +134,9 @@ def build(plan, merged: dict) -> tuple[dict[str, Any], dict[str, pa.Table]]:
             "ideal": {"min": lo, "max": hi,
                       "never_seen": max(0, n - total) if n else 0},
             "excess_exposures": excess, "missing_exposures": missing,
+            # Exposures beyond the first of a record within one epoch (epoch known).
+            "epoch_duplicates": int(merged.get("epoch_duplicates", 0)),
+            "epoch_duplicate_records": int(merged.get("epoch_duplicate_records", 0)),
         },
         "hosts": {"count": h, "per_host": per_host, "overlap_matrix": overlap.tolist()},
         "domains": domains,

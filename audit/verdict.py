@@ -67,7 +67,8 @@ def _exposure_findings(r: dict[str, Any], add) -> None:
             f"({excess:,} extra, {missing:,} missing exposures so far)", **change)
     if r.get("batch_changes"):
         return
-    if not n or not total or (not excess and not missing):
+    dups = cov["epoch_duplicates"]
+    if not n or not total or (not excess and not missing and not dups):
         for rs in r["restarts"]:
             prev = rs.get("previous_host_count")
             if rs["resumed_from_step"] is not None and prev not in (None, rs["host_count"]):
@@ -136,16 +137,24 @@ def _exposure_findings(r: dict[str, Any], add) -> None:
     if not explained and unread and len(unread) < len(r["sources"]):
         k = sum(s["records"] for s in unread)
         add("FAIL", "files_unread",
-            f"{len(unread)} corpus files were never read ({k:,} records: "
+            f"{len(unread)} corpus file(s) were never read ({k:,} records: "
             + ", ".join(s["source"] for s in unread[:5])
             + "): file-level sharding with a file count not divisible by the host count",
             files=len(unread), records=k)
         explained = True
     epochs = max(1, -(-total // n))
-    if not explained and excess and not missing and excess <= max(1, h - 1) * epochs:
+    batch = r["consumption"].get("rows_per_step") or h
+    if not explained and dups and dups <= max(h, batch) * epochs:
         add("FAIL", "padding",
-            f"{excess:,} records seen once more than the rest over {epochs} epoch(s): the "
-            f"sampler pads each epoch to a multiple of the {h} hosts", excess=excess)
+            f"{cov['epoch_duplicate_records']:,} records seen twice within an epoch "
+            f"({dups:,} extra exposures over {epochs} epoch(s)), every other record once: the "
+            f"sampler pads each epoch to a multiple of the host count ({h}) or of the global "
+            f"batch ({batch})", duplicates=dups)
+        explained = True
+    if not explained and not excess and not missing:
+        add("FAIL", "epoch_duplicates",
+            f"{dups:,} exposures repeat a record within the same epoch"
+            f"{where}", duplicates=dups)
         explained = True
     if not explained:
         add("FAIL", "uneven_exposure",

@@ -172,18 +172,22 @@ def _parquet_file(path: Path) -> pq.ParquetFile:
     return pq.ParquetFile(path)
 
 
-def _read_parquet(shard: Shard, start: int, end: int):
-    pf = _parquet_file(shard.path)
-    cols = ["tokens"] + (["domain"] if "domain" in pf.schema_arrow.names else [])
-    # Read only the row groups that overlap [start, end).
-    groups, first, row = [], None, 0
+def read_rows(pf: pq.ParquetFile, start: int, end: int, columns: list[str]) -> pa.Table:
+    """Rows [start, end) of a Parquet file, reading only the row groups that overlap them."""
+    groups, first, row = [], 0, 0
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
         if row + n > start and row < end:
+            first = row if not groups else first
             groups.append(g)
-            first = row if first is None else first
         row += n
-    table = pf.read_row_groups(groups, columns=cols).slice(start - first, end - start)
+    return pf.read_row_groups(groups, columns=columns).slice(start - first, end - start)
+
+
+def _read_parquet(shard: Shard, start: int, end: int):
+    pf = _parquet_file(shard.path)
+    cols = ["tokens"] + (["domain"] if "domain" in pf.schema_arrow.names else [])
+    table = read_rows(pf, start, end, cols)
     values, offsets = _token_values(table["tokens"], shard, start)
     domains = table["domain"].to_pylist() if "domain" in cols else ["default"] * table.num_rows
     return values, offsets, domains

@@ -41,6 +41,9 @@ def reference(ledger_path: str, manifest: str, run_id: str, at_step: int | None 
         e = 1), count(*) FILTER (WHERE e = 2), count(*) FILTER (WHERE e >= 3) FROM per_record"""))
     out["excess"], out["missing"] = map(int, one(f"""SELECT coalesce(sum(greatest(0, e - {hi})),
         0), coalesce(sum(greatest(0, {lo} - e)), 0) FROM per_record"""))
+    out["epoch_duplicates"], out["epoch_duplicate_records"] = map(int, one("""
+        SELECT coalesce(sum(c - 1), 0), count(*) FROM (SELECT record_key, epoch, count(*) AS c
+        FROM starts WHERE epoch >= 0 GROUP BY ALL HAVING count(*) > 1)"""))
     out["unknown_keys"], out["unknown_segments"] = one(
         "SELECT count(DISTINCT record_key), count(*) FROM j WHERE NOT known")
     out["hash_checked"], out["hash_mismatches"], out["hash_unverifiable"] = map(int, one("""
@@ -118,6 +121,8 @@ def from_report(r: dict, steps, records=None) -> dict:
     return {
         "train_records": c["train_records"], "exposures": c["exposures"], "histogram": hist,
         "excess": c["excess_exposures"], "missing": c["missing_exposures"],
+        "epoch_duplicates": c["epoch_duplicates"],
+        "epoch_duplicate_records": c["epoch_duplicate_records"],
         **{k: i[k] for k in ("unknown_keys", "unknown_segments", "hash_checked",
                              "hash_mismatches", "hash_unverifiable",
                              "heldout_consumed_records", "heldout_exposures")},

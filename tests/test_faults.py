@@ -3,13 +3,17 @@ catches each fault and names it; the correct loader passes."""
 
 import json
 
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from audit.reconcile import reconcile
+from audit.segments import Segments
 from audit.writer import LedgerWriter
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
-from pipeline.manifest import build_manifest
+from pipeline.manifest import build_manifest, manifest_info
 from pipeline.synth import synth_corpus
 
 HOSTS = 64
@@ -30,8 +34,7 @@ def corpus(tmp_path_factory):
     return root, TokenSource(root / "c")
 
 
-def _run(spool, source, cfg, hosts, steps, *, attempt=0, first=0, states=None, run="r",
-         restore=None):
+def _run(spool, source, cfg, hosts, steps, *, attempt=0, first=0, run="r", restore=None):
     """Each host consumes `steps` batches into the spool; returns the loaders' states."""
     out = []
     for h in range(hosts):
@@ -128,3 +131,56 @@ def test_global_batch_changed_on_resume_is_named(corpus, tmp_path):
     assert "from 16 to 32 rows at step 100" in finding["message"]
     assert json.loads((root / "batch" / "report.json").read_text())["batch_changes"] == [
         {"step": 100, "before": 16, "after": 32}]
+
+
+def _consume(spool, man, keys_per_host_step):
+    """Write exact segments: keys_per_host_step[h][s] is the list of keys host h reads at s."""
+    hosts = len(keys_per_host_step)
+    for h, per_step in enumerate(keys_per_host_step):
+        with LedgerWriter(spool, "r", host=h, host_count=hosts, fsync=False) as w:
+            for step, keys in enumerate(per_step):
+                keys = np.asarray(keys)
+                w.write_segments(step, Segments.build(
+                    row=np.arange(len(keys)), record_key=keys, epoch=np.zeros(len(keys)),
+                    n_tokens=man["n_tokens"].to_numpy()[keys],
+                    content_hash=man["content_hash"].to_numpy()[keys]))
+
+
+def test_sampler_padding_is_named(corpus, tmp_path):
+    root, _ = corpus
+    man = pq.read_table(root / "m.parquet")
+    n = int(manifest_info(root / "m.parquet")["train_records"])
+    # 5 hosts, 8 rows a step; the epoch is padded to a multiple of 40 by repeating records.
+    order = np.random.default_rng(0).permutation(n)
+    pad = -n % 40
+    padded = np.concatenate([order, order[:pad]])
+    per_host = [[padded[s * 40 + h * 8: s * 40 + h * 8 + 8] for s in range(len(padded) // 40)]
+                for h in range(5)]
+    _consume(tmp_path / "spool", man, per_host)
+    r = _reconcile(root, tmp_path / "spool", "padding")
+    assert pad and r["coverage"]["histogram"]["2"] == pad
+    assert r["coverage"]["epoch_duplicates"] == pad
+    (finding,) = r["findings"]
+    assert finding["code"] == "padding"
+    assert f"{pad} records seen twice within an epoch" in finding["message"]
+
+
+def test_files_never_read_are_named(corpus, tmp_path):
+    root, _ = corpus
+    man = pq.read_table(root / "m.parquet")
+    train = man.filter(pc.equal(man["split"], "train"))
+    # File-level sharding over 4 files on 3 hosts, two epochs: host h reads file h twice;
+    # file 3 is never read.
+    sources = sorted(set(train["source"].to_pylist()))
+    per_host = []
+    for h in range(3):
+        keys = train.filter(pc.equal(train["source"], sources[h]))["record_key"].to_numpy()
+        keys = np.concatenate([keys, keys])
+        per_host.append([keys[i:i + 8] for i in range(0, len(keys) - len(keys) % 8, 8)])
+    _consume(tmp_path / "spool", man, per_host)
+    r = _reconcile(root, tmp_path / "spool", "files")
+    codes = [f["code"] for f in r["findings"]]
+    assert "files_unread" in codes
+    (finding,) = [f for f in r["findings"] if f["code"] == "files_unread"]
+    assert sources[3] in finding["message"] and "1 corpus file(s) were never read" in \
+        finding["message"]
