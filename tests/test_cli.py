@@ -54,7 +54,9 @@ def test_demo_runs_end_to_end(tmp_path):
     r = tally("demo", "--out", str(tmp_path / "demo"))
     assert r.returncode == 0, r.stderr
     assert "steps >= 30 rolled back" in r.stdout
+    assert "run demo: PASS" in r.stdout
     assert (tmp_path / "demo" / "ledger.duckdb").exists()
+    assert (tmp_path / "demo" / "report" / "report.html").exists()
 
 
 def test_corpus_synth_and_manifest_commands(tmp_path):
