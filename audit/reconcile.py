@@ -114,10 +114,11 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> tuple[list, 
                                    "last_step": r["last_step"] if r["last_step"] is not None
                                    else -1, "rows": int(r["rows"])} for r in rows}
         out = workdir / "export"
+        target = str(out).replace("'", "''")  # a path is no SQL parameter in COPY ... TO
         ledger.con.execute(f"""
             COPY (SELECT attempt, host, step, "row", record_key, "offset", n_tokens,
                          content_hash, epoch FROM consumption WHERE run = {int(run[0]['run'])})
-            TO '{out}' (FORMAT parquet, PER_THREAD_OUTPUT true, FILE_SIZE_BYTES '64MB')""")
+            TO '{target}' (FORMAT parquet, PER_THREAD_OUTPUT true, FILE_SIZE_BYTES '64MB')""")
     files = [InputFile(str(p)) for p in sorted(out.glob("*.parquet"))]
     return files, attempts, run[0]["manifest_fingerprint"]
 

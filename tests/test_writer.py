@@ -12,7 +12,7 @@ from audit.ingest import ingest
 from audit.ledger import Ledger
 from audit.segments import Segments, segments_from_batch
 from audit.writer import LedgerWriter, WriterError
-from tests.conftest import unpacked_batch
+from tests.conftest import record_tokens, unpacked_batch
 
 
 def _published(spool):
@@ -58,7 +58,6 @@ def test_segment_hashes_match_the_records_tokens(spool):
     t = pq.read_table(_published(spool)[0].path)
     for key, n, h in zip(t["record_key"].to_pylist(), t["n_tokens"].to_pylist(),
                          t["content_hash"].to_pylist(), strict=True):
-        from tests.conftest import record_tokens
         assert h == content_hash(record_tokens(key)[:n])
 
 
