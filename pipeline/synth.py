@@ -82,7 +82,10 @@ def synth_corpus(
                     toks = kept[int(dup_of[k])]
                 else:
                     d = DOMAINS[dom[k]]
-                    toks = rng.integers(d.vocab_lo, d.vocab_hi, int(lens[k]), dtype=np.int32)
+                    # Zipf-distributed ids within the domain's band: text-like frequencies,
+                    # so that a model has something to learn.
+                    ranks = rng.zipf(1.3, int(lens[k])) - 1
+                    toks = (d.vocab_lo + ranks % (d.vocab_hi - d.vocab_lo)).astype(np.int32)
                     if k in needed:
                         kept[k] = toks
                 w.write(encode_record(toks, DOMAINS[dom[k]].name))
