@@ -58,3 +58,26 @@ def test_config_file_and_overrides(tmp_path):
     path.write_text('{"stepz": 1}')
     with pytest.raises(TallyError, match="unknown config keys: stepz"):
         TrainConfig.load(path)
+
+
+def test_resume_from_checkpoint_replays_exactly_as_a_new_attempt(corpus, tmp_path):
+    from audit.reconcile import reconcile
+    from pipeline.manifest import build_manifest
+
+    base = dict(corpus=str(corpus), spool=str(tmp_path / "spool"), run_id="r",
+                checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10)
+    # Attempt 0 stops after step 14 (a crash), its last checkpoint is at step 10.
+    first = train(TrainConfig(steps=15, **base))
+    second = train(TrainConfig(steps=20, **base), resume=True)
+    assert second.steps == 10
+    # The replayed steps compute the same losses: same parameters, same batches.
+    assert second.losses[:5] == pytest.approx(first.losses[10:15], rel=1e-5)
+    build_manifest(corpus, tmp_path / "m.parquet")
+    r = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
+                  spool=tmp_path / "spool")
+    (rs,) = [x for x in r["restarts"] if x["attempt"] == 0]
+    assert (rs["rolled_back_from_step"], rs["rolled_back_steps"], rs["exact"]) == (10, 5, True)
+    assert r["consumption"]["last_step"] == 19 and r["verdict"] == "PASS"
+    with pytest.raises(TallyError, match="no checkpoint"):
+        train(TrainConfig(steps=5, **{**base, "checkpoint_dir": str(tmp_path / "none")}),
+              resume=True)

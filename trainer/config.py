@@ -33,6 +33,9 @@ class TrainConfig:
     seed: int = 0
     # audit
     flush_every: int = 10
+    # checkpoints
+    checkpoint_dir: str = "checkpoints"
+    checkpoint_every: int = 0  # steps; 0: no checkpoints
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None
