@@ -183,11 +183,14 @@ def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus) -> Manifes
 def manifest_info(path: str | Path) -> dict[str, str]:
     """The manifest's `tally.*` metadata: fingerprint, records, train_records, corpus."""
     try:
-        md = pq.read_metadata(path).metadata or {}
+        meta = pq.read_metadata(path)
     except Exception as exc:
         raise CorpusError(f"cannot read manifest {path}: {exc}") from None
-    if FINGERPRINT_KEY not in md:
-        raise CorpusError(f"{path} is not a Tally manifest (no fingerprint in its metadata)")
+    md = meta.metadata or {}
+    schema = meta.schema.to_arrow_schema().remove_metadata()
+    if not schema.equals(MANIFEST_SCHEMA) or not all(
+            k in md for k in (FINGERPRINT_KEY, b"tally.records", b"tally.train_records")):
+        raise CorpusError(f"{path} is not a Tally manifest (build one with `tally manifest`)")
     return {k.decode()[len("tally."):]: v.decode() for k, v in md.items()
             if k.startswith(b"tally.")}
 

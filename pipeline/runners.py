@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from audit.errors import TallyError
+
 
 @dataclass
 class RunnerSpec:
@@ -57,7 +59,11 @@ def pipeline(spec: RunnerSpec, *, partitions: int = 0) -> Iterator[beam.Pipeline
             if client is not None:
                 client.close()
         return
-    with beam.Pipeline(runner=spec.name, options=PipelineOptions(args)) as p:
+    try:
+        p = beam.Pipeline(runner=spec.name, options=PipelineOptions(args))
+    except ValueError as exc:
+        raise TallyError(f"Beam runner {spec.name!r}: {exc}") from None
+    with p:
         yield p
 
 

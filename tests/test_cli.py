@@ -95,3 +95,12 @@ def test_reconcile_command_on_the_demo_run(tmp_path):
     r = tally("reconcile", "--spool", str(demo / "spool"), "--manifest",
               str(demo / "manifest.parquet"), "--run", "nope", "-o", str(tmp_path / "r3"))
     assert r.returncode == 2 and "no segment files for run 'nope'" in r.stderr
+    seg = next((demo / "spool").rglob("seg-*.parquet"))
+    r = tally("reconcile", "--spool", str(demo / "spool"), "--manifest", str(seg), "--run",
+              "demo", "-o", str(tmp_path / "r4"))
+    assert r.returncode == 2 and "is not a Tally manifest" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = tally("manifest", str(demo / "corpus"), "-o", str(tmp_path / "m.parquet"), "-q",
+              "--runner", "NoSuchRunner")
+    assert r.returncode == 2 and "Beam runner 'NoSuchRunner'" in r.stderr
+    assert "Traceback" not in r.stderr
