@@ -332,7 +332,7 @@ class ReadManifest(beam.DoFn):
 
 # ---- stage 3: the join ----------------------------------------------------------------------
 
-def _joined(bucket: int, grouped: dict, plan: Plan):
+def _joined(grouped: dict):
     """(manifest columns, effective columns, manifest row index of each consumed row)."""
     cons = grouped["c"]
     man = grouped["m"][0] if grouped["m"] else None
@@ -361,7 +361,7 @@ class BucketStats(beam.DoFn):
     def process(self, item):
         bucket, grouped = item
         plan = self.plan
-        man, c, j = _joined(bucket, grouped, plan)
+        man, c, j = _joined(grouped)
         known = j >= 0
         out: dict[str, Any] = {
             "_id": f"bucket-{bucket}",

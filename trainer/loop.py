@@ -20,7 +20,6 @@ from trainer.step import init, make_train_step
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     steps: int = 0
-    opt_state: object = None
 
 
 def loader_config(cfg: TrainConfig) -> LoaderConfig:
@@ -64,7 +63,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1,
         losses = [float(x) for x in jax.device_get(result.losses)]
         for step, value in enumerate(losses, start=start):
             writer.log_metric(step, "train_loss", value)
-    result.losses, result.steps, result.opt_state = losses, cfg.steps - start, opt_state
+    result.losses, result.steps = losses, cfg.steps - start
     loader.close()
     if not np.isfinite(losses).all():
         raise TallyError("training diverged (non-finite loss)")
