@@ -61,6 +61,27 @@ def format_overview(ov: dict, path: str | Path) -> str:
     return "\n".join(lines)
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from trainer.config import TrainConfig
+    from trainer.launch import launch
+
+    cfg = TrainConfig.load(args.config, args.overrides)
+    return launch(cfg, args.hosts, resume=args.resume, force=args.force)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from trainer.evaluate import compare
+
+    out = compare(args.a, args.b, corpus=args.corpus, records=args.records)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"mean token-level KL(A || B) = {out['mean_kl']:.4f} nats over {out['tokens']:,} "
+              f"held-out tokens ({out['records']} records); A: {out['a']} step {out['step_a']}, "
+              f"B: {out['b']} step {out['step_b']}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from audit.demo import run_demo
 
@@ -178,6 +199,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 3)")
     _add_runner_args(s)
     s.set_defaults(func=_cmd_reconcile)
+
+    s = sub.add_parser("train", help="train on the keyed loader, audited: H host processes, "
+                                     "data parallel")
+    s.add_argument("--config", help="JSON file of TrainConfig fields (trainer/config.py)")
+    s.add_argument("--hosts", type=int, default=1, help="host processes (default 1)")
+    s.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint as a new attempt")
+    s.add_argument("--force", action="store_true",
+                   help="resume on another host count even if the pre-flight check fails "
+                        "(recorded in the ledger)")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    s.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("compare", help="mean token-level KL divergence between two "
+                                       "checkpoints on the same held-out inputs")
+    s.add_argument("a", help="checkpoint directory (latest step) or one step's directory")
+    s.add_argument("b", help="checkpoint directory (latest step) or one step's directory")
+    s.add_argument("--corpus", help="corpus for the held-out inputs (default: A's config)")
+    s.add_argument("--records", type=int, help="held-out records (default: A's eval_records)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=_cmd_compare)
 
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")

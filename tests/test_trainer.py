@@ -21,10 +21,14 @@ def corpus(tmp_path_factory):
 
 def test_training_learns_and_the_ledger_holds_every_consumed_segment(corpus, tmp_path):
     cfg = TrainConfig(corpus=str(corpus), spool=str(tmp_path / "spool"), steps=30,
-                      run_id="t")
+                      run_id="t", eval_every=15, eval_records=32)
     result = train(cfg)
     assert len(result.losses) == 30
     assert sum(result.losses[-5:]) / 5 < result.losses[0] - 0.5  # it learns
+    assert sorted(result.evals) == [14, 29]
+    assert result.evals[29]["heldout_loss"] < result.evals[14]["heldout_loss"]
+    domains = {k for k in result.evals[29] if k.startswith("ppl/")}
+    assert len(domains) >= 2
     with Ledger(tmp_path / "l.duckdb") as ledger:
         res = ingest(tmp_path / "spool", ledger)
         assert not res.quarantined
@@ -34,6 +38,9 @@ def test_training_learns_and_the_ledger_holds_every_consumed_segment(corpus, tmp
         losses = ledger.query("SELECT step, value FROM metrics WHERE name = 'train_loss' "
                               "ORDER BY step")
         assert [m["value"] for m in losses] == pytest.approx(result.losses)
+        evals = ledger.query("SELECT step, name, value FROM metrics WHERE name <> 'train_loss'")
+        assert {(m["step"], m["name"]): m["value"] for m in evals} == pytest.approx(
+            {(s, k): v for s, ev in result.evals.items() for k, v in ev.items()})
 
 
 def test_bf16_moments_change_the_optimizer_state_dtype():
@@ -81,3 +88,17 @@ def test_resume_from_checkpoint_replays_exactly_as_a_new_attempt(corpus, tmp_pat
     with pytest.raises(TallyError, match="no checkpoint"):
         train(TrainConfig(steps=5, **{**base, "checkpoint_dir": str(tmp_path / "none")}),
               resume=True)
+
+
+def test_compare_reports_kl_between_checkpoints(corpus, tmp_path):
+    from trainer.evaluate import compare
+
+    ckpt = tmp_path / "ckpt"
+    train(TrainConfig(corpus=str(corpus), spool=str(tmp_path / "spool"), steps=11,
+                      checkpoint_dir=str(ckpt), checkpoint_every=5, eval_records=16))
+    same = compare(ckpt / "10", ckpt)  # the directory means its latest step: 10
+    assert (same["step_a"], same["step_b"], same["mean_kl"]) == (10, 10, pytest.approx(0, abs=1e-6))
+    apart = compare(ckpt / "5", ckpt / "10")
+    assert apart["mean_kl"] > 0.01 and apart["tokens"] > 100
+    with pytest.raises(TallyError, match="does not exist"):
+        compare(tmp_path / "nope", ckpt)

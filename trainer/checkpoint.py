@@ -1,14 +1,18 @@
-"""Checkpoints (orbax): parameters, optimizer state, and a JSON part with the step, the attempt
-and every host's loader state. The ledger writer is flushed before each save, so the ledger is
-never behind a checkpoint."""
+"""Checkpoints (orbax): parameters, optimizer state, and a JSON part with the step, the attempt,
+the training config and every host's loader state. The ledger writer is flushed before each
+save, so the ledger is never behind a checkpoint. Saves are collective: every host calls
+`save`; orbax writes the replicated arrays and the JSON part once."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from audit.errors import TallyError
 
 
 def manager(directory: str | Path) -> ocp.CheckpointManager:
@@ -24,10 +28,11 @@ def save(mngr: ocp.CheckpointManager, step: int, params: Any, opt_state: Any,
     mngr.wait_until_finished()
 
 
-def restore(mngr: ocp.CheckpointManager, params: Any, opt_state: Any
+def restore(mngr: ocp.CheckpointManager, params: Any, opt_state: Any, step: int | None = None
             ) -> tuple[int, Any, Any, dict[str, Any]] | None:
-    """(step, params, opt_state, meta) of the latest checkpoint, or None when there is none."""
-    step = mngr.latest_step()
+    """(step, params, opt_state, meta) of `step` (default: the latest), or None when there is
+    none. `params` and `opt_state` give the structure, dtypes and shardings to restore into."""
+    step = mngr.latest_step() if step is None else step
     if step is None:
         return None
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
@@ -35,3 +40,38 @@ def restore(mngr: ocp.CheckpointManager, params: Any, opt_state: Any
     got = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     return step, got["state"]["params"], got["state"]["opt_state"], got["meta"]
+
+
+def locate(path: str | Path) -> tuple[Path, int]:
+    """A checkpoint directory (its latest step) or one step's directory -> (directory, step)."""
+    path = Path(path)
+    if path.name.isdigit() and (path / "meta").exists():
+        return path.parent, int(path.name)
+    if not path.is_dir():
+        raise TallyError(f"checkpoint {path} does not exist")
+    step = manager(path).latest_step()
+    if step is None:
+        raise TallyError(f"{path} holds no finished checkpoint")
+    return path, step
+
+
+def read_meta(path: str | Path) -> tuple[int, dict[str, Any]]:
+    """(step, meta) of a checkpoint, without loading any array."""
+    directory, step = locate(path)
+    meta = manager(directory).restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+    return step, meta
+
+
+def load_params(path: str | Path):
+    """(config, params, step) of a checkpoint, on this process alone (for offline tools)."""
+    from trainer.config import TrainConfig
+    from trainer.step import init
+
+    directory, step = locate(path)
+    _, meta = read_meta(path)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in meta.get("config", {}).items() if k in known})
+    _, params, opt_state, _ = init(cfg, jax.random.PRNGKey(0))
+    _, params, _, _ = restore(manager(directory), params, opt_state, step)
+    return cfg, params, step

@@ -31,8 +31,13 @@ class TrainConfig:
     global_batch: int = 8
     packing: str = "first_fit"
     seed: int = 0
+    elastic: bool = False  # Grain's elastic iterator (resumes on any host count; packing none)
+    fault: str = ""  # a loader fault to reproduce (pipeline/loader.py FAULTS); demos only
     # audit
     flush_every: int = 10
+    # milestone evaluation on the held-out split (0: none; always at the last step otherwise)
+    eval_every: int = 0
+    eval_records: int = 64
     # checkpoints
     checkpoint_dir: str = "checkpoints"
     checkpoint_every: int = 0  # steps; 0: no checkpoints

@@ -1,7 +1,15 @@
-"""The training loop, readable top to bottom: keyed loader -> jitted step -> ledger writer."""
+"""The training loop, readable top to bottom: keyed loader -> jitted step -> ledger writer.
+
+One call of `train` is one host. With several hosts (`tally train --hosts H`, trainer/launch.py)
+each process runs this same loop on its own slice of every global batch; the step itself is
+global (trainer/distributed.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import jax
@@ -13,58 +21,117 @@ from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
 from trainer import checkpoint
 from trainer.config import TrainConfig
-from trainer.step import init, make_train_step
+from trainer.distributed import Topology, gather_json
+from trainer.evaluate import HeldOut, milestone_metrics
+from trainer.step import init_replicated, make_train_step, token_losses
 
 
 @dataclass
 class TrainResult:
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # per step of this attempt
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> metrics
     steps: int = 0
+    seconds: float = 0.0  # wall time of the steps (compilation included)
 
 
 def loader_config(cfg: TrainConfig) -> LoaderConfig:
     return LoaderConfig(seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-                        packing=cfg.packing, seed=cfg.seed)
+                        packing=cfg.packing, seed=cfg.seed, elastic=cfg.elastic,
+                        fault=cfg.fault or None)
 
 
-def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1,
-          resume: bool = False) -> TrainResult:
-    """Train `cfg.steps` steps in all; with `resume`, continue from the latest checkpoint as
-    a new attempt (the spool records resumed_from_step, so the ledger rolls back the rest)."""
+def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool = False,
+          audit: bool = True, log=None) -> TrainResult:
+    """Train to step `cfg.steps`; with `resume`, continue from the latest checkpoint as a new
+    attempt (the spool records resumed_from_step, so the ledger rolls back the rest).
+    `audit=False` leaves the ledger writer out: only for measuring what it costs."""
+    topo = Topology.create()
     source = TokenSource(cfg.corpus)
     loader = KeyedLoader(source, loader_config(cfg), host, host_count)
-    model, params, opt_state, opt = init(cfg, jax.random.PRNGKey(cfg.seed))
-    train_step = make_train_step(model, opt)
-    mngr = checkpoint.manager(cfg.checkpoint_dir) if cfg.checkpoint_every else None
+    model, params, opt_state, opt = init_replicated(cfg, jax.random.PRNGKey(cfg.seed),
+                                                    topo.replicated)
+    train_step = make_train_step(model, opt, topo.replicated)
+    evaluate = jax.jit(lambda p, t, s: token_losses(p, model, t, s),
+                       out_shardings=topo.replicated)
+    held = (HeldOut.load(cfg.corpus, cfg.eval_records, cfg.seq_len, host_count)
+            if cfg.eval_every else None)
+    mngr = checkpoint.manager(cfg.checkpoint_dir) if cfg.checkpoint_every or resume else None
     start, attempt = 0, 0
     if resume:
-        found = checkpoint.restore(mngr, params, opt_state) if mngr else None
+        found = checkpoint.restore(mngr, params, opt_state)
         if found is None:
             raise TallyError(f"--resume: no checkpoint in {cfg.checkpoint_dir}")
         start, params, opt_state, meta = found
-        loader.set_state(meta["loaders"][str(host)])
+        loader.set_state(resume_state(meta, host, host_count))
         attempt = meta["attempt"] + 1
+
     result = TrainResult()
-    with LedgerWriter(cfg.spool, cfg.run_id, host=host, host_count=host_count,
-                      attempt=attempt, resumed_from_step=start if attempt else None,
-                      records_per_epoch=len(source), flush_every=cfg.flush_every) as writer:
+    writer = (LedgerWriter(cfg.spool, cfg.run_id, host=host, host_count=host_count,
+                           attempt=attempt, resumed_from_step=start if attempt else None,
+                           records_per_epoch=len(source), flush_every=cfg.flush_every)
+              if audit else nullcontext())
+    pending: list[tuple[int, jax.Array]] = []  # losses not yet fetched (keeps dispatch async)
+
+    def log_losses() -> None:
+        values = jax.device_get([loss for _, loss in pending])
+        for (step, _), value in zip(pending, values, strict=True):
+            result.losses.append(float(value))
+            if audit and host == 0:
+                writer.log_metric(step, "train_loss", float(value))
+        pending.clear()
+
+    t0 = time.perf_counter()
+    with writer:
         for step in range(start, cfg.steps):
-            if mngr and step > start and step % cfg.checkpoint_every == 0:
-                writer.flush()  # the ledger is never behind a checkpoint
+            if cfg.checkpoint_every and step > start and step % cfg.checkpoint_every == 0:
+                if audit:
+                    writer.flush()  # the ledger is never behind a checkpoint
+                states = gather_json(loader.get_state())
                 checkpoint.save(mngr, step, params, opt_state, {
-                    "step": step, "attempt": attempt,
-                    "loaders": {str(host): loader.get_state()}})
+                    "step": step, "attempt": attempt, "host_count": host_count,
+                    "config": dataclasses.asdict(cfg),
+                    "loaders": {str(h): s for h, s in enumerate(states)}})
             batch = next(loader)
-            params, opt_state, loss = train_step(params, opt_state, batch["tokens"],
-                                                 batch["tokens_segment_ids"])
-            # Exactly the batch this step consumed, not what the loader read ahead.
-            writer.write_batch(step, batch)
-            result.losses.append(loss)
-        losses = [float(x) for x in jax.device_get(result.losses)]
-        for step, value in enumerate(losses, start=start):
-            writer.log_metric(step, "train_loss", value)
-    result.losses, result.steps = losses, cfg.steps - start
+            params, opt_state, loss = train_step(
+                params, opt_state, topo.rows(batch["tokens"]),
+                topo.rows(batch["tokens_segment_ids"]))
+            if audit:
+                # Exactly the batch this step consumed, not what the loader read ahead.
+                writer.write_batch(step, batch)
+            pending.append((step, loss))
+            if len(pending) >= cfg.flush_every:
+                log_losses()
+                if log and host == 0:
+                    rate = (step + 1 - start) / (time.perf_counter() - t0)
+                    log(f"step {step + 1}/{cfg.steps}  loss {result.losses[-1]:.3f}  "
+                        f"{rate:.1f} steps/s")
+            if held is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                rows = len(held.domains) // host_count
+                mine = slice(host * rows, (host + 1) * rows)
+                sums, counts = jax.device_get(evaluate(
+                    params, topo.rows(held.tokens[mine]), topo.rows(held.segments[mine])))
+                result.evals[step] = milestone_metrics(sums, counts, held.domains)
+                if audit and host == 0:
+                    for name, value in result.evals[step].items():
+                        writer.log_metric(step, name, value)
+                if log and host == 0:
+                    log(f"step {step + 1}: held-out loss "
+                        f"{result.evals[step]['heldout_loss']:.3f}")
+        log_losses()
+    jax.block_until_ready(params)
+    result.seconds = time.perf_counter() - t0
+    result.steps = cfg.steps - start
     loader.close()
-    if not np.isfinite(losses).all():
+    if not np.isfinite(result.losses).all():
         raise TallyError("training diverged (non-finite loss)")
     return result
+
+
+def resume_state(meta: dict, host: int, host_count: int) -> dict:
+    """The loader state this host restores. The elastic iterator's state is the global
+    position, valid on any host count. A per-host slice's state only means something on the
+    host count it was saved on: handing host h the state of old host h % H_old is the naive
+    transfer, which the loader refuses unless that fault is being reproduced on purpose (and
+    the pre-flight check refuses before any host starts)."""
+    states = meta["loaders"]
+    return states[str(host % len(states))]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -19,13 +20,21 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                        mu_dtype=jnp.bfloat16 if cfg.bf16_moments else None)
 
 
-def loss_fn(params: Any, model: LM, tokens: jax.Array, seg: jax.Array) -> jax.Array:
-    """Next-token cross-entropy over positions whose target is in the same segment."""
+def token_losses(params: Any, model: LM, tokens: jax.Array, seg: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Per row: summed next-token cross-entropy over positions whose target is in the same
+    segment, and the number of such positions."""
     logits = model.apply(params, tokens[:, :-1], seg[:, :-1])
     targets = tokens[:, 1:] % model.cfg.vocab_size
     valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(ce * valid) / jnp.maximum(1, jnp.sum(valid))
+    return jnp.sum(ce * valid, axis=1), jnp.sum(valid, axis=1)
+
+
+def loss_fn(params: Any, model: LM, tokens: jax.Array, seg: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy per predicted token of the whole (global) batch."""
+    sums, counts = token_losses(params, model, tokens, seg)
+    return jnp.sum(sums) / jnp.maximum(1, jnp.sum(counts))
 
 
 def init(cfg: TrainConfig, rng: jax.Array) -> tuple[LM, Any, Any, optax.GradientTransformation]:
@@ -36,8 +45,21 @@ def init(cfg: TrainConfig, rng: jax.Array) -> tuple[LM, Any, Any, optax.Gradient
     return model, params, opt.init(params), opt
 
 
-def make_train_step(model: LM, opt: optax.GradientTransformation):
-    @jax.jit
+def init_replicated(cfg: TrainConfig, rng: jax.Array, replicated: jax.sharding.Sharding
+                    ) -> tuple[LM, Any, Any, optax.GradientTransformation]:
+    """`init`, with parameters and optimizer state laid out identically on every host."""
+    model, opt = LM(cfg), optimizer(cfg)
+    dummy = jnp.zeros((1, cfg.seq_len - 1), jnp.int32)
+    params = jax.jit(model.init, out_shardings=replicated)(rng, dummy, dummy + 1)
+    return model, params, jax.jit(opt.init, out_shardings=replicated)(params), opt
+
+
+def make_train_step(model: LM, opt: optax.GradientTransformation,
+                    replicated: jax.sharding.Sharding):
+    """One optimizer step on the global batch. With rows split across hosts, the mean loss
+    makes XLA all-reduce the gradients, so every host applies the same update."""
+
+    @partial(jax.jit, out_shardings=replicated)
     def train_step(params, opt_state, tokens, seg):
         loss, grads = jax.value_and_grad(loss_fn)(params, model, tokens, seg)
         updates, opt_state = opt.update(grads, opt_state, params)

@@ -1,0 +1,145 @@
+"""`tally train --hosts H`: real jax.distributed processes (gloo on CPU), audited, killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from audit.hashing import content_hash
+from audit.ingest import ingest
+from audit.ledger import Ledger
+from audit.segments import segments_from_batch
+from pipeline.corpus import TokenSource
+from pipeline.loader import KeyedLoader
+from pipeline.synth import synth_corpus
+from tests.conftest import ROOT
+from trainer.config import TrainConfig
+from trainer.loop import loader_config
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hosts") / "c"
+    synth_corpus(root, records=600, seed=3, length_scale=0.2, max_len=512)
+    return root
+
+
+def tally(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def expected_rows(cfg: TrainConfig, hosts: int, steps: range) -> set[tuple]:
+    """What each host's loader hands out at those steps, recomputed independently."""
+    source = TokenSource(cfg.corpus)
+    want = set()
+    for h in range(hosts):
+        with KeyedLoader(source, loader_config(cfg), h, hosts) as loader:
+            for step in range(steps.stop):
+                batch = next(loader)
+                if step not in steps:
+                    continue
+                segs = segments_from_batch(batch, records_per_epoch=len(source))
+                for r, k, o, n in zip(segs.row, segs.record_key, segs.offset, segs.n_tokens,
+                                      strict=True):
+                    tokens = source[int(k)][o:o + n]
+                    want.add((h, step, int(r), int(k), int(o), int(n), content_hash(tokens)))
+    return want
+
+
+def test_four_hosts_write_exactly_the_segments_each_step_consumed(corpus, tmp_path):
+    cfg = TrainConfig(run_id="h4", corpus=str(corpus), spool=str(tmp_path / "spool"), steps=4,
+                      flush_every=2, eval_every=4, eval_records=16)
+    args = [f"{k}={v}" for k, v in (("run_id", cfg.run_id), ("corpus", cfg.corpus),
+                                    ("spool", cfg.spool), ("steps", 4), ("flush_every", 2),
+                                    ("eval_every", 4), ("eval_records", 16))]
+    done = tally("train", "--hosts", "4", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        assert not ingest(cfg.spool, ledger).quarantined
+        got = ledger.query('SELECT host, step, "row", record_key, "offset", n_tokens, '
+                           "content_hash FROM consumption")
+        metrics = {m["name"] for m in ledger.query("SELECT DISTINCT name FROM metrics")}
+        hosts = {r["host"] for r in ledger.query("SELECT DISTINCT host FROM metrics")}
+    got_rows = [tuple(r.values()) for r in got]
+    assert len(got_rows) == len(set(got_rows))  # one ledger row per consumed segment
+    assert set(got_rows) == expected_rows(cfg, 4, range(4))
+    assert {"train_loss", "heldout_loss"} <= metrics
+    assert any(m.startswith("ppl/") for m in metrics) and hosts == {0}
+
+
+def _host_pid(launcher: int, host: int) -> int | None:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher and b"trainer.host" in cmd and cmd[cmd.index(b"--host") + 1] == \
+                str(host).encode():
+            return int(pid)
+    return None
+
+
+def _last_published_step(spool: Path, host: int) -> int:
+    """First step of the newest published segment file of attempt 0 (-1: none yet)."""
+    files = spool.glob(f"*/attempt=0/host={host}/seg-*.parquet")
+    return max((int(f.name.split("-")[1]) for f in files), default=-1)
+
+
+def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp_path):
+    from audit.reconcile import reconcile
+    from pipeline.manifest import build_manifest
+
+    spool, ckpt = tmp_path / "spool", tmp_path / "ckpt"
+    common = ["run_id=k", f"corpus={corpus}", f"spool={spool}", f"checkpoint_dir={ckpt}",
+              "checkpoint_every=6", "flush_every=2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen([sys.executable, "-m", "audit.cli", "train", "--hosts", "2",
+                                 "steps=40", *common], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    # Kill host 1 once it has published steps past the second checkpoint (step 12).
+    while _last_published_step(spool, 1) < 14:
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pid = _host_pid(launcher.pid, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0 and "host 1 ended with signal 9" in err
+
+    done = tally("train", "--hosts", "2", "--resume", "steps=40", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    build_manifest(corpus, tmp_path / "m.parquet")
+    report = reconcile(run_id="k", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
+                       spool=spool)
+    (back,) = [r for r in report["restarts"] if r["attempt"] == 0]
+    assert back["rolled_back_from_step"] >= 12 and back["rolled_back_from_step"] % 6 == 0
+    assert back["rolled_back_steps"] > 0 and back["exact"] is True
+    assert report["consumption"]["last_step"] == 39 and report["verdict"] == "PASS"
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        ingest(spool, ledger)
+        steps = ledger.query("SELECT host, count(DISTINCT step) AS n FROM "
+                             "effective_consumption GROUP BY host ORDER BY host")
+    assert [s["n"] for s in steps] == [40, 40]
+
+
+def test_resume_on_another_host_count_is_refused_without_the_elastic_iterator(corpus,
+                                                                                tmp_path):
+    common = ["run_id=r", f"corpus={corpus}", f"spool={tmp_path / 'spool'}",
+              f"checkpoint_dir={tmp_path / 'ckpt'}", "checkpoint_every=2", "flush_every=2"]
+    assert tally("train", "--hosts", "2", "steps=3", *common).returncode == 0
+    done = tally("train", "--hosts", "1", "--resume", "steps=5", *common)
+    assert done.returncode == 2
+    assert "written by 2 host(s), this job has 1" in done.stderr
