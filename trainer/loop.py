@@ -32,6 +32,8 @@ class TrainResult:
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> metrics
     steps: int = 0
     seconds: float = 0.0  # wall time of the steps (compilation included)
+    step_ends: list[float] = field(default_factory=list)  # perf_counter after each dispatch
+    finished: float = 0.0  # perf_counter once the last step's results are ready
 
 
 def loader_config(cfg: TrainConfig) -> LoaderConfig:
@@ -99,6 +101,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
                 # Exactly the batch this step consumed, not what the loader read ahead.
                 writer.write_batch(step, batch)
             pending.append((step, loss))
+            result.step_ends.append(time.perf_counter())
             if len(pending) >= cfg.flush_every:
                 log_losses()
                 if log and host == 0:
@@ -119,7 +122,8 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
                         f"{result.evals[step]['heldout_loss']:.3f}")
         log_losses()
     jax.block_until_ready(params)
-    result.seconds = time.perf_counter() - t0
+    result.finished = time.perf_counter()
+    result.seconds = result.finished - t0
     result.steps = cfg.steps - start
     loader.close()
     if not np.isfinite(result.losses).all():
