@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -123,6 +124,29 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     return 0 if report["verdict"] != "FAIL" or not args.strict else 1
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.alerts import Thresholds
+    from api.app import create_app
+    from audit.ledger import Ledger
+
+    off = lambda v: None if v is not None and v < 0 else v  # noqa: E731
+    th = Thresholds(epoch_duplicates=off(args.max_epoch_duplicates),
+                    host_overlap=off(args.max_host_overlap),
+                    ingest_lag_seconds=off(args.max_ingest_lag),
+                    coverage_behind=off(args.max_coverage_behind))
+    token = args.token or os.environ.get("TALLY_API_TOKEN") or None
+    with Ledger(args.ledger) as ledger:
+        app = create_app(ledger, spool=args.spool, manifest=args.manifest, records=args.records,
+                         reports=args.reports, token=token, thresholds=th,
+                         webhook=args.webhook, interval=args.interval)
+        print(f"tally serve: http://{args.host}:{args.port}/ (ledger {args.ledger}"
+              + (f", ingesting {args.spool}" if args.spool else "") + ")", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _add_runner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Beam runner")
     g.add_argument("--runner", default="direct",
@@ -220,6 +244,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--records", type=int, help="held-out records (default: A's eval_records)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=_cmd_compare)
+
+    s = sub.add_parser("serve", help="live API and dashboard; ingests the spool as it grows")
+    s.add_argument("--ledger", required=True, help="DuckDB ledger file (owned by this process)")
+    s.add_argument("--spool", help="spool directory to ingest from while serving")
+    s.add_argument("--manifest", help="manifest Parquet file (domains; coverage denominator)")
+    s.add_argument("--records", type=int,
+                   help="train records N, the coverage denominator, when there is no manifest")
+    s.add_argument("--reports", help="directory written by `tally reconcile -o DIR`")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--token", help="require this bearer token on every endpoint "
+                                   "(default: $TALLY_API_TOKEN, else none)")
+    s.add_argument("--webhook", help="URL to POST alert changes to")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between spool scans")
+    s.add_argument("--max-epoch-duplicates", type=int, default=0,
+                   help="alert above this many within-epoch duplicates (-1: off)")
+    s.add_argument("--max-host-overlap", type=int, default=0,
+                   help="alert above this many records seen by 2+ hosts in the first pass "
+                        "(-1: off)")
+    s.add_argument("--max-ingest-lag", type=float, default=300.0,
+                   help="alert above this many seconds of ingest lag (-1: off)")
+    s.add_argument("--max-coverage-behind", type=float, default=0.02,
+                   help="alert when coverage is this far below the ideal (-1: off)")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.set_defaults(func=_cmd_serve)
 
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")

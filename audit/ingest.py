@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from audit import spool as sp
+from audit.aggregates import Starts, for_ledger
 from audit.ledger import Ledger, one
 
 
@@ -139,6 +140,7 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False) -> Inge
     """Ingest every new published file under `spool` into `ledger`, exactly once."""
     t0 = time.perf_counter()
     result = IngestResult()
+    for_ledger(ledger)  # the aggregates' per-record state, loaded once per process
     cur = ledger.cursor()
     try:
         done = {r[0] for r in cur.execute("SELECT path FROM segments").fetchall()}
@@ -176,7 +178,8 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False) -> Inge
     return result
 
 
-def _read(item: sp.SpoolFile | sp.Stray) -> tuple[pa.Table, dict, pa.Table | None] | BadFile:
+def _read(item: sp.SpoolFile | sp.Stray
+          ) -> tuple[pa.Table, dict, pa.Table | None, Starts | None] | BadFile:
     """Read, check and pre-aggregate one file (runs in the read-ahead thread)."""
     if isinstance(item, sp.Stray):
         return BadFile(item.reason)
@@ -184,11 +187,13 @@ def _read(item: sp.SpoolFile | sp.Stray) -> tuple[pa.Table, dict, pa.Table | Non
         table, info = read_checked(item)
     except BadFile as exc:
         return exc
-    steps = None
+    steps = starts = None
     if item.kind == "seg":
-        steps = table.group_by(["host", "step"]).aggregate(
-            [("n_tokens", "count"), ("n_tokens", "sum")])
-    return table, info, steps
+        start = pc.cast(pc.equal(table["offset"], 0), pa.int64())
+        steps = table.append_column("start", start).group_by(["host", "step"]).aggregate(
+            [("n_tokens", "count"), ("n_tokens", "sum"), ("start", "sum")])
+        starts = Starts.from_table(table)
+    return table, info, steps, starts
 
 
 def _read_ahead(todo: list, depth: int = 2) -> Iterator:
@@ -219,15 +224,18 @@ def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
 
 
 def _ingest_one(ledger: Ledger, cur, f: sp.SpoolFile, size: int, table: pa.Table,
-                info: dict, steps: pa.Table | None) -> None:
+                info: dict, steps: pa.Table | None, starts: Starts | None) -> None:
+    agg = for_ledger(ledger)
     cur.execute("BEGIN TRANSACTION")
     try:
         try:
             run = ledger.ensure_run(cur, info["run_id"], info["fingerprint"])
+            cuts = agg.cuts(cur, run)
             ledger.ensure_attempt(cur, run, info["attempt"], info["resumed_from_step"],
                                   info["host_count"], info["writer_version"])
         except ValueError as exc:
             raise BadFile(str(exc)) from None
+        agg.lineage(cur, run, cuts)
         file_id = one(cur, "SELECT nextval('file_ids')")[0]
         ids = [run, info["attempt"], file_id]
         cur.register("incoming", table)
@@ -240,6 +248,7 @@ def _ingest_one(ledger: Ledger, cur, f: sp.SpoolFile, size: int, table: pa.Table
                 INSERT INTO host_steps SELECT $1, $2, host, step, n_tokens_count, n_tokens_sum, $3
                 FROM incoming_steps""", ids)
             cur.unregister("incoming_steps")
+            agg.add_file(cur, run, info["attempt"], file_id, starts, steps)
             n_tokens = pc.sum(table["n_tokens"]).as_py()
         else:
             cur.execute("INSERT INTO metrics SELECT $1, $2, host, step, name, value, $3 "
@@ -252,7 +261,10 @@ def _ingest_one(ledger: Ledger, cur, f: sp.SpoolFile, size: int, table: pa.Table
              info["last_step"], table.num_rows, n_tokens, size],
         )
         cur.unregister("incoming")
-        cur.execute("COMMIT")
+        with agg.lock:  # readers of the per-record state open their snapshot under it
+            cur.execute("COMMIT")
+            agg.commit()
     except BaseException:
+        agg.discard()
         cur.execute("ROLLBACK")
         raise

@@ -99,6 +99,53 @@ CREATE VIEW effective_consumption AS
 CREATE VIEW rolled_back_consumption AS
     SELECT c.* FROM consumption c JOIN attempts a USING (run, attempt)
     WHERE c.step >= a.rolled_back_from_step;
+-- Aggregates kept at ingest (audit/aggregates.py), in each file's transaction, so the live API
+-- never scans `consumption`. An exposure is a record-start segment ("offset" = 0).
+CREATE TABLE agg_steps (               -- every row; rolled-back ones are left out by readers
+    run INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    host INTEGER NOT NULL,
+    step BIGINT NOT NULL,
+    segments BIGINT NOT NULL,
+    tokens BIGINT NOT NULL,
+    exposures BIGINT NOT NULL,
+    file_id INTEGER NOT NULL
+);
+CREATE TABLE agg_ranks (               -- effective: records whose rank-th exposure is at this step
+    run INTEGER NOT NULL,
+    rank TINYINT NOT NULL,             -- 1 (first seen), 2, 3
+    step BIGINT NOT NULL,
+    records BIGINT NOT NULL,
+    PRIMARY KEY (run, rank, step)
+);
+CREATE TABLE agg_levels (              -- effective: records seen exactly `level` (>= 1) times
+    run INTEGER NOT NULL,
+    level BIGINT NOT NULL,
+    records BIGINT NOT NULL,
+    PRIMARY KEY (run, level)
+);
+CREATE TABLE agg_host_pairs (          -- effective: records both hosts saw (a = b: unique per host)
+    run INTEGER NOT NULL,
+    a INTEGER NOT NULL,
+    b INTEGER NOT NULL,
+    records BIGINT NOT NULL,
+    PRIMARY KEY (run, a, b)
+);
+CREATE TABLE agg_hosts (               -- effective: records a host saw that another host saw too
+    run INTEGER NOT NULL,
+    host INTEGER NOT NULL,
+    shared BIGINT NOT NULL,
+    PRIMARY KEY (run, host)
+);
+CREATE TABLE agg_runs (                -- effective totals per run
+    run INTEGER PRIMARY KEY,
+    seg_files BIGINT NOT NULL,         -- segment files applied (checked against `segments`)
+    records BIGINT NOT NULL,           -- distinct records seen
+    exposures BIGINT NOT NULL,
+    epoch_duplicates BIGINT NOT NULL,  -- exposures beyond the first of a record in one epoch
+    epoch_duplicate_records BIGINT NOT NULL,
+    multi_host_records BIGINT NOT NULL -- records seen by two or more hosts
+);
 """
 
 def rolled_back_from(resumed: dict[int, int | None]) -> dict[int, int | None]:

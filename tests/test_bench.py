@@ -12,3 +12,13 @@ def test_hook_cost_benchmark_runs():
 def test_ingest_benchmark_runs(tmp_path):
     res = ingest_rate.main(["--files", "8", "--rows", "1000", "--dir", str(tmp_path)])
     assert res["rows"] == 8000 and res["ratio"] > 0
+
+
+def test_api_latency_benchmark_runs(tmp_path):
+    from bench import api_latency
+
+    res = api_latency.main(["--rows", "20000", "--records", "5000", "--hosts", "2", "--batch",
+                            "100", "--flush-every", "10", "--requests", "3", "--ref-repeats", "1",
+                            "--live-rows-per-s", "2000", "--dir", str(tmp_path)])
+    assert res["rows"] >= 20000 and res["ratios"]["coverage"] > 0
+    assert set(res["p99"]) >= {"summary", "coverage", "hosts", "steps_full_range"}

@@ -1,0 +1,349 @@
+"""The live API's answers: plain functions over a DuckDB cursor (inside the caller's snapshot
+transaction), returning JSON-able dicts. They read the `agg_*` tables kept at ingest
+(audit/aggregates.py), never a scan of `consumption`, except the per-record lookups.
+
+Rolled-back steps are left out with the ledger's rule (`attempts.rolled_back_from_step`).
+Coverage is over a universe of N train records (record keys 0..N-1: the manifest's train split,
+which comes first in key order, or `--records N`); keys >= N are counted apart as `outside`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from audit import exposure
+from audit.aggregates import Records
+from audit.errors import TallyError
+from audit.ledger import one
+
+EFFECTIVE = "(a.rolled_back_from_step IS NULL OR s.step < a.rolled_back_from_step)"
+MAX_POINTS = 5000
+
+
+class NotFound(TallyError):
+    """An unknown run, host or record (HTTP 404)."""
+
+
+class Unavailable(TallyError):
+    """The answer needs something the service was not given, such as a manifest (HTTP 409)."""
+
+
+@dataclass
+class Universe:
+    """What coverage is measured against."""
+
+    n: int | None  # train records; None when neither a manifest nor --records was given
+    source: str  # "manifest", "records option" or "unknown"
+
+
+def run_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    row = one(cur, "SELECT run FROM runs WHERE run_id = ?", [run_id])
+    if row is None:
+        raise NotFound(f"unknown run {run_id!r}: no segment of it has been ingested")
+    return row[0]
+
+
+def runs(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    rows = cur.execute(f"""
+        SELECT r.run_id, r.manifest_fingerprint,
+               (SELECT count(*) FROM attempts x WHERE x.run = r.run) AS attempts,
+               (SELECT max(host_count) FROM attempts x WHERE x.run = r.run) AS host_count,
+               (SELECT max(s.step) FROM agg_steps s JOIN attempts a USING (run, attempt)
+                WHERE s.run = r.run AND {EFFECTIVE}) AS last_step,
+               coalesce(g.records, 0), coalesce(g.exposures, 0)
+        FROM runs r LEFT JOIN agg_runs g USING (run) ORDER BY r.run_id""").fetchall()
+    names = ["run_id", "manifest_fingerprint", "attempts", "host_count", "last_step",
+             "records_seen", "exposures"]
+    return [dict(zip(names, r, strict=True)) for r in rows]
+
+
+def last_step(cur: duckdb.DuckDBPyConnection, run: int) -> int | None:
+    return one(cur, f"""SELECT max(s.step) FROM agg_steps s JOIN attempts a USING (run, attempt)
+                       WHERE s.run = ? AND {EFFECTIVE}""", [run])[0]
+
+
+def coverage(cur: duckdb.DuckDBPyConnection, run: int, uni: Universe, step: int | None = None,
+             outside: Records | None = None) -> dict[str, Any]:
+    """Coverage, exposure histogram and the ideal, as of `step` (default: the latest)."""
+    last = last_step(cur, run)
+    at = last if step is None else step
+    if at is None:
+        at = -1
+    exposures = int(one(cur, f"""
+        SELECT coalesce(sum(s.exposures), 0) FROM agg_steps s JOIN attempts a USING (run, attempt)
+        WHERE s.run = ? AND s.step <= ? AND {EFFECTIVE}""", [run, at])[0])
+    ge = dict(cur.execute("""SELECT rank, sum(records) FROM agg_ranks
+                             WHERE run = ? AND step <= ? GROUP BY rank""", [run, at]).fetchall())
+    ge = [int(ge.get(k, 0)) for k in (1, 2, 3)]
+    out_rec = out_exp = 0
+    if outside is not None and len(outside.keys):
+        seen = outside.steps <= at
+        ge = [g - int(seen[:, j].sum()) for j, g in enumerate(ge)]
+        if last is None or at >= last:
+            out_exp = int(outside.exposures.sum())
+        else:  # a scan, but only when keys outside the corpus were consumed (a fault)
+            out_exp = int(one(cur, """
+                SELECT count(*) FROM consumption c JOIN attempts a USING (run, attempt)
+                WHERE c.run = ? AND c.record_key >= ? AND c."offset" = 0 AND c.step <= ?
+                  AND (a.rolled_back_from_step IS NULL OR c.step < a.rolled_back_from_step)""",
+                              [run, uni.n, at])[0])
+        out_rec = int(seen[:, 0].sum())
+        exposures -= out_exp
+    n = uni.n
+    counts = np.array([0 if n is None else n - ge[0], ge[0] - ge[1], ge[1] - ge[2], ge[2]])
+    hist = exposure.histogram(counts)
+    res: dict[str, Any] = {
+        "step": None if at < 0 else at, "latest_step": last, "train_records": n,
+        "universe": uni.source, "exposures": exposures, "seen": ge[0],
+        "coverage": ge[0] / n if n else None,
+        "histogram": {b: (None if (b == "0" and n is None) else int(v))
+                      for b, v in zip(exposure.HIST_BINS, hist, strict=True)},
+        "outside": {"records": out_rec, "exposures": out_exp},
+    }
+    if n:
+        lo, hi = exposure.ideal_bounds(exposures, n)
+        res["histogram_fraction"] = {b: int(v) / n
+                                     for b, v in zip(exposure.HIST_BINS, hist, strict=True)}
+        res["never_seen_fraction"] = int(hist[0]) / n
+        res["ideal"] = {"min": lo, "max": hi,
+                        "coverage": float(exposure.ideal_coverage(exposures, n))}
+        res["behind_ideal"] = res["ideal"]["coverage"] - res["coverage"]
+        if at == last or step is None:
+            levels = dict(cur.execute("SELECT level, records FROM agg_levels WHERE run = ? "
+                                      "AND records <> 0", [run]).fetchall())
+            if outside is not None and len(outside.keys):
+                for lv, c in zip(*np.unique(outside.exposures, return_counts=True), strict=True):
+                    levels[int(lv)] = levels.get(int(lv), 0) - int(c)
+            top = max(levels, default=0)
+            per_level = np.zeros(top + 1, np.int64)
+            for lv, c in levels.items():
+                per_level[lv] = c
+            per_level[0] = n - ge[0]
+            excess, missing = exposure.excess(per_level, exposures, n)
+            res["excess_exposures"], res["missing_exposures"] = excess, missing
+    return res
+
+
+def _range(cur, run: int, start: int | None, end: int | None, bucket: int | None,
+           points: int) -> tuple[int, int, int] | None:
+    last = last_step(cur, run)
+    if last is None:
+        return None
+    start = 0 if start is None else start
+    end = last if end is None else min(end, last)
+    if end < start:
+        return start, start - 1, 1
+    if bucket is None:
+        bucket = max(1, math.ceil((end - start + 1) / points))
+    return start, end, bucket
+
+
+def steps(cur: duckdb.DuckDBPyConnection, run: int, uni: Universe, start: int | None = None,
+          end: int | None = None, bucket: int | None = None, points: int = 500
+          ) -> dict[str, Any]:
+    """Per step (bucketed): consumed, new unique, repeats, cumulative coverage and the ideal."""
+    rng = _range(cur, run, start, end, bucket, points)
+    cols = ("step", "last_step", "segments", "tokens", "exposures", "new_unique")
+    if rng is None:
+        return {"bucket": bucket or 1, **{c: [] for c in cols}, "repeats": [],
+                "cumulative_unique": [], "cumulative_exposures": [], "coverage": None,
+                "ideal_coverage": None}
+    start, end, bucket = rng
+    rows = cur.execute(f"""
+        WITH e AS (SELECT s.step, sum(s.segments) AS seg, sum(s.tokens) AS tok,
+                          sum(s.exposures) AS ex
+                   FROM agg_steps s JOIN attempts a USING (run, attempt)
+                   WHERE s.run = $1 AND s.step BETWEEN $2 AND $3 AND {EFFECTIVE} GROUP BY s.step),
+             u AS (SELECT step, records FROM agg_ranks
+                   WHERE run = $1 AND rank = 1 AND step BETWEEN $2 AND $3)
+        SELECT $2 + (e.step - $2) // $4 * $4 AS b, max(e.step), sum(seg), sum(tok), sum(ex),
+               coalesce(sum(u.records), 0)
+        FROM e LEFT JOIN u USING (step) GROUP BY b ORDER BY b""",
+                       [run, start, end, bucket]).fetchall()
+    base_ex = int(one(cur, f"""
+        SELECT coalesce(sum(s.exposures), 0) FROM agg_steps s JOIN attempts a USING (run, attempt)
+        WHERE s.run = ? AND s.step < ? AND {EFFECTIVE}""", [run, start])[0])
+    base_u = int(one(cur, "SELECT coalesce(sum(records), 0) FROM agg_ranks WHERE run = ? "
+                          "AND rank = 1 AND step < ?", [run, start])[0])
+    data = {c: [int(r[i]) for r in rows] for i, c in enumerate(cols)}
+    ex, new = np.array(data["exposures"], np.int64), np.array(data["new_unique"], np.int64)
+    cum_u = base_u + np.cumsum(new)
+    cum_e = base_ex + np.cumsum(ex)
+    n = uni.n
+    return {
+        "bucket": bucket, **data, "repeats": (ex - new).tolist(),
+        "cumulative_unique": cum_u.tolist(), "cumulative_exposures": cum_e.tolist(),
+        "coverage": (cum_u / n).tolist() if n else None,
+        "ideal_coverage": np.asarray(exposure.ideal_coverage(cum_e, n)).tolist() if n else None,
+    }
+
+
+def _host_count(cur, run: int) -> int:
+    hc = one(cur, "SELECT max(host_count) FROM attempts WHERE run = ?", [run])[0] or 0
+    top = one(cur, "SELECT max(host) FROM agg_steps WHERE run = ?", [run])[0]
+    return max(hc, 0 if top is None else top + 1)
+
+
+def hosts(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
+    """Per host (effective rows): segments, tokens, exposures, steps, unique records, records
+    shared with another host; and the host x host overlap matrix (hosts < 64)."""
+    h = _host_count(cur, run)
+    per = {r[0]: r[1:] for r in cur.execute(f"""
+        SELECT s.host, sum(s.segments), sum(s.tokens), sum(s.exposures), min(s.step), max(s.step)
+        FROM agg_steps s JOIN attempts a USING (run, attempt)
+        WHERE s.run = ? AND {EFFECTIVE} GROUP BY s.host""", [run]).fetchall()}
+    shared = dict(cur.execute("SELECT host, shared FROM agg_hosts WHERE run = ?",
+                              [run]).fetchall())
+    tracked = min(h, 64)
+    matrix = np.zeros((tracked, tracked), np.int64)
+    for a, b, c in cur.execute("SELECT a, b, records FROM agg_host_pairs WHERE run = ? "
+                               "AND records <> 0", [run]).fetchall():
+        if a < tracked and b < tracked:
+            matrix[a, b] = c
+    out = []
+    for i in range(h):
+        seg, tok, ex, first, last = per.get(i, (0, 0, 0, None, None))
+        out.append({"host": i, "segments": int(seg), "tokens": int(tok), "exposures": int(ex),
+                    "first_step": first, "last_step": last,
+                    "unique": int(matrix[i, i]) if i < tracked else None,
+                    "overlap_with_others": int(shared.get(i, 0)) if i < tracked else None})
+    off = matrix.sum() - np.trace(matrix)
+    return {"count": h, "overlap_tracked_hosts": tracked, "per_host": out,
+            "overlap_matrix": matrix.tolist(), "overlap_pairs": int(off // 2)}
+
+
+def host_steps(cur: duckdb.DuckDBPyConnection, run: int, host: int, start: int | None = None,
+               end: int | None = None, bucket: int | None = None, points: int = 500
+               ) -> dict[str, Any]:
+    if host >= _host_count(cur, run):
+        raise NotFound(f"run has no host {host} (host_count {_host_count(cur, run)})")
+    rng = _range(cur, run, start, end, bucket, points)
+    cols = ("step", "last_step", "segments", "tokens", "exposures")
+    if rng is None:
+        return {"host": host, "bucket": bucket or 1, **{c: [] for c in cols}}
+    start, end, bucket = rng
+    rows = cur.execute(f"""
+        SELECT $3 + (s.step - $3) // $5 * $5 AS b, max(s.step), sum(s.segments), sum(s.tokens),
+               sum(s.exposures)
+        FROM agg_steps s JOIN attempts a USING (run, attempt)
+        WHERE s.run = $1 AND s.host = $2 AND s.step BETWEEN $3 AND $4 AND {EFFECTIVE}
+        GROUP BY b ORDER BY b""", [run, host, start, end, bucket]).fetchall()
+    return {"host": host, "bucket": bucket,
+            **{c: [int(r[i]) for r in rows] for i, c in enumerate(cols)}}
+
+
+_RECORD_COLS = ("record_key", "step", "host", "attempt", "epoch", "row", "offset", "n_tokens",
+                "content_hash", "rolled_back")
+
+
+def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None = None,
+           content_hash: int | None = None, limit: int = 10_000) -> dict[str, Any]:
+    """Every segment of one record (by key) or of the records with one content hash."""
+    col, val = ("record_key", record_key) if record_key is not None else \
+        ("content_hash", content_hash)
+    rows = cur.execute(f"""
+        SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset", c.n_tokens,
+               c.content_hash,
+               coalesce(c.step >= a.rolled_back_from_step, false) AS rolled_back
+        FROM consumption c JOIN attempts a USING (run, attempt)
+        WHERE c.run = ? AND c.{col} = ?
+        ORDER BY c.record_key, c.step, c.host, c.attempt, c."row", c."offset" LIMIT ?""",
+                       [run, val, limit + 1]).fetchall()
+    if not rows:
+        what = f"record key {record_key}" if record_key is not None else \
+            f"content hash {content_hash:#018x}"
+        raise NotFound(f"{what} was never consumed in this run")
+    segs = [dict(zip(_RECORD_COLS, r, strict=True)) for r in rows[:limit]]
+    keys = sorted({s["record_key"] for s in segs})
+    eff = [s for s in segs if not s["rolled_back"] and s["offset"] == 0]
+    return {"record_keys": keys, "exposures": len(eff),
+            "exposures_by_epoch": {str(e): sum(1 for s in eff if s["epoch"] == e)
+                                   for e in sorted({s["epoch"] for s in eff})},
+            "truncated": len(rows) > limit, "segments": segs}
+
+
+def metrics(cur: duckdb.DuckDBPyConnection, run: int, points: int = 500) -> dict[str, Any]:
+    """Milestones (held-out loss, per-domain perplexity, train loss there) and the train loss
+    series, effective steps only, averaged over hosts."""
+    rows = cur.execute("""
+        SELECT m.step, m.name, avg(m.value) FROM metrics m JOIN attempts a USING (run, attempt)
+        WHERE m.run = ? AND (a.rolled_back_from_step IS NULL OR m.step < a.rolled_back_from_step)
+        GROUP BY ALL ORDER BY m.step""", [run]).fetchall()
+    train = {s: v for s, name, v in rows if name == "train_loss"}
+    miles: dict[int, dict[str, Any]] = {}
+    for s, name, v in rows:
+        if name == "heldout_loss" or name.startswith("ppl/"):
+            m = miles.setdefault(s, {"step": s, "heldout_loss": None, "ppl": {},
+                                     "train_loss": train.get(s)})
+            if name == "heldout_loss":
+                m["heldout_loss"] = v
+            else:
+                m["ppl"][name[4:]] = v
+    ts = np.array(sorted(train), np.int64)
+    tv = np.array([train[s] for s in ts], np.float64)
+    if len(ts) > points:  # mean per bucket of steps
+        b = math.ceil((int(ts[-1]) - int(ts[0]) + 1) / points)
+        idx = (ts - ts[0]) // b
+        cnt = np.bincount(idx)
+        keep = cnt > 0
+        tv = (np.bincount(idx, weights=tv) / np.maximum(cnt, 1))[keep]
+        ts = (ts[0] + np.arange(len(cnt)) * b)[keep]
+    names = sorted({name for _, name, _ in rows})
+    return {"names": names, "milestones": [miles[s] for s in sorted(miles)],
+            "train_loss": {"step": ts.tolist(), "value": tv.tolist()}}
+
+
+def domains(exposures: np.ndarray, manifest: Any) -> list[dict[str, Any]]:
+    """Per domain of the manifest's train split: planned vs actual share of exposures,
+    coverage, never seen. `exposures`: per train record key, effective."""
+    n = manifest.train_records
+    e = np.zeros(n, np.int64)
+    k = min(n, len(exposures))
+    e[:k] = exposures[:k]
+    codes = manifest.domain_codes[:n]
+    nd = len(manifest.domain_names)
+    records = np.bincount(codes, minlength=nd)
+    exp = np.bincount(codes, weights=e, minlength=nd)
+    seen = np.bincount(codes, weights=(e > 0), minlength=nd)
+    total = exp.sum() or 1
+    return [{"domain": name, "records": int(records[i]), "exposures": int(exp[i]),
+             "seen": int(seen[i]), "never_seen": int(records[i] - seen[i]),
+             "coverage": float(seen[i] / records[i]) if records[i] else 0.0,
+             "planned_share": float(records[i] / n) if n else 0.0,
+             "actual_share": float(exp[i] / total)}
+            for i, name in enumerate(manifest.domain_names)]
+
+
+def totals(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
+    row = one(cur, """SELECT seg_files, records, exposures, epoch_duplicates,
+                      epoch_duplicate_records, multi_host_records FROM agg_runs WHERE run = ?""",
+              [run]) or (0, 0, 0, 0, 0, 0)
+    names = ("segment_files", "records_seen", "exposures", "epoch_duplicates",
+             "epoch_duplicate_records", "multi_host_records")
+    out = dict(zip(names, map(int, row), strict=True))
+    rows = one(cur, "SELECT coalesce(sum(n_rows), 0), count(*), max(ingested_at) FROM segments "
+                    "WHERE run = ? AND kind = 'seg'", [run])
+    out["rows_ingested"], out["last_ingested_at"] = int(rows[0]), rows[2]
+    out["attempts"] = [dict(zip(("attempt", "resumed_from_step", "host_count",
+                                 "rolled_back_from_step"), r, strict=True))
+                       for r in cur.execute("""SELECT attempt, resumed_from_step, host_count,
+            rolled_back_from_step FROM attempts WHERE run = ? ORDER BY attempt""",
+                                            [run]).fetchall()]
+    return out
+
+
+def outside_of(exposures: np.ndarray, steps: np.ndarray, n: int | None) -> Records | None:
+    """State of records with key >= n (held-out or unknown), from the per-record arrays."""
+    if n is None or len(exposures) <= n:
+        return None
+    keys = n + np.flatnonzero(exposures[n:] > 0)
+    r = Records.empty(keys)
+    r.exposures[:] = exposures[keys]
+    r.steps[:] = steps[keys]
+    return r
+

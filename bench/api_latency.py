@@ -1,0 +1,255 @@
+"""Live API latency on a large ledger while ingestion goes on.
+
+Writes a spool of `--rows` consumption rows through the real writer (a healthy loader: each
+epoch a fresh permutation of `--records` keys, cut across `--hosts` hosts, `--batch` segments per
+host and step), ingests it with `audit.ingest` (aggregates included), then times the reference:
+the same answers computed by one SQL query each over `effective_consumption` (coverage, the
+per-step series, per-host unique records). Then starts `tally serve` on the ledger in its own
+process, keeps writing more spool files (about `--live-rows-per-s` rows per second, ingested by
+the server as they appear) and times `--requests` sequential requests per endpoint. Prints p50
+and p99 per endpoint, and each aggregate-backed endpoint's p50 against its reference.
+
+    python -m bench.api_latency [--rows 50000000] [--records 10000000] [--dir bench/out/api]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from audit.ingest import ingest
+from audit.ledger import Ledger
+from audit.segments import Segments
+from audit.writer import LedgerWriter
+
+RUN = "bench"
+_A = 2_654_435_761  # multiplier of the per-epoch permutation: coprime to the record count
+
+
+class Loader:
+    """Step s of host h: `batch` keys of a pseudo-random permutation of the records, a new one
+    each epoch (key = (A * i + B * epoch) mod N, A coprime to N)."""
+
+    def __init__(self, records: int, hosts: int, batch: int) -> None:
+        self.n, self.hosts, self.batch = records, hosts, batch
+        self.a = _A % records
+        while np.gcd(self.a, records) != 1:
+            self.a += 1
+        self.rng = np.random.default_rng(0)
+
+    def segments(self, step: int, host: int) -> Segments:
+        pos = (step * self.hosts + host) * self.batch + np.arange(self.batch, dtype=np.int64)
+        epoch, i = np.divmod(pos, self.n)
+        keys = (self.a * i + 7_919 * epoch) % self.n
+        return Segments.build(row=np.arange(self.batch) % 512, record_key=keys,
+                              n_tokens=self.rng.integers(1, 8192, self.batch),
+                              content_hash=keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15),
+                              epoch=epoch)
+
+
+def write(spool: Path, loader: Loader, steps: range, flush_every: int,
+          pace_rows_per_s: float | None = None, stop: threading.Event | None = None) -> int:
+    """All hosts' rows for `steps`; paced when asked (rows per second, all hosts together)."""
+    writers = [LedgerWriter(spool, RUN, host=h, host_count=loader.hosts, flush_every=flush_every,
+                            fsync=False, queue_size=4) for h in range(loader.hosts)]
+    rows, t0 = 0, time.perf_counter()
+    try:
+        for step in steps:
+            if stop is not None and stop.is_set():
+                break
+            for h, w in enumerate(writers):
+                w.write_segments(step, loader.segments(step, h))
+                if step % 10 == 0:
+                    w.log_metric(step, "train_loss", 3.0 + 1.0 / (1 + step))
+            rows += loader.hosts * loader.batch
+            if pace_rows_per_s:
+                ahead = rows / pace_rows_per_s - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+    finally:
+        for w in writers:
+            w.close()
+    return rows
+
+
+def references(ledger: Ledger, repeats: int) -> dict[str, float]:
+    """Seconds for one SQL query over `effective_consumption` per answer (median)."""
+    sql = {
+        "coverage": """SELECT count(*), count(DISTINCT record_key) FROM effective_consumption
+                       WHERE run = 1 AND "offset" = 0""",
+        "steps": """WITH s AS (SELECT * FROM effective_consumption WHERE run = 1),
+            f AS (SELECT record_key, min(step) AS step FROM s WHERE "offset" = 0 GROUP BY ALL),
+            n AS (SELECT step, count(*) AS new FROM f GROUP BY ALL)
+            SELECT step, count(*), sum(n_tokens), any_value(new) FROM s LEFT JOIN n USING (step)
+            GROUP BY step ORDER BY step""",
+        "hosts": """WITH seen AS (SELECT DISTINCT record_key, host FROM effective_consumption
+                    WHERE run = 1 AND "offset" = 0)
+            SELECT host, count(*) FROM seen GROUP BY host""",
+    }
+    out = {}
+    cur = ledger.cursor()
+    for name, q in sql.items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            cur.execute(q).fetchall()
+            times.append(time.perf_counter() - t0)
+        out[name] = float(np.median(times))
+    cur.close()
+    return out
+
+
+_SERVE = """
+import sys, uvicorn
+from api.app import create_app
+from audit.ledger import Ledger
+ledger, spool, port, records, mem = sys.argv[1:6]
+with Ledger(ledger) as led:
+    led.con.execute(f"SET memory_limit = '{mem}'")
+    app = create_app(led, spool=spool, records=int(records), interval=0.5)
+    print("ready", flush=True)
+    uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning")
+"""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=50_000_000)
+    ap.add_argument("--records", type=int, default=10_000_000)
+    ap.add_argument("--hosts", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4096, help="segments per host and step")
+    ap.add_argument("--flush-every", type=int, default=50)
+    ap.add_argument("--requests", type=int, default=200, help="per endpoint")
+    ap.add_argument("--live-rows-per-s", type=float, default=100_000)
+    ap.add_argument("--ref-repeats", type=int, default=3)
+    ap.add_argument("--memory-limit", default="6GB", help="DuckDB memory limit")
+    ap.add_argument("--dir", default="bench/out/api")
+    args = ap.parse_args(argv)
+    out = Path(args.dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    spool, path = out / "spool", out / "ledger.duckdb"
+    loader = Loader(args.records, args.hosts, args.batch)
+    steps = -(-args.rows // (args.hosts * args.batch))
+
+    t0 = time.perf_counter()
+    rows = write(spool, loader, range(steps), args.flush_every)
+    print(f"spool: {rows:,} rows ({steps} steps x {args.hosts} hosts x {args.batch}) in "
+          f"{time.perf_counter() - t0:.1f} s")
+    with Ledger(path) as ledger:
+        ledger.con.execute(f"SET memory_limit = '{args.memory_limit}'")
+        t0 = time.perf_counter()
+        res = ingest(spool, ledger)
+        ingest_s = time.perf_counter() - t0
+        assert not res.quarantined
+        assert ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"] == rows
+        print(f"ingest with aggregates: {rows:,} rows in {ingest_s:.1f} s "
+              f"({rows / ingest_s / 1e6:.2f} M rows/s)")
+        ref = references(ledger, args.ref_repeats)
+    print("reference (one SQL query over effective_consumption): "
+          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ref.items()))
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    t0 = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-c", _SERVE, str(path), str(spool), str(port),
+                               str(args.records), args.memory_limit], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    stop = threading.Event()
+    live = {"rows": 0}
+    try:
+        client = httpx.Client(base_url=base, timeout=60)
+        while True:
+            try:
+                if client.get("/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                if server.poll() is not None:
+                    raise RuntimeError(server.stdout.read()) from None
+                time.sleep(0.2)
+        print(f"server up in {time.perf_counter() - t0:.1f} s (per-record state rebuilt)")
+        writer = threading.Thread(target=lambda: live.__setitem__("rows", write(
+            spool, loader, range(steps, 10**9), args.flush_every, args.live_rows_per_s, stop)))
+        writer.start()
+        last = steps - 1
+        endpoints = {
+            "summary": f"/v1/runs/{RUN}",
+            "coverage": f"/v1/runs/{RUN}/coverage",
+            "coverage_at_step": f"/v1/runs/{RUN}/coverage?step={last // 2}",
+            "steps_full_range": f"/v1/runs/{RUN}/steps?points=500",
+            "steps_range_bucketed": f"/v1/runs/{RUN}/steps?start={last // 4}&end={last // 2}"
+                                    "&bucket=10",
+            "hosts": f"/v1/runs/{RUN}/hosts",
+            "host_steps": f"/v1/runs/{RUN}/hosts/{args.hosts - 1}/steps?points=500",
+            "metrics": f"/v1/runs/{RUN}/metrics",
+            "prometheus": "/metrics",
+            "record_by_key": f"/v1/runs/{RUN}/records/{args.records // 3}",
+        }
+        lat: dict[str, np.ndarray] = {}
+        for name, url in endpoints.items():
+            n = args.requests if name != "record_by_key" else max(5, args.requests // 20)
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                r = client.get(url)
+                times.append(time.perf_counter() - t)
+                assert r.status_code == 200, (url, r.text)
+            lat[name] = np.array(times) * 1e3
+        health = client.get("/healthz").json()
+        summary = client.get(f"/v1/runs/{RUN}").json()
+        rss = _peak_rss(server.pid)
+    finally:
+        stop.set()
+        server.terminate()
+        server.wait(60)
+    print(f"while timing: the writer published {live['rows']:,} more rows; the server ingested "
+          f"{health['ingest']['rows']:,} of them; ledger now {summary['rows_ingested']:,} rows; "
+          f"lag at the end {health['ingest']['lag_seconds']:.1f} s{rss}")
+    print(f"{'endpoint':24s} {'p50 ms':>8s} {'p99 ms':>8s}  reference / p50")
+    ratios = {}
+    for name, t in lat.items():
+        p50, p99 = np.percentile(t, 50), np.percentile(t, 99)
+        key = {"coverage": "coverage", "summary": "coverage", "steps_full_range": "steps",
+               "hosts": "hosts"}.get(name)
+        note = ""
+        if key:
+            ratios[name] = ref[key] * 1e3 / p50
+            note = f"  {ratios[name]:,.2f} ({key} scan {ref[key] * 1e3:,.0f} ms)"
+        print(f"{name:24s} {p50:8.1f} {p99:8.1f}{note}")
+    target = ("summary", "coverage", "coverage_at_step", "steps_full_range",
+              "steps_range_bucketed", "hosts")
+    worst = max(np.percentile(lat[k], 99) for k in target)
+    print(f"worst p99 of summary/coverage/hosts/steps: {worst:.1f} ms (target < 50 ms)")
+    return {"rows": rows, "p99": {k: float(np.percentile(v, 99)) for k, v in lat.items()},
+            "ratios": ratios, "live_rows": live["rows"], "ingested_live": health["ingest"]["rows"]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_rss(pid: int) -> str:
+    try:
+        hwm = [x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if x.startswith("VmHWM")]
+    except OSError:
+        return ""
+    return f"; server peak RSS {int(hwm[0].split()[1]) / 2**20:.1f} GiB" if hwm else ""
+
+
+if __name__ == "__main__":
+    main()

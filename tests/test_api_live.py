@@ -1,0 +1,234 @@
+"""The live API on a real uvicorn server while real writers publish spool files: exactly-once
+ingest, every endpoint, errors, bearer token, webhook, and the dashboard in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from api.alerts import Thresholds
+from api.app import create_app
+from audit.ingest import ingest
+from audit.ledger import Ledger
+from pipeline.manifest import MANIFEST_SCHEMA
+from tests.api_helpers import Server, content_hash_of, free_port, poll, write_steps
+from tests.conftest import ROOT
+
+N, HELDOUT = 150, 10
+
+
+def write_manifest(path: Path) -> Path:
+    keys = np.arange(N + HELDOUT)
+    t = pa.table({"record_key": keys, "content_hash": content_hash_of(keys),
+                  "n_tokens": np.full(len(keys), 64, np.int32),
+                  "domain": ["web" if k % 3 else "code" for k in keys],
+                  "split": ["train"] * N + ["heldout"] * HELDOUT,
+                  "source": ["s"] * len(keys), "source_index": keys}, schema=MANIFEST_SCHEMA)
+    t = t.replace_schema_metadata({"tally.manifest_fingerprint": "f00d",
+                                   "tally.records": str(N + HELDOUT),
+                                   "tally.train_records": str(N)})
+    pq.write_table(t, path)
+    return path
+
+
+def test_live_ingest_every_endpoint_exactly_once(tmp_path):
+    spool, reports = tmp_path / "spool", tmp_path / "reports"
+    spool.mkdir()
+    (reports / "r").mkdir(parents=True)
+    (reports / "r" / "report.json").write_text(json.dumps({"run_id": "r", "verdict": "PASS"}))
+    manifest = write_manifest(tmp_path / "manifest.parquet")
+    with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        app = create_app(ledger, spool=spool, manifest=manifest, reports=reports, interval=0.05)
+        with Server(app) as srv:
+            assert srv.get("/v1/runs").json() == []
+            # Two hosts publish while the server ingests.
+            written = []
+            threads = [threading.Thread(target=lambda h=h: written.append(write_steps(
+                spool, "r", host=h, hosts=2, steps=range(40), n=N, seed=h, flush_every=3,
+                outside={5: N + 2}))) for h in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            total = sum(written)
+            s = poll(lambda: (x := srv.get("/v1/runs/r").json()).get("rows_ingested") == total
+                     and x)
+            assert s, "rows never all appeared"
+            # Exactly once: the same numbers as SQL over the ledger; a second ingest adds none.
+            eff = ledger.query("""SELECT count(*) FILTER (WHERE record_key < 150) AS ex,
+                count(DISTINCT record_key) FILTER (WHERE record_key < 150) AS seen,
+                count(*) AS rows FROM effective_consumption WHERE "offset" = 0""")[0]
+            cov = s["coverage"]
+            assert (cov["exposures"], cov["seen"]) == (eff["ex"], eff["seen"])
+            assert cov["outside"] == {"records": 1, "exposures": 2}  # held-out key, both hosts
+            assert ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"] == total
+            again = ingest(spool, ledger)
+            assert again.files == 0 and again.already > 0
+            assert srv.get("/v1/runs/r").json()["exposures"] == s["exposures"]
+
+            runs = srv.get("/v1/runs").json()
+            assert [r["run_id"] for r in runs] == ["r"] and runs[0]["last_step"] == 39
+            dom = srv.get("/v1/runs/r/domains").json()
+            assert {d["domain"] for d in dom} == {"web", "code"}
+            assert sum(d["exposures"] for d in dom) == cov["exposures"]
+            assert sum(d["records"] for d in dom) == N
+
+            key = ledger.query("SELECT record_key AS k, count(*) AS n FROM consumption "
+                               "GROUP BY ALL ORDER BY n DESC, k LIMIT 1")[0]
+            rec = srv.get(f"/v1/runs/r/records/{key['k']}").json()
+            assert len(rec["segments"]) == key["n"] and rec["record_keys"] == [key["k"]]
+            assert {"step", "host", "attempt", "epoch", "rolled_back"} <= set(rec["segments"][0])
+            h = int(content_hash_of(np.array([key["k"]]))[0])
+            by_hash = srv.get(f"/v1/runs/r/records?content_hash={h:#x}").json()
+            assert by_hash["segments"] == rec["segments"]
+
+            m = srv.get("/v1/runs/r/metrics").json()
+            assert [x["step"] for x in m["milestones"]] == [9, 19, 29, 39]
+            assert m["milestones"][0]["ppl"] == {"web": 91.0}
+            assert m["milestones"][0]["train_loss"] == pytest.approx(5.0 - 0.09 + 0.0005)
+            assert len(m["train_loss"]["step"]) == 40
+            assert srv.get("/v1/runs/r/report").json()["verdict"] == "PASS"
+            hs = srv.get("/v1/runs/r/hosts/1/steps?points=10").json()
+            assert hs["bucket"] == 4 and len(hs["step"]) == 10
+
+            text = srv.get("/metrics").text
+            assert re.search(r'^tally_coverage\{run="r"\} 0\.\d+$', text, re.M)
+            assert 'tally_host_rows_ingested_total{run="r",host="1"}' in text
+            assert 'tally_alert{run="r",alert="ingest_lag"} 0' in text
+            assert srv.get("/healthz").json()["status"] == "ok"
+
+            # Bad input: 404 with a message, 422 for bad parameters.
+            for path, code, words in (
+                    ("/v1/runs/nope", 404, "unknown run"),
+                    ("/v1/runs/r/records/999999", 404, "never consumed"),
+                    ("/v1/runs/r/hosts/7/steps", 404, "no host 7"),
+                    ("/v1/runs/nope/report", 404, "no reconcile report"),
+                    ("/v1/runs/r/coverage?step=-1", 422, "greater than or equal"),
+                    ("/v1/runs/r/steps?bucket=0", 422, "greater than or equal"),
+                    ("/v1/runs/r/records?content_hash=xyz", 422, "pattern"),
+                    ("/v1/runs/bad%20id", 422, "pattern")):
+                r = srv.get(path)
+                assert r.status_code == code and words in r.text, (path, r.text)
+    # Without a manifest, domains say why.
+    with Ledger(tmp_path / "ledger.duckdb") as ledger, Server(create_app(ledger)) as srv:
+        r = srv.get("/v1/runs/r/domains")
+        assert r.status_code == 409 and "--manifest" in r.json()["detail"]
+        assert srv.get("/v1/runs/r/coverage").json()["coverage"] is None
+
+
+class _Hook(BaseHTTPRequestHandler):
+    got: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).got.append(json.loads(body))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_alerts_post_to_a_webhook(tmp_path):
+    hook = HTTPServer(("127.0.0.1", free_port()), _Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    try:
+        with Ledger(tmp_path / "l.duckdb") as ledger, Server(create_app(
+                ledger, spool=spool, records=N, interval=0.05,
+                thresholds=Thresholds(host_overlap=None, coverage_behind=None),
+                webhook=f"http://127.0.0.1:{hook.server_port}/hook")) as srv:
+            # Random keys with replacement: some record repeats within an epoch.
+            write_steps(spool, "w", host=0, hosts=1, steps=range(20), n=N, seed=3)
+            assert poll(lambda: _Hook.got), "no webhook call"
+            body = _Hook.got[0]
+            assert body["run_id"] == "w" and body["status"] == "alert"
+            assert body["started"] == ["epoch_duplicates"]
+            s = srv.get("/v1/runs/w").json()
+            assert s["status"] == "alert" and s["epoch_duplicates"] > 0
+            assert 'tally_alert{run="w",alert="epoch_duplicates"} 1' in srv.get("/metrics").text
+    finally:
+        hook.shutdown()
+
+
+def test_serve_cli_requires_the_bearer_token(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "t", host=0, hosts=1, steps=range(5), n=N, seed=0)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TALLY_API_TOKEN": "s3cret"}
+    proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "serve", "--ledger",
+                             str(tmp_path / "l.duckdb"), "--spool", str(spool), "--port",
+                             str(port), "--records", str(N)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        def up():
+            try:
+                return httpx.get(url + "/healthz", headers=auth, timeout=2).status_code == 200
+            except httpx.TransportError:
+                return proc.poll() is not None
+        assert poll(up, timeout=60) and proc.poll() is None
+        for path in ("/healthz", "/v1/runs", "/v1/runs/t", "/", "/metrics", "/openapi.json",
+                     "/docs"):
+            assert httpx.get(url + path, timeout=5).status_code == 401, path
+            assert httpx.get(url + path, headers={"Authorization": "Bearer nope"},
+                             timeout=5).status_code == 401, path
+            assert httpx.get(url + path, headers=auth, timeout=5).status_code in (200, 404), path
+        assert poll(lambda: httpx.get(url + "/v1/runs/t", headers=auth, timeout=5)
+                    .status_code == 200)
+        assert httpx.get(url + "/?token=s3cret", timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"http://127.0.0.1:{port}/" in out
+
+
+def _chromium() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser",
+                                               "google-chrome")) if p), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs chromium (CI installs it)")
+def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
+    spool = tmp_path / "spool"
+    for h in range(3):
+        write_steps(spool, "d", host=h, hosts=3, steps=range(60), n=N, seed=h, flush_every=20)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        ingest(spool, ledger)
+        with Server(create_app(ledger, records=N)) as srv, \
+                tempfile.TemporaryDirectory() as profile:
+            out = subprocess.run(
+                [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+                 "--virtual-time-budget=10000", "--dump-dom", srv.url + "/"],
+                capture_output=True, text=True, timeout=120)
+    dom = out.stdout
+    assert "data-updated" in dom, (dom[-2000:], out.stderr[-2000:])
+
+    def points(series: str) -> int:
+        m = re.search(rf'<polyline points="([^"]*)"[^>]*data-series="{series}"', dom)
+        return len(m.group(1).split()) if m else 0
+
+    assert points("coverage") == 60 and points("ideal") == 60
+    assert points("train") == 60 and points("held-out") == 6
+    bars = re.findall(r'data-series="actual" data-bin="([^"]+)" data-value="(\d+)"', dom)
+    assert [b for b, _ in bars] == ["0", "1", "2", "3+"] and sum(int(v) for _, v in bars) == N
+    cells = re.findall(r'class="cell" data-value="(\d+)"', dom)
+    assert len(cells) == 9 and all(int(v) > 0 for v in cells)  # 3 x 3, every pair overlaps
