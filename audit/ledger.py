@@ -99,6 +99,23 @@ CREATE VIEW effective_consumption AS
 CREATE VIEW rolled_back_consumption AS
     SELECT c.* FROM consumption c JOIN attempts a USING (run, attempt)
     WHERE c.step >= a.rolled_back_from_step;
+CREATE SEQUENCE preflight_ids START 1;
+CREATE TABLE preflight_verdicts (      -- every pre-flight verdict (audit/preflight.py)
+    id INTEGER PRIMARY KEY,
+    run_id VARCHAR NOT NULL,           -- a name, not runs.run: the run may not be ingested yet
+    checked_at TIMESTAMP NOT NULL DEFAULT current_timestamp,
+    checkpoint_step BIGINT,
+    old_hosts INTEGER,
+    new_hosts INTEGER,
+    old_global_batch INTEGER,
+    new_global_batch INTEGER,
+    horizon_steps INTEGER,
+    status VARCHAR NOT NULL,           -- 'safe' | 'unsafe' | 'unknown'
+    forced BOOLEAN NOT NULL,           -- the resume went ahead against an unsafe verdict
+    requested_by VARCHAR NOT NULL,     -- 'cli' | 'api' | 'trainer'
+    headline VARCHAR NOT NULL,
+    verdict VARCHAR NOT NULL           -- the whole verdict as JSON (findings, numbers)
+);
 """
 
 def rolled_back_from(resumed: dict[int, int | None]) -> dict[int, int | None]:
