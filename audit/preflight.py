@@ -68,12 +68,12 @@ class PreflightVerdict:
         word = {"safe": "SAFE", "unsafe": "UNSAFE", "unknown": "CANNOT TELL"}[self.status]
         line = f"preflight run {self.run_id}: {word} to {where}"
         bad = [f"repeat {n['repeats']:,} records" if n.get("repeats") else "",
-               f"skip {n['skipped']:,}" if n.get("skipped") else "",
-               f"plan {n['duplicates']:,} twice" if n.get("duplicates") else ""]
+               f"skip {n['skipped']:,} records" if n.get("skipped") else "",
+               f"plan {n['duplicates']:,} records twice" if n.get("duplicates") else ""]
         bad = [b for b in bad if b]
         if bad and n.get("first_bad_step") is not None:
-            line += (f": would {' and '.join(bad)} between steps {n['first_bad_step']} and "
-                     f"{n['last_bad_step']}")
+            said = bad[0] if len(bad) == 1 else ", ".join(bad[:-1]) + " and " + bad[-1]
+            line += f": would {said} between steps {n['first_bad_step']} and {n['last_bad_step']}"
         return line
 
     def summary(self) -> str:
@@ -291,7 +291,9 @@ def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders
         if old_batch != cfg.global_batch:
             add("FAIL", "global_batch_changed",
                 f"the global batch would change from {old_batch} to {cfg.global_batch} rows "
-                f"at step {step}: the resumed position no longer means the same records",
+                f"at step {step}: a position recomputed as step x batch no longer names the "
+                "next record (records skipped or repeated at the boundary); resume with the "
+                "same global batch",
                 before=old_batch, after=cfg.global_batch)
         probe = KeyedLoader(source, dataclasses.replace(cfg, read_threads=0, read_buffer=0,
                                                         workers=0), 0, new_hosts)

@@ -69,9 +69,10 @@ def _codes(v):
     return [f["code"] for f in v.findings if f["severity"] != "INFO"]
 
 
-def test_unchanged_topology_with_packing_is_safe(corpus, tmp_path):
+@pytest.mark.parametrize("packing", ["first_fit", "concat_split"])
+def test_unchanged_topology_with_packing_is_safe(corpus, tmp_path, packing):
     manifest, source = corpus
-    _old_run(tmp_path, source, _cfg(packing="first_fit"), 4)
+    _old_run(tmp_path, source, _cfg(packing=packing), 4)
     v = _preflight(tmp_path, manifest, 4)
     assert v.status == "safe" and v.exit_code == 0 and _codes(v) == []
     n = v.numbers
@@ -153,19 +154,22 @@ def test_changed_global_batch_is_unsafe(corpus, tmp_path):
     assert v.numbers["repeats"] == 0  # the elastic state still names the next record
 
 
-def test_shadow_plan_is_what_the_real_loaders_read_next(corpus, tmp_path):
+@pytest.mark.parametrize("packing,elastic,old,new", [
+    ("first_fit", False, 2, 2), ("concat_split", False, 2, 2), ("none", True, 4, 2)])
+def test_shadow_plan_is_what_the_real_loaders_read_next(corpus, packing, elastic, old, new):
     manifest, source = corpus
-    cfg = _cfg(packing="first_fit")
+    cfg = _cfg(packing=packing, elastic=elastic)
     states = []
-    for h in range(2):
-        loader = KeyedLoader(source, cfg, h, 2)
+    for h in range(old):
+        loader = KeyedLoader(source, cfg, h, old)
         for _ in range(7):
             next(loader)
         states.append(loader.get_state())
-    plans, steps = shadow_run(ShadowSource.from_manifest(manifest), cfg, 2, states, steps=12)
-    assert steps == 12
+    states = [states[h % old] for h in range(new)]
+    plans, steps = shadow_run(ShadowSource.from_manifest(manifest), cfg, new, states, steps=12)
+    assert steps == 12 and sum(len(p.index) for p in plans) > 12 * new
     for h, plan in enumerate(plans):
-        real = KeyedLoader(source, cfg, h, 2)
+        real = KeyedLoader(source, cfg, h, new)  # the real corpus, read from its shards
         real.set_state(states[h])
         for t in range(12):
             np.testing.assert_array_equal(plan.index[plan.step == t], record_starts(next(real)))
@@ -231,3 +235,24 @@ def test_a_ledger_behind_the_checkpoint_cannot_tell(corpus, tmp_path, capsys):
     (f,) = v.findings
     assert f["code"] == "ledger_behind"
     assert "holds steps up to 29" in f["message"] and "ingest the spool first" in f["message"]
+
+
+def test_config_file_gives_the_new_loader_config(corpus, tmp_path, capsys):
+    manifest, source = corpus
+    ckpt = _old_run(tmp_path, source, _cfg(packing="first_fit"), 2)
+    base = ["preflight", "--run", "r", "--ledger", str(tmp_path / "ledger.duckdb"),
+            "--manifest", str(manifest), "--checkpoint", str(ckpt), "--hosts", "2", "--json"]
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps({"seq_len": 32, "global_batch": 16, "packing": "first_fit",
+                                "seed": 3}))
+    assert main(base + ["--config", str(conf)]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "safe"
+    conf.write_text(json.dumps({"seq_len": 32, "global_batch": 16, "packing": "none",
+                                "seed": 3}))
+    assert main(base + ["--config", str(conf)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    (f,) = [f for f in out["findings"] if f["code"] == "state_incompatible"]
+    assert "packing was 'first_fit' when saved, is 'none' now" in f["message"]
+    conf.write_text("{")
+    assert main(base + ["--config", str(conf)]) == 2
+    assert "cannot read config" in capsys.readouterr().err
