@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--rows", type=int, default=8, help="rows per host per step")
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--packing", default="none", choices=["none", "first_fit", "concat_split"],
+                    help="none: the elastic iterator (a reshard); packed: the per-host "
+                         "iterator on an unchanged topology (--old-hosts is ignored)")
     ap.add_argument("--records", type=int, default=1_000_000)
     ap.add_argument("--old-hosts", type=int, default=32)
     ap.add_argument("--old-steps", type=int, default=50)
@@ -104,17 +107,22 @@ def main(argv: list[str] | None = None) -> dict:
     write_manifest(out / "m.parquet", args.records)
     source = ShadowSource.from_manifest(out / "m.parquet")
     batch = args.hosts * args.rows
-    cfg = LoaderConfig(seq_len=args.seq_len, global_batch=batch, elastic=True, read_threads=0,
-                       read_buffer=0)
-    ckpt = old_run(out, source, cfg, args.old_hosts, args.old_steps)
-    print(f"setup: {args.records:,}-record manifest, {args.old_hosts} old hosts x "
+    elastic = args.packing == "none"
+    old_hosts = args.old_hosts if elastic else args.hosts
+    cfg = LoaderConfig(seq_len=args.seq_len, global_batch=batch, packing=args.packing,
+                       elastic=elastic, read_threads=0, read_buffer=0)
+    if elastic:  # the old topology's batch: its hosts' rows add up to the same global batch
+        assert batch % old_hosts == 0, "--old-hosts must divide the global batch"
+    ckpt = old_run(out, source, cfg, old_hosts, args.old_steps)
+    print(f"setup: {args.records:,}-record manifest, {old_hosts} old hosts x "
           f"{args.old_steps} steps into the ledger, checkpoint: {time.perf_counter() - t0:.1f} s")
 
     t0 = time.perf_counter()
     rows = bare(source, cfg, args.hosts, args.steps, load_checkpoint_meta(ckpt)["loaders"])
     ref_s = time.perf_counter() - t0
     assert rows == args.hosts * args.steps * args.rows
-    print(f"(a) reference, bare loader iteration (1 process): {rows:,} rows in {ref_s:.1f} s")
+    print(f"(a) reference, bare loader iteration (1 process, packing {args.packing}): "
+          f"{rows:,} rows in {ref_s:.1f} s")
 
     res = {"rows": rows, "ref_s": ref_s}
     verdicts = []

@@ -256,3 +256,20 @@ def test_config_file_gives_the_new_loader_config(corpus, tmp_path, capsys):
     conf.write_text("{")
     assert main(base + ["--config", str(conf)]) == 2
     assert "cannot read config" in capsys.readouterr().err
+
+
+def test_horizon_to_the_epoch_end_keeps_hosts_in_lockstep(corpus):
+    manifest, source = corpus
+    shadow = ShadowSource.from_manifest(manifest)
+    cfg = _cfg(packing="first_fit", global_batch=8)
+    plans, steps = shadow_run(shadow, cfg, 4, [None] * 4, steps=1000, until_epoch=0,
+                              to_epoch_end=True)
+    # Hosts finish their share of the epoch at different steps; the ones that finish first
+    # are extended to the common horizon, exactly as a fixed horizon plans them.
+    fixed, _ = shadow_run(shadow, cfg, 4, [None] * 4, steps=steps, until_epoch=0)
+    assert len({p.passed for p in plans}) > 1 and max(p.passed for p in plans) == steps
+    for a, b in zip(plans, fixed, strict=True):
+        np.testing.assert_array_equal(a.step, b.step)
+        np.testing.assert_array_equal(a.index, b.index)
+    everything = np.concatenate([p.index for p in plans])
+    assert sorted(everything[everything < 2048]) == list(range(2048))
