@@ -147,6 +147,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from audit.ledger import Ledger
+    from audit.preflight import record_verdict, run_preflight
+
+    try:
+        cfg = None
+        if args.config:
+            from trainer.config import TrainConfig
+            from trainer.loop import loader_config
+
+            cfg = loader_config(TrainConfig.load(args.config))
+        call = dict(run_id=args.run, manifest=args.manifest, checkpoint=args.checkpoint,
+                    new_hosts=args.hosts, loader_config=cfg, global_batch=args.global_batch,
+                    horizon=args.horizon, workers=args.workers)
+        if args.record:
+            if not Path(args.ledger).is_file():
+                raise TallyError(f"no ledger at {args.ledger}")
+            with Ledger(args.ledger) as ledger:
+                verdict = run_preflight(ledger, **call)
+                record_verdict(ledger, verdict, requested_by="cli")
+        else:
+            verdict = run_preflight(args.ledger, **call)
+    except TallyError as exc:
+        if args.json:  # a machine reader still gets a verdict to parse
+            print(json.dumps({"run_id": args.run, "status": "unknown", "findings": [
+                {"severity": "UNKNOWN", "code": "bad_input", "message": str(exc),
+                 "numbers": {}}], "numbers": {}}, indent=2))
+        raise
+    print(verdict.to_json() if args.json else verdict.summary())
+    return verdict.exit_code
+
+
 def _add_runner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Beam runner")
     g.add_argument("--runner", default="direct",
@@ -269,6 +301,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alert when coverage is this far below the ideal (-1: off)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(func=_cmd_serve)
+
+    s = sub.add_parser("preflight", help="before resuming on another topology: shadow-run the "
+                                         "loader and check the plan against the ledger "
+                                         "(exit 0 safe, 1 unsafe, 2 cannot tell)")
+    s.add_argument("--run", required=True, help="run id")
+    s.add_argument("--ledger", required=True, help="DuckDB ledger file (opened read-only)")
+    s.add_argument("--manifest", required=True, help="manifest Parquet file of the run's corpus")
+    s.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (latest step) or one step's directory")
+    s.add_argument("--hosts", type=int, required=True, help="host count to resume on")
+    s.add_argument("--global-batch", type=int, help="global batch on the new topology "
+                                                    "(default: the config's)")
+    s.add_argument("--horizon", type=int, help="steps to plan (default: to the end of the "
+                                               "current epoch, at most 1000)")
+    s.add_argument("--config", help="training config JSON (default: the loader config saved "
+                                    "in the checkpoint)")
+    s.add_argument("--workers", type=int, help="processes for the shadow run (default: one "
+                                               "per core for large plans)")
+    s.add_argument("--record", action="store_true",
+                   help="record the verdict in the ledger (opens it for writing)")
+    s.add_argument("--json", action="store_true", help="machine-readable verdict")
+    s.set_defaults(func=_cmd_preflight)
 
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")

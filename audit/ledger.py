@@ -20,7 +20,7 @@ import duckdb
 
 from audit.errors import TallyError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _DDL = """
 CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
@@ -145,6 +145,23 @@ CREATE TABLE agg_runs (                -- effective totals per run
     epoch_duplicates BIGINT NOT NULL,  -- exposures beyond the first of a record in one epoch
     epoch_duplicate_records BIGINT NOT NULL,
     multi_host_records BIGINT NOT NULL -- records seen by two or more hosts
+);
+CREATE SEQUENCE preflight_ids START 1;
+CREATE TABLE preflight_verdicts (      -- every pre-flight verdict (audit/preflight.py)
+    id INTEGER PRIMARY KEY,
+    run_id VARCHAR NOT NULL,           -- a name, not runs.run: the run may not be ingested yet
+    checked_at TIMESTAMP NOT NULL DEFAULT current_timestamp,
+    checkpoint_step BIGINT,
+    old_hosts INTEGER,
+    new_hosts INTEGER,
+    old_global_batch INTEGER,
+    new_global_batch INTEGER,
+    horizon_steps INTEGER,
+    status VARCHAR NOT NULL,           -- 'safe' | 'unsafe' | 'unknown'
+    forced BOOLEAN NOT NULL,           -- the resume went ahead against an unsafe verdict
+    requested_by VARCHAR NOT NULL,     -- 'cli' | 'api' | 'trainer'
+    headline VARCHAR NOT NULL,
+    verdict VARCHAR NOT NULL           -- the whole verdict as JSON (findings, numbers)
 );
 """
 

@@ -1,6 +1,6 @@
 """The benchmarks still run (at toy sizes) and report what they claim to measure."""
 
-from bench import hook_cost, ingest_rate
+from bench import hook_cost, ingest_rate, preflight_rate
 
 
 def test_hook_cost_benchmark_runs():
@@ -22,3 +22,10 @@ def test_api_latency_benchmark_runs(tmp_path):
                             "--live-rows-per-s", "2000", "--dir", str(tmp_path)])
     assert res["rows"] >= 20000 and res["ratios"]["coverage"] > 0
     assert set(res["p99"]) >= {"summary", "coverage", "hosts", "steps_full_range"}
+
+def test_preflight_benchmark_runs(tmp_path):
+    # Two worker processes: the spawned pool must plan exactly what one process plans.
+    res = preflight_rate.main(["--hosts", "4", "--steps", "5", "--records", "5000",
+                               "--old-hosts", "2", "--old-steps", "3", "--workers", "2",
+                               "--dir", str(tmp_path)])
+    assert res["rows"] == 4 * 5 * 8 and res["planned"] == res["rows"] and res["c_s"] > 0
