@@ -86,7 +86,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from audit.demo import run_demo
 
-    run_demo(Path(args.out))
+    run_demo(Path(args.out), records=args.records, keep_serving=args.keep_serving)
     return 0
 
 
@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")
+    s.add_argument("--records", type=int, default=2000, help="corpus size (default 2000)")
+    s.add_argument("--keep-serving", action="store_true",
+                   help="keep the API service and its dashboard up until Ctrl-C")
     s.set_defaults(func=_cmd_demo)
     return p
 

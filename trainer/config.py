@@ -15,6 +15,7 @@ from audit.errors import TallyError
 class TrainConfig:
     run_id: str = "run"
     corpus: str = "corpus"
+    manifest: str = ""  # the corpus manifest; its fingerprint goes into every spool file
     spool: str = "spool"
     # model
     vocab_size: int = 4096  # token ids are folded into the vocabulary (id % vocab_size)

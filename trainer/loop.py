@@ -19,6 +19,7 @@ from audit.errors import TallyError
 from audit.writer import LedgerWriter
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
+from pipeline.manifest import manifest_info
 from trainer import checkpoint
 from trainer.config import TrainConfig
 from trainer.distributed import Topology, gather_json
@@ -68,9 +69,11 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
         attempt = meta["attempt"] + 1
 
     result = TrainResult()
+    fingerprint = manifest_info(cfg.manifest)["manifest_fingerprint"] if cfg.manifest else None
     writer = (LedgerWriter(cfg.spool, cfg.run_id, host=host, host_count=host_count,
                            attempt=attempt, resumed_from_step=start if attempt else None,
-                           records_per_epoch=len(source), flush_every=cfg.flush_every)
+                           records_per_epoch=len(source), flush_every=cfg.flush_every,
+                           manifest_fingerprint=fingerprint)
               if audit else nullcontext())
     pending: list[tuple[int, jax.Array]] = []  # losses not yet fetched (keeps dispatch async)
 

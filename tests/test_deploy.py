@@ -1,0 +1,80 @@
+"""docker-compose.yml and the Dockerfile, checked against the real CLI (no Docker engine here)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+
+import pytest
+import yaml
+
+from audit.cli import build_parser
+from tests.conftest import ROOT
+from trainer import host
+
+
+def _expand(arg: str) -> str:
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), arg)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_services_share_one_volume_and_the_project_image(compose):
+    services = compose["services"]
+    assert {"api", "trainer", "reconcile"} <= set(services)
+    assert set(compose["volumes"]) == {"tally-data"}
+    for name, svc in services.items():
+        assert svc["build"] == ".", name
+        assert "tally-data:/data" in svc["volumes"], name
+    assert services["trainer"]["deploy"]["replicas"] > 1
+    assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]
+
+
+def test_every_command_parses_with_the_real_cli(compose):
+    services = compose["services"]
+    parser = build_parser()
+    for name in ("api", "reconcile"):
+        args = parser.parse_args([_expand(a) for a in services[name]["command"]])
+        assert args.command == {"api": "serve", "reconcile": "reconcile"}[name]
+    paths = {"api": parser.parse_args(services["api"]["command"]),
+             "reconcile": parser.parse_args(services["reconcile"]["command"])}
+    assert paths["api"].spool == "/data/spool" and paths["api"].host == "0.0.0.0"
+    assert paths["reconcile"].output == paths["api"].reports  # the API serves its report
+    prepare = services["prepare"]["command"][0]
+    for part in prepare.split("&&"):
+        words = shlex.split(part)
+        assert words[0] == "tally"
+        parser.parse_args(words[1:])
+    assert services["trainer"]["entrypoint"] == ["python", "-m", "trainer.host"]
+    targs = host.build_parser().parse_args([_expand(a) for a in services["trainer"]["command"]])
+    assert targs.rendezvous == "trainer" and targs.hosts == \
+        services["trainer"]["deploy"]["replicas"]
+    from trainer.config import TrainConfig
+
+    cfg = TrainConfig.load(None, targs.overrides)
+    assert cfg.spool == paths["api"].spool and cfg.corpus == "/data/corpus"
+
+
+def test_dockerfile_copies_what_exists_and_runs_the_console_script():
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    copies = [shlex.split(line)[1:-1] for line in lines if line.startswith("COPY ")]
+    sources = [s for c in copies for s in c]
+    assert sources and all((ROOT / s).exists() for s in sources)
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in packages["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert pattern.rstrip("*") in sources
+    assert 'ENTRYPOINT ["tally"]' in lines
+    assert packages["project"]["scripts"]["tally"] == "audit.cli:main"
+
+
+def test_rendezvous_rank_orders_addresses_numerically():
+    addrs = ["10.0.0.10", "10.0.0.9", "10.0.0.2", "10.0.0.9"]
+    assert host.rank("10.0.0.9", addrs) == (1, "10.0.0.2")
+    assert host.rank("10.0.0.10", addrs) == (2, "10.0.0.2")
+    with pytest.raises(Exception, match="not among"):
+        host.rank("10.0.0.3", addrs)
+    assert host.rendezvous("localhost", 1, 12999, timeout_s=5) == (0, "127.0.0.1:12999")
