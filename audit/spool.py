@@ -56,6 +56,10 @@ META_KEYS = (
     "first_step",
     "last_step",
 )
+# Optional keys: files written before they existed lack them.
+OPTIONAL_META_KEYS = (
+    "records_per_epoch",  # train records N the loader cycles through; "" when the run did not say
+)
 META_PREFIX = "tally."
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -82,6 +82,7 @@ class LedgerWriter:
             "resumed_from_step": "" if resumed_from_step is None else str(resumed_from_step),
             "writer_version": sp.WRITER_VERSION,
             "manifest_fingerprint": manifest_fingerprint or "",
+            "records_per_epoch": "" if records_per_epoch is None else str(records_per_epoch),
         }
         # Background state: touched only by the writer thread, except _error (handed over).
         self._steps: list[int] = []

@@ -37,6 +37,7 @@ def test_round_trip_writer_spool_ingest_holds_exactly_the_rows_written(spool, tm
     assert all(f.run_id == "rt" and f.host == 1 and f.attempt == 0 for f in files)
     md = pq.read_schema(files[0].path).metadata
     assert md[b"tally.host_count"] == b"2" and md[b"tally.manifest_fingerprint"] == b"fp1"
+    assert md[b"tally.records_per_epoch"] == b"1000"
 
     with Ledger(tmp_path / "l.duckdb") as ledger:
         res = ingest(spool, ledger)
