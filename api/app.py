@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from api import queries as q
 from api.alerts import Thresholds, Webhook, evaluate, status
 from api.ingest_loop import IngestLoop
+from api.preflight_routes import add_routes as add_preflight_routes
 from audit.aggregates import Aggregates, for_ledger
 from audit.errors import TallyError
 from audit.ledger import Ledger, one
@@ -190,6 +191,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
+
+    add_preflight_routes(app, svc, RunId, ERRORS)
 
     @app.exception_handler(q.NotFound)
     async def not_found(request: Request, exc: q.NotFound):

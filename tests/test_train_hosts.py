@@ -135,11 +135,85 @@ def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp
     assert [s["n"] for s in steps] == [40, 40]
 
 
-def test_resume_on_another_host_count_is_refused_without_the_elastic_iterator(corpus,
-                                                                                tmp_path):
+def test_resume_on_another_host_count_runs_preflight_and_refuses_unless_forced(corpus,
+                                                                               tmp_path):
+    from pipeline.manifest import build_manifest
+
+    build_manifest(corpus, tmp_path / "m.parquet")
+    ledger = tmp_path / "l.duckdb"
     common = ["run_id=r", f"corpus={corpus}", f"spool={tmp_path / 'spool'}",
-              f"checkpoint_dir={tmp_path / 'ckpt'}", "checkpoint_every=2", "flush_every=2"]
-    assert tally("train", "--hosts", "2", "steps=3", *common).returncode == 0
-    done = tally("train", "--hosts", "1", "--resume", "steps=5", *common)
-    assert done.returncode == 2
-    assert "written by 2 host(s), this job has 1" in done.stderr
+              f"checkpoint_dir={tmp_path / 'ckpt'}", "checkpoint_every=4", "flush_every=2",
+              f"manifest={tmp_path / 'm.parquet'}"]
+    assert tally("train", "--hosts", "2", "steps=5", *common).returncode == 0
+    done = tally("train", "--hosts", "1", "--resume", "steps=6", *common)
+    assert done.returncode == 2 and "set ledger=PATH" in done.stderr
+    done = tally("train", "--hosts", "1", "--resume", "steps=6", f"ledger={ledger}", *common)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "refusing to resume step 4 on 1 host(s) (checkpoint: 2 host(s)" in done.stderr
+    assert "says unsafe" in done.stderr and "UNSAFE" in done.stderr
+    done = tally("train", "--hosts", "1", "--resume", "--force", "steps=6", f"ledger={ledger}",
+                 *common)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with Ledger(ledger) as led:
+        ingest(tmp_path / "spool", led)
+        verdicts = led.query("SELECT status, forced, requested_by, old_hosts, new_hosts "
+                             "FROM preflight_verdicts ORDER BY id")
+        resumed = led.query("SELECT attempt, host_count, resumed_from_step FROM attempts "
+                            "ORDER BY attempt")
+    assert verdicts == [
+        {"status": "unsafe", "forced": False, "requested_by": "trainer", "old_hosts": 2,
+         "new_hosts": 1},
+        {"status": "unsafe", "forced": True, "requested_by": "trainer", "old_hosts": 2,
+         "new_hosts": 1}]
+    assert resumed == [{"attempt": 0, "host_count": 2, "resumed_from_step": None},
+                       {"attempt": 1, "host_count": 1, "resumed_from_step": 4}]
+
+
+def test_elastic_reshard_passes_preflight_through_the_api_service(corpus, tmp_path):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from pipeline.manifest import build_manifest
+    from trainer.launch import free_port
+
+    build_manifest(corpus, tmp_path / "m.parquet")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "audit.cli", "serve", "--spool", str(spool), "--ledger",
+         str(tmp_path / "l.duckdb"), "--manifest", str(tmp_path / "m.parquet"), "--port",
+         str(port), "--interval", "0.2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        common = ["run_id=e", f"corpus={corpus}", f"spool={spool}", "elastic=true",
+                  "packing=none", f"checkpoint_dir={tmp_path / 'ckpt'}", "checkpoint_every=4",
+                  "flush_every=2", f"manifest={tmp_path / 'm.parquet'}", f"api={url}"]
+        assert tally("train", "--hosts", "2", "steps=5", *common).returncode == 0
+        deadline = time.monotonic() + 60
+        while True:  # the service must have ingested the checkpoint's steps
+            try:
+                with urllib.request.urlopen(f"{url}/v1/runs/e", timeout=5) as r:
+                    if json.loads(r.read())["last_step"] >= 4:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        done = tally("train", "--hosts", "1", "--resume", "steps=7", *common)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "SAFE to resume step 4 on 1 host(s) (was 2)" in done.stderr
+        with urllib.request.urlopen(f"{url}/v1/runs/e/preflight", timeout=5) as r:
+            history = json.loads(r.read())
+        assert [(h["status"], h["requested_by"], h["old_hosts"], h["new_hosts"], h["forced"])
+                for h in history] == [("safe", "trainer", 2, 1, False)]
+        bad = urllib.request.Request(f"{url}/v1/runs/e/preflight", json.dumps(
+            {"checkpoint": str(tmp_path / "nope"), "hosts": 2}).encode(),
+            {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(bad, timeout=30)
+        assert err.value.code == 422 and "nope" in err.value.read().decode()
+    finally:
+        server.terminate()
+        server.wait(30)

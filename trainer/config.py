@@ -36,6 +36,8 @@ class TrainConfig:
     fault: str = ""  # a loader fault to reproduce (pipeline/loader.py FAULTS); demos only
     # audit
     flush_every: int = 10
+    ledger: str = ""  # the ledger file, for the pre-flight check when resuming on a new topology
+    api: str = ""  # or the URL of `tally serve` when it owns the ledger (token: $TALLY_API_TOKEN)
     # milestone evaluation on the held-out split (0: none; always at the last step otherwise)
     eval_every: int = 0
     eval_records: int = 64

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=int(os.environ.get("TALLY_PORT", 12355)),
                    help="coordinator port with --rendezvous")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="restore loader states saved on another host count (after pre-flight)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return p
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.host is None:
             raise TallyError("give --host or --rendezvous")
         initialize(args.host, args.hosts, args.coordinator)
-        train(cfg, host=args.host, host_count=args.hosts, resume=args.resume,
+        train(cfg, host=args.host, host_count=args.hosts, resume=args.resume, force=args.force,
               log=lambda line: print(line, flush=True))
     except TallyError as exc:
         print(f"tally: error: host {args.host}: {exc}", file=sys.stderr)

@@ -27,21 +27,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_resume(cfg: TrainConfig, hosts: int, force: bool) -> None:
-    """Refuse a resume whose checkpoint cannot feed `hosts` hosts without repeating or
-    skipping data. Same host count: always fine."""
+def check_resume(cfg: TrainConfig, hosts: int, force: bool) -> dict | None:
+    """Before any host starts: resuming on the checkpoint's own topology needs nothing; on
+    another host count or global batch the pre-flight check must say it is safe, or the job
+    refuses to start (`force` goes ahead anyway; the ledger records that it did). Returns the
+    verdict when a check ran."""
     from trainer import checkpoint
 
     if not Path(cfg.checkpoint_dir).is_dir():
         raise TallyError(f"--resume: no checkpoint in {cfg.checkpoint_dir}")
-    _, meta = checkpoint.read_meta(cfg.checkpoint_dir)
-    saved = meta.get("host_count", len(meta["loaders"]))
-    if saved != hosts and not cfg.elastic and not force:
-        raise TallyError(
-            f"the checkpoint was written by {saved} host(s), this job has {hosts}: its "
-            "per-host loader states would repeat and skip records on another host count. "
-            "Use the elastic iterator (elastic=true), or --force to resume anyway (recorded "
-            "in the ledger)")
+    step, meta = checkpoint.read_meta(cfg.checkpoint_dir)
+    saved_hosts = meta.get("host_count", len(meta["loaders"]))
+    saved_batch = meta["loaders"]["0"]["config"]["global_batch"]
+    if (saved_hosts, saved_batch) == (hosts, cfg.global_batch):
+        return None
+    verdict = preflight(cfg, hosts, force)
+    print(verdict["headline"], file=sys.stderr)
+    if verdict["status"] != "safe":
+        if not force:
+            raise TallyError(
+                f"refusing to resume step {step} on {hosts} host(s) (checkpoint: "
+                f"{saved_hosts} host(s), global batch {saved_batch}): the pre-flight check "
+                f"says {verdict['status']}. Fix the loader (the elastic iterator resumes on "
+                "any host count) or pass --force to resume anyway (recorded in the ledger)")
+        print("tally: --force: resuming against the pre-flight verdict (recorded in the "
+              "ledger)", file=sys.stderr)
+    return verdict
+
+
+def preflight(cfg: TrainConfig, hosts: int, force: bool) -> dict:
+    """The verdict, from the API service that owns the ledger (`api=URL`), or from the ledger
+    file itself (`ledger=PATH`, brought up to date with the spool first); recorded either way."""
+    if not cfg.manifest:
+        raise TallyError("resuming on another topology runs the pre-flight check, which needs "
+                         "the corpus manifest: set manifest=PATH")
+    if cfg.api:
+        return _preflight_api(cfg, hosts, force)
+    if not cfg.ledger:
+        raise TallyError("resuming on another topology runs the pre-flight check against the "
+                         "ledger: set ledger=PATH, or api=URL when `tally serve` owns it")
+    from audit.ingest import ingest
+    from audit.ledger import Ledger
+    from audit.preflight import record_verdict, run_preflight
+    from trainer.loop import loader_config
+
+    with Ledger(cfg.ledger) as ledger:
+        ingest(cfg.spool, ledger)
+        verdict = run_preflight(ledger, cfg.run_id, cfg.manifest, cfg.checkpoint_dir, hosts,
+                                loader_config(cfg))
+        record_verdict(ledger, verdict, forced=force and not verdict.ok, requested_by="trainer")
+    return verdict.to_dict()
+
+
+def _preflight_api(cfg: TrainConfig, hosts: int, force: bool) -> dict:
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"checkpoint": str(Path(cfg.checkpoint_dir).resolve()), "hosts": hosts,
+                       "global_batch": cfg.global_batch, "forced": force,
+                       "requested_by": "trainer"}).encode()
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("TALLY_API_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['TALLY_API_TOKEN']}"
+    url = f"{cfg.api.rstrip('/')}/v1/runs/{cfg.run_id}/preflight"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers),
+                                    timeout=600) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise TallyError(f"pre-flight via {url}: HTTP {exc.code}: {detail}") from None
+    except OSError as exc:
+        raise TallyError(f"pre-flight via {url}: {exc}") from None
 
 
 def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = False,
@@ -57,7 +114,8 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
     procs = [subprocess.Popen(
         [sys.executable, "-m", "trainer.host", "--config-json",
          json.dumps(dataclasses.asdict(cfg)), "--host", str(h), "--hosts", str(hosts),
-         "--coordinator", coordinator] + (["--resume"] if resume else []), env=env)
+         "--coordinator", coordinator] + (["--resume"] if resume else [])
+        + (["--force"] if force else []), env=env)
         for h in range(hosts)]
     try:
         return _wait(procs, grace_s)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from audit.errors import TallyError
+from audit.preflight import state_for_host
 from audit.writer import LedgerWriter
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
@@ -44,10 +45,12 @@ def loader_config(cfg: TrainConfig) -> LoaderConfig:
 
 
 def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool = False,
-          audit: bool = True, log=None) -> TrainResult:
+          force: bool = False, audit: bool = True, log=None) -> TrainResult:
     """Train to step `cfg.steps`; with `resume`, continue from the latest checkpoint as a new
-    attempt (the spool records resumed_from_step, so the ledger rolls back the rest).
-    `audit=False` leaves the ledger writer out: only for measuring what it costs."""
+    attempt (the spool records resumed_from_step, so the ledger rolls back the rest);
+    `force` restores loader states saved on another host count (the launcher's pre-flight
+    check has run and its verdict is in the ledger). `audit=False` leaves the ledger writer
+    out: only for measuring what it costs."""
     topo = Topology.create()
     source = TokenSource(cfg.corpus)
     loader = KeyedLoader(source, loader_config(cfg), host, host_count)
@@ -65,7 +68,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
         if found is None:
             raise TallyError(f"--resume: no checkpoint in {cfg.checkpoint_dir}")
         start, params, opt_state, meta = found
-        loader.set_state(resume_state(meta, host, host_count))
+        loader.set_state(state_for_host(meta["loaders"], host), force=force)
         attempt = meta["attempt"] + 1
 
     result = TrainResult()
@@ -132,13 +135,3 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
     if not np.isfinite(result.losses).all():
         raise TallyError("training diverged (non-finite loss)")
     return result
-
-
-def resume_state(meta: dict, host: int, host_count: int) -> dict:
-    """The loader state this host restores. The elastic iterator's state is the global
-    position, valid on any host count. A per-host slice's state only means something on the
-    host count it was saved on: handing host h the state of old host h % H_old is the naive
-    transfer, which the loader refuses unless that fault is being reproduced on purpose (and
-    the pre-flight check refuses before any host starts)."""
-    states = meta["loaders"]
-    return states[str(host % len(states))]
