@@ -83,11 +83,15 @@ def segments_from_batch(
     feature: str = "tokens",
     key: str = "key",
     position: str = "pos",
+    segment_ids: str | None = None,
 ) -> Segments:
     """The segments a batch holds, with each segment's hash over exactly its tokens.
 
     `records_per_epoch` (N) splits the carried index into `epoch = idx // N` and
     `record_key = idx % N`; without it the index is taken as the record key and epoch is -1.
+    Field names default to Grain's packing layout: `feature`, `{feature}_segment_ids`, `key`,
+    `pos` (or `{feature}_positions`); other loaders name theirs (MaxText: `inputs`,
+    `inputs_segmentation`, `inputs_position`).
     """
     tokens = np.asarray(batch[feature])
     if tokens.ndim != 2:
@@ -98,7 +102,7 @@ def segments_from_batch(
         raise ValueError(
             f"batch[{key!r}] has shape {keys.shape}; expected ({n_rows},) or ({n_rows}, {length})"
         )
-    seg_ids = batch.get(f"{feature}_segment_ids")
+    seg_ids = batch.get(segment_ids or f"{feature}_segment_ids")
     positions = batch.get(position)
     if positions is None:
         positions = batch.get(f"{feature}_positions")

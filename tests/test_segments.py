@@ -51,7 +51,18 @@ def test_first_fit_packing():
         length_struct={"tokens": LENGTH, "key": LENGTH, "pos": LENGTH},
         num_packing_bins=4,
     ).batch(3)
-    _check_all(list(ds), corpus, expect_whole=False)
+    batches = list(ds)
+    _check_all(batches, corpus, expect_whole=False)
+    # The same batch under MaxText's field names gives the same segments.
+    names = {"tokens": "inputs", "tokens_segment_ids": "inputs_segmentation",
+             "pos": "inputs_position", "key": "inputs_key"}
+    renamed = {names[k]: v for k, v in batches[0].items() if k in names}
+    other = segments_from_batch(renamed, feature="inputs", segment_ids="inputs_segmentation",
+                                position="inputs_position", key="inputs_key")
+    mine = segments_from_batch(batches[0])
+    assert len(other) == len(mine) > 3
+    for field in ("row", "record_key", "offset", "n_tokens", "content_hash"):
+        np.testing.assert_array_equal(getattr(other, field), getattr(mine, field))
 
 
 def test_concat_then_split_keeps_true_offsets_across_rows():
