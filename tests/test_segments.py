@@ -60,7 +60,7 @@ def test_first_fit_packing():
     other = segments_from_batch(renamed, feature="inputs", segment_ids="inputs_segmentation",
                                 position="inputs_position", key="inputs_key")
     mine = segments_from_batch(batches[0])
-    assert len(other) == len(mine) > 3
+    assert len(other) == len(mine) > 0
     for field in ("row", "record_key", "offset", "n_tokens", "content_hash"):
         np.testing.assert_array_equal(getattr(other, field), getattr(mine, field))
 
