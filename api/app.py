@@ -51,7 +51,7 @@ class Manifest:
 
     @classmethod
     def load(cls, path: str | Path) -> Manifest:
-        from pipeline.manifest import manifest_info
+        from pipeline.manifest_file import manifest_info
 
         info = manifest_info(path)
         t = pq.read_table(path, columns=["record_key", "domain", "split"])

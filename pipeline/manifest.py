@@ -29,18 +29,8 @@ import xxhash
 from tqdm import tqdm
 
 from pipeline.corpus import CorpusError, Shard, hash_range, list_shards
+from pipeline.manifest_file import FINGERPRINT_KEY, MANIFEST_SCHEMA, manifest_info  # noqa: F401
 from pipeline.runners import RunnerSpec, pipeline
-
-MANIFEST_SCHEMA = pa.schema([
-    ("record_key", pa.int64()),
-    ("content_hash", pa.uint64()),
-    ("n_tokens", pa.int32()),
-    ("domain", pa.string()),
-    ("split", pa.string()),
-    ("source", pa.string()),
-    ("source_index", pa.int64()),
-])
-FINGERPRINT_KEY = b"tally.manifest_fingerprint"
 
 
 class Fingerprint:
@@ -178,21 +168,6 @@ def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus) -> Manifes
         })
     os.replace(tmp, out)
     return ManifestSummary(out, total, n_train, tokens, fp.hexdigest(), 0.0, 0)
-
-
-def manifest_info(path: str | Path) -> dict[str, str]:
-    """The manifest's `tally.*` metadata: fingerprint, records, train_records, corpus."""
-    try:
-        meta = pq.read_metadata(path)
-    except Exception as exc:
-        raise CorpusError(f"cannot read manifest {path}: {exc}") from None
-    md = meta.metadata or {}
-    schema = meta.schema.to_arrow_schema().remove_metadata()
-    if not schema.equals(MANIFEST_SCHEMA) or not all(
-            k in md for k in (FINGERPRINT_KEY, b"tally.records", b"tally.train_records")):
-        raise CorpusError(f"{path} is not a Tally manifest (build one with `tally manifest`)")
-    return {k.decode()[len("tally."):]: v.decode() for k, v in md.items()
-            if k.startswith(b"tally.")}
 
 
 class _progress:

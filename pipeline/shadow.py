@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from audit.errors import TallyError
 from pipeline.loader import KeyedLoader, LoaderConfig
-from pipeline.manifest import manifest_info
+from pipeline.manifest_file import manifest_info
 
 
 class ShadowSource:

@@ -149,7 +149,7 @@ def test_resume_on_another_host_count_runs_preflight_and_refuses_unless_forced(c
     assert done.returncode == 2 and "set ledger=PATH" in done.stderr
     done = tally("train", "--hosts", "1", "--resume", "steps=6", f"ledger={ledger}", *common)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "refusing to resume step 4 on 1 host(s) (checkpoint: 2 host(s)" in done.stderr
+    assert "refusing to resume step 5 on 1 host(s) (checkpoint: 2 host(s)" in done.stderr
     assert "says unsafe" in done.stderr and "UNSAFE" in done.stderr
     done = tally("train", "--hosts", "1", "--resume", "--force", "steps=6", f"ledger={ledger}",
                  *common)
@@ -166,7 +166,7 @@ def test_resume_on_another_host_count_runs_preflight_and_refuses_unless_forced(c
         {"status": "unsafe", "forced": True, "requested_by": "trainer", "old_hosts": 2,
          "new_hosts": 1}]
     assert resumed == [{"attempt": 0, "host_count": 2, "resumed_from_step": None},
-                       {"attempt": 1, "host_count": 1, "resumed_from_step": 4}]
+                       {"attempt": 1, "host_count": 1, "resumed_from_step": 5}]
 
 
 def test_elastic_reshard_passes_preflight_through_the_api_service(corpus, tmp_path):
@@ -203,7 +203,7 @@ def test_elastic_reshard_passes_preflight_through_the_api_service(corpus, tmp_pa
             time.sleep(0.3)
         done = tally("train", "--hosts", "1", "--resume", "steps=7", *common)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert "SAFE to resume step 4 on 1 host(s) (was 2)" in done.stderr
+        assert "SAFE to resume step 5 on 1 host(s) (was 2)" in done.stderr
         with urllib.request.urlopen(f"{url}/v1/runs/e/preflight", timeout=5) as r:
             history = json.loads(r.read())
         assert [(h["status"], h["requested_by"], h["old_hosts"], h["new_hosts"], h["forced"])

@@ -1,5 +1,7 @@
 """The trainer: real JAX steps on the keyed loader, audited by the ledger writer."""
 
+import shutil
+
 import jax.numpy as jnp
 import pytest
 
@@ -73,8 +75,10 @@ def test_resume_from_checkpoint_replays_exactly_as_a_new_attempt(corpus, tmp_pat
 
     base = dict(corpus=str(corpus), spool=str(tmp_path / "spool"), run_id="r",
                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10)
-    # Attempt 0 stops after step 14 (a crash), its last checkpoint is at step 10.
+    # Attempt 0 stops after step 14 and its final checkpoint (step 15) is removed, as if the
+    # process had died before writing it: the last checkpoint is at step 10.
     first = train(TrainConfig(steps=15, **base))
+    shutil.rmtree(tmp_path / "ckpt" / "15")
     second = train(TrainConfig(steps=20, **base), resume=True)
     assert second.steps == 10
     # The replayed steps compute the same losses: same parameters, same batches.
@@ -94,9 +98,9 @@ def test_compare_reports_kl_between_checkpoints(corpus, tmp_path):
     from trainer.evaluate import compare
 
     ckpt = tmp_path / "ckpt"
-    train(TrainConfig(corpus=str(corpus), spool=str(tmp_path / "spool"), steps=11,
+    train(TrainConfig(corpus=str(corpus), spool=str(tmp_path / "spool"), steps=10,
                       checkpoint_dir=str(ckpt), checkpoint_every=5, eval_records=16))
-    same = compare(ckpt / "10", ckpt)  # the directory means its latest step: 10
+    same = compare(ckpt / "10", ckpt)  # the directory means its latest step: the final, 10
     assert (same["step_a"], same["step_b"], same["mean_kl"]) == (10, 10, pytest.approx(0, abs=1e-6))
     apart = compare(ckpt / "5", ckpt / "10")
     assert apart["mean_kl"] > 0.01 and apart["tokens"] > 100

@@ -20,7 +20,7 @@ from audit.preflight import state_for_host
 from audit.writer import LedgerWriter
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
-from pipeline.manifest import manifest_info
+from pipeline.manifest_file import manifest_info
 from trainer import checkpoint
 from trainer.config import TrainConfig
 from trainer.distributed import Topology, gather_json
@@ -88,17 +88,21 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
                 writer.log_metric(step, "train_loss", float(value))
         pending.clear()
 
+    def save(step: int) -> None:
+        """Collective: every host flushes, then all hosts' loader states go in one checkpoint."""
+        if audit:
+            writer.flush()  # the ledger is never behind a checkpoint
+        states = gather_json(loader.get_state())
+        checkpoint.save(mngr, step, params, opt_state, {
+            "step": step, "attempt": attempt, "host_count": host_count,
+            "config": dataclasses.asdict(cfg),
+            "loaders": {str(h): s for h, s in enumerate(states)}})
+
     t0 = time.perf_counter()
     with writer:
         for step in range(start, cfg.steps):
             if cfg.checkpoint_every and step > start and step % cfg.checkpoint_every == 0:
-                if audit:
-                    writer.flush()  # the ledger is never behind a checkpoint
-                states = gather_json(loader.get_state())
-                checkpoint.save(mngr, step, params, opt_state, {
-                    "step": step, "attempt": attempt, "host_count": host_count,
-                    "config": dataclasses.asdict(cfg),
-                    "loaders": {str(h): s for h, s in enumerate(states)}})
+                save(step)
             batch = next(loader)
             params, opt_state, loss = train_step(
                 params, opt_state, topo.rows(batch["tokens"]),
@@ -127,6 +131,8 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
                     log(f"step {step + 1}: held-out loss "
                         f"{result.evals[step]['heldout_loss']:.3f}")
         log_losses()
+        if cfg.checkpoint_every and cfg.steps > start:
+            save(cfg.steps)  # the final state too, so a longer run can continue from it
     jax.block_until_ready(params)
     result.finished = time.perf_counter()
     result.seconds = result.finished - t0

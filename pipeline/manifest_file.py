@@ -1,0 +1,40 @@
+"""The manifest file's contract: its schema, its metadata keys, and how to read them.
+
+Apart from the Beam job that writes manifests (pipeline/manifest.py), so that training hosts,
+the pre-flight check and the API read manifests without importing Beam.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.corpus import CorpusError
+
+MANIFEST_SCHEMA = pa.schema([
+    ("record_key", pa.int64()),
+    ("content_hash", pa.uint64()),
+    ("n_tokens", pa.int32()),
+    ("domain", pa.string()),
+    ("split", pa.string()),
+    ("source", pa.string()),
+    ("source_index", pa.int64()),
+])
+FINGERPRINT_KEY = b"tally.manifest_fingerprint"
+
+
+def manifest_info(path: str | Path) -> dict[str, str]:
+    """The manifest's `tally.*` metadata: fingerprint, records, train_records, corpus."""
+    try:
+        meta = pq.read_metadata(path)
+    except Exception as exc:
+        raise CorpusError(f"cannot read manifest {path}: {exc}") from None
+    md = meta.metadata or {}
+    schema = meta.schema.to_arrow_schema().remove_metadata()
+    if not schema.equals(MANIFEST_SCHEMA) or not all(
+            k in md for k in (FINGERPRINT_KEY, b"tally.records", b"tally.train_records")):
+        raise CorpusError(f"{path} is not a Tally manifest (build one with `tally manifest`)")
+    return {k.decode()[len("tally."):]: v.decode() for k, v in md.items()
+            if k.startswith(b"tally.")}
