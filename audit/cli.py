@@ -190,8 +190,10 @@ def _add_runner_args(p: argparse.ArgumentParser) -> None:
                    help="worker processes (multi_processing, or a local Dask cluster)")
     g.add_argument("--dask-address", help="scheduler of a running dask.distributed cluster "
                                           "(default: start a local one)")
-    g.add_argument("beam_args", nargs="*", metavar="-- BEAM_OPTION",
-                   help="standard Beam pipeline options, after '--'")
+    # Beam's own options come after `--`; `parse` splits them off before argparse, which
+    # cannot tell them from a positional argument's values.
+    p.epilog = "Beam pipeline options go after '--', e.g. -- --flink_master=host:8081"
+    p.set_defaults(beam_args=[])
 
 
 def _runner(args: argparse.Namespace):
@@ -333,8 +335,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Command-line arguments; what follows `--` goes to Beam (commands that run a pipeline)."""
+    argv = list(argv)
+    beam = argv[argv.index("--") + 1:] if "--" in argv else []
+    parser = build_parser()
+    args = parser.parse_args(argv[: len(argv) - len(beam) - 1] if "--" in argv else argv)
+    if beam and not hasattr(args, "runner"):
+        parser.error(f"'tally {args.command}' takes no Beam options after '--'")
+    if beam:
+        args.beam_args = beam
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     # Beam logs optional-dependency warnings at import; they are noise on a terminal.
     logging.getLogger().setLevel(logging.ERROR)
     try:

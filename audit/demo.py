@@ -42,6 +42,8 @@ def run_demo(out: Path, *, records: int = 2000, keep_serving: bool = False) -> d
     print(f"corpus: {desc['records']:,} records, {desc['tokens']:,} tokens in {corpus}")
     print(build_manifest(corpus, manifest).line())
     spool.mkdir()
+    # Both runs train the same model on the same shapes: compile once, not once per host.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax-cache"))
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

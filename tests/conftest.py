@@ -3,12 +3,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# One JAX compilation cache for the session, shared by the in-process tests and every training
+# host process they start: the same small model compiles once instead of once per process.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="tally-jax-cache-"))
 
 
 def unpacked_batch(step: int, rows: int = 4, length: int = 16, n_records: int = 1000,

@@ -9,7 +9,7 @@ import tomllib
 import pytest
 import yaml
 
-from audit.cli import build_parser
+from audit.cli import parse
 from tests.conftest import ROOT
 from trainer import host
 
@@ -36,19 +36,18 @@ def test_services_share_one_volume_and_the_project_image(compose):
 
 def test_every_command_parses_with_the_real_cli(compose):
     services = compose["services"]
-    parser = build_parser()
     for name in ("api", "reconcile"):
-        args = parser.parse_args([_expand(a) for a in services[name]["command"]])
+        args = parse([_expand(a) for a in services[name]["command"]])
         assert args.command == {"api": "serve", "reconcile": "reconcile"}[name]
-    paths = {"api": parser.parse_args(services["api"]["command"]),
-             "reconcile": parser.parse_args(services["reconcile"]["command"])}
+    paths = {"api": parse(services["api"]["command"]),
+             "reconcile": parse(services["reconcile"]["command"])}
     assert paths["api"].spool == "/data/spool" and paths["api"].host == "0.0.0.0"
     assert paths["reconcile"].output == paths["api"].reports  # the API serves its report
     prepare = services["prepare"]["command"][0]
     for part in prepare.split("&&"):
         words = shlex.split(part)
         assert words[0] == "tally"
-        parser.parse_args(words[1:])
+        parse(words[1:])
     assert services["trainer"]["entrypoint"] == ["python", "-m", "trainer.host"]
     targs = host.build_parser().parse_args([_expand(a) for a in services["trainer"]["command"]])
     assert targs.rendezvous == "trainer" and targs.hosts == \
