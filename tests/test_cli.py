@@ -13,7 +13,7 @@ from tests.conftest import ROOT, unpacked_batch
 
 def tally(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+                          text=True, cwd=ROOT, timeout=900)
 
 
 def test_ingest_and_ledger_commands(spool, tmp_path):
@@ -56,7 +56,7 @@ def test_user_mistakes_are_one_line_errors_not_tracebacks(tmp_path):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("demo") / "demo"
-    return out, tally("demo", "--out", str(out), "--records", "1000")
+    return out, tally("demo", "--out", str(out), "--records", "640")
 
 
 def test_demo_trains_two_four_host_runs_and_tells_them_apart(demo):

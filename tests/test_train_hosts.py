@@ -105,7 +105,7 @@ def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp
               "checkpoint_every=6", "flush_every=2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     launcher = subprocess.Popen([sys.executable, "-m", "audit.cli", "train", "--hosts", "2",
-                                 "steps=40", *common], cwd=ROOT, env=env, text=True,
+                                 "steps=24", *common], cwd=ROOT, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     # Kill host 1 once it has published steps past the second checkpoint (step 12).
@@ -119,7 +119,7 @@ def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode != 0 and "host 1 ended with signal 9" in err
 
-    done = tally("train", "--hosts", "2", "--resume", "steps=40", *common)
+    done = tally("train", "--hosts", "2", "--resume", "steps=24", *common)
     assert done.returncode == 0, done.stderr[-3000:]
     build_manifest(corpus, tmp_path / "m.parquet")
     report = reconcile(run_id="k", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
@@ -127,12 +127,12 @@ def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp
     (back,) = [r for r in report["restarts"] if r["attempt"] == 0]
     assert back["rolled_back_from_step"] >= 12 and back["rolled_back_from_step"] % 6 == 0
     assert back["rolled_back_steps"] > 0 and back["exact"] is True
-    assert report["consumption"]["last_step"] == 39 and report["verdict"] == "PASS"
+    assert report["consumption"]["last_step"] == 23 and report["verdict"] == "PASS"
     with Ledger(tmp_path / "l.duckdb") as ledger:
         ingest(spool, ledger)
         steps = ledger.query("SELECT host, count(DISTINCT step) AS n FROM "
                              "effective_consumption GROUP BY host ORDER BY host")
-    assert [s["n"] for s in steps] == [40, 40]
+    assert [s["n"] for s in steps] == [24, 24]
 
 
 def test_resume_on_another_host_count_runs_preflight_and_refuses_unless_forced(corpus,

@@ -42,6 +42,19 @@ class Topology:
         return jax.make_array_from_process_local_data(self.by_row, local)
 
 
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+    """Wait until every host gets here, through jax.distributed's coordination service.
+
+    gloo builds its TCP context at the first collective and gives up after ~30 s; hosts that
+    reach it far apart (one still compiling on a loaded machine) would fail there. Meeting at
+    this barrier first, with a generous timeout, keeps the first collective in step."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client jax.distributed.initialize created
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def gather_json(obj: Any) -> list[Any]:
     """Every host's `obj`, in host order, on every host (for checkpointing loader states)."""
     if jax.process_count() == 1:

@@ -23,7 +23,7 @@ from pipeline.loader import KeyedLoader, LoaderConfig
 from pipeline.manifest_file import manifest_info
 from trainer import checkpoint
 from trainer.config import TrainConfig
-from trainer.distributed import Topology, gather_json
+from trainer.distributed import Topology, barrier, gather_json
 from trainer.evaluate import HeldOut, milestone_metrics
 from trainer.step import init_replicated, make_train_step, token_losses
 
@@ -98,15 +98,24 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
             "config": dataclasses.asdict(cfg),
             "loaders": {str(h): s for h, s in enumerate(states)}})
 
+    if held is not None:
+        rows = len(held.domains) // host_count
+        mine = slice(host * rows, (host + 1) * rows)
+        held_tokens, held_segments = (topo.rows(held.tokens[mine]),
+                                      topo.rows(held.segments[mine]))
+        evaluate = evaluate.lower(params, held_tokens, held_segments).compile()
     t0 = time.perf_counter()
     with writer:
         for step in range(start, cfg.steps):
             if cfg.checkpoint_every and step > start and step % cfg.checkpoint_every == 0:
                 save(step)
             batch = next(loader)
-            params, opt_state, loss = train_step(
-                params, opt_state, topo.rows(batch["tokens"]),
-                topo.rows(batch["tokens_segment_ids"]))
+            tokens, segments = (topo.rows(batch["tokens"]),
+                                topo.rows(batch["tokens_segment_ids"]))
+            if step == start:  # compile ahead of time, then start the hosts together
+                train_step = train_step.lower(params, opt_state, tokens, segments).compile()
+                barrier("tally-first-step")
+            params, opt_state, loss = train_step(params, opt_state, tokens, segments)
             if audit:
                 # Exactly the batch this step consumed, not what the loader read ahead.
                 writer.write_batch(step, batch)
@@ -119,10 +128,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
                     log(f"step {step + 1}/{cfg.steps}  loss {result.losses[-1]:.3f}  "
                         f"{rate:.1f} steps/s")
             if held is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                rows = len(held.domains) // host_count
-                mine = slice(host * rows, (host + 1) * rows)
-                sums, counts = jax.device_get(evaluate(
-                    params, topo.rows(held.tokens[mine]), topo.rows(held.segments[mine])))
+                sums, counts = jax.device_get(evaluate(params, held_tokens, held_segments))
                 result.evals[step] = milestone_metrics(sums, counts, held.domains)
                 if audit and host == 0:
                     for name, value in result.evals[step].items():
