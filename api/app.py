@@ -121,9 +121,9 @@ class Service:
 
     def outside(self, run: int) -> Any:
         st = self.agg.runs.get(run)
-        if st is None:
+        if st is None or self.uni.n is None:
             return None
-        return q.outside_of(st.exposures[: st.size], st.steps[: st.size], self.uni.n)
+        return st.beyond(self.uni.n)
 
     def summary(self, cur, run: int, run_id: str, outside: Any) -> dict[str, Any]:
         t = q.totals(cur, run)

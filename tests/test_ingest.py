@@ -150,7 +150,7 @@ def test_ledger_with_another_schema_version_is_refused(tmp_path):
     path = tmp_path / "l.duckdb"
     with Ledger(path) as ledger:
         ledger.con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    with pytest.raises(TallyError, match="schema version 99.*reads version 2"):
+    with pytest.raises(TallyError, match="schema version 99.*reads version 3"):
         Ledger(path)
 
 
