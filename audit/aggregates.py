@@ -341,7 +341,7 @@ class Aggregates:
         if found is not None:
             new.set(np.searchsorted(new.keys, found.keys), found)
         write_deltas(cur, run, deltas(self.get(run, new.keys), new), seg_files=0)
-        self._pending.append((run, new))
+        self._stage(run, new)
 
     def increments(self, run: int, parts: list[Starts]) -> tuple[Records, Deltas]:
         """The new state of the records that `parts` (starts already cut to the lineage)
@@ -354,7 +354,15 @@ class Aggregates:
     def add(self, cur: duckdb.DuckDBPyConnection, run: int, new: Records, d: Deltas,
             seg_files: int) -> None:
         write_deltas(cur, run, d, seg_files=seg_files)
+        self._stage(run, new)
+
+    def _stage(self, run: int, new: Records) -> None:
+        """Pending until commit(); the key bound rises now, before the COMMIT (readers rely
+        on it to skip the lock, and a bound too high after a ROLLBACK is only cautious)."""
         self._pending.append((run, new))
+        if len(new.keys):
+            st = self._state(run)
+            st.top = max(st.top, int(new.keys[-1]))
 
     def commit(self) -> None:
         for run, rec in self._pending:
