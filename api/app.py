@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from audit.ledger import Ledger, one
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # audit.spool's run id rule
 MAX_STEP = 2**62
+SWITCH_INTERVAL = 0.0005  # seconds; see lifespan()
 
 RunId = Annotated[str, PathParam(pattern=RUN_ID, description="run id")]
 Step = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
@@ -260,6 +262,11 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # A request hands the GIL back and forth a few dozen times (event loop, worker thread,
+        # each DuckDB call); with the default 5 ms switch interval each hand-back can wait that
+        # long behind the ingester's Python work, which made the p99 latency 5-10x the p50.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
         if svc.loop is not None:
             svc.loop.start()
         try:
@@ -267,6 +274,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         finally:
             if svc.loop is not None:
                 svc.loop.stop()
+            sys.setswitchinterval(switch)
 
     app = FastAPI(title="Tally live API", version="1",
                   description="What a training run has consumed, while it runs: coverage and "

@@ -267,6 +267,7 @@ class Aggregates:
     def __init__(self) -> None:
         self.runs: dict[int, RunState] = {}
         self.lock = threading.Lock()
+        self.ingesting = threading.Lock()  # held by audit.ingest for a whole call
         self._pending: list[tuple[int, Records]] = []
 
     # ---- loading ---------------------------------------------------------------------------

@@ -171,22 +171,39 @@ class _Rejected(Exception):
 
 
 def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
-           batch_rows: int = BATCH_ROWS) -> IngestResult:
-    """Ingest every new published file under `spool` into `ledger`, exactly once."""
+           batch_rows: int = BATCH_ROWS,
+           listing: list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]] | None = None
+           ) -> IngestResult:
+    """Ingest every new published file under `spool` into `ledger`, exactly once.
+
+    `listing`: the spool's entries with their stat, when the caller has just scanned it (the
+    live service); files among them already in the ledger are skipped all the same."""
     t0 = time.perf_counter()
     result = IngestResult()
     agg = for_ledger(ledger)  # the aggregates' per-record state, loaded once per process
+    with agg.ingesting:  # one ingest at a time per process: each sees the last one's files
+        _ingest(Path(spool), ledger, agg, progress, batch_rows, listing, result)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_rows: int,
+            listing: list | None, result: IngestResult) -> None:
     cur = ledger.cursor()
     try:
-        done = {r[0] for r in cur.execute("SELECT path FROM segments").fetchall()}
+        only = "" if listing is None else "WHERE path IN (SELECT unnest($1))"
+        params = [] if listing is None else [[item.rel for item, _ in listing]]
+        done = {r[0] for r in cur.execute(f"SELECT path FROM segments {only}", params)
+                .fetchall()}
         held = {r[0]: (r[1], r[2]) for r in cur.execute(
-            "SELECT path, bytes, mtime_ns FROM quarantine").fetchall()}
+            f"SELECT path, bytes, mtime_ns FROM quarantine {only}", params).fetchall()}
         todo = []
-        for item in sp.scan(Path(spool)):
+        for item, st in listing if listing is not None else (
+                (item, None) for item in sp.scan(spool)):
             if item.rel in done:
                 result.already += 1
                 continue
-            st = item.path.stat()
+            st = st or item.path.stat()
             if held.get(item.rel) == (st.st_size, st.st_mtime_ns):
                 continue  # known bad and unchanged: reported by `tally ledger`, not again here
             todo.append((item, st))
@@ -209,8 +226,6 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
         bar.close()
     finally:
         cur.close()
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 def _read(item: sp.SpoolFile | sp.Stray
