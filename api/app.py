@@ -9,6 +9,7 @@ import hmac
 import json
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class Service:
     answers already computed for the current version of the ledger."""
 
     ANSWERS = 512  # cached answers kept (all runs and parameters together)
+    HOT, HOT_S = 32, 60.0  # answers recomputed after each ingest round: asked for lately
 
     def __init__(self, ledger: Ledger, *, spool: Path | None, manifest: Manifest | None,
                  records: int | None, reports: Path | None, thresholds: Thresholds,
@@ -104,12 +106,14 @@ class Service:
         self.reports = reports
         self.thresholds = thresholds
         self.webhook = Webhook(webhook)
-        self.loop = (IngestLoop(ledger, spool, interval=interval, after_round=self.check_alerts)
+        self.loop = (IngestLoop(ledger, spool, interval=interval, after_round=self.after_round)
                      if spool is not None else None)
         self._local = threading.local()
         self._cursor_lock = threading.Lock()
         self._answers: OrderedDict[tuple, Any] = OrderedDict()
         self._answers_lock = threading.Lock()
+        self._hot: OrderedDict[tuple, tuple] = OrderedDict()
+        self._warm_gen = -1
 
     def _cursor(self):
         cur = getattr(self._local, "cur", None)
@@ -185,7 +189,26 @@ class Service:
             self._answers[(snap.gen, *key)] = value
             while len(self._answers) > self.ANSWERS:
                 self._answers.popitem(last=False)
+            self._hot[key] = (run_id, compute, outside, time.monotonic())
+            self._hot.move_to_end(key)
+            while len(self._hot) > self.HOT:
+                self._hot.popitem(last=False)
         return value
+
+    def warm(self) -> None:
+        """Compute the answers asked for lately for the ledger's new version, so that the
+        requests after an ingest find them (run by the ingester after each round)."""
+        with self.read() as snap:
+            if snap.gen == self._warm_gen:
+                return
+            self._warm_gen = snap.gen
+        with self._answers_lock:
+            hot = [(k, v) for k, v in self._hot.items() if time.monotonic() - v[3] < self.HOT_S]
+        for key, (run_id, compute, outside, _) in hot:
+            try:
+                self.answer(key, run_id, compute, outside=outside)
+            except TallyError:  # e.g. a host that no longer exists after a restart
+                continue
 
     def _cached(self, key: tuple) -> Any:
         with self._answers_lock:
@@ -235,6 +258,10 @@ class Service:
     def run_ids(self) -> list[str]:
         return self.answer(("run_ids",), None, lambda snap: [r[0] for r in snap.cur.execute(
             "SELECT run_id FROM runs ORDER BY run_id").fetchall()])
+
+    def after_round(self) -> None:
+        self.check_alerts()
+        self.warm()
 
     def check_alerts(self) -> None:
         for run_id in self.run_ids():

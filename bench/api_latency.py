@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hosts", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4096, help="segments per host and step")
     ap.add_argument("--flush-every", type=int, default=50)
+    ap.add_argument("--live-flush-every", type=int, default=5,
+                    help="steps per spool file while timing (small: the server ingests a "
+                         "batch every second or two during the requests)")
     ap.add_argument("--requests", type=int, default=200, help="per endpoint")
     ap.add_argument("--live-rows-per-s", type=float, default=100_000)
     ap.add_argument("--ref-repeats", type=int, default=3)
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
                 time.sleep(0.2)
         print(f"server up in {time.perf_counter() - t0:.1f} s (per-record state rebuilt)")
         writer = threading.Thread(target=lambda: live.__setitem__("rows", write(
-            spool, loader, range(steps, 10**9), args.flush_every, args.live_rows_per_s, stop)))
+            spool, loader, range(steps, 10**9), args.live_flush_every, args.live_rows_per_s,
+            stop)))
         writer.start()
         last = steps - 1
         endpoints = {
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
         if writer is not None:
             writer.join(60)
     print(f"while timing: the writer published {live['rows']:,} more rows; the server ingested "
-          f"{health['ingest']['rows']:,} of them; ledger now {summary['rows_ingested']:,} rows; "
+          f"{health['ingest']['rows']:,} of them in {health['ingest']['files']} files; ledger now "
+          f"{summary['rows_ingested']:,} rows; "
           f"lag at the end {health['ingest']['lag_seconds']:.1f} s{rss}")
     print(f"{'endpoint':24s} {'p50 ms':>8s} {'p99 ms':>8s}  reference / p50")
     ratios = {}

@@ -265,3 +265,28 @@ def test_coverage_universe_from_writer_metadata_and_cached_answers(tmp_path):
             after = srv.get("/v1/runs/w/steps?bucket=1").json()
             assert after["step"] == before["step"] + list(range(10, 15))
             assert srv.get("/v1/runs/w").json()["last_step"] == 14
+
+
+def test_answers_asked_for_are_ready_after_each_ingest_round(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(5), n=N, seed=1, flush_every=5)
+    with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        app = create_app(ledger, spool=spool, records=N, interval=0.05)
+        svc = app.state.service
+        with Server(app) as srv:
+            assert poll(lambda: srv.get("/v1/runs/r").json().get("last_step") == 4)
+            first = srv.get("/v1/runs/r/steps?bucket=2").json()
+            write_steps(spool, "r", host=0, hosts=1, steps=range(5, 9), n=N, seed=2,
+                        flush_every=4)
+            def newest() -> int:
+                return ledger.query("SELECT max(file_id) AS g FROM segments")[0]["g"]
+
+            gen = newest()
+
+            def ready() -> bool:  # the new version's answer, computed with no request
+                g = newest()
+                return g > gen and svc._cached((g, "steps", "r", None, None, 2, 500)) is not None
+
+            assert poll(ready)
+            after = srv.get("/v1/runs/r/steps?bucket=2").json()
+            assert after["step"] == [0, 2, 4, 6, 8] and after["step"][:3] == first["step"]
