@@ -4,10 +4,10 @@ Each published file is checked (footer, schema, metadata, row count, values) and
 in one transaction together with its `segments` row and its share of the aggregates, so a file
 is in the ledger entirely or not at all, and a file already listed in `segments` is skipped:
 re-running ingest, or being killed in the middle of it, never counts a row twice. Files go in
-by batches (about a million rows, one transaction each): a commit and the aggregates' work per
-record key cost the same for a batch as for one file. A file that fails a check is quarantined
-(listed in the ledger's `quarantine` table with the reason, and reported); the other files still
-ingest. A quarantined file is tried again only if it changes on disk.
+by batches (about a million rows, one transaction each): a commit and the aggregate tables'
+upserts cost about as much for a batch as for one file. A file that fails a check is
+quarantined (listed in the ledger's `quarantine` table with the reason, and reported); the other
+files still ingest. A quarantined file is tried again only if it changes on disk.
 """
 
 from __future__ import annotations
