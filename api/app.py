@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import sys
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,19 +20,21 @@ import numpy as np
 import pyarrow.parquet as pq
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from api import queries as q
 from api.alerts import Thresholds, Webhook, evaluate, status
 from api.ingest_loop import IngestLoop
 from api.preflight_routes import add_routes as add_preflight_routes
-from audit.aggregates import Aggregates, for_ledger
+from audit.aggregates import Aggregates, Records, for_ledger
 from audit.errors import TallyError
 from audit.ledger import Ledger, one
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # audit.spool's run id rule
 MAX_STEP = 2**62
+SWITCH_INTERVAL = 0.0005  # seconds; see lifespan()
 
 RunId = Annotated[str, PathParam(pattern=RUN_ID, description="run id")]
 Step = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
@@ -68,8 +73,24 @@ class Manifest:
                    dom.dictionary.to_pylist())
 
 
+@dataclass
+class Snap:
+    """What a request reads: one snapshot transaction of the ledger."""
+
+    cur: Any
+    run: int | None
+    gen: int  # the newest file id in the snapshot: its version, for cached answers
+    uni: q.Universe
+    outside: Records | None = None  # state of the keys outside the universe, when asked
+    state: Any = None  # what `read(locked=...)` read from the per-record state
+
+
 class Service:
-    """What the handlers share: the ledger, its aggregates, the ingest loop, the settings."""
+    """What the handlers share: the ledger, its aggregates, the ingest loop, the settings, and
+    answers already computed for the current version of the ledger."""
+
+    ANSWERS = 512  # cached answers kept (all runs and parameters together)
+    HOT, HOT_S = 32, 60.0  # answers recomputed after each ingest round: asked for lately
 
     def __init__(self, ledger: Ledger, *, spool: Path | None, manifest: Manifest | None,
                  records: int | None, reports: Path | None, thresholds: Thresholds,
@@ -86,10 +107,14 @@ class Service:
         self.reports = reports
         self.thresholds = thresholds
         self.webhook = Webhook(webhook)
-        self.loop = (IngestLoop(ledger, spool, interval=interval, after_round=self.check_alerts)
+        self.loop = (IngestLoop(ledger, spool, interval=interval, after_round=self.after_round)
                      if spool is not None else None)
         self._local = threading.local()
         self._cursor_lock = threading.Lock()
+        self._answers: OrderedDict[tuple, Any] = OrderedDict()
+        self._answers_lock = threading.Lock()
+        self._hot: OrderedDict[tuple, tuple] = OrderedDict()
+        self._warm_gen = -1
 
     def _cursor(self):
         cur = getattr(self._local, "cur", None)
@@ -98,38 +123,119 @@ class Service:
                 cur = self._local.cur = self.ledger.cursor()
         return cur
 
+    def universe(self, cur, run: int | None) -> q.Universe:
+        """The manifest's train split or --records; else what the run's writers said."""
+        if self.uni.n is not None or run is None:
+            return self.uni
+        row = one(cur, """SELECT records_per_epoch FROM attempts WHERE run = ?
+                          AND records_per_epoch IS NOT NULL ORDER BY attempt DESC LIMIT 1""",
+                  [run])
+        return self.uni if row is None else q.Universe(int(row[0]), "writer metadata")
+
+    def _pin(self, cur, run_id: str | None) -> Snap:
+        gen = one(cur, "SELECT coalesce(max(file_id), 0) FROM segments")[0]  # pins the snapshot
+        run = None if run_id is None else q.run_of(cur, run_id)
+        return Snap(cur, run, gen, self.universe(cur, run))
+
     @contextlib.contextmanager
-    def read(self, run_id: str | None = None,
-             state: Callable[[int], Any] | None = None) -> Iterator[tuple[Any, int | None, Any]]:
-        """(cursor, run, state(run)) inside one snapshot transaction. `state` reads the
-        per-record arrays; it runs under the aggregates' lock, which the ingester holds
-        across each COMMIT, so the arrays match the snapshot."""
+    def read(self, run_id: str | None = None, *, outside: bool = False,
+             locked: Callable[[int], Any] | None = None) -> Iterator[Snap]:
+        """One snapshot transaction. With `outside`, also the per-record state of the keys
+        outside the universe; `locked(run)` reads something else from the per-record state
+        (its result in `snap.state`). That state must match the snapshot: the ingester holds
+        Aggregates.lock across its COMMIT and the state update, so such a snapshot is pinned
+        under the lock. A run whose keys all fall inside the universe (the normal case) has
+        no outside state to read, which the state's key bound says without the lock."""
         cur = self._cursor()
+        cur.execute("BEGIN TRANSACTION")
         try:
-            cur.execute("BEGIN TRANSACTION")
-            lock = self.agg.lock if state is not None else contextlib.nullcontext()
-            with lock:
-                # The first read pins the snapshot.
-                if run_id is None:
-                    run = None
-                    one(cur, "SELECT count(*) FROM runs")
-                else:
-                    run = q.run_of(cur, run_id)
-                extra = state(run) if state is not None else None
-            yield cur, run, extra
+            snap = self._pin(cur, run_id)
+            if locked is not None or (outside and self._has_outside(snap)):
+                snap = self._pin_locked(snap, run_id, locked)
+            yield snap
         finally:
             cur.execute("ROLLBACK")
 
-    def outside(self, run: int) -> Any:
-        st = self.agg.runs.get(run)
-        if st is None:
-            return None
-        return q.outside_of(st.exposures[: st.size], st.steps[: st.size], self.uni.n)
+    def _has_outside(self, snap: Snap) -> bool:
+        # `top` only grows and is raised before the COMMIT that adds keys: below the universe
+        # now means below it in any snapshot taken before now.
+        st = self.agg.runs.get(snap.run)
+        return st is not None and snap.uni.n is not None and st.top >= snap.uni.n
 
-    def summary(self, cur, run: int, run_id: str, outside: Any) -> dict[str, Any]:
-        t = q.totals(cur, run)
-        cov = q.coverage(cur, run, self.uni, None, outside)
-        first_pass = self.uni.n is None or cov["exposures"] <= self.uni.n
+    def _pin_locked(self, snap: Snap, run_id: str | None,
+                    locked: Callable[[int], Any] | None) -> Snap:
+        snap.cur.execute("ROLLBACK")
+        snap.cur.execute("BEGIN TRANSACTION")
+        with self.agg.lock:
+            snap = self._pin(snap.cur, run_id)
+            st = self.agg.runs.get(snap.run)
+            if locked is not None:
+                snap.state = locked(snap.run)
+            elif st is not None and snap.uni.n is not None:
+                snap.outside = st.beyond(snap.uni.n)
+        return snap
+
+    def answer(self, key: tuple, run_id: str | None, compute: Callable[[Snap], Any], *,
+               outside: bool = False) -> Any:
+        """compute(snap), or what it gave for the same ledger version: between two ingested
+        batches, a repeated request costs one small query."""
+        with self.read(run_id) as snap:
+            hit = self._cached((snap.gen, *key))
+            if hit is not None:
+                return hit
+            if outside and self._has_outside(snap):
+                snap = self._pin_locked(snap, run_id, None)
+            value = compute(snap)
+        with self._answers_lock:
+            self._answers[(snap.gen, *key)] = value
+            while len(self._answers) > self.ANSWERS:
+                self._answers.popitem(last=False)
+            self._hot[key] = (run_id, compute, outside, time.monotonic())
+            self._hot.move_to_end(key)
+            while len(self._hot) > self.HOT:
+                self._hot.popitem(last=False)
+        return value
+
+    def warm(self) -> None:
+        """Compute the answers asked for lately for the ledger's new version, so that the
+        requests after an ingest find them (run by the ingester after each round)."""
+        with self.read() as snap:
+            if snap.gen == self._warm_gen:
+                return
+            self._warm_gen = snap.gen
+        with self._answers_lock:
+            hot = [(k, v) for k, v in self._hot.items() if time.monotonic() - v[3] < self.HOT_S]
+        for key, (run_id, compute, outside, _) in hot:
+            try:
+                self.answer(key, run_id, compute, outside=outside)
+            except TallyError:  # e.g. a host that no longer exists after a restart
+                continue
+
+    def _cached(self, key: tuple) -> Any:
+        with self._answers_lock:
+            hit = self._answers.get(key)
+            if hit is not None:
+                self._answers.move_to_end(key)
+            return hit
+
+    def json(self, key: tuple, run_id: str | None, compute: Callable[[Snap], Any], *,
+             outside: bool = False) -> Response:
+        """A cached answer as a JSON response (encoded once per ledger version)."""
+        body = self.answer(key, run_id, lambda snap: _encode(compute(snap)), outside=outside)
+        return Response(body, media_type="application/json")
+
+    def facts(self, run_id: str) -> dict[str, Any]:
+        """A run's totals and coverage (what the summary and alerts need), cached."""
+        def compute(snap: Snap) -> dict[str, Any]:
+            return {"totals": q.totals(snap.cur, snap.run),
+                    "coverage": q.coverage(snap.cur, snap.run, snap.uni, None, snap.outside)}
+        return self.answer(("facts", run_id), run_id, compute, outside=True)
+
+    def summary(self, run_id: str) -> dict[str, Any]:
+        f = self.facts(run_id)
+        t, cov = f["totals"], f["coverage"]
+        n = cov["train_records"]
+        first_pass = n is None or cov["exposures"] <= n
         lag = self.loop.lag_seconds() if self.loop is not None else 0.0
         alerts = evaluate(self.thresholds, epoch_duplicates=t["epoch_duplicates"],
                           multi_host_records=t["multi_host_records"], first_pass=first_pass,
@@ -138,16 +244,33 @@ class Service:
                 "last_step": cov["latest_step"], **t, "coverage": cov,
                 "ingest_lag_seconds": lag}
 
+    def hosts(self, run_id: str) -> dict[str, Any]:
+        return self.answer(("hosts", run_id), run_id, lambda snap: q.hosts(snap.cur, snap.run))
+
+    def hosts_json(self, run_id: str) -> Response:
+        return self.json(("hosts.json", run_id), run_id,
+                         lambda snap: q.hosts(snap.cur, snap.run))
+
+    def host_rows(self, run_id: str) -> dict[int, int]:
+        return self.answer(("host_rows", run_id), run_id, lambda snap: dict(snap.cur.execute(
+            "SELECT host, sum(n_rows) FROM segments WHERE run = ? AND kind = 'seg' "
+            "GROUP BY host", [snap.run]).fetchall()))
+
     def run_ids(self) -> list[str]:
-        with self.read() as (cur, _, _):
-            return [r[0] for r in cur.execute("SELECT run_id FROM runs ORDER BY run_id")
-                    .fetchall()]
+        return self.answer(("run_ids",), None, lambda snap: [r[0] for r in snap.cur.execute(
+            "SELECT run_id FROM runs ORDER BY run_id").fetchall()])
+
+    def after_round(self) -> None:
+        self.check_alerts()
+        self.warm()
 
     def check_alerts(self) -> None:
         for run_id in self.run_ids():
-            with self.read(run_id, self.outside) as (cur, run, outside):
-                s = self.summary(cur, run, run_id, outside)
-            self.webhook.update(run_id, s["alerts"])
+            self.webhook.update(run_id, self.summary(run_id)["alerts"])
+
+
+def _encode(value: Any) -> bytes:
+    return JSONResponse(jsonable_encoder(value)).body
 
 
 def create_app(ledger: Ledger, *, spool: str | Path | None = None,
@@ -167,6 +290,11 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # A request hands the GIL back and forth a few dozen times (event loop, worker thread,
+        # each DuckDB call); with the default 5 ms switch interval each hand-back can wait that
+        # long behind the ingester's Python work, which made the p99 latency 5-10x the p50.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
         if svc.loop is not None:
             svc.loop.start()
         try:
@@ -174,6 +302,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         finally:
             if svc.loop is not None:
                 svc.loop.stop()
+            sys.setswitchinterval(switch)
 
     app = FastAPI(title="Tally live API", version="1",
                   description="What a training run has consumed, while it runs: coverage and "
@@ -210,8 +339,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def healthz() -> dict[str, Any]:
         """Liveness, and how the ingester is doing."""
         loop = svc.loop
-        with svc.read() as (cur, _, _):
-            files = one(cur, "SELECT count(*) FROM segments")[0]
+        with svc.read() as snap:
+            files = one(snap.cur, "SELECT count(*) FROM segments")[0]
         ok = loop is None or (loop.alive and loop.last_error is None)
         return {"status": "ok" if ok else "degraded", "ledger": str(ledger.path),
                 "files_in_ledger": files, "ingesting": loop is not None,
@@ -227,49 +356,48 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     @app.get("/v1/runs", tags=["runs"])
     def list_runs() -> list[dict[str, Any]]:
         """Every run in the ledger with its size and latest step."""
-        with svc.read() as (cur, _, _):
-            return q.runs(cur)
+        return svc.json(("runs",), None, lambda snap: q.runs(snap.cur))
 
     @app.get("/v1/runs/{run_id}", tags=["runs"], responses=ERRORS)
     def run_summary(run_id: RunId) -> dict[str, Any]:
         """Coverage, duplicates, hosts, restarts and the alert status of one run."""
-        with svc.read(run_id, svc.outside) as (cur, run, outside):
-            return svc.summary(cur, run, run_id, outside)
+        return svc.summary(run_id)
 
     @app.get("/v1/runs/{run_id}/coverage", tags=["coverage"], responses=ERRORS)
     def run_coverage(run_id: RunId, step: Step = None) -> dict[str, Any]:
         """Coverage, exposure histogram (0, 1, 2, 3+) and the ideal, as of a step (default:
         the latest)."""
-        with svc.read(run_id, svc.outside) as (cur, run, outside):
-            return q.coverage(cur, run, svc.uni, step, outside)
+        return svc.json(("coverage", run_id, step), run_id, lambda snap: q.coverage(
+            snap.cur, snap.run, snap.uni, step, snap.outside), outside=True)
 
     @app.get("/v1/runs/{run_id}/steps", tags=["coverage"], responses=ERRORS)
     def run_steps(run_id: RunId, start: Step = None, end: Step = None, bucket: Bucket = None,
                   points: Points = 500) -> dict[str, Any]:
         """Per step, bucketed: consumed, new unique, repeats, cumulative coverage, ideal."""
-        with svc.read(run_id) as (cur, run, _):
-            return q.steps(cur, run, svc.uni, start, end, bucket, points)
+        return svc.json(("steps", run_id, start, end, bucket, points), run_id,
+                        lambda snap: q.steps(snap.cur, snap.run, snap.uni, start, end, bucket,
+                                             points))
 
     @app.get("/v1/runs/{run_id}/hosts", tags=["hosts"], responses=ERRORS)
     def run_hosts(run_id: RunId) -> dict[str, Any]:
         """Per-host stats and the host x host overlap matrix."""
-        with svc.read(run_id) as (cur, run, _):
-            return q.hosts(cur, run)
+        return svc.hosts_json(run_id)
 
     @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"], responses=ERRORS)
     def run_host_steps(run_id: RunId, host: Annotated[int, PathParam(ge=0, le=2**31 - 1)],
                        start: Step = None, end: Step = None, bucket: Bucket = None,
                        points: Points = 500) -> dict[str, Any]:
         """One host's per-step series, bucketed."""
-        with svc.read(run_id) as (cur, run, _):
-            return q.host_steps(cur, run, host, start, end, bucket, points)
+        return svc.json(("host_steps", run_id, host, start, end, bucket, points), run_id,
+                        lambda snap: q.host_steps(snap.cur, snap.run, host, start, end, bucket,
+                                                  points))
 
     @app.get("/v1/runs/{run_id}/records/{record_key}", tags=["records"], responses=ERRORS)
     def run_record(run_id: RunId,
                    record_key: Annotated[int, PathParam(ge=0, le=2**63 - 1)]) -> dict[str, Any]:
         """Every consumption of one record: step, host, attempt, epoch, rolled back or not."""
-        with svc.read(run_id) as (cur, run, _):
-            return q.record(cur, run, record_key=record_key)
+        with svc.read(run_id) as snap:
+            return q.record(snap.cur, snap.run, record_key=record_key)
 
     @app.get("/v1/runs/{run_id}/records", tags=["records"], responses=ERRORS)
     def run_record_by_hash(
@@ -281,8 +409,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         h = int(content_hash, 0) if content_hash.startswith("0x") else int(content_hash)
         if h >= 2**64:
             raise HTTPException(422, "content_hash must be below 2**64")
-        with svc.read(run_id) as (cur, run, _):
-            return q.record(cur, run, content_hash=h)
+        with svc.read(run_id) as snap:
+            return q.record(snap.cur, snap.run, content_hash=h)
 
     @app.get("/v1/runs/{run_id}/domains", tags=["coverage"], responses=ERRORS)
     def run_domains(run_id: RunId) -> list[dict[str, Any]]:
@@ -296,14 +424,14 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
             st = svc.agg.runs.get(run)
             return q.domains(np.zeros(0, np.int64) if st is None else st.exposures[: st.size], m)
 
-        with svc.read(run_id, per_domain) as (_, _, out):
-            return out
+        with svc.read(run_id, locked=per_domain) as snap:
+            return snap.state
 
     @app.get("/v1/runs/{run_id}/metrics", tags=["metrics"], responses=ERRORS)
     def run_metrics(run_id: RunId, points: Points = 500) -> dict[str, Any]:
         """Milestones (held-out loss, per-domain perplexity) against train loss."""
-        with svc.read(run_id) as (cur, run, _):
-            return q.metrics(cur, run, points)
+        return svc.json(("metrics", run_id, points), run_id,
+                        lambda snap: q.metrics(snap.cur, snap.run, points))
 
     @app.get("/v1/runs/{run_id}/report", tags=["runs"], responses=ERRORS)
     def run_report(run_id: RunId) -> dict[str, Any]:
@@ -351,11 +479,7 @@ def _prometheus(svc: Service) -> str:
         add("tally_quarantined_files_total", "Files quarantined by this process",
             svc.loop.quarantined)
     for run_id in svc.run_ids():
-        with svc.read(run_id, svc.outside) as (cur, run, outside):
-            s = svc.summary(cur, run, run_id, outside)
-            hs = q.hosts(cur, run)
-            host_rows = dict(cur.execute("SELECT host, sum(n_rows) FROM segments WHERE run = ? "
-                                         "AND kind = 'seg' GROUP BY host", [run]).fetchall())
+        s, hs, host_rows = svc.summary(run_id), svc.hosts(run_id), svc.host_rows(run_id)
         c = s["coverage"]
         add("tally_coverage", "Share of train records seen at least once", c["coverage"],
             run=run_id)

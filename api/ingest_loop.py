@@ -4,6 +4,7 @@ files exactly once (audit.ingest) while request handlers read with their own cur
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ class IngestLoop:
         self.last_error: str | None = None
         self.last_round_at: float | None = None
         self._oldest_pending: float | None = None  # mtime of the oldest file not yet ingested
+        self._done: set[str] = set()
+        self._seen_id = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-api-ingest", daemon=True)
 
@@ -46,27 +49,37 @@ class IngestLoop:
         t = self._oldest_pending
         return 0.0 if t is None else max(0.0, time.time() - t)
 
-    def _pending_oldest(self) -> float | None:
+    def _pending(self) -> list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]]:
+        """One scan of the spool: files neither ingested nor held in quarantine unchanged.
+        The ingested paths are remembered between rounds (this process is the ledger's only
+        writer); ingest() checks them again in its own snapshot."""
         cur = self.ledger.cursor()
         try:
-            done = {r[0] for r in cur.execute("SELECT path FROM segments").fetchall()}
-            held = {r[0] for r in cur.execute("SELECT path FROM quarantine").fetchall()}
+            for fid, path in cur.execute("SELECT file_id, path FROM segments WHERE file_id > ?",
+                                         [self._seen_id]).fetchall():
+                self._done.add(path)
+                self._seen_id = max(self._seen_id, fid)
+            new = [f for f in sp.scan(self.spool) if f.rel not in self._done]
+            held = dict(cur.execute("SELECT path, bytes, mtime_ns FROM quarantine "
+                                    "WHERE path IN (SELECT unnest(?))",
+                                    [[f.rel for f in new]]).fetchall() if new else [])
         finally:
             cur.close()
-        oldest = None
-        for f in sp.scan(self.spool):
-            if isinstance(f, sp.SpoolFile) and f.rel not in done and f.rel not in held:
-                try:
-                    m = f.path.stat().st_mtime
-                except FileNotFoundError:
-                    continue
-                oldest = m if oldest is None else min(oldest, m)
-        return oldest
+        out = []
+        for f in new:
+            try:
+                st = f.path.stat()
+            except FileNotFoundError:
+                continue
+            if held.get(f.rel) != (st.st_size, st.st_mtime_ns):
+                out.append((f, st))
+        return out
 
     def run_once(self) -> None:
-        self._oldest_pending = self._pending_oldest()
-        if self._oldest_pending is not None:
-            res = ingest(self.spool, self.ledger)
+        pending = self._pending()
+        if pending:
+            self._oldest_pending = min(st.st_mtime for _, st in pending)
+            res = ingest(self.spool, self.ledger, listing=pending)
             self.files += res.files
             self.rows += res.rows
             self.quarantined += len(res.quarantined)

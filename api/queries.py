@@ -335,15 +335,3 @@ def totals(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
             rolled_back_from_step FROM attempts WHERE run = ? ORDER BY attempt""",
                                             [run]).fetchall()]
     return out
-
-
-def outside_of(exposures: np.ndarray, steps: np.ndarray, n: int | None) -> Records | None:
-    """State of records with key >= n (held-out or unknown), from the per-record arrays."""
-    if n is None or len(exposures) <= n:
-        return None
-    keys = n + np.flatnonzero(exposures[n:] > 0)
-    r = Records.empty(keys)
-    r.exposures[:] = exposures[keys]
-    r.steps[:] = steps[keys]
-    return r
-

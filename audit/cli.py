@@ -20,8 +20,10 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     spool = Path(args.spool)
     if not spool.is_dir():
         raise TallyError(f"spool {spool} is not a directory")
+    if args.batch_rows < 1:
+        raise TallyError("--batch-rows must be >= 1")
     with Ledger(args.ledger) as ledger:
-        result = ingest(spool, ledger, progress=not args.quiet)
+        result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows)
     for rel, reason in result.quarantined:
         print(f"quarantined {rel}: {reason}", file=sys.stderr)
     print(result.summary())
@@ -211,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("spool", help="spool directory the training hosts write to")
     s.add_argument("--ledger", required=True, help="DuckDB ledger file (created if missing)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--batch-rows", type=int, default=1_000_000,
+                   help="rows per transaction (files are never split; default 1,000,000)")
     s.set_defaults(func=_cmd_ingest)
 
     s = sub.add_parser("ledger", help="show runs, attempts, hosts, step ranges and row counts")

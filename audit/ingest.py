@@ -1,15 +1,18 @@
 """Exactly-once ingest of spool files into the ledger.
 
 Each published file is checked (footer, schema, metadata, row count, values) and then ingested
-in one transaction together with its `segments` row, so a file is in the ledger entirely or not
-at all, and a file already listed in `segments` is skipped: re-running ingest, or being killed
-in the middle of it, never counts a row twice. A file that fails a check is quarantined (listed
-in the ledger's `quarantine` table with the reason, and reported); the other files still ingest.
-A quarantined file is tried again only if it changes on disk.
+in one transaction together with its `segments` row and its share of the aggregates, so a file
+is in the ledger entirely or not at all, and a file already listed in `segments` is skipped:
+re-running ingest, or being killed in the middle of it, never counts a row twice. Files go in
+by batches (about a million rows, one transaction each): a commit and the aggregate tables'
+upserts cost about as much for a batch as for one file. A file that fails a check is
+quarantined (listed in the ledger's `quarantine` table with the reason, and reported); the other
+files still ingest. A quarantined file is tried again only if it changes on disk.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -18,14 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from audit import spool as sp
-from audit.aggregates import Starts, for_ledger
-from audit.ledger import Ledger, one
+from audit.aggregates import Aggregates, Starts, for_ledger
+from audit.ledger import Ledger
 
 
 class BadFile(Exception):
@@ -52,11 +56,11 @@ class IngestResult:
 def _meta(md: dict[bytes, bytes] | None) -> dict[str, str]:
     md = md or {}
     out = {}
-    for k in sp.META_KEYS:
+    for k in sp.META_KEYS + sp.OPTIONAL_META_KEYS:
         raw = md.get((sp.META_PREFIX + k).encode())
-        if raw is None:
+        if raw is None and k in sp.META_KEYS:
             raise BadFile(f"metadata key {sp.META_PREFIX + k} is missing (not written by Tally?)")
-        out[k] = raw.decode()
+        out[k] = "" if raw is None else raw.decode()
     return out
 
 
@@ -92,6 +96,8 @@ def read_checked(f: sp.SpoolFile) -> tuple[pa.Table, dict]:
         "rows": _int(meta, "rows"),
         "first_step": _int(meta, "first_step"),
         "last_step": _int(meta, "last_step"),
+        "records_per_epoch": (_int(meta, "records_per_epoch") if meta["records_per_epoch"]
+                              else None),
     }
     for key, from_path in (("run_id", f.run_id), ("attempt", f.attempt), ("host", f.host)):
         if info[key] != from_path:
@@ -102,6 +108,8 @@ def read_checked(f: sp.SpoolFile) -> tuple[pa.Table, dict]:
         raise BadFile(f"host {info['host']} is outside host_count {info['host_count']}")
     if (info["attempt"] > 0) != (info["resumed_from_step"] is not None):
         raise BadFile("attempt > 0 must say resumed_from_step, attempt 0 must not")
+    if info["records_per_epoch"] is not None and info["records_per_epoch"] < 1:
+        raise BadFile(f"metadata records_per_epoch={info['records_per_epoch']} is below 1")
     if pf.metadata.num_rows != info["rows"]:
         raise BadFile(f"footer holds {pf.metadata.num_rows} rows, writer wrote {info['rows']}")
     try:
@@ -136,50 +144,92 @@ def _check_values(table: pa.Table, kind: str, info: dict) -> None:
                 raise BadFile(f"column {name} has values below {low}")
 
 
-def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False) -> IngestResult:
-    """Ingest every new published file under `spool` into `ledger`, exactly once."""
+BATCH_ROWS = 1_000_000  # rows per transaction (fewer when the backlog is shorter)
+BATCH_FILES = 64
+READ_AHEAD_BYTES = 64 << 20  # spool bytes read ahead of the transactions
+
+
+@dataclass
+class _File:
+    """A checked spool file, read and pre-aggregated, waiting for its transaction."""
+
+    item: sp.SpoolFile
+    stat: os.stat_result
+    table: pa.Table
+    info: dict
+    steps: pa.Table | None  # per (host, step): segments, tokens, starts
+    starts: Starts | None
+    n_tokens: int
+    held: bool = False  # quarantined before, changed since
+    run: int = 0
+
+
+class _Rejected(Exception):
+    def __init__(self, f: _File, reason: str) -> None:
+        super().__init__(reason)
+        self.file = f
+
+
+def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
+           batch_rows: int = BATCH_ROWS,
+           listing: list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]] | None = None
+           ) -> IngestResult:
+    """Ingest every new published file under `spool` into `ledger`, exactly once.
+
+    `listing`: the spool's entries with their stat, when the caller has just scanned it (the
+    live service); files among them already in the ledger are skipped all the same."""
     t0 = time.perf_counter()
     result = IngestResult()
-    for_ledger(ledger)  # the aggregates' per-record state, loaded once per process
+    agg = for_ledger(ledger)  # the aggregates' per-record state, loaded once per process
+    with agg.ingesting:  # one ingest at a time per process: each sees the last one's files
+        _ingest(Path(spool), ledger, agg, progress, batch_rows, listing, result)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_rows: int,
+            listing: list | None, result: IngestResult) -> None:
     cur = ledger.cursor()
     try:
-        done = {r[0] for r in cur.execute("SELECT path FROM segments").fetchall()}
+        only = "" if listing is None else "WHERE path IN (SELECT unnest($1))"
+        params = [] if listing is None else [[item.rel for item, _ in listing]]
+        done = {r[0] for r in cur.execute(f"SELECT path FROM segments {only}", params)
+                .fetchall()}
         held = {r[0]: (r[1], r[2]) for r in cur.execute(
-            "SELECT path, bytes, mtime_ns FROM quarantine").fetchall()}
+            f"SELECT path, bytes, mtime_ns FROM quarantine {only}", params).fetchall()}
         todo = []
-        for item in sp.scan(Path(spool)):
+        for item, st in listing if listing is not None else (
+                (item, None) for item in sp.scan(spool)):
             if item.rel in done:
                 result.already += 1
                 continue
-            st = item.path.stat()
+            st = st or item.path.stat()
             if held.get(item.rel) == (st.st_size, st.st_mtime_ns):
                 continue  # known bad and unchanged: reported by `tally ledger`, not again here
             todo.append((item, st))
         bar = tqdm(total=len(todo), unit="file", desc="ingest", disable=not progress,
                    file=sys.stderr)
-        for (item, st), read in _read_ahead(todo):
-            bar.update()
-            if isinstance(read, BadFile):
-                _quarantine(cur, result, item.rel, st, str(read))
-                continue
-            try:
-                _ingest_one(ledger, cur, item, st.st_size, *read)
-            except BadFile as exc:
-                _quarantine(cur, result, item.rel, st, str(exc))
-                continue
-            result.files += 1
-            result.rows += read[0].num_rows
-            if item.rel in held:
-                cur.execute("DELETE FROM quarantine WHERE path = ?", [item.rel])
+        batch: list[_File] = []
+        rows = 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-rows") as pool:
+            for (item, st), read in _read_ahead(todo):
+                bar.update()
+                if isinstance(read, BadFile):
+                    _quarantine(cur, result, item.rel, st, str(read))
+                    continue
+                batch.append(_File(item, st, *read, held=item.rel in held))
+                rows += read[0].num_rows
+                if rows >= batch_rows or len(batch) >= BATCH_FILES:
+                    _ingest_batch(ledger, cur, agg, pool, batch, result)
+                    batch, rows = [], 0
+            _ingest_batch(ledger, cur, agg, pool, batch, result)
         bar.close()
     finally:
         cur.close()
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 def _read(item: sp.SpoolFile | sp.Stray
-          ) -> tuple[pa.Table, dict, pa.Table | None, Starts | None] | BadFile:
+          ) -> tuple[pa.Table, dict, pa.Table | None, Starts | None, int] | BadFile:
     """Read, check and pre-aggregate one file (runs in the read-ahead thread)."""
     if isinstance(item, sp.Stray):
         return BadFile(item.reason)
@@ -187,28 +237,32 @@ def _read(item: sp.SpoolFile | sp.Stray
         table, info = read_checked(item)
     except BadFile as exc:
         return exc
-    steps = starts = None
-    if item.kind == "seg":
-        start = pc.cast(pc.equal(table["offset"], 0), pa.int64())
-        steps = table.append_column("start", start).group_by(["host", "step"]).aggregate(
-            [("n_tokens", "count"), ("n_tokens", "sum"), ("start", "sum")])
-        starts = Starts.from_table(table)
-    return table, info, steps, starts
+    if item.kind != "seg":
+        return table, info, None, None, 0
+    start = pc.cast(pc.equal(table["offset"], 0), pa.int64())
+    steps = table.append_column("start", start).group_by(["host", "step"]).aggregate(
+        [("n_tokens", "count"), ("n_tokens", "sum"), ("start", "sum")])
+    return (table, info, steps, Starts.from_table(table, info["host"]),
+            pc.sum(table["n_tokens"]).as_py())
 
 
-def _read_ahead(todo: list, depth: int = 2) -> Iterator:
-    """`(entry, _read(entry))` in order, reading up to `depth` files ahead of the inserts.
+def _read_ahead(todo: list) -> Iterator:
+    """`(entry, _read(entry))` in order, reading ahead of the inserts up to READ_AHEAD_BYTES of
+    spool files (at least one batch's worth, so that the next batch reads while this one
+    commits).
 
-    Parquet decoding and DuckDB's insert both release the GIL, so they overlap; the bounded
-    depth keeps memory at a few files whatever the size of the backlog.
+    Parquet decoding and DuckDB's insert both release the GIL, so they overlap; the bound keeps
+    memory at a few batches whatever the size of the backlog.
     """
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-read") as pool:
         pending: deque = deque()
-        entries = iter(todo)
-        for entry in entries:
+        ahead = 0
+        for entry in todo:
             pending.append((entry, pool.submit(_read, entry[0])))
-            if len(pending) > depth:
+            ahead += entry[1].st_size
+            while ahead > READ_AHEAD_BYTES or len(pending) > 2 * BATCH_FILES:
                 first, fut = pending.popleft()
+                ahead -= first[1].st_size
                 yield first, fut.result()
         while pending:
             first, fut = pending.popleft()
@@ -223,44 +277,88 @@ def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
     result.quarantined.append((rel, reason))
 
 
-def _ingest_one(ledger: Ledger, cur, f: sp.SpoolFile, size: int, table: pa.Table,
-                info: dict, steps: pa.Table | None, starts: Starts | None) -> None:
-    agg = for_ledger(ledger)
+def _ingest_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
+                  batch: list[_File], result: IngestResult) -> None:
+    """The batch in one transaction; a file whose run or attempt metadata contradicts the
+    ledger is quarantined and the rest go in without it."""
+    while batch:
+        try:
+            _write_batch(ledger, cur, agg, pool, batch)
+        except _Rejected as r:
+            _quarantine(cur, result, r.file.item.rel, r.file.stat, str(r))
+            batch = [f for f in batch if f is not r.file]
+            continue
+        result.files += len(batch)
+        result.rows += sum(f.table.num_rows for f in batch)
+        return
+
+
+def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
+                 batch: list[_File]) -> None:
     cur.execute("BEGIN TRANSACTION")
     try:
-        try:
-            run = ledger.ensure_run(cur, info["run_id"], info["fingerprint"])
+        # Runs and attempts first: a contradiction rejects its file before any row goes in,
+        # and a new attempt's lineage change is recomputed from the rows already committed.
+        known: dict[tuple, int] = {}
+        for f in batch:
+            i = f.info
+            key = (i["run_id"], i["fingerprint"], i["attempt"], i["resumed_from_step"],
+                   i["host_count"], i["writer_version"], i["records_per_epoch"])
+            if key not in known:
+                try:
+                    run = ledger.ensure_run(cur, i["run_id"], i["fingerprint"])
+                    cuts = agg.cuts(cur, run)
+                    ledger.ensure_attempt(cur, run, i["attempt"], i["resumed_from_step"],
+                                          i["host_count"], i["writer_version"],
+                                          i["records_per_epoch"])
+                except ValueError as exc:
+                    raise _Rejected(f, str(exc)) from None
+                agg.lineage(cur, run, cuts)
+                known[key] = run
+            f.run = known[key]
+        ids = [r[0] for r in cur.execute("SELECT nextval('file_ids') FROM range(?)",
+                                         [len(batch)]).fetchall()]
+        segs = [(f, fid) for f, fid in zip(batch, ids, strict=True) if f.item.kind == "seg"]
+        parts: dict[int, list[Starts]] = {}
+        for run in {f.run for f, _ in segs}:
             cuts = agg.cuts(cur, run)
-            ledger.ensure_attempt(cur, run, info["attempt"], info["resumed_from_step"],
-                                  info["host_count"], info["writer_version"])
-        except ValueError as exc:
-            raise BadFile(str(exc)) from None
-        agg.lineage(cur, run, cuts)
-        file_id = one(cur, "SELECT nextval('file_ids')")[0]
-        ids = [run, info["attempt"], file_id]
-        cur.register("incoming", table)
-        if f.kind == "seg":
-            cur.execute("""
-                INSERT INTO consumption SELECT $1, $2, host, step, "row", record_key, "offset",
-                    n_tokens, content_hash, epoch, $3 FROM incoming""", ids)
-            cur.register("incoming_steps", steps)
-            cur.execute("""
-                INSERT INTO host_steps SELECT $1, $2, host, step, n_tokens_count, n_tokens_sum, $3
-                FROM incoming_steps""", ids)
+            parts[run] = [f.starts.before(cuts[f.info["attempt"]]) for f, _ in segs
+                          if f.run == run]
+
+        # The rows insert (DuckDB, GIL released) while this thread works out the aggregates.
+        rows = pool.submit(_insert_rows, cur, batch, ids)
+        try:
+            incs = {run: agg.increments(run, p) for run, p in parts.items()}
+        finally:
+            rows.result()
+
+        if segs:
+            cur.register("incoming_steps", pa.concat_tables([
+                f.steps.append_column("run", pa.array(np.full(len(f.steps), f.run, np.int32)))
+                .append_column("attempt", pa.array(np.full(len(f.steps), f.info["attempt"],
+                                                           np.int32)))
+                .append_column("file_id", pa.array(np.full(len(f.steps), fid, np.int32)))
+                for f, fid in segs]))
+            cur.execute("""INSERT INTO host_steps SELECT run, attempt, host, step,
+                n_tokens_count, n_tokens_sum, file_id FROM incoming_steps""")
+            cur.execute("""INSERT INTO agg_steps SELECT run, attempt, host, step,
+                n_tokens_count, n_tokens_sum, start_sum, file_id FROM incoming_steps""")
             cur.unregister("incoming_steps")
-            agg.add_file(cur, run, info["attempt"], file_id, starts, steps)
-            n_tokens = pc.sum(table["n_tokens"]).as_py()
-        else:
-            cur.execute("INSERT INTO metrics SELECT $1, $2, host, step, name, value, $3 "
-                        "FROM incoming", ids)
-            n_tokens = 0
-        cur.execute(
-            "INSERT INTO segments (file_id, path, kind, run, attempt, host, first_step, last_step,"
-            " n_rows, n_tokens, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [file_id, f.rel, f.kind, run, info["attempt"], info["host"], info["first_step"],
-             info["last_step"], table.num_rows, n_tokens, size],
-        )
-        cur.unregister("incoming")
+        for run, (new, deltas) in incs.items():
+            agg.add(cur, run, new, deltas, seg_files=len(parts[run]))
+        cols = ("file_id", "path", "kind", "run", "attempt", "host", "first_step", "last_step",
+                "n_rows", "n_tokens", "bytes")
+        rows_of = [(fid, f.item.rel, f.item.kind, f.run, f.info["attempt"], f.info["host"],
+                    f.info["first_step"], f.info["last_step"], f.table.num_rows, f.n_tokens,
+                    f.stat.st_size) for f, fid in zip(batch, ids, strict=True)]
+        cur.register("incoming_segments", pa.table(
+            {c: [r[i] for r in rows_of] for i, c in enumerate(cols)}))
+        names = ", ".join(cols)
+        cur.execute(f"INSERT INTO segments ({names}) SELECT {names} FROM incoming_segments")
+        cur.unregister("incoming_segments")
+        for f in batch:
+            if f.held:
+                cur.execute("DELETE FROM quarantine WHERE path = ?", [f.item.rel])
         with agg.lock:  # readers of the per-record state open their snapshot under it
             cur.execute("COMMIT")
             agg.commit()
@@ -268,3 +366,17 @@ def _ingest_one(ledger: Ledger, cur, f: sp.SpoolFile, size: int, table: pa.Table
         agg.discard()
         cur.execute("ROLLBACK")
         raise
+
+
+def _insert_rows(cur, batch: list[_File], ids: list[int]) -> None:
+    for f, fid in zip(batch, ids, strict=True):
+        cur.register("incoming", f.table)
+        if f.item.kind == "seg":
+            cur.execute("""
+                INSERT INTO consumption SELECT $1, $2, host, step, "row", record_key, "offset",
+                    n_tokens, content_hash, epoch, $3 FROM incoming""",
+                        [f.run, f.info["attempt"], fid])
+        else:
+            cur.execute("INSERT INTO metrics SELECT $1, $2, host, step, name, value, $3 "
+                        "FROM incoming", [f.run, f.info["attempt"], fid])
+        cur.unregister("incoming")

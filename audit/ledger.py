@@ -20,7 +20,7 @@ import duckdb
 
 from audit.errors import TallyError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _DDL = """
 CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
@@ -39,6 +39,7 @@ CREATE TABLE attempts (
     host_count INTEGER NOT NULL,
     writer_version VARCHAR NOT NULL,
     rolled_back_from_step BIGINT,      -- derived: min resumed_from_step of later attempts
+    records_per_epoch BIGINT,          -- train records the loader cycles through (writer metadata)
     PRIMARY KEY (run, attempt)
 );
 CREATE TABLE segments (                -- one row per ingested spool file
@@ -265,25 +266,34 @@ class Ledger:
         return run
 
     def ensure_attempt(self, cur: duckdb.DuckDBPyConnection, run: int, attempt: int,
-                       resumed_from_step: int | None, host_count: int, writer_version: str) -> None:
-        row = one(cur, "SELECT resumed_from_step, host_count FROM attempts "
+                       resumed_from_step: int | None, host_count: int, writer_version: str,
+                       records_per_epoch: int | None = None) -> None:
+        row = one(cur, "SELECT resumed_from_step, host_count, records_per_epoch FROM attempts "
                   "WHERE run = ? AND attempt = ?", [run, attempt])
         if row is None:
             cur.execute(
-                "INSERT INTO attempts (run, attempt, resumed_from_step, host_count, writer_version)"
-                " VALUES (?, ?, ?, ?, ?)",
-                [run, attempt, resumed_from_step, host_count, writer_version],
+                "INSERT INTO attempts (run, attempt, resumed_from_step, host_count, writer_version,"
+                " records_per_epoch) VALUES (?, ?, ?, ?, ?, ?)",
+                [run, attempt, resumed_from_step, host_count, writer_version, records_per_epoch],
             )
             resumed = dict(cur.execute("SELECT attempt, resumed_from_step FROM attempts "
                                        "WHERE run = ?", [run]).fetchall())
             cur.executemany("UPDATE attempts SET rolled_back_from_step = ? "
                             "WHERE run = ? AND attempt = ?",
                             [[cut, run, a] for a, cut in rolled_back_from(resumed).items()])
-        elif tuple(row) != (resumed_from_step, host_count):
+            return
+        if tuple(row[:2]) != (resumed_from_step, host_count):
             raise ValueError(
                 f"metadata says attempt {attempt} resumed from {resumed_from_step} on "
                 f"{host_count} hosts, but earlier files of it say {row[0]} on {row[1]} hosts"
             )
+        if records_per_epoch is not None and row[2] != records_per_epoch:
+            if row[2] is not None:
+                raise ValueError(
+                    f"metadata says attempt {attempt} cycles through {records_per_epoch} records "
+                    f"per epoch, but earlier files of it say {row[2]}")
+            cur.execute("UPDATE attempts SET records_per_epoch = ? WHERE run = ? AND attempt = ?",
+                        [records_per_epoch, run, attempt])
 
     # ---- reads ------------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ and p99 per endpoint, and each aggregate-backed endpoint's p50 against its refer
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -25,7 +26,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pyarrow.parquet as pq
 
+from audit import spool as sp
 from audit.ingest import ingest
 from audit.ledger import Ledger
 from audit.segments import Segments
@@ -121,26 +124,9 @@ with Ledger(ledger) as led:
 """
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=50_000_000)
-    ap.add_argument("--records", type=int, default=10_000_000)
-    ap.add_argument("--hosts", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=4096, help="segments per host and step")
-    ap.add_argument("--flush-every", type=int, default=50)
-    ap.add_argument("--requests", type=int, default=200, help="per endpoint")
-    ap.add_argument("--live-rows-per-s", type=float, default=100_000)
-    ap.add_argument("--ref-repeats", type=int, default=3)
-    ap.add_argument("--memory-limit", default="6GB", help="DuckDB memory limit")
-    ap.add_argument("--dir", default="bench/out/api")
-    args = ap.parse_args(argv)
-    out = Path(args.dir)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    spool, path = out / "spool", out / "ledger.duckdb"
-    loader = Loader(args.records, args.hosts, args.batch)
+def _build(args: argparse.Namespace, loader: Loader, spool: Path, path: Path
+           ) -> tuple[int, int, dict[str, float]]:
     steps = -(-args.rows // (args.hosts * args.batch))
-
     t0 = time.perf_counter()
     rows = write(spool, loader, range(steps), args.flush_every)
     print(f"spool: {rows:,} rows ({steps} steps x {args.hosts} hosts x {args.batch}) in "
@@ -155,6 +141,43 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"ingest with aggregates: {rows:,} rows in {ingest_s:.1f} s "
               f"({rows / ingest_s / 1e6:.2f} M rows/s)")
         ref = references(ledger, args.ref_repeats)
+    return rows, steps, ref
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=50_000_000)
+    ap.add_argument("--records", type=int, default=10_000_000)
+    ap.add_argument("--hosts", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4096, help="segments per host and step")
+    ap.add_argument("--flush-every", type=int, default=50)
+    ap.add_argument("--live-flush-every", type=int, default=5,
+                    help="steps per spool file while timing (small: the server ingests a "
+                         "batch every second or two during the requests)")
+    ap.add_argument("--requests", type=int, default=200, help="per endpoint")
+    ap.add_argument("--live-rows-per-s", type=float, default=100_000)
+    ap.add_argument("--ref-repeats", type=int, default=3)
+    ap.add_argument("--memory-limit", default="6GB", help="DuckDB memory limit")
+    ap.add_argument("--dir", default="bench/out/api")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the spool and ledger of an earlier run in --dir (and its "
+                         "reference times): only the live part runs again")
+    args = ap.parse_args(argv)
+    out = Path(args.dir)
+    spool, path = out / "spool", out / "ledger.duckdb"
+    loader = Loader(args.records, args.hosts, args.batch)
+    saved = out / "build.json"
+    if args.reuse and saved.exists():
+        built = json.loads(saved.read_text())
+        rows, ref = built["rows"], built["ref"]
+        steps = 1 + max(int(pq.read_schema(f.path).metadata[b"tally.last_step"])
+                        for f in sp.scan(spool) if getattr(f, "kind", None) == "seg")
+        print(f"reusing {out}: {rows:,} rows built, spool up to step {steps - 1}")
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        rows, steps, ref = _build(args, loader, spool, path)
+        saved.write_text(json.dumps({"rows": rows, "ref": ref}))
     print("reference (one SQL query over effective_consumption): "
           + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ref.items()))
 
@@ -167,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = f"http://127.0.0.1:{port}"
     stop = threading.Event()
     live = {"rows": 0}
+    writer = None
     try:
         client = httpx.Client(base_url=base, timeout=60)
         while True:
@@ -179,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
                 time.sleep(0.2)
         print(f"server up in {time.perf_counter() - t0:.1f} s (per-record state rebuilt)")
         writer = threading.Thread(target=lambda: live.__setitem__("rows", write(
-            spool, loader, range(steps, 10**9), args.flush_every, args.live_rows_per_s, stop)))
+            spool, loader, range(steps, 10**9), args.live_flush_every, args.live_rows_per_s,
+            stop)))
         writer.start()
         last = steps - 1
         endpoints = {
@@ -212,8 +237,11 @@ def main(argv: list[str] | None = None) -> dict:
         stop.set()
         server.terminate()
         server.wait(60)
+        if writer is not None:
+            writer.join(60)
     print(f"while timing: the writer published {live['rows']:,} more rows; the server ingested "
-          f"{health['ingest']['rows']:,} of them; ledger now {summary['rows_ingested']:,} rows; "
+          f"{health['ingest']['rows']:,} of them in {health['ingest']['files']} files; ledger now "
+          f"{summary['rows_ingested']:,} rows; "
           f"lag at the end {health['ingest']['lag_seconds']:.1f} s{rss}")
     print(f"{'endpoint':24s} {'p50 ms':>8s} {'p99 ms':>8s}  reference / p50")
     ratios = {}

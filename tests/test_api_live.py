@@ -232,3 +232,61 @@ def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
     assert [b for b, _ in bars] == ["0", "1", "2", "3+"] and sum(int(v) for _, v in bars) == N
     cells = re.findall(r'class="cell" data-value="(\d+)"', dom)
     assert len(cells) == 9 and all(int(v) > 0 for v in cells)  # 3 x 3, every pair overlaps
+
+
+def test_coverage_universe_from_writer_metadata_and_cached_answers(tmp_path):
+    """Without a manifest or --records, coverage is over the records_per_epoch the run's
+    writers recorded; answers cached between ingests change when an ingest lands."""
+    spool = tmp_path / "spool"
+    write_steps(spool, "w", host=0, hosts=1, steps=range(10), n=N, seed=1, flush_every=5,
+                records_per_epoch=N, outside={3: N + 1})
+    write_steps(spool, "plain", host=0, hosts=1, steps=range(5), n=N, seed=2, flush_every=5)
+    with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        ingest(spool, ledger)
+        for records, source in ((None, "writer metadata"), (40, "records option")):
+            with Server(create_app(ledger, records=records)) as srv:
+                c = srv.get("/v1/runs/w/coverage").json()
+                n = records or N
+                want = ledger.query(f"""SELECT count(DISTINCT record_key) AS seen FROM
+                    effective_consumption JOIN runs USING (run) WHERE run_id = 'w'
+                    AND "offset" = 0 AND record_key < {n}""")[0]["seen"]
+                assert (c["train_records"], c["universe"], c["seen"]) == (n, source, want)
+                assert c["coverage"] == pytest.approx(want / n)
+                assert c["outside"]["records"] >= 1  # key N + 1 at step 3
+                assert srv.get("/v1/runs/w").json()["coverage"] == c
+                p = srv.get("/v1/runs/plain/coverage").json()
+                assert p["universe"] == ("unknown" if records is None else source)
+        with Server(create_app(ledger)) as srv:
+            before = srv.get("/v1/runs/w/steps?bucket=1").json()
+            assert srv.get("/v1/runs/w/steps?bucket=1").json() == before
+            write_steps(spool, "w", host=0, hosts=1, steps=range(10, 15), n=N, seed=3,
+                        flush_every=5, records_per_epoch=N)
+            ingest(spool, ledger)
+            after = srv.get("/v1/runs/w/steps?bucket=1").json()
+            assert after["step"] == before["step"] + list(range(10, 15))
+            assert srv.get("/v1/runs/w").json()["last_step"] == 14
+
+
+def test_answers_asked_for_are_ready_after_each_ingest_round(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(5), n=N, seed=1, flush_every=5)
+    with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        app = create_app(ledger, spool=spool, records=N, interval=0.05)
+        svc = app.state.service
+        with Server(app) as srv:
+            assert poll(lambda: srv.get("/v1/runs/r").json().get("last_step") == 4)
+            first = srv.get("/v1/runs/r/steps?bucket=2").json()
+            write_steps(spool, "r", host=0, hosts=1, steps=range(5, 9), n=N, seed=2,
+                        flush_every=4)
+            def newest() -> int:
+                return ledger.query("SELECT max(file_id) AS g FROM segments")[0]["g"]
+
+            gen = newest()
+
+            def ready() -> bool:  # the new version's answer, computed with no request
+                g = newest()
+                return g > gen and svc._cached((g, "steps", "r", None, None, 2, 500)) is not None
+
+            assert poll(ready)
+            after = srv.get("/v1/runs/r/steps?bucket=2").json()
+            assert after["step"] == [0, 2, 4, 6, 8] and after["step"][:3] == first["step"]

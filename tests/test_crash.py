@@ -63,8 +63,14 @@ def test_sigkill_mid_write_loses_nothing_durable_and_shows_no_partial_file(tmp_p
 
 INGEST = """
 import sys
+import audit.ingest
+write = audit.ingest._write_batch
+def announced(*args):
+    write(*args)
+    print("batch", flush=True)
+audit.ingest._write_batch = announced
 from audit.cli import main
-sys.exit(main(["ingest", sys.argv[1], "--ledger", sys.argv[2], "-q"]))
+sys.exit(main(["ingest", sys.argv[1], "--ledger", sys.argv[2], "-q", "--batch-rows", "60000"]))
 """
 
 
@@ -86,7 +92,11 @@ def test_sigkill_mid_ingest_never_counts_twice_nor_half(tmp_path):
     partial = []
     for _ in range(4):
         child = popen_py(INGEST, str(spool), str(path))
-        time.sleep(0.5 + rnd.random())
+        # Some batches (3 files each) in, then a kill at a random moment of the next ones.
+        for _ in range(rnd.randint(1, 4)):
+            if child.stdout.readline() != "batch\n":
+                break
+        time.sleep(rnd.random() * 0.3)
         child.send_signal(signal.SIGKILL)
         child.wait()
         with Ledger(path) as ledger:
@@ -94,8 +104,10 @@ def test_sigkill_mid_ingest_never_counts_twice_nor_half(tmp_path):
                 "SELECT count(*) AS f, coalesce(sum(n_rows), 0) AS r FROM segments")[0].values()
             rows = ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"]
             agg = ledger.query("SELECT coalesce(sum(n_segments), 0) AS n FROM host_steps")[0]["n"]
-            # Whatever the kill interrupted, the ledger holds whole files only.
-            assert rows == in_files == agg
+            applied = ledger.query("SELECT coalesce(sum(seg_files), 0) AS n FROM agg_runs")[0]["n"]
+            # Whatever the kill interrupted, the ledger holds whole batches of whole files only,
+            # and the aggregates count exactly those files.
+            assert rows == in_files == agg and applied == files
             partial.append(files)
     assert any(0 < f < 120 for f in partial), partial  # some kill did land mid-ingest
 

@@ -150,7 +150,7 @@ def test_ledger_with_another_schema_version_is_refused(tmp_path):
     path = tmp_path / "l.duckdb"
     with Ledger(path) as ledger:
         ledger.con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    with pytest.raises(TallyError, match="schema version 99.*reads version 2"):
+    with pytest.raises(TallyError, match="schema version 99.*reads version 3"):
         Ledger(path)
 
 
@@ -189,3 +189,26 @@ def test_temporaries_of_a_running_writer_are_invisible(spool, tmp_path):
     with Ledger(tmp_path / "l.duckdb") as ledger:
         res = ingest(spool, ledger)
         assert (res.files, res.quarantined) == (1, [])
+
+
+def test_records_per_epoch_is_kept_per_attempt_and_checked(spool, tmp_path):
+    for attempt, resumed, n in ((0, None, 1000), (1, 3, 1000), (2, 6, None)):
+        with LedgerWriter(spool, "n", attempt=attempt, resumed_from_step=resumed,
+                          records_per_epoch=n, flush_every=1) as w:
+            for s in range(resumed or 0, (resumed or 0) + 4):
+                w.write_batch(s, unpacked_batch(s))
+    files = sorted(sp.host_dir(spool, "n", 1, 0).glob("seg-*"))
+    for f, n in ((files[0], b"0"), (files[-1], b"999")):  # 999: not the corpus its attempt said
+        t = pq.read_table(f)
+        pq.write_table(t.replace_schema_metadata({**t.schema.metadata,
+                                                  b"tally.records_per_epoch": n}), f)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        res = ingest(spool, ledger)
+        reasons = sorted(r for _, r in res.quarantined)
+        assert len(reasons) == 2
+        assert "records_per_epoch=0 is below 1" in reasons[0]
+        assert "cycles through 999 records per epoch, but earlier files of it say 1000" in \
+            reasons[1]
+        got = ledger.query("SELECT attempt, records_per_epoch FROM attempts ORDER BY attempt")
+        assert [(r["attempt"], r["records_per_epoch"]) for r in got] == [
+            (0, 1000), (1, 1000), (2, None)]
