@@ -29,3 +29,12 @@ def test_preflight_benchmark_runs(tmp_path):
                                "--old-hosts", "2", "--old-steps", "3", "--workers", "2",
                                "--dir", str(tmp_path)])
     assert res["rows"] == 4 * 5 * 8 and res["planned"] == res["rows"] and res["c_s"] > 0
+
+
+def test_train_overhead_benchmark_runs():
+    from bench import train_overhead
+
+    res = train_overhead.main(["--steps", "14", "--warmup", "2", "--repeats", "1",
+                               "--records", "300", "d_model=32", "n_layers=1"])
+    assert res["audited_ms"] > 0 and res["bare_ms"] > 0 and res["ratio"] > 0
+    assert 0 < res["blocked_fraction"] < 1 and res["background_ms_per_step"] > 0

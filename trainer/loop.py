@@ -36,6 +36,8 @@ class TrainResult:
     seconds: float = 0.0  # wall time of the steps (compilation included)
     step_ends: list[float] = field(default_factory=list)  # perf_counter after each dispatch
     finished: float = 0.0  # perf_counter once the last step's results are ready
+    writer_blocked_s: float = 0.0  # training-thread time inside the ledger writer's calls
+    writer_background_s: float = 0.0  # the writer thread's time hashing and publishing
 
 
 def loader_config(cfg: TrainConfig) -> LoaderConfig:
@@ -141,6 +143,9 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
             save(cfg.steps)  # the final state too, so a longer run can continue from it
     jax.block_until_ready(params)
     result.finished = time.perf_counter()
+    if audit:
+        result.writer_blocked_s = writer.blocked_seconds
+        result.writer_background_s = writer.background_seconds
     result.seconds = result.finished - t0
     result.steps = cfg.steps - start
     loader.close()
