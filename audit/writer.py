@@ -116,7 +116,11 @@ class LedgerWriter:
         self._put(("segments", int(step), segments))
 
     def log_metric(self, step: int, name: str, value: float) -> None:
-        self._put(("metric", int(step), str(name), float(value)))
+        self._put(("metrics", [(int(step), str(name), float(value))]))
+
+    def log_metrics(self, rows: list[tuple[int, str, float]]) -> None:
+        """Several (step, name, value) at once: one hand-over instead of one per value."""
+        self._put(("metrics", [(int(s), str(n), float(v)) for s, n, v in rows]))
 
     def flush(self) -> None:
         """Block until everything handed over so far is published; raise if that failed."""
@@ -208,9 +212,9 @@ class LedgerWriter:
             self._add(step, segs)
         elif kind == "segments":
             self._add(item[1], item[2])
-        elif kind == "metric":
+        elif kind == "metrics":
             self._touch()
-            self._metrics.append(item[1:4])
+            self._metrics.extend(item[1])
         else:  # flush or close
             self._publish()
 
