@@ -99,7 +99,7 @@ def random_run(spool, man, n_train, rng, run_id="r"):
         start = max(1, start + steps - int(rng.integers(1, 6)))
 
 
-def _agree(tmp_path, seed, runner=None, at_step=None, passes=None):
+def _agree(tmp_path, seed, runner=None, at_step=None):
     rng = np.random.default_rng(seed)
     n_train, n_heldout = int(rng.integers(200, 600)), 20
     man = write_manifest(tmp_path / "m.parquet", n_train, n_heldout, rng)
@@ -111,7 +111,7 @@ def _agree(tmp_path, seed, runner=None, at_step=None, passes=None):
     for kind in ("spool", "ledger"):
         out = tmp_path / f"out-{kind}"
         report = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=out,
-                           at_step=at_step, runner=runner, bucket_records=97, passes=passes,
+                           at_step=at_step, runner=runner, bucket_records=97,
                            **{kind: spool if kind == "spool" else tmp_path / "l.duckdb"})
         got = from_report(report, pq.read_table(out / "steps.parquet"))
         for key in want:
@@ -132,8 +132,8 @@ def test_beam_on_fnapi_agrees_with_sql_on_random_ledgers(tmp_path, seed):
     _agree(tmp_path, seed)
 
 
-def test_beam_in_key_range_passes_agrees_with_sql(tmp_path):
-    _agree(tmp_path, 8, passes=3)
+def test_beam_on_fnapi_multi_processing_agrees_with_sql(tmp_path):
+    _agree(tmp_path, 8, runner=RunnerSpec("direct", mode="multi_processing", workers=2))
 
 
 def test_beam_agrees_with_sql_as_of_a_step(tmp_path):
