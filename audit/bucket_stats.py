@@ -67,14 +67,11 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
     train_codes = [i for i, name in enumerate(man["split_names"]) if name == "train"]
     train = np.isin(man["split"], train_codes)
 
-    # Hosts that saw each record (starts), as a records x hosts matrix; the overlap matrix
-    # is a product of its train rows that were seen at all (float64: exact, and BLAS).
-    seen = np.zeros((n, hosts), dtype=bool)
-    seen[j[starts], host[starts]] = True
-    seen_train = seen[train]
-    n_hosts_train = seen_train.sum(axis=1)
-    hit = seen_train[n_hosts_train > 0].astype(np.float64)
-    overlap = np.rint(hit.T @ hit).astype(np.int64)
+    # Hosts that saw each record (starts), as a records x hosts matrix.
+    seen = np.zeros(n * hosts, dtype=bool)
+    seen[j[starts] * hosts + host[starts]] = True
+    seen = seen.reshape(n, hosts)
+    unique, others, overlap, n_hosts = _host_sets(seen, train)
 
     # Train start events ordered by (record, step): the first of each record gives its
     # first-seen step; the position within the record is the exposure's rank, kept as the
@@ -93,8 +90,7 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
 
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
-    pairs = np.sort((j[ep].astype(np.int64) << 32) | c["epoch"][ep].astype(np.int64))
-    per_epoch = np.diff(np.r_[_groups(pairs), len(pairs)])
+    per_epoch = _pair_counts(j[ep], c["epoch"][ep], n)
 
     e_train = exposures[train]
     out.update({
@@ -108,9 +104,7 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
         "heldout_consumed_records": int(((exposures > 0) & ~train).sum()),
         "heldout_exposures": int(exposures[~train].sum()),
         "overlap": overlap,
-        "hosts": {"unique": seen_train.sum(axis=0).astype(np.int64),
-                  "overlap_with_others": seen_train[n_hosts_train > 1].sum(axis=0)
-                  .astype(np.int64)},
+        "hosts": {"unique": unique, "overlap_with_others": others},
         "steps": {"new_unique": bincount(ss[head])},
         "train_exposures_by_step": bincount(ss),
         "max_rank_by_step": max_rank,
@@ -138,11 +132,47 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
         "n_tokens": man["n_tokens"],
         "exposures": exposures,
         "tokens_consumed": tokens,
-        "hosts": seen.sum(axis=1).astype(np.int32),
+        "hosts": n_hosts.astype(np.int32),
         "first_step": first_step,
         "hash_mismatches": bincount(j[mismatch], n=n),
     })
     return out, records
+
+
+def _host_sets(seen: np.ndarray, train: np.ndarray) -> tuple[np.ndarray, ...]:
+    """From the records x hosts matrix: per host, train records seen and those also seen by
+    another host; the train overlap matrix; hosts per record."""
+    hosts = seen.shape[1]
+    if hosts <= 16:
+        # Each record's set of hosts as one small integer: a histogram of the sets gives every
+        # host statistic with work proportional to the records, not records x hosts^2.
+        packed = np.packbits(seen, axis=1, bitorder="little").astype(np.int64)
+        code = packed[:, 0] | (packed[:, 1] << 8 if hosts > 8 else 0)
+        sets = np.arange(2**hosts)
+        bits = (sets[:, None] >> np.arange(hosts)) & 1
+        hist = np.bincount(code[train], minlength=2**hosts)
+        multi = np.bitwise_count(sets) > 1
+        return (hist @ bits, (hist * multi) @ bits, bits.T @ (hist[:, None] * bits),
+                np.bitwise_count(code))
+    seen_train = seen[train]
+    n_train = seen_train.sum(axis=1)
+    hit = seen_train[n_train > 0].astype(np.float64)  # BLAS, and exact far beyond 2^32
+    return (seen_train.sum(axis=0).astype(np.int64),
+            seen_train[n_train > 1].sum(axis=0).astype(np.int64),
+            np.rint(hit.T @ hit).astype(np.int64), seen.sum(axis=1))
+
+
+def _pair_counts(j: np.ndarray, epoch: np.ndarray, n: int) -> np.ndarray:
+    """How often each distinct (record, epoch) pair occurs (pairs that occur at all)."""
+    if not j.size:
+        return np.zeros(0, dtype=np.int64)
+    e0 = int(epoch.min())
+    span = int(epoch.max()) - e0 + 1
+    if n * span <= max(4 * j.size, 1 << 20):  # few epochs: count in place, no sort
+        counts = np.bincount(j.astype(np.int64) * span + (epoch - e0), minlength=n * span)
+        return counts[counts > 0]
+    pairs = np.sort((j.astype(np.int64) << 32) | epoch.astype(np.int64))
+    return np.diff(np.r_[_groups(pairs), len(pairs)])
 
 
 def _strings(man: dict, col: str) -> pa.Array:
