@@ -282,15 +282,27 @@ class ReadConsumption(beam.DoFn):
         starts = cols["offset"] == 0
         hosts = self.plan.hosts
         n_tokens = cols["n_tokens"].astype(np.int64)
-        # Rows per step: distinct (step, host, row) triples, packed into one sortable key.
-        rows_n, hosts_n = int(cols["row"].max()) + 1, int(cols["host"].max()) + 1
-        triples = np.unique((steps * hosts_n + cols["host"]) * rows_n + cols["row"])
+        # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
+        # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
+        host, row = cols["host"].astype(np.int64), cols["row"].astype(np.int64)
+        s0, h0 = int(steps.min()), int(host.min())
+        rows_n, hosts_n = int(row.max()) + 1, int(host.max()) - h0 + 1
+        per_step = hosts_n * rows_n
+        triples = (steps - s0) * per_step + (host - h0) * rows_n + row
+        space = (int(steps.max()) - s0 + 1) * per_step
+        if space <= 8 * len(triples) + 4096:
+            mark = np.zeros(space, dtype=bool)
+            mark[triples] = True
+            rows = mark.reshape(-1, per_step).sum(axis=1)
+            rows = np.r_[np.zeros(s0, np.int64), rows]
+        else:
+            rows = bucket_stats.bincount(s0 + np.unique(triples) // per_step)
         yield "partials", {
             "_id": f"file-{_name(f.path)}",
             "steps": {
                 "segments": bucket_stats.bincount(steps),
                 "tokens": bucket_stats.bincount(steps, n_tokens),
-                "rows": bucket_stats.bincount(triples // (hosts_n * rows_n)),
+                "rows": rows,
             },
             "hosts": {
                 "segments": bucket_stats.bincount(cols["host"], n=hosts),
@@ -439,7 +451,9 @@ def write_records(work: Path, path: Path) -> None:
     schema = pa.ipc.open_file(pa.memory_map(str(parts[0]))).schema
     # Strings go in dictionary-encoded, as Parquet stores them (each part has its own
     # dictionary); without the Arrow schema in the file they read back as plain strings.
-    with pq.ParquetWriter(path, schema, store_schema=False) as w:
+    with pq.ParquetWriter(path, schema, store_schema=False,
+                          use_dictionary=[f.name for f in schema
+                                          if pa.types.is_dictionary(f.type)]) as w:
         for part in parts:
             w.write_table(pa.ipc.open_file(pa.memory_map(str(part))).read_all())
 
