@@ -29,3 +29,11 @@ def test_preflight_benchmark_runs(tmp_path):
                                "--old-hosts", "2", "--old-steps", "3", "--workers", "2",
                                "--dir", str(tmp_path)])
     assert res["rows"] == 4 * 5 * 8 and res["planned"] == res["rows"] and res["c_s"] > 0
+
+
+def test_reconcile_benchmark_runs(tmp_path):
+    from bench import reconcile_rate
+
+    res = reconcile_rate.main(["--rows", "16000", "--records", "5000", "--file-rows", "1000",
+                               "--dir", str(tmp_path)])
+    assert res["rows"] == 16000 and res["same"] and res["ratio"] > 0 and res["peak"] > 0
