@@ -46,6 +46,10 @@ COLUMNS = ("attempt", "host", "step", "row", "record_key", "offset", "n_tokens",
 BYTES_PER_ROW, BYTES_PER_RECORD = 120, 160
 # Buckets in memory at once, with room to spare: one per worker process plus the runner's.
 BUCKETS_IN_FLIGHT = 4
+# Rows per bucket at most: keeps each int64 temporary under glibc's largest mmap threshold
+# (32 MiB), so that the allocator reuses heap memory instead of mapping, faulting in and
+# unmapping fresh pages for every temporary (measured: 30% of a bucket's time).
+BUCKET_ROWS = 2_500_000
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,8 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     rows = sum(a.get("rows", 0) for a in attempts.values())
     if bucket_records is None:
         per_record = rows / max(records, 1) * BYTES_PER_ROW + BYTES_PER_RECORD + hosts
-        bucket_records = int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record)
+        bucket_records = min(int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record),
+                             int(BUCKET_ROWS * records / max(rows, 1)))
         bucket_records = min(max(bucket_records, 10_000), 4_000_000)
     buckets = max(1, -(-records // bucket_records))
     plan = Plan(run_id=run_id, files=files, attempts=attempts, manifest=str(manifest),
