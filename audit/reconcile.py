@@ -396,14 +396,16 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> d
     parts and results under `work`, which must be reachable from every worker."""
     (work / "records").mkdir(parents=True)
     with pipeline(runner or RunnerSpec(), partitions=max(2, len(plan.files))) as p:
-        read = (p | "files" >> beam.Create(plan.files) | "spread files" >> beam.Reshuffle()
+        # Create spreads its elements over the workers itself (a Reshuffle inside).
+        read = (p | "files" >> beam.Create(plan.files)
                   | "read" >> beam.ParDo(ReadConsumption(plan, str(work / "buckets"))))
         # Outputs are (kind, value) pairs split by FlatMaps, not tagged outputs: the Dask
         # runner sends every tagged output to the main one.
         out = {kind: read | kind >> beam.FlatMap(_only, kind)
                for kind in ("by_bucket", "partials", "replay", "skipped")}
         # Every bucket, consumed or not: never-seen records count too.
-        every = p | "buckets" >> beam.Create([(b, b) for b in range(plan.buckets + 1)])
+        every = p | "buckets" >> beam.Create([(b, b) for b in range(plan.buckets + 1)],
+                                              reshuffle=False)  # the join shuffles them
         joined = {"c": out["by_bucket"], "m": every} | "join" >> beam.CoGroupByKey()
         stats = joined | "stats" >> beam.ParDo(BucketStats(plan, str(work / "records")))
         replay = (out["replay"] | "by step" >> beam.GroupByKey()
