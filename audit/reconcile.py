@@ -419,8 +419,7 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> d
          | "done" >> beam.MapTuple(lambda _, ns: (work / "saved").write_text(str(sum(ns)))))
     if not (work / "saved").exists():
         raise TallyError("the reconcile job did not finish writing its results")
-    merged = _reduce(pickle.loads(f.read_bytes())
-                     for f in sorted((work / "partials").glob("*.pkl"))) or {}
+    merged = _reduce(load_partials(work / "partials")) or {}
     merged.setdefault("skipped_files", [])
     written, joined_slices = (int(merged.get(k, 0)) for k in ("slices_written", "slices_joined"))
     read = int(merged.get("segments", 0))
@@ -439,14 +438,32 @@ class _Save(beam.DoFn):
         self.folder = folder
 
     def process(self, partial: dict):
-        # Named by what it summarises, written by rename: a retried bundle replaces its
-        # earlier result instead of adding a second one, and never leaves half a file.
+        # Named by what it summarises and by its content, written by rename: a retried bundle
+        # rewrites the same file, never half a file; a second, different result for the same
+        # bucket (file, step) lands beside the first, where `load_partials` finds it.
         Path(self.folder).mkdir(parents=True, exist_ok=True)
-        final = Path(self.folder, f"{partial.pop('_id')}.pkl")
-        tmp = final.with_name(f".{final.name}.{os.getpid()}")
-        tmp.write_bytes(pickle.dumps(partial))
+        key = partial.pop("_id")
+        data = pickle.dumps(partial)
+        name = f"{key}.{xxhash.xxh3_64_hexdigest(data)}.pkl"
+        final = Path(self.folder, name)
+        tmp = final.with_name(f".{name}.{os.getpid()}")
+        tmp.write_bytes(data)
         os.replace(tmp, final)
         yield 1
+
+
+def load_partials(folder: Path) -> list[dict]:
+    """The saved partial results; TallyError when one id has two different results (the
+    runner delivered a bucket's group twice, with different values)."""
+    by_id: dict[str, list[Path]] = {}
+    for f in sorted(folder.glob("*.pkl")):
+        by_id.setdefault(f.name.split(".")[0], []).append(f)
+    twice = sorted(k for k, v in by_id.items() if len(v) > 1)
+    if twice:
+        raise TallyError(f"the runner delivered {len(twice)} group(s) more than once with "
+                         f"different contents ({', '.join(twice[:5])}): a GroupByKey split a "
+                         "key's values; no report written")
+    return [pickle.loads(v[0].read_bytes()) for v in by_id.values()]
 
 
 def write_records(work: Path, path: Path) -> None:

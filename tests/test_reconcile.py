@@ -158,3 +158,20 @@ def test_report_files(tmp_path):
     assert "<svg" in html and "http" not in html.replace("http-equiv", "")
     codes = {f["code"] for f in report["findings"]}
     assert {"unknown_keys", "hash_mismatch", "heldout_leak"} <= codes
+
+
+def test_a_group_delivered_twice_with_different_values_is_refused(tmp_path):
+    # What FnApiRunner multi_processing (Beam 2.77) was seen to do: the stage after the join ran
+    # twice for a bucket, once with a subset of its values. Both results are kept and refused.
+    from audit.errors import TallyError
+    from audit.reconcile import _Save, load_partials
+
+    save = _Save(str(tmp_path))
+    same = {"_id": "bucket-3", "hash_checked": 10}
+    for partial in (same, same, {"_id": "file-a", "segments": 10}):
+        list(save.process(dict(partial)))
+    assert sorted(p.get("segments", p.get("hash_checked")) for p in load_partials(tmp_path)) \
+        == [10, 10]  # a retry with the same result is one result
+    list(save.process({"_id": "bucket-3", "hash_checked": 7}))
+    with pytest.raises(TallyError, match="bucket-3"):
+        load_partials(tmp_path)
