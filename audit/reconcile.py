@@ -264,7 +264,7 @@ class ReadConsumption(beam.DoFn):
         if len(cols["step"]):
             Path(self.folder).mkdir(parents=True, exist_ok=True)
             refs = key_buckets.write(cols, plan.bucket_size, plan.buckets,
-                                     Path(self.folder, f"{_name(f.path)}.arrow"))
+                                     Path(self.folder, f"{_name(f.path)}.bin"))
         yield from self._per_file(f, cols, rolled, len(refs))
         for ref in refs:
             yield "by_bucket", ref
