@@ -257,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--at-step", type=int, help="audit as of this step")
     s.add_argument("--strict", action="store_true", help="exit 1 when the verdict is FAIL")
     s.add_argument("--memory-gb", type=float, default=3.0,
-                   help="memory budget: the job runs in key-range passes to stay within it "
-                        "(default 3)")
+                   help="memory budget: sizes the record-key buckets so that the buckets "
+                        "in memory at once stay within it (default 3)")
     _add_runner_args(s)
     s.set_defaults(func=_cmd_reconcile)
 

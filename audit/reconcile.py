@@ -1,12 +1,15 @@
 """The reconcile job (Beam): a run's consumption against the corpus manifest.
 
 Inputs are a frozen list of consumption files: the run's published spool segment files, or an
-export of the ledger. Both the consumption and the manifest are cut into record-key buckets and
-joined with CoGroupByKey; every element is a bucket's numpy columns, never one Python object per
-row, and there are no side inputs at all. Each bucket yields partial aggregates (sums, and
-elementwise maxima for the first bad step) that one reduce merges; per-record rows are written
-as part files that the driver joins. Only Create, ParDo, GroupByKey and Flatten are used, the
-primitives every runner translates, Dask's included.
+export of the ledger. The consumption is cut into record-key buckets and joined with the
+manifest bucket by bucket (CoGroupByKey on the bucket number; each bucket's manifest rows are
+read by key range where the bucket is computed, so there are no side inputs). The rows travel
+between the two stages as Arrow IPC bucket files (audit.key_buckets): the shuffle carries only
+references to them, and each bucket is computed with numpy over its columns
+(audit.bucket_stats), never one Python object per row. Each bucket yields partial aggregates
+(sums, and elementwise maxima for the first bad step) that one reduce merges; per-record rows are
+written as part files that the driver joins. Only Create, ParDo, GroupByKey and Flatten are
+used, the primitives every runner translates, Dask's included.
 
 Restart lineage (`audit.ledger.rolled_back_from`) splits rows into effective and rolled back;
 rolled-back rows are compared step by step with the surviving replay.
@@ -28,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from audit import bucket_stats, key_buckets
 from audit import spool as sp
 from audit.errors import TallyError
 from audit.ingest import BadFile, read_checked
@@ -37,13 +41,15 @@ from pipeline.runners import RunnerSpec, pipeline
 
 COLUMNS = ("attempt", "host", "step", "row", "record_key", "offset", "n_tokens", "content_hash",
            "epoch")
-# What crosses the shuffle, narrowed: ~30 bytes a row instead of ~52.
-BUCKET_COLUMNS = {"record_key": np.int64, "step": np.int32, "host": np.int16,
-                  "offset": np.int32, "n_tokens": np.int32, "content_hash": np.uint64,
-                  "epoch": np.int32}
-EXAMPLES = 20
-# Peak memory per shuffled row on FnApiRunner (measured: 8.9 GiB for 49.6M rows in one pass).
-BYTES_PER_ROW = 180  # examples kept per finding (hash mismatches, unknown keys)
+# Memory a bucket takes in its worker: per consumption row (its columns, sort keys, masks) and
+# per manifest record (its columns, per-record results, one byte per host).
+BYTES_PER_ROW, BYTES_PER_RECORD = 120, 160
+# Buckets in memory at once, with room to spare: one per worker process plus the runner's.
+BUCKETS_IN_FLIGHT = 4
+# Rows per bucket at most: keeps each int64 temporary under glibc's largest mmap threshold
+# (32 MiB), so that the allocator reuses heap memory instead of mapping, faulting in and
+# unmapping fresh pages for every temporary (measured: 30% of a bucket's time).
+BUCKET_ROWS = 2_500_000
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ class Plan:
     hosts: int
     bucket_size: int
     buckets: int
-    rows: int = 0  # consumption rows, for sizing the passes
+    rows: int = 0  # consumption rows
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
 
@@ -125,18 +131,25 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> tuple[list, 
 
 def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], attempts: dict,
               run_fingerprint: str | None, at_step: int | None,
-              bucket_records: int = 250_000) -> Plan:
+              bucket_records: int | None = None, memory_gb: float = 3.0) -> Plan:
+    """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
+    `memory_gb`) sets the key range each bucket covers."""
     from pipeline.manifest import manifest_info
 
     info = manifest_info(manifest)
     records, train = int(info["records"]), int(info["train_records"])
+    hosts = max([a["host_count"] for a in attempts.values()] + [1])
+    rows = sum(a.get("rows", 0) for a in attempts.values())
+    if bucket_records is None:
+        per_record = rows / max(records, 1) * BYTES_PER_ROW + BYTES_PER_RECORD + hosts
+        bucket_records = min(int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record),
+                             int(BUCKET_ROWS * records / max(rows, 1)))
+        bucket_records = min(max(bucket_records, 10_000), 4_000_000)
     buckets = max(1, -(-records // bucket_records))
     plan = Plan(run_id=run_id, files=files, attempts=attempts, manifest=str(manifest),
                 records=records, train_records=train, fingerprint=info["manifest_fingerprint"],
-                run_fingerprint=run_fingerprint, at_step=at_step,
-                hosts=max([a["host_count"] for a in attempts.values()] + [1]),
-                bucket_size=-(-records // buckets), buckets=buckets,
-                rows=sum(a.get("rows", 0) for a in attempts.values()))
+                run_fingerprint=run_fingerprint, at_step=at_step, hosts=hosts,
+                bucket_size=-(-records // buckets), buckets=buckets, rows=rows)
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]
@@ -165,7 +178,7 @@ def merge(a: Any, b: Any) -> Any:
                 out[k] = merge(out.get(k), v)
         return out
     if isinstance(a, list):
-        return (a + b)[:EXAMPLES]
+        return (a + b)[:bucket_stats.EXAMPLES]
     if isinstance(a, np.ndarray):
         shape = tuple(max(x, y) for x, y in zip(a.shape, b.shape, strict=True))
         out = np.zeros(shape, dtype=np.result_type(a.dtype, b.dtype))
@@ -193,19 +206,11 @@ def _reduce(xs: Iterable[Any]) -> Any:
     return out
 
 
-def _bincount(idx: np.ndarray, weights: np.ndarray | None = None,
-              n: int = 0) -> np.ndarray:
-    if idx.size == 0:
-        return np.zeros(n, dtype=np.int64)
-    out = np.bincount(idx, weights=weights, minlength=n)
-    return out.astype(np.int64) if weights is None or weights.dtype.kind in "iu" else out
-
-
-# ---- stage 1: read consumption ------------------------------------------------------------
+# ---- stage 1: read consumption, cut it into key-bucket files ------------------------------
 
 def _read_file(f: InputFile) -> dict[str, np.ndarray]:
     if f.spool_file is None:
-        table = pq.read_table(f.path)
+        table = pq.read_table(f.path, columns=list(COLUMNS))
     else:
         table, _ = read_checked(f.spool_file)  # the same checks as ingest; BadFile if not
         table = table.append_column(
@@ -226,20 +231,20 @@ def _only(item: tuple[str, Any], kind: str) -> list[Any]:
 
 
 class ReadConsumption(beam.DoFn):
-    """One input file -> (kind, value): effective rows by bucket, per-step and per-host
-    partials, replay rows, or the reason the file was skipped."""
+    """One input file -> (kind, value): its effective rows written as a bucket file and one
+    reference per bucket, per-step and per-host partials, replay rows, or the reason the file
+    was skipped."""
 
-    def __init__(self, plan: Plan, buckets: tuple[int, int], first_pass: bool) -> None:
-        self.plan, self.buckets, self.first_pass = plan, buckets, first_pass
+    def __init__(self, plan: Plan, folder: str) -> None:
+        self.plan, self.folder = plan, folder
 
     def process(self, f: InputFile):
         plan = self.plan
         try:
             cols = _read_file(f)
         except BadFile as exc:
-            if self.first_pass:
-                yield "skipped", {"_id": f"skipped-{_name(f.path)}", "skipped_files": [
-                    f"{f.path}: {exc}"]}
+            yield "skipped", {"_id": f"skipped-{_name(f.path)}", "skipped_files": [
+                f"{f.path}: {exc}"]}
             return
         if plan.at_step is not None:
             cols = _take(cols, cols["step"] <= plan.at_step)
@@ -250,26 +255,22 @@ class ReadConsumption(beam.DoFn):
                 lut[a] = cut
         known = cols["attempt"] < len(lut)
         effective = ~known | (cols["step"] < lut[np.where(known, cols["attempt"], 0)])
-        rolled = _take(cols, ~effective)
-        cols = _take(cols, effective)
-        if self.first_pass:
-            yield from self._per_file(f, cols, rolled)
-        bucket = cols["record_key"] // plan.bucket_size
-        keep = (bucket >= self.buckets[0]) & (bucket < self.buckets[1])
-        if plan.buckets < self.buckets[1]:  # the last pass takes the overflow bucket too
-            keep |= bucket >= plan.buckets
-        cols = {k: cols[k][keep].astype(t, copy=False) for k, t in BUCKET_COLUMNS.items()}
-        bucket = np.minimum(bucket[keep], plan.buckets)
-        order = np.argsort(bucket, kind="stable")
-        bucket = bucket[order]
-        cols = {k: v[order] for k, v in cols.items()}
-        bounds = np.flatnonzero(np.diff(bucket)) + 1
-        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(bucket)], strict=True):
-            if hi > lo:
-                yield "by_bucket", (int(bucket[lo]), {k: v[lo:hi] for k, v in cols.items()})
+        if not effective.all():
+            rolled = _take(cols, ~effective)
+            cols = _take(cols, effective)
+        else:
+            rolled = _take(cols, np.zeros(len(effective), dtype=bool))
+        refs = []
+        if len(cols["step"]):
+            Path(self.folder).mkdir(parents=True, exist_ok=True)
+            refs = key_buckets.write(cols, plan.bucket_size, plan.buckets,
+                                     Path(self.folder, f"{_name(f.path)}.bin"))
+        yield from self._per_file(f, cols, rolled, len(refs))
+        for ref in refs:
+            yield "by_bucket", ref
 
-    def _per_file(self, f: InputFile, cols: dict, rolled: dict):
-        """Once per file (first pass): replay rows and the per-step, per-host partials."""
+    def _per_file(self, f: InputFile, cols: dict, rolled: dict, slices: int):
+        """Replay rows and the per-step, per-host partials of one file."""
         plan = self.plan
         # Replay comparison: rolled-back rows, and effective rows at rolled-back steps.
         if plan.replay_ranges:
@@ -282,182 +283,81 @@ class ReadConsumption(beam.DoFn):
                     yield "replay", (int(step), (tag, sel))
         if not len(cols["step"]):
             return
-        steps = cols["step"]
+        steps = cols["step"].astype(np.int64)
         starts = cols["offset"] == 0
         hosts = self.plan.hosts
-        # Rows per step: distinct (host, row) pairs; a host's step sits in one file.
-        rows_n, hosts_n = int(cols["row"].max()) + 1, int(cols["host"].max()) + 1
-        _, first = np.unique((steps * hosts_n + cols["host"]) * rows_n + cols["row"],
-                             return_index=True)
+        n_tokens = cols["n_tokens"].astype(np.int64)
+        # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
+        # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
+        host, row = cols["host"].astype(np.int64), cols["row"].astype(np.int64)
+        s0, h0 = int(steps.min()), int(host.min())
+        rows_n, hosts_n = int(row.max()) + 1, int(host.max()) - h0 + 1
+        per_step = hosts_n * rows_n
+        triples = (steps - s0) * per_step + (host - h0) * rows_n + row
+        space = (int(steps.max()) - s0 + 1) * per_step
+        if space <= 8 * len(triples) + 4096:
+            mark = np.zeros(space, dtype=bool)
+            mark[triples] = True
+            rows = mark.reshape(-1, per_step).sum(axis=1)
+            rows = np.r_[np.zeros(s0, np.int64), rows]
+        else:
+            rows = bucket_stats.bincount(s0 + np.unique(triples) // per_step)
         yield "partials", {
             "_id": f"file-{_name(f.path)}",
             "steps": {
-                "segments": _bincount(steps),
-                "tokens": _bincount(steps, cols["n_tokens"].astype(np.int64)),
-                "rows": _bincount(steps[first]),
+                "segments": bucket_stats.bincount(steps),
+                "tokens": bucket_stats.bincount(steps, n_tokens),
+                "rows": rows,
             },
             "hosts": {
-                "segments": _bincount(cols["host"], n=hosts),
-                "exposures": _bincount(cols["host"][starts], n=hosts),
-                "tokens": _bincount(cols["host"], cols["n_tokens"].astype(np.int64), n=hosts),
+                "segments": bucket_stats.bincount(cols["host"], n=hosts),
+                "exposures": bucket_stats.bincount(cols["host"][starts], n=hosts),
+                "tokens": bucket_stats.bincount(cols["host"], n_tokens, n=hosts),
             },
             "segments": len(steps),
+            "slices_written": slices,
             "min_step": int(steps.min()),
             "max_step": int(steps.max()),  # merged with max()
         }
 
 
-# ---- stage 2: manifest buckets ------------------------------------------------------------
+# ---- stage 2: the join, per bucket -----------------------------------------------------------
 
-class ReadManifest(beam.DoFn):
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-
-    def process(self, bucket: int):
-        lo = bucket * self.plan.bucket_size
-        hi = min(lo + self.plan.bucket_size, self.plan.records)
-        if lo >= hi:  # the overflow bucket: keys beyond the manifest
-            return
-        t = read_rows(pq.ParquetFile(self.plan.manifest), lo, hi,
-                      ["record_key", "content_hash", "n_tokens", "domain", "split", "source"])
-        out = {c: t[c].to_numpy() for c in ("record_key", "content_hash", "n_tokens")}
-        for c in ("domain", "split", "source"):
-            # Strings travel as codes plus a short list of names: pickling a column of
-            # Python strings costs more than everything else in the job.
-            enc = t[c].combine_chunks().dictionary_encode()
-            out[c] = enc.indices.to_numpy(zero_copy_only=False).astype(np.int32)
-            out[f"{c}_names"] = enc.dictionary.to_pylist()
-        yield bucket, out
-
-
-# ---- stage 3: the join ----------------------------------------------------------------------
-
-def _joined(grouped: dict):
-    """(manifest columns, effective columns, manifest row index of each consumed row)."""
-    cons = grouped["c"]
-    man = grouped["m"][0] if grouped["m"] else None
-    c = ({k: np.concatenate([x[k] for x in cons]).astype(np.int64 if k != "content_hash"
-                                                           else np.uint64)
-          for k in BUCKET_COLUMNS} if cons
-         else {k: np.zeros(0, t) for k, t in BUCKET_COLUMNS.items()})
-    if man is None:  # keys beyond the manifest
-        return None, c, np.full(len(c["step"]), -1)
-    j = c["record_key"] - man["record_key"][0] if len(man["record_key"]) else c["record_key"]
-    j = np.where((j >= 0) & (j < len(man["record_key"])), j, -1)
-    return man, c, j
-
-
-def _strings(man: dict, col: str) -> pa.Array:
-    return pa.DictionaryArray.from_arrays(man[col], pa.array(man[f"{col}_names"],
-                                                             pa.string())).cast(pa.string())
+def _manifest_bucket(plan: Plan, bucket: int) -> dict | None:
+    lo = bucket * plan.bucket_size
+    hi = min(lo + plan.bucket_size, plan.records)
+    if lo >= hi:  # the overflow bucket: keys beyond the manifest
+        return None
+    t = read_rows(pq.ParquetFile(plan.manifest), lo, hi,
+                  ["record_key", "content_hash", "n_tokens", "domain", "split", "source"])
+    out = {c: t[c].to_numpy() for c in ("record_key", "content_hash", "n_tokens")}
+    for c in ("domain", "split", "source"):
+        enc = t[c].combine_chunks().dictionary_encode()
+        out[c] = enc.indices.to_numpy(zero_copy_only=False).astype(np.int32)
+        out[f"{c}_names"] = enc.dictionary.to_pylist()
+    return out
 
 
 class BucketStats(beam.DoFn):
-    """Per-record exposure for one bucket: partial aggregates, and a part file of records."""
+    """One bucket: its manifest rows (read here, by key range) joined with its consumption
+    (read from the bucket files): partial aggregates, and a part file of per-record rows."""
 
     def __init__(self, plan: Plan, parts: str) -> None:
         self.plan, self.parts = plan, parts
 
     def process(self, item):
         bucket, grouped = item
-        plan = self.plan
-        man, c, j = _joined(grouped)
-        known = j >= 0
-        out: dict[str, Any] = {
-            "_id": f"bucket-{bucket}",
-            "unknown_segments": int((~known).sum()),
-            "unknown_keys": int(np.unique(c["record_key"][~known]).size),
-            "examples": {"unknown": [{"record_key": int(k), "step": int(s), "host": int(h)}
-                                     for k, s, h in zip(c["record_key"][~known][:EXAMPLES],
-                                                        c["step"][~known][:EXAMPLES],
-                                                        c["host"][~known][:EXAMPLES],
-                                                        strict=True)]},
-        }
-        if man is None:
-            yield out
-            return
-        c, j = _take(c, known), j[known]
-        n = len(man["record_key"])
-        starts = c["offset"] == 0
-        full = starts & (c["n_tokens"] == man["n_tokens"][j])
-        mismatch = full & (c["content_hash"] != man["content_hash"][j])
-        exposures = _bincount(j[starts], n=n)
-        tokens = _bincount(j, c["n_tokens"].astype(np.int64), n=n)
-        train = np.isin(man["split"], [i for i, name in enumerate(man["split_names"])
-                                       if name == "train"])
-        # Hosts that saw each record (starts), as a records x hosts matrix.
-        seen = np.zeros((n, plan.hosts), dtype=bool)
-        seen[j[starts], c["host"][starts]] = True
-        seen_train = seen[train].astype(np.int64)
-        multi = seen_train.sum(axis=1) > 1
-        # Train start events in (record, step) order: first-seen step of each record (new
-        # unique per step), and the rank of each exposure of a record, kept as the highest
-        # rank per step: the driver finds the first step whose highest rank exceeds what a
-        # perfect loader allows by then (the first bad step).
-        first_step = np.full(n, -1, dtype=np.int64)
-        ev = starts & train[j]
-        # Within one epoch a record is due at most once: count the exposures beyond that.
-        ep = ev & (c["epoch"] >= 0)
-        _, per_epoch = np.unique(j[ep] * (int(c["epoch"][ep].max(initial=0)) + 1)
-                                 + c["epoch"][ep], return_counts=True)
-        js, ss = j[ev], c["step"][ev]
-        order = np.lexsort((ss, js))
-        js, ss = js[order], ss[order]
-        head = np.flatnonzero(np.r_[True, js[1:] != js[:-1]]) if js.size else js
-        first_step[js[head]] = ss[head]
-        rank = np.arange(len(js)) - np.repeat(head, np.diff(np.r_[head, len(js)])) + 1
-        max_rank = np.zeros(int(ss.max()) + 1 if ss.size else 0, dtype=np.int64)
-        if ss.size:  # highest rank per step: sort by (step, rank), keep each step's last
-            by_step = np.lexsort((rank, ss))
-            last = np.r_[ss[by_step][1:] != ss[by_step][:-1], True]
-            max_rank[ss[by_step][last]] = rank[by_step][last]
-        e_train = exposures[train]
-        out.update({
-            "train_exposures": int(e_train.sum()),
-            "epoch_duplicates": int((per_epoch - 1).sum()),
-            "epoch_duplicate_records": int((per_epoch > 1).sum()),
-            "exposure_counts": _bincount(e_train),  # records seen e times, by e
-            "hash_checked": int(full.sum()),
-            "hash_unverifiable": int((~full).sum()),
-            "hash_mismatches": int(mismatch.sum()),
-            "heldout_consumed_records": int(((exposures > 0) & ~train).sum()),
-            "heldout_exposures": int(exposures[~train].sum()),
-            "overlap": seen_train.T @ seen_train,
-            "hosts": {"unique": seen_train.sum(axis=0),
-                      "overlap_with_others": seen_train[multi].sum(axis=0)},
-            "steps": {"new_unique": _bincount(first_step[train & (first_step >= 0)])},
-            "train_exposures_by_step": _bincount(ss),
-            "max_rank_by_step": max_rank,
-            "domain": {}, "source": {},
-        })
-        out["examples"]["hash_mismatch"] = [
-            {"record_key": int(man["record_key"][jj]), "step": int(s), "host": int(h)}
-            for jj, s, h in zip(j[mismatch][:EXAMPLES], c["step"][mismatch][:EXAMPLES],
-                                c["host"][mismatch][:EXAMPLES], strict=True)]
-        for col, fields in (("domain", ("records", "tokens", "exposures", "consumed",
-                                        "never_seen")), ("source", ("records", "never_seen"))):
-            codes, k = man[col][train], len(man[f"{col}_names"])
-            sums = {
-                "records": np.bincount(codes, minlength=k),
-                "tokens": np.bincount(codes, man["n_tokens"][train].astype(np.float64), k),
-                "exposures": np.bincount(codes, exposures[train].astype(np.float64), k),
-                "consumed": np.bincount(codes, tokens[train].astype(np.float64), k),
-                "never_seen": np.bincount(codes, (exposures[train] == 0), k),
-            }
-            for code, name in enumerate(man[f"{col}_names"]):
-                if sums["records"][code]:
-                    out[col][name] = np.array([sums[f][code] for f in fields]).astype(np.int64)
-        pq.write_table(pa.table({
-            "record_key": man["record_key"],
-            "split": _strings(man, "split"),
-            "domain": _strings(man, "domain"),
-            "n_tokens": man["n_tokens"],
-            "exposures": exposures,
-            "tokens_consumed": tokens,
-            "hosts": seen.sum(axis=1).astype(np.int32),
-            "first_step": first_step,
-            "hash_mismatches": _bincount(j[mismatch], n=n),
-        }), Path(self.parts, f"records-{bucket:06d}.parquet"))
+        slices = list(grouped["c"])
+        out, records = bucket_stats.compute(bucket, _manifest_bucket(self.plan, bucket),
+                                            key_buckets.read(slices), self.plan.hosts)
+        out["_id"] = f"bucket-{bucket}"
+        out["slices_joined"] = len(slices)
+        if records is not None:
+            final = Path(self.parts, f"records-{bucket:06d}.arrow")
+            tmp = final.with_name(f".{final.name}.{os.getpid()}")
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, records.schema) as w:
+                w.write_table(records)
+            os.replace(tmp, final)
         yield out
 
 
@@ -491,45 +391,22 @@ def _multiset(parts: list[dict]) -> list[tuple]:
 
 # ---- the job --------------------------------------------------------------------------------
 
-def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None,
-                  passes: int = 1) -> dict:
-    """Run the pipeline; return the merged aggregates. Workers write per-record parts and
-    results under `work`, which must be reachable from every worker."""
+def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> dict:
+    """Run the pipeline; return the merged aggregates. Workers write bucket files, per-record
+    parts and results under `work`, which must be reachable from every worker."""
     (work / "records").mkdir(parents=True)
-
-    # Key-range passes: each pipeline shuffles only its share of the buckets, which bounds
-    # the memory a runner that keeps a GroupByKey in memory (FnApiRunner) needs.
-    edges = np.linspace(0, plan.buckets + 1, min(passes, plan.buckets + 1) + 1).astype(int)
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-        _one_pass(plan, work, runner, (int(lo), int(hi)), first=i == 0)
-    files = sorted((work / "partials").glob("*.pkl"))
-    if not (work / "saved").exists():
-        raise TallyError("the reconcile job did not finish writing its results")
-    merged = _reduce(pickle.loads(f.read_bytes()) for f in files) or {}
-    merged.setdefault("skipped_files", [])
-    read = int(merged.get("segments", 0))
-    joined = sum(int(merged.get(k, 0)) for k in ("unknown_segments", "hash_checked",
-                                                 "hash_unverifiable"))
-    if read != joined:
-        raise TallyError(f"the reconcile job lost rows: {read:,} effective rows read, "
-                         f"{joined:,} joined with the manifest (runner {runner}); no report "
-                         "written")
-    return merged
-
-
-def _one_pass(plan: Plan, work: Path, runner: RunnerSpec | None, buckets: tuple[int, int],
-              first: bool) -> None:
     with pipeline(runner or RunnerSpec(), partitions=max(2, len(plan.files))) as p:
-        read = (p | "files" >> beam.Create(plan.files) | "spread files" >> beam.Reshuffle()
-                  | "read" >> beam.ParDo(ReadConsumption(plan, buckets, first)))
+        # Create spreads its elements over the workers itself (a Reshuffle inside).
+        read = (p | "files" >> beam.Create(plan.files)
+                  | "read" >> beam.ParDo(ReadConsumption(plan, str(work / "buckets"))))
         # Outputs are (kind, value) pairs split by FlatMaps, not tagged outputs: the Dask
         # runner sends every tagged output to the main one.
         out = {kind: read | kind >> beam.FlatMap(_only, kind)
                for kind in ("by_bucket", "partials", "replay", "skipped")}
-        man = (p | "buckets" >> beam.Create(list(range(*buckets)))
-                 | "spread buckets" >> beam.Reshuffle()
-                 | "manifest" >> beam.ParDo(ReadManifest(plan)))
-        joined = {"c": out["by_bucket"], "m": man} | "join" >> beam.CoGroupByKey()
+        # Every bucket, consumed or not: never-seen records count too.
+        every = p | "buckets" >> beam.Create([(b, b) for b in range(plan.buckets + 1)],
+                                              reshuffle=False)  # the join shuffles them
+        joined = {"c": out["by_bucket"], "m": every} | "join" >> beam.CoGroupByKey()
         stats = joined | "stats" >> beam.ParDo(BucketStats(plan, str(work / "records")))
         replay = (out["replay"] | "by step" >> beam.GroupByKey()
                   | "compare" >> beam.ParDo(CompareReplay()))
@@ -540,6 +417,20 @@ def _one_pass(plan: Plan, work: Path, runner: RunnerSpec | None, buckets: tuple[
                  | "save" >> beam.ParDo(_Save(str(work / "partials"))))
         (saved | "count" >> beam.Map(lambda n: (0, n)) | "total" >> beam.GroupByKey()
          | "done" >> beam.MapTuple(lambda _, ns: (work / "saved").write_text(str(sum(ns)))))
+    if not (work / "saved").exists():
+        raise TallyError("the reconcile job did not finish writing its results")
+    merged = _reduce(load_partials(work / "partials")) or {}
+    merged.setdefault("skipped_files", [])
+    written, joined_slices = (int(merged.get(k, 0)) for k in ("slices_written", "slices_joined"))
+    read = int(merged.get("segments", 0))
+    joined = sum(int(merged.get(k, 0)) for k in ("unknown_segments", "hash_checked",
+                                                 "hash_unverifiable"))
+    if (read, written) != (joined, joined_slices):
+        raise TallyError(f"the reconcile job lost rows: {read:,} effective rows read, "
+                         f"{joined:,} joined with the manifest; {written:,} bucket slices "
+                         f"written, {joined_slices:,} joined (runner {runner}); no report "
+                         "written")
+    return merged
 
 
 class _Save(beam.DoFn):
@@ -547,30 +438,57 @@ class _Save(beam.DoFn):
         self.folder = folder
 
     def process(self, partial: dict):
-        # Named by what it summarises, written by rename: a retried bundle replaces its
-        # earlier result instead of adding a second one, and never leaves half a file.
+        # Named by what it summarises and by its content, written by rename: a retried bundle
+        # rewrites the same file, never half a file; a second, different result for the same
+        # bucket (file, step) lands beside the first, where `load_partials` finds it.
         Path(self.folder).mkdir(parents=True, exist_ok=True)
-        final = Path(self.folder, f"{partial.pop('_id')}.pkl")
-        tmp = final.with_name(f".{final.name}.{os.getpid()}")
-        tmp.write_bytes(pickle.dumps(partial))
+        key = partial.pop("_id")
+        data = pickle.dumps(partial)
+        name = f"{key}.{xxhash.xxh3_64_hexdigest(data)}.pkl"
+        final = Path(self.folder, name)
+        tmp = final.with_name(f".{name}.{os.getpid()}")
+        tmp.write_bytes(data)
         os.replace(tmp, final)
         yield 1
 
 
-def records_table(work: Path) -> pa.Table:
-    parts = sorted((work / "records").glob("records-*.parquet"))
-    return pa.concat_tables([pq.read_table(p) for p in parts]) if parts else pa.table({})
+def load_partials(folder: Path) -> list[dict]:
+    """The saved partial results; TallyError when one id has two different results (the
+    runner delivered a bucket's group twice, with different values)."""
+    by_id: dict[str, list[Path]] = {}
+    for f in sorted(folder.glob("*.pkl")):
+        by_id.setdefault(f.name.split(".")[0], []).append(f)
+    twice = sorted(k for k, v in by_id.items() if len(v) > 1)
+    if twice:
+        raise TallyError(f"the runner delivered {len(twice)} group(s) more than once with "
+                         f"different contents ({', '.join(twice[:5])}): a GroupByKey split a "
+                         "key's values; no report written")
+    return [pickle.loads(v[0].read_bytes()) for v in by_id.values()]
+
+
+def write_records(work: Path, path: Path) -> None:
+    """records.parquet from the buckets' parts, in key order, one part in memory at a time."""
+    parts = sorted((work / "records").glob("records-*.arrow"))
+    if not parts:
+        pq.write_table(pa.table({}), path)
+        return
+    schema = pa.ipc.open_file(pa.memory_map(str(parts[0]))).schema
+    # Strings go in dictionary-encoded, as Parquet stores them (each part has its own
+    # dictionary); without the Arrow schema in the file they read back as plain strings.
+    with pq.ParquetWriter(path, schema, store_schema=False,
+                          use_dictionary=[f.name for f in schema
+                                          if pa.types.is_dictionary(f.type)]) as w:
+        for part in parts:
+            w.write_table(pa.ipc.open_file(pa.memory_map(str(part))).read_all())
 
 
 def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
               spool: str | Path | None = None, ledger: str | Path | None = None,
               at_step: int | None = None, runner: RunnerSpec | None = None,
-              bucket_records: int = 250_000, memory_gb: float = 3.0,
-              passes: int | None = None) -> dict:
+              bucket_records: int | None = None, memory_gb: float = 3.0) -> dict:
     """Inputs -> plan -> Beam job -> report files in `out`; returns the report.
 
-    `passes` (default: from `memory_gb` and the row count) splits the key space so that each
-    pipeline shuffles only a share of the rows."""
+    `memory_gb` bounds the memory of the buckets in flight (see `make_plan`)."""
     from audit import report as rp
 
     if (spool is None) == (ledger is None):
@@ -591,12 +509,12 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         else:
             files, attempts, fp = ledger_inputs(Path(ledger), run_id, work)
         plan = make_plan(run_id=run_id, manifest=manifest, files=files, attempts=attempts,
-                         run_fingerprint=fp, at_step=at_step, bucket_records=bucket_records)
-        if passes is None:
-            passes = max(1, -(-plan.rows * BYTES_PER_ROW // int(memory_gb * 2**30)))
-        merged = run_reconcile(plan, work, runner, passes)
+                         run_fingerprint=fp, at_step=at_step, bucket_records=bucket_records,
+                         memory_gb=memory_gb)
+        merged = run_reconcile(plan, work, runner)
         report, tables = rp.build(plan, merged)
-        rp.write(report, tables, records_table(work), out)
+        rp.write(report, tables, out)
+        write_records(work, out / "records.parquet")
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -185,10 +185,11 @@ def _batch_changes(steps: pa.Table, plan) -> list[dict[str, int]]:
 
 # ---- writing ------------------------------------------------------------------------------
 
-def write(report: dict, tables: dict[str, pa.Table], records: pa.Table, out: Path) -> None:
+def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
+    """report.json, report.html and the small tables (records.parquet is the job's own)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
-    for name, t in {**tables, "records": records}.items():
+    for name, t in tables.items():
         pq.write_table(t, out / f"{name}.parquet")
     (out / "report.html").write_text(render_html(report, tables["steps"]))
 

@@ -38,3 +38,11 @@ def test_train_overhead_benchmark_runs():
                                "--records", "300", "d_model=32", "n_layers=1"])
     assert res["audited_ms"] > 0 and res["bare_ms"] > 0 and res["ratio"] > 0
     assert 0 < res["blocked_fraction"] < 1 and res["background_ms_per_step"] > 0
+
+
+def test_reconcile_benchmark_runs(tmp_path):
+    from bench import reconcile_rate
+
+    res = reconcile_rate.main(["--rows", "16000", "--records", "5000", "--file-rows", "1000",
+                               "--dir", str(tmp_path)])
+    assert res["rows"] == 16000 and res["same"] and res["ratio"] > 0 and res["peak"] > 0

@@ -1,0 +1,181 @@
+"""Per-record exposure for one record-key bucket: partial aggregates and the per-record rows.
+
+Everything is vectorised over the bucket's rows: two sorts of one packed int64 key each
+(`(record << 32) | step` and `(record << 32) | epoch`), bincounts, and a small matrix product
+for the host overlap. No per-row Python objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
+
+
+def bincount(idx: np.ndarray, weights: np.ndarray | None = None, n: int = 0) -> np.ndarray:
+    if idx.size == 0:
+        return np.zeros(n, dtype=np.int64)
+    out = np.bincount(idx, weights=weights, minlength=n)
+    return out.astype(np.int64) if weights is None or weights.dtype.kind in "iu" else out
+
+
+def _examples(keys, steps, hosts) -> list[dict[str, int]]:
+    return [{"record_key": int(k), "step": int(s), "host": int(h)} for k, s, h in
+            zip(keys[:EXAMPLES], steps[:EXAMPLES], hosts[:EXAMPLES], strict=True)]
+
+
+def _groups(sorted_keys: np.ndarray) -> np.ndarray:
+    """Start index of each run of equal values."""
+    if not sorted_keys.size:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+
+
+def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
+            hosts: int) -> tuple[dict[str, Any], pa.Table | None]:
+    """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
+    consumption rows. Returns the partial aggregates and the per-record table."""
+    if man is None:
+        j = np.full(len(c["step"]), -1)
+    else:
+        n = len(man["record_key"])
+        j = c["record_key"] - (man["record_key"][0] if n else 0)
+        j = np.where((j >= 0) & (j < n), j, -1)
+    known = j >= 0
+    unknown = ~known
+    out: dict[str, Any] = {
+        "unknown_segments": int(unknown.sum()),
+        "unknown_keys": int(np.unique(c["record_key"][unknown]).size),
+        "examples": {"unknown": _examples(c["record_key"][unknown], c["step"][unknown],
+                                          c["host"][unknown])},
+    }
+    if man is None:
+        return out, None
+    if not known.all():
+        c = {k: v[known] for k, v in c.items()}
+        j = j[known]
+    step = c["step"].astype(np.int64)
+    host = c["host"].astype(np.int64)
+    starts = c["offset"] == 0
+    full = starts & (c["n_tokens"] == man["n_tokens"][j])
+    mismatch = full & (c["content_hash"] != man["content_hash"][j])
+    exposures = bincount(j[starts], n=n)
+    tokens = bincount(j, c["n_tokens"], n=n)
+    train_codes = [i for i, name in enumerate(man["split_names"]) if name == "train"]
+    train = np.isin(man["split"], train_codes)
+
+    # Hosts that saw each record (starts), as a records x hosts matrix.
+    seen = np.zeros(n * hosts, dtype=bool)
+    seen[j[starts] * hosts + host[starts]] = True
+    seen = seen.reshape(n, hosts)
+    unique, others, overlap, n_hosts = _host_sets(seen, train)
+
+    # Train start events ordered by (record, step): the first of each record gives its
+    # first-seen step; the position within the record is the exposure's rank, kept as the
+    # highest rank per step (the driver finds the first step whose highest rank exceeds what a
+    # perfect loader allows by then: the first bad step).
+    ev = starts & train[j]
+    js = j[ev].astype(np.int64)
+    key = np.sort((js << 32) | step[ev])
+    js, ss = key >> 32, key & 0xFFFFFFFF
+    head = _groups(js)
+    first_step = np.full(n, -1, dtype=np.int64)
+    first_step[js[head]] = ss[head]
+    rank = np.arange(len(js)) - np.repeat(head, np.diff(np.r_[head, len(js)])) + 1
+    max_rank = np.zeros(int(ss.max()) + 1 if ss.size else 0, dtype=np.int64)
+    np.maximum.at(max_rank, ss, rank)
+
+    # Within one epoch a record is due at most once: count the exposures beyond that.
+    ep = ev & (c["epoch"] >= 0)
+    per_epoch = _pair_counts(j[ep], c["epoch"][ep], n)
+
+    e_train = exposures[train]
+    out.update({
+        "train_exposures": int(e_train.sum()),
+        "epoch_duplicates": int((per_epoch - 1).sum()),
+        "epoch_duplicate_records": int((per_epoch > 1).sum()),
+        "exposure_counts": bincount(e_train),  # records seen e times, by e
+        "hash_checked": int(full.sum()),
+        "hash_unverifiable": int(len(full) - full.sum()),
+        "hash_mismatches": int(mismatch.sum()),
+        "heldout_consumed_records": int(((exposures > 0) & ~train).sum()),
+        "heldout_exposures": int(exposures[~train].sum()),
+        "overlap": overlap,
+        "hosts": {"unique": unique, "overlap_with_others": others},
+        "steps": {"new_unique": bincount(ss[head])},
+        "train_exposures_by_step": bincount(ss),
+        "max_rank_by_step": max_rank,
+        "domain": {}, "source": {},
+    })
+    out["examples"]["hash_mismatch"] = _examples(man["record_key"][j[mismatch]],
+                                                 c["step"][mismatch], c["host"][mismatch])
+    for col, fields in (("domain", ("records", "tokens", "exposures", "consumed",
+                                    "never_seen")), ("source", ("records", "never_seen"))):
+        codes, k = man[col][train], len(man[f"{col}_names"])
+        sums = {
+            "records": np.bincount(codes, minlength=k),
+            "tokens": np.bincount(codes, man["n_tokens"][train].astype(np.float64), k),
+            "exposures": np.bincount(codes, e_train.astype(np.float64), k),
+            "consumed": np.bincount(codes, tokens[train].astype(np.float64), k),
+            "never_seen": np.bincount(codes, (e_train == 0), k),
+        }
+        for code, name in enumerate(man[f"{col}_names"]):
+            if sums["records"][code]:
+                out[col][name] = np.array([sums[f][code] for f in fields]).astype(np.int64)
+    records = pa.table({
+        "record_key": man["record_key"],
+        "split": _strings(man, "split"),
+        "domain": _strings(man, "domain"),
+        "n_tokens": man["n_tokens"],
+        "exposures": exposures,
+        "tokens_consumed": tokens,
+        "hosts": n_hosts.astype(np.int32),
+        "first_step": first_step,
+        "hash_mismatches": bincount(j[mismatch], n=n),
+    })
+    return out, records
+
+
+def _host_sets(seen: np.ndarray, train: np.ndarray) -> tuple[np.ndarray, ...]:
+    """From the records x hosts matrix: per host, train records seen and those also seen by
+    another host; the train overlap matrix; hosts per record."""
+    hosts = seen.shape[1]
+    if hosts <= 16:
+        # Each record's set of hosts as one small integer: a histogram of the sets gives every
+        # host statistic with work proportional to the records, not records x hosts^2.
+        packed = np.packbits(seen, axis=1, bitorder="little").astype(np.int64)
+        code = packed[:, 0] | (packed[:, 1] << 8 if hosts > 8 else 0)
+        sets = np.arange(2**hosts)
+        bits = (sets[:, None] >> np.arange(hosts)) & 1
+        hist = np.bincount(code[train], minlength=2**hosts)
+        multi = np.bitwise_count(sets) > 1
+        return (hist @ bits, (hist * multi) @ bits, bits.T @ (hist[:, None] * bits),
+                np.bitwise_count(code))
+    seen_train = seen[train]
+    n_train = seen_train.sum(axis=1)
+    hit = seen_train[n_train > 0].astype(np.float64)  # BLAS, and exact far beyond 2^32
+    return (seen_train.sum(axis=0).astype(np.int64),
+            seen_train[n_train > 1].sum(axis=0).astype(np.int64),
+            np.rint(hit.T @ hit).astype(np.int64), seen.sum(axis=1))
+
+
+def _pair_counts(j: np.ndarray, epoch: np.ndarray, n: int) -> np.ndarray:
+    """How often each distinct (record, epoch) pair occurs (pairs that occur at all)."""
+    if not j.size:
+        return np.zeros(0, dtype=np.int64)
+    e0 = int(epoch.min())
+    span = int(epoch.max()) - e0 + 1
+    if n * span <= max(4 * j.size, 1 << 20):  # few epochs: count in place, no sort
+        counts = np.bincount(j.astype(np.int64) * span + (epoch - e0), minlength=n * span)
+        return counts[counts > 0]
+    pairs = np.sort((j.astype(np.int64) << 32) | epoch.astype(np.int64))
+    return np.diff(np.r_[_groups(pairs), len(pairs)])
+
+
+def _strings(man: dict, col: str) -> pa.Array:
+    # Kept dictionary-encoded: the records file is written from these without expanding them.
+    return pa.DictionaryArray.from_arrays(pa.array(man[col], pa.int32()),
+                                          pa.array(man[f"{col}_names"], pa.string()))

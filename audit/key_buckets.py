@@ -1,0 +1,92 @@
+"""Consumption rows cut into record-key buckets and exchanged through files.
+
+Each input file's effective rows are ordered by bucket (one radix sort) and written once, as one
+file of narrow columns; the pipeline then shuffles only references, `(bucket, Slice)`, and each
+bucket's worker reads its slices of every file straight into its column arrays. Moving the rows
+themselves through the runner's shuffle cost more than all the computing: FnApiRunner pickles,
+copies and re-encodes each element several times and holds them all in the runner process.
+
+Layout (private to one job, removed with its work folder): per bucket, in bucket order, that
+bucket's rows of each column in COLUMNS order, native byte order. A bucket's slice is then one
+contiguous byte range, read with one `preadv` into the destination arrays: one copy from the
+page cache, no parsing. The files live under the job's work folder, which every worker must
+reach (as the per-record parts already do).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+# What a bucket needs of each row, narrowed: 30 bytes a row instead of 52.
+COLUMNS = {"record_key": np.int64, "step": np.int32, "host": np.int16, "offset": np.int32,
+           "n_tokens": np.int32, "content_hash": np.uint64, "epoch": np.int32}
+ROW_BYTES = sum(np.dtype(t).itemsize for t in COLUMNS.values())
+_IOV_MAX = 1024
+
+
+class Slice(NamedTuple):
+    """`rows` rows of one bucket, starting `offset` bytes into a bucket file."""
+
+    path: str
+    offset: int
+    rows: int
+
+
+def empty() -> dict[str, np.ndarray]:
+    return {k: np.zeros(0, t) for k, t in COLUMNS.items()}
+
+
+def write(cols: dict[str, np.ndarray], bucket_size: int, buckets: int,
+          path: Path) -> list[tuple[int, Slice]]:
+    """Write `cols` cut by bucket to `path`; return each non-empty bucket's slice. Keys beyond
+    the last bucket go to the overflow bucket `buckets`."""
+    bucket = np.minimum(cols["record_key"] // bucket_size, buckets)
+    # Small integer types sort by radix: linear, and a tenth of the cost of a general argsort.
+    small = np.uint16 if buckets < 2**16 else np.uint32
+    order = np.argsort(bucket.astype(small), kind="stable")
+    counts = np.bincount(bucket, minlength=buckets + 1)
+    ordered = [np.ascontiguousarray(np.asarray(cols[k])[order], dtype=t)
+               for k, t in COLUMNS.items()]
+    ends = np.cumsum(counts)
+    refs, chunks, offset = [], [], 0
+    for b in np.flatnonzero(counts):
+        lo, hi = int(ends[b] - counts[b]), int(ends[b])
+        refs.append((int(b), Slice(str(path), offset, hi - lo)))
+        chunks += [memoryview(col[lo:hi]).cast("B") for col in ordered]
+        offset += (hi - lo) * ROW_BYTES
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for i in range(0, len(chunks), _IOV_MAX):
+            part = chunks[i:i + _IOV_MAX]
+            want = sum(c.nbytes for c in part)
+            if os.writev(fd, part) != want:  # regular files take all of it, or raise
+                raise OSError(f"short write to {tmp}")
+    finally:
+        os.close(fd)
+    tmp.replace(path)  # a retried bundle rewrites the same file whole
+    return refs
+
+
+def read(slices: list[Slice]) -> dict[str, np.ndarray]:
+    """The rows of `slices`, concatenated, read straight into the column arrays."""
+    slices = sorted(slices)  # the same order on every runner
+    total = sum(s.rows for s in slices)
+    out = {k: np.empty(total, t) for k, t in COLUMNS.items()}
+    pos = 0
+    for s in slices:
+        views = [memoryview(a[pos:pos + s.rows]).cast("B") for a in out.values()]
+        fd = os.open(s.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, views, s.offset)
+        finally:
+            os.close(fd)
+        if got != s.rows * ROW_BYTES:
+            raise OSError(f"bucket file {s.path} is short: {got} of {s.rows * ROW_BYTES} bytes "
+                          f"at {s.offset}")
+        pos += s.rows
+    return out
