@@ -56,8 +56,8 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
     @app.get("/v1/runs/{run_id}/preflight", tags=["preflight"], responses=errors)
     def preflight_history(run_id: run_id_type) -> list[dict[str, Any]]:
         """Every pre-flight verdict recorded for this run, newest first."""
-        with svc.read(run_id) as (cur, _, _):
-            rows = cur.execute(
+        with svc.read(run_id) as snap:
+            rows = snap.cur.execute(
                 "SELECT id, checked_at, checkpoint_step, old_hosts, new_hosts, status, forced, "
                 "requested_by, headline FROM preflight_verdicts WHERE run_id = ? "
                 "ORDER BY id DESC", [run_id]).fetchall()
