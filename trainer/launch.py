@@ -110,7 +110,7 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
     if resume:
         check_resume(cfg, hosts, force)
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {"JAX_PLATFORMS": "cpu", **os.environ}  # CPU unless the caller chose otherwise
     procs = [subprocess.Popen(
         [sys.executable, "-m", "trainer.host", "--config-json",
          json.dumps(dataclasses.asdict(cfg)), "--host", str(h), "--hosts", str(hosts),
