@@ -18,6 +18,7 @@ import numpy as np
 from audit.errors import TallyError
 from pipeline.corpus import CorpusError, TokenSource
 from trainer.model import LM
+from trainer.step import predicted
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def compare(ckpt_a: str | Path, ckpt_b: str | Path, *, corpus: str | None = None
     tokens, seg = jnp.asarray(held.tokens[:, :-1]), jnp.asarray(held.segments[:, :-1])
     logits_a = LM(cfg_a).apply(params_a, tokens, seg)
     logits_b = LM(cfg_b).apply(params_b, tokens, seg)
-    valid = (held.segments[:, 1:] == held.segments[:, :-1]) & (held.segments[:, 1:] != 0)
+    valid = np.asarray(predicted(held.segments))
     kl = float(mean_kl(logits_a, logits_b, jnp.asarray(valid)))
     return {"a": str(ckpt_a), "b": str(ckpt_b), "step_a": step_a, "step_b": step_b,
             "mean_kl": kl, "tokens": int(valid.sum()), "records": len(held.domains)}

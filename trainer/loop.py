@@ -26,7 +26,7 @@ from trainer import checkpoint
 from trainer.config import TrainConfig
 from trainer.distributed import Topology, barrier, gather_json
 from trainer.evaluate import HeldOut, milestone_metrics
-from trainer.step import init_replicated, make_train_step, token_losses
+from trainer.step import init, make_train_step, token_losses
 
 
 @dataclass
@@ -60,8 +60,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
     topo = Topology.create()
     source = TokenSource(cfg.corpus)
     loader = KeyedLoader(source, loader_config(cfg), host, host_count)
-    model, params, opt_state, opt = init_replicated(cfg, jax.random.PRNGKey(cfg.seed),
-                                                    topo.replicated)
+    model, params, opt_state, opt = init(cfg, jax.random.PRNGKey(cfg.seed), topo.replicated)
     train_step = make_train_step(model, opt, topo.replicated)
     evaluate = jax.jit(lambda p, t, s: token_losses(p, model, t, s),
                        out_shardings=topo.replicated)

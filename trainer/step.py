@@ -20,13 +20,19 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                        mu_dtype=jnp.bfloat16 if cfg.bf16_moments else None)
 
 
+def predicted(seg: jax.Array) -> jax.Array:
+    """Positions whose next token is predicted: the target is in the same, non-padding
+    segment (packed documents never predict each other)."""
+    return (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+
+
 def token_losses(params: Any, model: LM, tokens: jax.Array, seg: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
     """Per row: summed next-token cross-entropy over positions whose target is in the same
     segment, and the number of such positions."""
     logits = model.apply(params, tokens[:, :-1], seg[:, :-1])
     targets = tokens[:, 1:] % model.cfg.vocab_size
-    valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    valid = predicted(seg)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(ce * valid, axis=1), jnp.sum(valid, axis=1)
 
@@ -37,21 +43,15 @@ def loss_fn(params: Any, model: LM, tokens: jax.Array, seg: jax.Array) -> jax.Ar
     return jnp.sum(sums) / jnp.maximum(1, jnp.sum(counts))
 
 
-def init(cfg: TrainConfig, rng: jax.Array) -> tuple[LM, Any, Any, optax.GradientTransformation]:
-    model = LM(cfg)
-    dummy = jnp.zeros((1, cfg.seq_len - 1), jnp.int32)
-    params = model.init(rng, dummy, dummy + 1)
-    opt = optimizer(cfg)
-    return model, params, opt.init(params), opt
-
-
-def init_replicated(cfg: TrainConfig, rng: jax.Array, replicated: jax.sharding.Sharding
-                    ) -> tuple[LM, Any, Any, optax.GradientTransformation]:
-    """`init`, with parameters and optimizer state laid out identically on every host."""
+def init(cfg: TrainConfig, rng: jax.Array, replicated: jax.sharding.Sharding | None = None
+         ) -> tuple[LM, Any, Any, optax.GradientTransformation]:
+    """Model, parameters, optimizer state and optimizer; with `replicated`, the parameters and
+    optimizer state are laid out identically on every host."""
     model, opt = LM(cfg), optimizer(cfg)
     dummy = jnp.zeros((1, cfg.seq_len - 1), jnp.int32)
-    params = jax.jit(model.init, out_shardings=replicated)(rng, dummy, dummy + 1)
-    return model, params, jax.jit(opt.init, out_shardings=replicated)(params), opt
+    place = (lambda f: f) if replicated is None else partial(jax.jit, out_shardings=replicated)
+    params = place(model.init)(rng, dummy, dummy + 1)
+    return model, params, place(opt.init)(params), opt
 
 
 def make_train_step(model: LM, opt: optax.GradientTransformation,
