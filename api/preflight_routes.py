@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from api import queries as q
-from audit.errors import TallyError
+from audit.errors import NotFound, TallyError
 from audit.preflight import record_verdict, run_preflight
 
 
@@ -34,7 +34,9 @@ class PreflightRequest(BaseModel):
 
 def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
     @app.post("/v1/runs/{run_id}/preflight", tags=["preflight"],
-              responses={**errors, 422: {"description": "bad request or unusable checkpoint"}})
+              responses={**errors,
+                         404: {"description": "unknown run, or no checkpoint at that path"},
+                         422: {"description": "bad request or unusable checkpoint"}})
     def preflight(run_id: run_id_type, body: PreflightRequest) -> dict[str, Any]:
         """Run the pre-flight check for resuming `run_id` from a checkpoint on `hosts` hosts;
         the verdict (safe, unsafe or unknown, with findings) is recorded in the ledger."""
@@ -47,6 +49,8 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
             verdict = run_preflight(svc.ledger, run_id, svc.manifest.path, body.checkpoint,
                                     body.hosts, global_batch=body.global_batch,
                                     horizon=body.horizon, workers=1)
+        except NotFound:
+            raise  # 404: no checkpoint there
         except TallyError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=422)
         vid = record_verdict(svc.ledger, verdict, forced=body.forced and not verdict.ok,

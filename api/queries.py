@@ -18,15 +18,11 @@ import numpy as np
 
 from audit import exposure
 from audit.aggregates import Records
-from audit.errors import TallyError
+from audit.errors import NotFound, TallyError
 from audit.ledger import one
 
 EFFECTIVE = "(a.rolled_back_from_step IS NULL OR s.step < a.rolled_back_from_step)"
 MAX_POINTS = 5000
-
-
-class NotFound(TallyError):
-    """An unknown run, host or record (HTTP 404)."""
 
 
 class Unavailable(TallyError):

@@ -3,3 +3,7 @@
 
 class TallyError(Exception):
     """A problem with the user's input or environment that Tally can explain."""
+
+
+class NotFound(TallyError):
+    """Something the user named does not exist: a run, host, record or checkpoint (HTTP 404)."""

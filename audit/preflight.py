@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from audit.errors import TallyError
+from audit.errors import NotFound, TallyError
 from audit.ledger import Ledger, one
 from pipeline.loader import KeyedLoader, LoaderConfig, compatibility, explain
 from pipeline.shadow import ShadowSource, default_workers, shadow_run
@@ -104,7 +104,7 @@ def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
 
     path = Path(path)
     if not path.is_dir():
-        raise TallyError(f"checkpoint {path} is not a directory")
+        raise NotFound(f"checkpoint {path} is not a directory")
     root, step = path, None
     if (path / "meta").is_dir() and path.name.isdigit():
         root, step = path.parent, int(path.name)
@@ -114,7 +114,7 @@ def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
                                                                           create=False))
         step = mngr.latest_step() if step is None else step
         if step is None:
-            raise TallyError(f"no checkpoint in {path}")
+            raise NotFound(f"no checkpoint in {path}")
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except TallyError:
         raise

@@ -208,12 +208,16 @@ def test_elastic_reshard_passes_preflight_through_the_api_service(corpus, tmp_pa
             history = json.loads(r.read())
         assert [(h["status"], h["requested_by"], h["old_hosts"], h["new_hosts"], h["forced"])
                 for h in history] == [("safe", "trainer", 2, 1, False)]
-        bad = urllib.request.Request(f"{url}/v1/runs/e/preflight", json.dumps(
-            {"checkpoint": str(tmp_path / "nope"), "hosts": 2}).encode(),
-            {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(bad, timeout=30)
-        assert err.value.code == 422 and "nope" in err.value.read().decode()
+        # No checkpoint at that path: 404; a checkpoint that cannot be read: 422.
+        (tmp_path / "broken" / "3" / "meta").mkdir(parents=True)
+        (tmp_path / "broken" / "3" / "meta" / "metadata").write_text("{not json")
+        for path, code in ((tmp_path / "nope", 404), (tmp_path / "broken" / "3", 422)):
+            bad = urllib.request.Request(f"{url}/v1/runs/e/preflight", json.dumps(
+                {"checkpoint": str(path), "hosts": 2}).encode(),
+                {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(bad, timeout=30)
+            assert (err.value.code, str(path) in err.value.read().decode()) == (code, True)
     finally:
         server.terminate()
         server.wait(30)
