@@ -8,7 +8,6 @@ command is what .ci/run runs.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -16,8 +15,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from audit.cli import parse
 from tests.conftest import ROOT
@@ -71,16 +68,11 @@ def test_every_block_runs_in_order(tmp_path):
     port = str(_free_port())
     background: list[subprocess.Popen] = []
     ran = {"bash": 0, "python": 0, "cluster": 0}
-    skipped = []
     try:
         for lang, attrs, code in blocks()[2:]:
             code = code.replace("8000", port)
             if lang == "bash" and attrs == "cluster":
                 ran["cluster"] += _check_cluster_commands(code)
-                continue
-            if lang == "python" and "import torch" in code and \
-                    importlib.util.find_spec("torch") is None:
-                skipped.append(code.splitlines()[0])
                 continue
             assert lang in ("bash", "python"), f"README block in {lang!r}: nothing runs it"
             if lang == "bash" and code.rstrip().endswith("&"):
@@ -106,7 +98,8 @@ def test_every_block_runs_in_order(tmp_path):
 
     assert json.loads((tmp_path / "report" / "report.json").read_text())["verdict"] == "PASS"
     assert json.loads((tmp_path / "verdict.json").read_text())["status"] == "unsafe"
-    for spool in ("spool-grain", "spool-maxtext"):
+    for spool in ("spool-grain", "spool-maxtext", "spool-torch"):
         assert list((tmp_path / spool).rglob("seg-*.parquet")), spool
-    if skipped:
-        pytest.skip(f"ran every block but {len(skipped)} needing torch (not installed)")
+    torch_run = json.loads((tmp_path / "report-torch" / "report.json").read_text())
+    assert [f["code"] for f in torch_run["findings"] if f["severity"] == "FAIL"] == ["padding"]
+    assert torch_run["coverage"]["epoch_duplicate_records"] == 4
