@@ -134,7 +134,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
               bucket_records: int | None = None, memory_gb: float = 3.0) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers."""
-    from pipeline.manifest import manifest_info
+    from pipeline.manifest_file import manifest_info, uniform_row_groups
 
     info = manifest_info(manifest)
     records, train = int(info["records"]), int(info["train_records"])
@@ -146,10 +146,15 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
                              int(BUCKET_ROWS * records / max(rows, 1)))
         bucket_records = min(max(bucket_records, 10_000), 4_000_000)
     buckets = max(1, -(-records // bucket_records))
+    bucket_size = -(-records // buckets)  # equal buckets
+    group = uniform_row_groups(pq.read_metadata(manifest))
+    if group and bucket_records >= group:  # whole row groups instead: none decoded twice
+        bucket_size = bucket_records - bucket_records % group
+        buckets = max(1, -(-records // bucket_size))
     plan = Plan(run_id=run_id, files=files, attempts=attempts, manifest=str(manifest),
                 records=records, train_records=train, fingerprint=info["manifest_fingerprint"],
                 run_fingerprint=run_fingerprint, at_step=at_step, hosts=hosts,
-                bucket_size=-(-records // buckets), buckets=buckets, rows=rows)
+                bucket_size=bucket_size, buckets=buckets, rows=rows)
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]
@@ -161,6 +166,31 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
 
 
 # ---- merging partial aggregates -----------------------------------------------------------
+
+class Spans:
+    """Per-step counts kept as (first step, counts) pieces. One input file covers a few steps
+    of a run that may have a million: padding each file's counts to the run's length would make
+    merging cost files x steps."""
+
+    MAX_PIECES = 256  # then fold them into one: merging stays linear in files and steps
+
+    def __init__(self, pieces: list[tuple[int, np.ndarray]]) -> None:
+        self.pieces = pieces
+
+    def __add__(self, other: Spans) -> Spans:
+        out = Spans(self.pieces + other.pieces)
+        if len(out.pieces) > self.MAX_PIECES:
+            lo = min(p for p, _ in out.pieces)
+            out = Spans([(lo, out.dense(lo))])
+        return out
+
+    def dense(self, lo: int = 0) -> np.ndarray:
+        """The counts of steps lo, lo + 1, ... to the last step counted (no piece before lo)."""
+        out = np.zeros(max(p + len(c) for p, c in self.pieces) - lo, dtype=np.int64)
+        for p, c in self.pieces:
+            out[p - lo: p - lo + len(c)] += c
+        return out
+
 
 def merge(a: Any, b: Any) -> Any:
     """Sum nested dicts of numpy arrays and ints (arrays padded to the longer shape); keys
@@ -283,41 +313,48 @@ class ReadConsumption(beam.DoFn):
                     yield "replay", (int(step), (tag, sel))
         if not len(cols["step"]):
             return
-        steps = cols["step"].astype(np.int64)
-        starts = cols["offset"] == 0
-        hosts = self.plan.hosts
-        n_tokens = cols["n_tokens"].astype(np.int64)
+        steps, host, row = cols["step"], cols["host"], cols["row"]
+        starts, n_tokens = cols["offset"] == 0, cols["n_tokens"]
+        lo, hi = int(steps.min()), int(steps.max())
+        h0, h1 = int(host.min()), int(host.max())
+        rel = steps - lo
         # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
         # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
-        host, row = cols["host"].astype(np.int64), cols["row"].astype(np.int64)
-        s0, h0 = int(steps.min()), int(host.min())
-        rows_n, hosts_n = int(row.max()) + 1, int(host.max()) - h0 + 1
-        per_step = hosts_n * rows_n
-        triples = (steps - s0) * per_step + (host - h0) * rows_n + row
-        space = (int(steps.max()) - s0 + 1) * per_step
+        rows_n = int(row.max()) + 1
+        per_step = (h1 - h0 + 1) * rows_n
+        triples = rel * per_step
+        if h1 > h0:
+            triples += (host - h0).astype(np.int64) * rows_n
+        triples += row
+        space = (hi - lo + 1) * per_step
         if space <= 8 * len(triples) + 4096:
             mark = np.zeros(space, dtype=bool)
             mark[triples] = True
             rows = mark.reshape(-1, per_step).sum(axis=1)
-            rows = np.r_[np.zeros(s0, np.int64), rows]
         else:
-            rows = bucket_stats.bincount(s0 + np.unique(triples) // per_step)
+            rows = bucket_stats.bincount(np.unique(triples) // per_step)
+        n = self.plan.hosts
+        if h1 == h0:  # one host (every spool file): its totals, no bincount
+            by_host = [np.zeros(n, np.int64) for _ in range(3)]
+            for a, total in zip(by_host, (len(steps), starts.sum(), n_tokens.sum(dtype=np.int64)),
+                                strict=True):
+                a[h0] = total
+        else:
+            by_host = [bucket_stats.bincount(host, n=n),
+                       bucket_stats.bincount(host[starts], n=n),
+                       bucket_stats.bincount(host, n_tokens, n=n)]
         yield "partials", {
             "_id": f"file-{_name(f.path)}",
             "steps": {
-                "segments": bucket_stats.bincount(steps),
-                "tokens": bucket_stats.bincount(steps, n_tokens),
-                "rows": rows,
+                "segments": Spans([(lo, bucket_stats.bincount(rel))]),
+                "tokens": Spans([(lo, bucket_stats.bincount(rel, n_tokens))]),
+                "rows": Spans([(lo, rows.astype(np.int64))]),
             },
-            "hosts": {
-                "segments": bucket_stats.bincount(cols["host"], n=hosts),
-                "exposures": bucket_stats.bincount(cols["host"][starts], n=hosts),
-                "tokens": bucket_stats.bincount(cols["host"], n_tokens, n=hosts),
-            },
+            "hosts": dict(zip(("segments", "exposures", "tokens"), by_host, strict=True)),
             "segments": len(steps),
             "slices_written": slices,
-            "min_step": int(steps.min()),
-            "max_step": int(steps.max()),  # merged with max()
+            "min_step": lo,
+            "max_step": hi,  # merged with max()
         }
 
 
@@ -328,11 +365,13 @@ def _manifest_bucket(plan: Plan, bucket: int) -> dict | None:
     hi = min(lo + plan.bucket_size, plan.records)
     if lo >= hi:  # the overflow bucket: keys beyond the manifest
         return None
-    t = read_rows(pq.ParquetFile(plan.manifest), lo, hi,
-                  ["record_key", "content_hash", "n_tokens", "domain", "split", "source"])
+    strings = ("domain", "split", "source")
+    # Strings read as the dictionaries Parquet stores them in: no string is materialised.
+    t = read_rows(pq.ParquetFile(plan.manifest, read_dictionary=strings), lo, hi,
+                  ["record_key", "content_hash", "n_tokens", *strings])
     out = {c: t[c].to_numpy() for c in ("record_key", "content_hash", "n_tokens")}
-    for c in ("domain", "split", "source"):
-        enc = t[c].combine_chunks().dictionary_encode()
+    for c in strings:
+        enc = t[c].unify_dictionaries().combine_chunks()
         out[c] = enc.indices.to_numpy(zero_copy_only=False).astype(np.int32)
         out[f"{c}_names"] = enc.dictionary.to_pylist()
     return out
@@ -420,6 +459,8 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> d
     if not (work / "saved").exists():
         raise TallyError("the reconcile job did not finish writing its results")
     merged = _reduce(load_partials(work / "partials")) or {}
+    merged["steps"] = {k: v.dense() if isinstance(v, Spans) else v
+                       for k, v in merged.get("steps", {}).items()}
     merged.setdefault("skipped_files", [])
     written, joined_slices = (int(merged.get(k, 0)) for k in ("slices_written", "slices_joined"))
     read = int(merged.get("segments", 0))

@@ -30,7 +30,7 @@ from audit.ledger import Ledger
 from audit.reconcile import reconcile
 from audit.segments import Segments
 from audit.writer import LedgerWriter
-from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
+from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, ROW_GROUP_RECORDS, Fingerprint
 from pipeline.runners import RunnerSpec
 
 DOMAINS = np.array(["web", "code", "wiki", "books"])
@@ -51,7 +51,7 @@ def make_manifest(path: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
     fp = Fingerprint()
     fp.update(t)
     with pq.ParquetWriter(path, MANIFEST_SCHEMA) as w:
-        w.write_table(t, row_group_size=1_000_000)
+        w.write_table(t, row_group_size=ROW_GROUP_RECORDS)
         w.add_key_value_metadata({FINGERPRINT_KEY.decode(): fp.hexdigest(),
                                   "tally.records": str(n), "tally.train_records": str(n)})
     return hashes, lengths

@@ -29,7 +29,12 @@ import xxhash
 from tqdm import tqdm
 
 from pipeline.corpus import CorpusError, Shard, hash_range, list_shards
-from pipeline.manifest_file import FINGERPRINT_KEY, MANIFEST_SCHEMA, manifest_info  # noqa: F401
+from pipeline.manifest_file import (  # noqa: F401
+    FINGERPRINT_KEY,
+    MANIFEST_SCHEMA,
+    ROW_GROUP_RECORDS,
+    manifest_info,
+)
 from pipeline.runners import RunnerSpec, pipeline
 
 
@@ -146,6 +151,7 @@ def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus) -> Manifes
     fp = Fingerprint()
     tmp = out.with_name(f".{out.name}.tmp")
     expected, tokens = 0, 0
+    pending: list[pa.Table] = []  # rows not yet written: row groups are cut at equal sizes
     with pq.ParquetWriter(tmp, MANIFEST_SCHEMA) as w:
         for part in sorted(parts.glob("part-*.parquet")):
             table = pq.read_table(part)
@@ -153,10 +159,17 @@ def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus) -> Manifes
             if first != expected:
                 raise CorpusError(f"manifest job lost records {expected}..{first - 1} "
                                   "(a worker failed without an error?)")
-            w.write_table(table)
+            pending.append(table)
+            if sum(t.num_rows for t in pending) >= ROW_GROUP_RECORDS:
+                rows = pa.concat_tables(pending)
+                whole = rows.num_rows // ROW_GROUP_RECORDS * ROW_GROUP_RECORDS
+                w.write_table(rows.slice(0, whole), row_group_size=ROW_GROUP_RECORDS)
+                pending = [rows.slice(whole)] if whole < rows.num_rows else []
             fp.update(table)
             expected += table.num_rows
             tokens += int(np.sum(table["n_tokens"].to_numpy(), dtype=np.int64))
+        if pending:
+            w.write_table(pa.concat_tables(pending))
         if expected != total:
             raise CorpusError(f"manifest job produced {expected} of {total} records")
         n_train = sum(s.num_records for s in shards if s.split == "train")

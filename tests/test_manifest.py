@@ -8,6 +8,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 from pipeline.corpus import CorpusError, encode_record, list_shards
 from pipeline.manifest import MANIFEST_SCHEMA, build_manifest, manifest_info
+from pipeline.manifest_file import uniform_row_groups
 from pipeline.runners import RunnerSpec
 from pipeline.synth import synth_corpus
 
@@ -57,6 +58,16 @@ def test_manifest_on_fnapi_runner_equals_the_reference(corpus, tmp_path):
     # The fingerprint does not depend on how the job split the work.
     build_manifest(corpus, tmp_path / "m2.parquet", chunk_records=1000)
     assert manifest_info(tmp_path / "m2.parquet")["manifest_fingerprint"] == fp
+
+
+def test_row_groups_are_equal_whatever_the_job_split(corpus, tmp_path, monkeypatch):
+    # Reconcile cuts its key buckets on row-group boundaries when the groups are equal.
+    monkeypatch.setattr("pipeline.manifest.ROW_GROUP_RECORDS", 256)
+    build_manifest(corpus, tmp_path / "m.parquet", chunk_records=300)
+    _check(tmp_path / "m.parquet", corpus)
+    meta = pq.read_metadata(tmp_path / "m.parquet")
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [256] * 9 + [196]
+    assert uniform_row_groups(meta) == 256
 
 
 def test_manifest_on_dask_runner_equals_the_reference(corpus, tmp_path):

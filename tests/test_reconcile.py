@@ -10,7 +10,7 @@ import pytest
 
 from audit.ingest import ingest
 from audit.ledger import Ledger
-from audit.reconcile import reconcile
+from audit.reconcile import Spans, make_plan, reconcile
 from audit.segments import Segments
 from audit.writer import LedgerWriter
 from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
@@ -20,7 +20,7 @@ from tests.sql_reference import from_report, reference
 DOMAINS = ["web", "code", "books"]
 
 
-def write_manifest(path, n_train, n_heldout, rng):
+def write_manifest(path, n_train, n_heldout, rng, row_group=None):
     n = n_train + n_heldout
     t = pa.table({
         "record_key": np.arange(n, dtype=np.int64),
@@ -34,7 +34,7 @@ def write_manifest(path, n_train, n_heldout, rng):
     fp = Fingerprint()
     fp.update(t)
     with pq.ParquetWriter(path, MANIFEST_SCHEMA) as w:
-        w.write_table(t)
+        w.write_table(t, row_group_size=row_group)
         w.add_key_value_metadata({FINGERPRINT_KEY.decode(): fp.hexdigest(),
                                   "tally.records": str(n), "tally.train_records": str(n_train)})
     return t
@@ -102,7 +102,10 @@ def random_run(spool, man, n_train, rng, run_id="r"):
 def _agree(tmp_path, seed, runner=None, at_step=None):
     rng = np.random.default_rng(seed)
     n_train, n_heldout = int(rng.integers(200, 600)), 20
-    man = write_manifest(tmp_path / "m.parquet", n_train, n_heldout, rng)
+    # Odd seeds: row groups of 50 records, so that buckets are cut on row-group boundaries
+    # (50 records each instead of 97) and strings come from several Parquet dictionaries.
+    man = write_manifest(tmp_path / "m.parquet", n_train, n_heldout, rng,
+                         row_group=50 if seed % 2 else None)
     spool = tmp_path / "spool"
     random_run(spool, man, n_train, rng)
     with Ledger(tmp_path / "l.duckdb") as ledger:
@@ -175,3 +178,26 @@ def test_a_group_delivered_twice_with_different_values_is_refused(tmp_path):
     list(save.process({"_id": "bucket-3", "hash_checked": 7}))
     with pytest.raises(TallyError, match="bucket-3"):
         load_partials(tmp_path)
+
+
+def test_spans_merge_to_the_dense_sum_of_their_pieces():
+    rng = np.random.default_rng(0)
+    want, total = np.zeros(5000, np.int64), None
+    for _ in range(3 * Spans.MAX_PIECES):  # folds into one piece along the way
+        lo, counts = int(rng.integers(3, 4000)), rng.integers(0, 9, int(rng.integers(1, 900)))
+        want[lo:lo + len(counts)] += counts
+        total = Spans([(lo, counts)]) if total is None else total + Spans([(lo, counts)])
+    assert len(total.pieces) <= Spans.MAX_PIECES
+    got = total.dense()
+    assert np.array_equal(got, want[:len(got)]) and not want[len(got):].any()
+
+
+def test_buckets_follow_the_manifests_row_groups(tmp_path):
+    rng = np.random.default_rng(0)
+    # Whole row groups when a bucket holds at least one; else equal buckets (11 of 91).
+    for row_group, bucket_records, size in ((50, 97, 50), (50, 260, 250), (None, 97, 91),
+                                            (300, 97, 91)):
+        write_manifest(tmp_path / "m.parquet", 990, 10, rng, row_group=row_group)
+        plan = make_plan(run_id="r", manifest=tmp_path / "m.parquet", files=[], attempts={},
+                         run_fingerprint=None, at_step=None, bucket_records=bucket_records)
+        assert (plan.bucket_size, plan.buckets) == (size, -(-1000 // size)), row_group
