@@ -13,6 +13,13 @@ import numpy as np
 import pyarrow as pa
 
 EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
+_STRING = pa.dictionary(pa.int32(), pa.string())
+# Per-record exposure: one row per manifest record (report's records/ table).
+RECORDS_SCHEMA = pa.schema([
+    ("record_key", pa.int64()), ("split", _STRING), ("domain", _STRING),
+    ("n_tokens", pa.int32()), ("exposures", pa.int64()), ("tokens_consumed", pa.int64()),
+    ("hosts", pa.int32()), ("first_step", pa.int64()), ("hash_mismatches", pa.int64()),
+])
 
 
 def bincount(idx: np.ndarray, weights: np.ndarray | None = None, n: int = 0) -> np.ndarray:
@@ -43,7 +50,8 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
     else:
         n = len(man["record_key"])
         j = c["record_key"] - (man["record_key"][0] if n else 0)
-        j = np.where((j >= 0) & (j < n), j, -1)
+        if j.size and not (j.min() >= 0 and j.max() < n):  # only the bucket at the end
+            j = np.where((j >= 0) & (j < n), j, -1)
     known = j >= 0
     unknown = ~known
     out: dict[str, Any] = {
@@ -58,33 +66,35 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
         c = {k: v[known] for k, v in c.items()}
         j = j[known]
     step = c["step"].astype(np.int64)
-    host = c["host"].astype(np.int64)
     starts = c["offset"] == 0
+    j_starts = j[starts]
     full = starts & (c["n_tokens"] == man["n_tokens"][j])
     mismatch = full & (c["content_hash"] != man["content_hash"][j])
-    exposures = bincount(j[starts], n=n)
+    exposures = bincount(j_starts, n=n)
     tokens = bincount(j, c["n_tokens"], n=n)
     train_codes = [i for i, name in enumerate(man["split_names"]) if name == "train"]
     train = np.isin(man["split"], train_codes)
+    every = bool(train.all())  # the usual bucket: no held-out records, nothing to mask
 
-    # Hosts that saw each record (starts), as a records x hosts matrix.
-    seen = np.zeros(n * hosts, dtype=bool)
-    seen[j[starts] * hosts + host[starts]] = True
-    seen = seen.reshape(n, hosts)
-    unique, others, overlap, n_hosts = _host_sets(seen, train)
+    def of_train(a: np.ndarray) -> np.ndarray:
+        return a if every else a[train]
+
+    unique, others, overlap, n_hosts = _host_sets(
+        j_starts, c["host"][starts].astype(np.int64), n, hosts, train)
 
     # Train start events ordered by (record, step): the first of each record gives its
     # first-seen step; the position within the record is the exposure's rank, kept as the
     # highest rank per step (the driver finds the first step whose highest rank exceeds what a
     # perfect loader allows by then: the first bad step).
-    ev = starts & train[j]
-    js = j[ev].astype(np.int64)
-    key = np.sort((js << 32) | step[ev])
+    ev = starts if every else starts & train[j]
+    key = np.sort((j[ev] << 32) | step[ev])
     js, ss = key >> 32, key & 0xFFFFFFFF
     head = _groups(js)
     first_step = np.full(n, -1, dtype=np.int64)
     first_step[js[head]] = ss[head]
-    rank = np.arange(len(js)) - np.repeat(head, np.diff(np.r_[head, len(js)])) + 1
+    group_start = np.zeros(len(js), dtype=np.int64)
+    group_start[head] = head
+    rank = np.arange(1, len(js) + 1) - np.maximum.accumulate(group_start)
     max_rank = np.zeros(int(ss.max()) + 1 if ss.size else 0, dtype=np.int64)
     np.maximum.at(max_rank, ss, rank)
 
@@ -92,7 +102,7 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
     ep = ev & (c["epoch"] >= 0)
     per_epoch = _pair_counts(j[ep], c["epoch"][ep], n)
 
-    e_train = exposures[train]
+    e_train = of_train(exposures)
     out.update({
         "train_exposures": int(e_train.sum()),
         "epoch_duplicates": int((per_epoch - 1).sum()),
@@ -112,16 +122,14 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
     })
     out["examples"]["hash_mismatch"] = _examples(man["record_key"][j[mismatch]],
                                                  c["step"][mismatch], c["host"][mismatch])
+
+    weights = {"tokens": of_train(man["n_tokens"]), "exposures": e_train,
+               "consumed": of_train(tokens), "never_seen": e_train == 0}
     for col, fields in (("domain", ("records", "tokens", "exposures", "consumed",
                                     "never_seen")), ("source", ("records", "never_seen"))):
-        codes, k = man[col][train], len(man[f"{col}_names"])
-        sums = {
-            "records": np.bincount(codes, minlength=k),
-            "tokens": np.bincount(codes, man["n_tokens"][train].astype(np.float64), k),
-            "exposures": np.bincount(codes, e_train.astype(np.float64), k),
-            "consumed": np.bincount(codes, tokens[train].astype(np.float64), k),
-            "never_seen": np.bincount(codes, (e_train == 0), k),
-        }
+        codes, k = of_train(man[col]), len(man[f"{col}_names"])
+        sums = {f: np.bincount(codes, None if f == "records" else weights[f], k)
+                for f in fields}
         for code, name in enumerate(man[f"{col}_names"]):
             if sums["records"][code]:
                 out[col][name] = np.array([sums[f][code] for f in fields]).astype(np.int64)
@@ -135,25 +143,32 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
         "hosts": n_hosts.astype(np.int32),
         "first_step": first_step,
         "hash_mismatches": bincount(j[mismatch], n=n),
-    })
+    }, schema=RECORDS_SCHEMA)
     return out, records
 
 
-def _host_sets(seen: np.ndarray, train: np.ndarray) -> tuple[np.ndarray, ...]:
-    """From the records x hosts matrix: per host, train records seen and those also seen by
+def _host_sets(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
+               train: np.ndarray) -> tuple[np.ndarray, ...]:
+    """From (record, host) exposure pairs: per host, train records seen and those also seen by
     another host; the train overlap matrix; hosts per record."""
-    hosts = seen.shape[1]
     if hosts <= 16:
-        # Each record's set of hosts as one small integer: a histogram of the sets gives every
-        # host statistic with work proportional to the records, not records x hosts^2.
-        packed = np.packbits(seen, axis=1, bitorder="little").astype(np.int64)
-        code = packed[:, 0] | (packed[:, 1] << 8 if hosts > 8 else 0)
+        # Each record's set of hosts as one small integer (a bit per host, packed from a byte
+        # per host): a histogram of the sets gives every host statistic with work proportional
+        # to the records, not records x hosts^2.
+        width = 8 if hosts <= 8 else 16
+        seen = np.zeros(n * width, dtype=bool)
+        seen[j * width + host] = True
+        packed = np.packbits(seen, bitorder="little")
+        code = (packed if width == 8 else packed.view("<u2")).astype(np.int64)
         sets = np.arange(2**hosts)
         bits = (sets[:, None] >> np.arange(hosts)) & 1
         hist = np.bincount(code[train], minlength=2**hosts)
         multi = np.bitwise_count(sets) > 1
         return (hist @ bits, (hist * multi) @ bits, bits.T @ (hist[:, None] * bits),
                 np.bitwise_count(code))
+    seen = np.zeros(n * hosts, dtype=bool)
+    seen[j * hosts + host] = True
+    seen = seen.reshape(n, hosts)
     seen_train = seen[train]
     n_train = seen_train.sum(axis=1)
     hit = seen_train[n_train > 0].astype(np.float64)  # BLAS, and exact far beyond 2^32
@@ -168,6 +183,9 @@ def _pair_counts(j: np.ndarray, epoch: np.ndarray, n: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     e0 = int(epoch.min())
     span = int(epoch.max()) - e0 + 1
+    if span == 1:  # one epoch (a run's first): counts per record
+        counts = np.bincount(j, minlength=n)
+        return counts[counts > 0]
     if n * span <= max(4 * j.size, 1 << 20):  # few epochs: count in place, no sort
         counts = np.bincount(j.astype(np.int64) * span + (epoch - e0), minlength=n * span)
         return counts[counts > 0]

@@ -392,11 +392,7 @@ class BucketStats(beam.DoFn):
         out["_id"] = f"bucket-{bucket}"
         out["slices_joined"] = len(slices)
         if records is not None:
-            final = Path(self.parts, f"records-{bucket:06d}.arrow")
-            tmp = final.with_name(f".{final.name}.{os.getpid()}")
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, records.schema) as w:
-                w.write_table(records)
-            os.replace(tmp, final)
+            _write_part(records, Path(self.parts, f"part-{bucket:06d}.parquet"))
         yield out
 
 
@@ -507,20 +503,24 @@ def load_partials(folder: Path) -> list[dict]:
     return [pickle.loads(v[0].read_bytes()) for v in by_id.values()]
 
 
-def write_records(work: Path, path: Path) -> None:
-    """records.parquet from the buckets' parts, in key order, one part in memory at a time."""
-    parts = sorted((work / "records").glob("records-*.arrow"))
-    if not parts:
-        pq.write_table(pa.table({}), path)
-        return
-    schema = pa.ipc.open_file(pa.memory_map(str(parts[0]))).schema
-    # Strings go in dictionary-encoded, as Parquet stores them (each part has its own
-    # dictionary); without the Arrow schema in the file they read back as plain strings.
-    with pq.ParquetWriter(path, schema, store_schema=False,
-                          use_dictionary=[f.name for f in schema
-                                          if pa.types.is_dictionary(f.type)]) as w:
-        for part in parts:
-            w.write_table(pa.ipc.open_file(pa.memory_map(str(part))).read_all())
+def _write_part(records: pa.Table, final: Path) -> None:
+    # Written where the bucket is computed, in parallel: the driver only moves the folder.
+    # Strings stay dictionary-encoded, as Parquet stores them; without the Arrow schema in the
+    # file they read back as plain strings.
+    tmp = final.with_name(f".{final.name}.{os.getpid()}")
+    pq.write_table(records, tmp, store_schema=False,
+                   use_dictionary=[f.name for f in records.schema
+                                   if pa.types.is_dictionary(f.type)])
+    os.replace(tmp, final)  # a retried bundle rewrites the same part whole
+
+
+def publish_records(work: Path, out: Path) -> None:
+    """OUT/records/: one Parquet part per key bucket, named in key order."""
+    parts = work / "records"
+    if not any(parts.glob("part-*.parquet")):  # an empty manifest: still a readable table
+        _write_part(bucket_stats.RECORDS_SCHEMA.empty_table(), parts / "part-000000.parquet")
+    shutil.rmtree(out, ignore_errors=True)
+    parts.rename(out)
 
 
 def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
@@ -555,7 +555,7 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         merged = run_reconcile(plan, work, runner)
         report, tables = rp.build(plan, merged)
         rp.write(report, tables, out)
-        write_records(work, out / "records.parquet")
+        publish_records(work, out / "records")
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -186,7 +186,7 @@ def _batch_changes(steps: pa.Table, plan) -> list[dict[str, int]]:
 # ---- writing ------------------------------------------------------------------------------
 
 def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
-    """report.json, report.html and the small tables (records.parquet is the job's own)."""
+    """report.json, report.html and the small tables (records/ is written by the job)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
     for name, t in tables.items():

@@ -152,9 +152,12 @@ def test_report_files(tmp_path):
     out = tmp_path / "out-spool"
     data = json.loads((out / "report.json").read_text())
     assert data["report_version"] == 1 and data["verdict"] in ("PASS", "WARN", "FAIL")
-    for name in ("steps", "hosts", "domains", "records"):
+    for name in ("steps", "hosts", "domains"):
         assert pq.read_table(out / f"{name}.parquet").num_rows > 0
-    records = pq.read_table(out / "records.parquet")
+    records = pq.read_table(out / "records")  # a folder of parts, one per key bucket
+    assert len(list((out / "records").glob("part-*.parquet"))) > 1
+    assert records["record_key"].to_pylist() == list(range(records.num_rows))
+    assert records["domain"].type == pa.string()
     assert records.num_rows == report["manifest"]["records"]
     assert sum(records["exposures"].to_pylist()) >= report["coverage"]["exposures"]
     html = (out / "report.html").read_text()
@@ -201,3 +204,23 @@ def test_buckets_follow_the_manifests_row_groups(tmp_path):
         plan = make_plan(run_id="r", manifest=tmp_path / "m.parquet", files=[], attempts={},
                          run_fingerprint=None, at_step=None, bucket_records=bucket_records)
         assert (plan.bucket_size, plan.buckets) == (size, -(-1000 // size)), row_group
+
+
+@pytest.mark.parametrize("hosts", [1, 3, 8, 11, 16, 20])
+def test_host_sets_match_a_record_by_record_count(hosts):
+    from audit.bucket_stats import _host_sets
+
+    rng = np.random.default_rng(hosts)
+    n = 300
+    j, host = rng.integers(0, n, 900), rng.integers(0, hosts, 900)
+    train = rng.random(n) < 0.9
+    sets = [set() for _ in range(n)]
+    for r, h in zip(j.tolist(), host.tolist(), strict=True):
+        sets[r].add(h)
+    unique, others, overlap, n_hosts = _host_sets(j, host, n, hosts, train)
+    tr = [s for s, t in zip(sets, train, strict=True) if t]
+    assert unique.tolist() == [sum(h in s for s in tr) for h in range(hosts)]
+    assert others.tolist() == [sum(h in s and len(s) > 1 for s in tr) for h in range(hosts)]
+    assert overlap.tolist() == [[sum(a in s and b in s for s in tr) for b in range(hosts)]
+                                for a in range(hosts)]
+    assert n_hosts.tolist() == [len(s) for s in sets]
