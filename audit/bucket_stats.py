@@ -45,20 +45,18 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
             hosts: int) -> tuple[dict[str, Any], pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
     consumption rows. Returns the partial aggregates and the per-record table."""
-    if man is None:
-        j = np.full(len(c["step"]), -1)
-    else:
+    if man is None:  # the overflow bucket: whole keys, none in the manifest
+        keys, known = c["key"], np.zeros(len(c["key"]), dtype=bool)
+    else:  # keys as offsets from the bucket's first key: the manifest row within the bucket
         n = len(man["record_key"])
-        j = c["record_key"] - (man["record_key"][0] if n else 0)
-        if j.size and not (j.min() >= 0 and j.max() < n):  # only the bucket at the end
-            j = np.where((j >= 0) & (j < n), j, -1)
-    known = j >= 0
+        j = c["key"].astype(np.int64)
+        known = j < n  # all but keys past the manifest's end, in its last bucket
+        keys = j[~known] + man["record_key"][0]
     unknown = ~known
     out: dict[str, Any] = {
         "unknown_segments": int(unknown.sum()),
-        "unknown_keys": int(np.unique(c["record_key"][unknown]).size),
-        "examples": {"unknown": _examples(c["record_key"][unknown], c["step"][unknown],
-                                          c["host"][unknown])},
+        "unknown_keys": int(np.unique(keys).size),
+        "examples": {"unknown": _examples(keys, c["step"][unknown], c["host"][unknown])},
     }
     if man is None:
         return out, None
@@ -66,7 +64,7 @@ def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
         c = {k: v[known] for k, v in c.items()}
         j = j[known]
     step = c["step"].astype(np.int64)
-    starts = c["offset"] == 0
+    starts = c["start"]
     j_starts = j[starts]
     full = starts & (c["n_tokens"] == man["n_tokens"][j])
     mismatch = full & (c["content_hash"] != man["content_hash"][j])

@@ -11,6 +11,11 @@ bucket's rows of each column in COLUMNS order, native byte order. A bucket's sli
 contiguous byte range, read with one `preadv` into the destination arrays: one copy from the
 page cache, no parsing. The files live under the job's work folder, which every worker must
 reach (as the per-record parts already do).
+
+Rows are narrowed to what a bucket computes with, 27 bytes instead of the spool's 52: the key as
+its offset from the bucket's first key (whole keys only in the overflow bucket, where keys lie
+beyond the manifest), and a record's start as a flag instead of the segment's offset. Writing
+these files is the read stage's largest cost (fresh page-cache pages), so bytes count.
 """
 
 from __future__ import annotations
@@ -21,10 +26,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-# What a bucket needs of each row, narrowed: 30 bytes a row instead of 52.
-COLUMNS = {"record_key": np.int64, "step": np.int32, "host": np.int16, "offset": np.int32,
+# What a bucket needs of each row, narrowed; "key" is uint32 (int64 in the overflow bucket).
+COLUMNS = {"key": np.uint32, "step": np.int32, "host": np.int16, "start": np.bool_,
            "n_tokens": np.int32, "content_hash": np.uint64, "epoch": np.int32}
-ROW_BYTES = sum(np.dtype(t).itemsize for t in COLUMNS.values())
+WHOLE_KEY = np.int64
+
+
+def _types(overflow: bool) -> dict[str, type]:
+    return {**COLUMNS, "key": WHOLE_KEY} if overflow else COLUMNS
+
+
+def row_bytes(overflow: bool) -> int:
+    return sum(np.dtype(t).itemsize for t in _types(overflow).values())
+
+
 _IOV_MAX = 1024
 
 
@@ -36,28 +51,30 @@ class Slice(NamedTuple):
     rows: int
 
 
-def empty() -> dict[str, np.ndarray]:
-    return {k: np.zeros(0, t) for k, t in COLUMNS.items()}
-
-
 def write(cols: dict[str, np.ndarray], bucket_size: int, buckets: int,
           path: Path) -> list[tuple[int, Slice]]:
-    """Write `cols` cut by bucket to `path`; return each non-empty bucket's slice. Keys beyond
-    the last bucket go to the overflow bucket `buckets`."""
-    bucket = np.minimum(cols["record_key"] // bucket_size, buckets)
+    """Write `cols` (spool columns) cut by bucket to `path`; return each non-empty bucket's
+    slice. Keys beyond the last bucket go to the overflow bucket `buckets`."""
+    key = cols["record_key"]
+    bucket = np.minimum(key // bucket_size, buckets)
     # Small integer types sort by radix: linear, and a tenth of the cost of a general argsort.
-    small = np.uint16 if buckets < 2**16 else np.uint32
+    small = np.uint8 if buckets < 2**8 else np.uint16 if buckets < 2**16 else np.uint32
     order = np.argsort(bucket.astype(small), kind="stable")
     counts = np.bincount(bucket, minlength=buckets + 1)
-    ordered = [np.ascontiguousarray(np.asarray(cols[k])[order], dtype=t)
-               for k, t in COLUMNS.items()]
+    key, bucket = key[order], bucket[order]
+    ordered = {"key": key - bucket * bucket_size, "start": cols["offset"][order] == 0}
+    for k in ("step", "host", "n_tokens", "content_hash", "epoch"):
+        ordered[k] = np.asarray(cols[k])[order].astype(COLUMNS[k], copy=False)
     ends = np.cumsum(counts)
     refs, chunks, offset = [], [], 0
     for b in np.flatnonzero(counts):
         lo, hi = int(ends[b] - counts[b]), int(ends[b])
         refs.append((int(b), Slice(str(path), offset, hi - lo)))
-        chunks += [memoryview(col[lo:hi]).cast("B") for col in ordered]
-        offset += (hi - lo) * ROW_BYTES
+        overflow = b == buckets
+        for k, t in _types(overflow).items():
+            col = (key if overflow and k == "key" else ordered[k])[lo:hi]
+            chunks.append(memoryview(np.ascontiguousarray(col, dtype=t)).cast("B"))
+        offset += (hi - lo) * row_bytes(overflow)
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -72,11 +89,13 @@ def write(cols: dict[str, np.ndarray], bucket_size: int, buckets: int,
     return refs
 
 
-def read(slices: list[Slice]) -> dict[str, np.ndarray]:
-    """The rows of `slices`, concatenated, read straight into the column arrays."""
+def read(slices: list[Slice], overflow: bool = False) -> dict[str, np.ndarray]:
+    """The rows of one bucket's `slices`, concatenated, read straight into the column arrays
+    (`overflow`: the overflow bucket's, with whole keys)."""
     slices = sorted(slices)  # the same order on every runner
     total = sum(s.rows for s in slices)
-    out = {k: np.empty(total, t) for k, t in COLUMNS.items()}
+    out = {k: np.empty(total, t) for k, t in _types(overflow).items()}
+    size = row_bytes(overflow)
     pos = 0
     for s in slices:
         views = [memoryview(a[pos:pos + s.rows]).cast("B") for a in out.values()]
@@ -85,8 +104,8 @@ def read(slices: list[Slice]) -> dict[str, np.ndarray]:
             got = os.preadv(fd, views, s.offset)
         finally:
             os.close(fd)
-        if got != s.rows * ROW_BYTES:
-            raise OSError(f"bucket file {s.path} is short: {got} of {s.rows * ROW_BYTES} bytes "
+        if got != s.rows * size:
+            raise OSError(f"bucket file {s.path} is short: {got} of {s.rows * size} bytes "
                           f"at {s.offset}")
         pos += s.rows
     return out

@@ -34,8 +34,8 @@ import xxhash
 from audit import bucket_stats, key_buckets
 from audit import spool as sp
 from audit.errors import TallyError
-from audit.ingest import BadFile, read_checked
 from audit.ledger import Ledger, rolled_back_from
+from audit.spool import BadFile, read_checked
 from pipeline.corpus import read_rows
 from pipeline.runners import RunnerSpec, pipeline
 
@@ -387,8 +387,9 @@ class BucketStats(beam.DoFn):
     def process(self, item):
         bucket, grouped = item
         slices = list(grouped["c"])
-        out, records = bucket_stats.compute(bucket, _manifest_bucket(self.plan, bucket),
-                                            key_buckets.read(slices), self.plan.hosts)
+        rows = key_buckets.read(slices, overflow=bucket == self.plan.buckets)
+        out, records = bucket_stats.compute(bucket, _manifest_bucket(self.plan, bucket), rows,
+                                            self.plan.hosts)
         out["_id"] = f"bucket-{bucket}"
         out["slices_joined"] = len(slices)
         if records is not None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 FORMAT_VERSION = "1"
 WRITER_VERSION = "tally-writer/1"
@@ -156,3 +158,100 @@ def next_seq(directory: Path) -> int:
     """The sequence number after every published file in `directory`."""
     seqs = [int(m.group(3)) for n in os.listdir(directory) if (m := _FILE.match(n))]
     return max(seqs, default=-1) + 1
+
+
+# ---- checking a published file (ingest and reconcile) ---------------------------------
+
+class BadFile(Exception):
+    """A spool file that cannot be ingested; the message says why."""
+
+
+def _meta(md: dict[bytes, bytes] | None) -> dict[str, str]:
+    md = md or {}
+    out = {}
+    for k in META_KEYS + OPTIONAL_META_KEYS:
+        raw = md.get((META_PREFIX + k).encode())
+        if raw is None and k in META_KEYS:
+            raise BadFile(f"metadata key {META_PREFIX + k} is missing (not written by Tally?)")
+        out[k] = "" if raw is None else raw.decode()
+    return out
+
+
+def _int(meta: dict[str, str], key: str) -> int:
+    try:
+        return int(meta[key])
+    except ValueError:
+        raise BadFile(f"metadata {key}={meta[key]!r} is not an integer") from None
+
+
+def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
+    """The file's table and parsed metadata, or BadFile saying what is wrong."""
+    try:
+        pf = pq.ParquetFile(f.path)
+    except Exception as exc:
+        raise BadFile(f"unreadable Parquet footer (truncated or not Parquet): {exc}") from None
+    expected = SCHEMAS[f.kind]
+    found = pf.schema_arrow.remove_metadata()
+    if not found.equals(expected):
+        raise BadFile(f"schema mismatch: expected {_fmt(expected)}, found {_fmt(found)}")
+    meta = _meta(pf.schema_arrow.metadata)
+    if meta["format_version"] != FORMAT_VERSION:
+        raise BadFile(f"spool format version {meta['format_version']}, expected "
+                      f"{FORMAT_VERSION}")
+    info = {
+        "run_id": meta["run_id"],
+        "attempt": _int(meta, "attempt"),
+        "host": _int(meta, "host"),
+        "host_count": _int(meta, "host_count"),
+        "resumed_from_step": _int(meta, "resumed_from_step") if meta["resumed_from_step"] else None,
+        "writer_version": meta["writer_version"],
+        "fingerprint": meta["manifest_fingerprint"],
+        "rows": _int(meta, "rows"),
+        "first_step": _int(meta, "first_step"),
+        "last_step": _int(meta, "last_step"),
+        "records_per_epoch": (_int(meta, "records_per_epoch") if meta["records_per_epoch"]
+                              else None),
+    }
+    for key, from_path in (("run_id", f.run_id), ("attempt", f.attempt), ("host", f.host)):
+        if info[key] != from_path:
+            raise BadFile(f"metadata {key}={info[key]!r} but the path says {from_path!r}")
+    if meta["kind"] != f.kind or info["first_step"] != f.first_step:
+        raise BadFile("metadata kind/first_step disagree with the file name")
+    if not 0 <= info["host"] < info["host_count"]:
+        raise BadFile(f"host {info['host']} is outside host_count {info['host_count']}")
+    if (info["attempt"] > 0) != (info["resumed_from_step"] is not None):
+        raise BadFile("attempt > 0 must say resumed_from_step, attempt 0 must not")
+    if info["records_per_epoch"] is not None and info["records_per_epoch"] < 1:
+        raise BadFile(f"metadata records_per_epoch={info['records_per_epoch']} is below 1")
+    if pf.metadata.num_rows != info["rows"]:
+        raise BadFile(f"footer holds {pf.metadata.num_rows} rows, writer wrote {info['rows']}")
+    try:
+        table = pf.read()
+    except Exception as exc:
+        raise BadFile(f"corrupt data pages: {exc}") from None
+    if table.num_rows != info["rows"] or table.num_rows == 0:
+        raise BadFile(f"read {table.num_rows} rows, writer wrote {info['rows']}")
+    _check_values(table, f.kind, info)
+    return table, info
+
+
+def _fmt(schema: pa.Schema) -> str:
+    return "(" + ", ".join(f"{f.name} {f.type}" for f in schema) + ")"
+
+
+def _check_values(table: pa.Table, kind: str, info: dict) -> None:
+    for name in table.column_names:
+        if table[name].null_count:
+            raise BadFile(f"column {name} has nulls")
+    steps = pc.min_max(table["step"]).as_py()
+    if (steps["min"], steps["max"]) != (info["first_step"], info["last_step"]):
+        raise BadFile(f"steps {steps['min']}..{steps['max']} disagree with metadata "
+                      f"{info['first_step']}..{info['last_step']}")
+    if steps["min"] < 0:
+        raise BadFile("negative step")
+    if not pc.all(pc.equal(table["host"], info["host"])).as_py():
+        raise BadFile(f"rows for a host other than {info['host']}")
+    if kind == "seg":
+        for name, low in (("row", 0), ("record_key", 0), ("offset", 0), ("n_tokens", 1)):
+            if pc.min(table[name]).as_py() < low:
+                raise BadFile(f"column {name} has values below {low}")
