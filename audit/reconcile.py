@@ -317,7 +317,7 @@ class ReadConsumption(beam.DoFn):
         starts, n_tokens = cols["offset"] == 0, cols["n_tokens"]
         lo, hi = int(steps.min()), int(steps.max())
         h0, h1 = int(host.min()), int(host.max())
-        rel = steps - lo
+        rel = steps.astype(np.int64, copy=False) - lo
         # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
         # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
         rows_n = int(row.max()) + 1
