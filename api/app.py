@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import numpy as np
 import pyarrow.parquet as pq
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -407,9 +407,10 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     ) -> dict[str, Any]:
         """Every consumption of the records with this content hash."""
         h = int(content_hash, 0) if content_hash.startswith("0x") else int(content_hash)
-        if h >= 2**64:
-            raise HTTPException(422, "content_hash must be below 2**64")
         with svc.read(run_id) as snap:
+            if h >= 2**64:  # a well-formed number, but no xxh3_64 value: no record has it
+                raise q.NotFound(f"no record has content hash {content_hash} (xxh3_64 values "
+                                 "are below 2**64)")
             return q.record(snap.cur, snap.run, content_hash=h)
 
     @app.get("/v1/runs/{run_id}/domains", tags=["coverage"], responses=ERRORS)

@@ -115,6 +115,8 @@ def test_live_ingest_every_endpoint_exactly_once(tmp_path):
             for path, code, words in (
                     ("/v1/runs/nope", 404, "unknown run"),
                     ("/v1/runs/r/records/999999", 404, "never consumed"),
+                    ("/v1/runs/r/records?content_hash=99999999999999999999", 404,
+                     "below 2**64"),
                     ("/v1/runs/r/hosts/7/steps", 404, "no host 7"),
                     ("/v1/runs/nope/report", 404, "no reconcile report"),
                     ("/v1/runs/r/coverage?step=-1", 422, "greater than or equal"),
