@@ -16,9 +16,10 @@ from audit.ledger import Ledger
 from tests.api_helpers import Server, write_steps
 from tests.test_api_live import N, write_manifest
 
-# Generated requests per operation; CI draws new ones every run. Raise it to fuzz harder
-# (400 per operation passed before this was committed).
-EXAMPLES = int(os.environ.get("TALLY_FUZZ_EXAMPLES", "25"))
+# By default the same 50 requests per operation every run (derandomized): a failure in CI is
+# then reproducible, never the luck of the draw. TALLY_FUZZ_EXAMPLES=N draws N fresh random
+# requests per operation instead, to fuzz harder (1000 passed before this was committed).
+EXAMPLES = int(os.environ.get("TALLY_FUZZ_EXAMPLES", "0"))
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def test_no_operation_fails_on_any_input(api_schema):
     assert len(ops) >= 12
     for op in ops:
         @given(case=op.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=EXAMPLES or 50, derandomize=not EXAMPLES, deadline=None,
+                  database=None, suppress_health_check=list(HealthCheck))
         def fuzz(case):
             case.call_and_validate()
 
