@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,10 +115,13 @@ class Stray:
     reason: str
 
 
-def scan(spool: Path) -> Iterator[SpoolFile | Stray]:
+def scan(spool: Path, skip_host_dir: Callable[[str, int], bool] | None = None,
+         ) -> Iterator[SpoolFile | Stray]:
     """Every published file and every stray file under `spool`, in a stable order.
 
-    Hidden files (temporaries of writers still running, or of killed ones) are skipped.
+    Hidden files (temporaries of writers still running, or of killed ones) are skipped, and so
+    is every `<run>/attempt=<a>/host=<h>` directory for which `skip_host_dir(rel, mtime_ns)`
+    says so (given its path relative to the spool and its modification time).
     """
     spool = Path(spool)
     if not spool.is_dir():
@@ -127,6 +130,8 @@ def scan(spool: Path) -> Iterator[SpoolFile | Stray]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         here = Path(dirpath)
         parts = here.relative_to(spool).parts
+        if skip_host_dir is not None and len(parts) == 2:
+            dirnames[:] = [d for d in dirnames if not _skipped(here / d, spool, skip_host_dir)]
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
@@ -152,6 +157,14 @@ def scan(spool: Path) -> Iterator[SpoolFile | Stray]:
                 first_step=int(m.group(2)),
                 seq=int(m.group(3)),
             )
+
+
+def _skipped(path: Path, spool: Path, skip: Callable[[str, int], bool]) -> bool:
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return True
+    return skip(path.relative_to(spool).as_posix(), mtime)
 
 
 def next_seq(directory: Path) -> int:

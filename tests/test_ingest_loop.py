@@ -1,0 +1,73 @@
+"""The service's ingest loop lists a host directory's files only while they can still change:
+a settled directory is skipped until its mtime moves, and never settles on one listing."""
+
+import os
+import shutil
+
+from api.ingest_loop import IngestLoop
+from audit.ledger import Ledger
+from tests.api_helpers import write_steps
+
+
+def test_settled_directories_are_skipped_until_they_change(tmp_path, monkeypatch):
+    monkeypatch.setattr("api.ingest_loop.SETTLE_S", 0.0)  # rounds here are ms apart
+    batches, rows = [], []
+    for i in range(4):  # four batches of published files, staged outside the spool
+        stage = tmp_path / f"stage{i}"
+        rows.append(write_steps(stage, "r", host=0, hosts=1, steps=range(5 * i, 5 * i + 5),
+                                n=100, seed=i, flush_every=2))
+        batches.append(sorted((stage / "r" / "attempt=0" / "host=0").iterdir()))
+    live = tmp_path / "spool" / "r" / "attempt=0" / "host=0"
+    live.mkdir(parents=True)
+
+    def publish(i: int, keep_mtime: bool = False) -> None:
+        before = live.stat()
+        (live / ".seg-tmp").unlink(missing_ok=True)  # the writer's temporary, renamed
+        for f in batches[i]:
+            shutil.move(f, live / f.name)
+        if keep_mtime:  # as if all this happened within the tick of the last change
+            os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        loop = IngestLoop(ledger, tmp_path / "spool")
+
+        def ingested() -> int:
+            return ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"]
+
+        publish(0)
+        loop.run_once()
+        assert ingested() == rows[0]
+        loop.run_once()  # listed again, same mtime, nothing pending: settled
+        # A writer's temporary file moves the mtime; a listing then finds nothing new. Its
+        # rename within the same tick would leave that mtime: one listing must not settle.
+        (live / ".seg-tmp").write_bytes(b"")
+        loop.run_once()
+        publish(1, keep_mtime=True)
+        loop.run_once()
+        assert ingested() == sum(rows[:2]), "a directory settled on one listing"
+        loop.run_once()  # settled again
+        publish(2, keep_mtime=True)
+        loop.run_once()
+        assert ingested() == sum(rows[:2]), "a settled directory was listed"
+        publish(3)  # a real publish moves the mtime: listed again, nothing left behind
+        loop.run_once()
+        assert ingested() == sum(rows)
+
+
+def test_listings_less_than_a_tick_apart_do_not_settle(tmp_path):
+    # Default SETTLE_S: two listings milliseconds apart may share the coarsest file systems'
+    # timestamp tick, so the directory stays listed.
+    stage = tmp_path / "stage"
+    rows = write_steps(stage, "r", host=0, hosts=1, steps=range(5), n=100, seed=0)
+    live = tmp_path / "spool" / "r" / "attempt=0" / "host=0"
+    live.mkdir(parents=True)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        loop = IngestLoop(ledger, tmp_path / "spool")
+        loop.run_once()
+        loop.run_once()
+        before = live.stat()
+        for f in (stage / "r" / "attempt=0" / "host=0").iterdir():
+            shutil.move(f, live / f.name)
+        os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
+        loop.run_once()
+        assert ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"] == rows
