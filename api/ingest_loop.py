@@ -16,6 +16,7 @@ from audit.ledger import Ledger
 
 log = logging.getLogger("tally.api")
 SETTLE_S = 2.0  # longer than the coarsest file-system timestamp tick
+FULL_LISTING_S = 60.0  # every directory listed at least this often, settled or not
 
 
 class IngestLoop:
@@ -32,12 +33,16 @@ class IngestLoop:
         self._oldest_pending: float | None = None  # mtime of the oldest file not yet ingested
         self._done: set[str] = set()
         self._seen_id = -1
-        # Host directory -> (mtime_ns, settled, when a listing first saw that mtime). Settled:
-        # listed again with the same mtime SETTLE_S or more later, nothing pending; such a
-        # directory is not listed again until its mtime changes (publishing a file by rename
-        # changes it). Listing every file every round cost ~1.5 s a round at 72,000 files.
+        # Listing every file every round cost ~1.5 s a round at 72,000 files. A host directory
+        # is skipped once settled (see _settle) until its mtime moves: publishing a file by
+        # rename moves it. Every FULL_LISTING_S all are listed anyway, for file systems whose
+        # directory mtimes do not move (some FUSE mounts of object stores) or come back
+        # (copies that keep mtimes).
+        # Host directory -> (mtime_ns, settled, monotonic time of the stat that first saw it).
         self._dirs: dict[str, tuple[int, bool, float]] = {}
-        self._mtimes: dict[str, int] = {}
+        self._stats: dict[str, tuple[int, float]] = {}  # this round: (mtime_ns, stat time)
+        self._full_at = float("-inf")
+        self._full = True
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-api-ingest", daemon=True)
 
@@ -66,12 +71,17 @@ class IngestLoop:
                                          [self._seen_id]).fetchall():
                 self._done.add(path)
                 self._seen_id = max(self._seen_id, fid)
-            self._mtimes = {}
+            self._stats = {}
+            self._full = time.monotonic() - self._full_at >= FULL_LISTING_S
+            if self._full:
+                self._full_at = time.monotonic()
             new = [f for f in sp.scan(self.spool, self._settled) if f.rel not in self._done]
+            # Before quarantined files are set aside: a directory holding one stays listed,
+            # so that the file rewritten in place (same name, no mtime change) is seen.
             self._settle(new)
-            held = dict(cur.execute("SELECT path, bytes, mtime_ns FROM quarantine "
-                                    "WHERE path IN (SELECT unnest(?))",
-                                    [[f.rel for f in new]]).fetchall() if new else [])
+            held = {path: (size, mtime) for path, size, mtime in (cur.execute(
+                "SELECT path, bytes, mtime_ns FROM quarantine WHERE path IN (SELECT unnest(?))",
+                [[f.rel for f in new]]).fetchall() if new else [])}
         finally:
             cur.close()
         out = []
@@ -85,24 +95,24 @@ class IngestLoop:
         return out
 
     def _settled(self, rel_dir: str, mtime_ns: int) -> bool:
-        self._mtimes[rel_dir] = mtime_ns
+        self._stats[rel_dir] = (mtime_ns, time.monotonic())  # before the directory is read
         state = self._dirs.get(rel_dir)
-        return state is not None and state[:2] == (mtime_ns, True)
+        return not self._full and state is not None and state[:2] == (mtime_ns, True)
 
     def _settle(self, new: list) -> None:
-        """After a scan, for each directory listed: settled if nothing in it is pending and a
-        listing at least SETTLE_S earlier saw the same mtime. One listing is not enough: a
-        file renamed in just after it, within the same timestamp tick (nanoseconds on ext4
-        and xfs, up to 2 s on some file systems), leaves the mtime unchanged; a listing a
-        tick later sees the file, and any rename after that changes the mtime."""
+        """After a scan, for each directory listed: settled if nothing in it is pending and it
+        was stat-ed with the same mtime at least SETTLE_S before this listing. One listing is
+        not enough: a file renamed in just after it, within the same timestamp tick (a few
+        ms on Linux's ext4 and xfs, up to 2 s on some file systems), leaves the mtime as it
+        was; a listing after the tick has ended sees the file, and any rename after that
+        moves the mtime."""
         busy = {f.rel.rsplit("/", 1)[0] for f in new}
-        now = time.monotonic()
-        for rel_dir, mtime in self._mtimes.items():
+        for rel_dir, (mtime, at) in self._stats.items():
             old = self._dirs.get(rel_dir)
             if old is None or old[0] != mtime:
-                self._dirs[rel_dir] = (mtime, False, now)
-            elif not old[1]:
-                self._dirs[rel_dir] = (mtime, rel_dir not in busy and now - old[2] >= SETTLE_S,
+                self._dirs[rel_dir] = (mtime, False, at)
+            elif not old[1] or rel_dir in busy:
+                self._dirs[rel_dir] = (mtime, rel_dir not in busy and at - old[2] >= SETTLE_S,
                                        old[2])
 
     def run_once(self) -> None:

@@ -145,6 +145,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
         bucket_records = min(int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record),
                              int(BUCKET_ROWS * records / max(rows, 1)))
         bucket_records = min(max(bucket_records, 10_000), 4_000_000)
+    bucket_records = min(bucket_records, 2**31)  # bucket files keep key offsets in uint32
     buckets = max(1, -(-records // bucket_records))
     bucket_size = -(-records // buckets)  # equal buckets
     group = uniform_row_groups(pq.read_metadata(manifest))
@@ -172,7 +173,7 @@ class Spans:
     of a run that may have a million: padding each file's counts to the run's length would make
     merging cost files x steps."""
 
-    MAX_PIECES = 256  # then fold them into one: merging stays linear in files and steps
+    MAX_PIECES = 256  # then fold them into one: merging costs about files / 256 x steps
 
     def __init__(self, pieces: list[tuple[int, np.ndarray]]) -> None:
         self.pieces = pieces
@@ -520,8 +521,12 @@ def publish_records(work: Path, out: Path) -> None:
     parts = work / "records"
     if not any(parts.glob("part-*.parquet")):  # an empty manifest: still a readable table
         _write_part(bucket_stats.RECORDS_SCHEMA.empty_table(), parts / "part-000000.parquet")
-    shutil.rmtree(out, ignore_errors=True)
+    old = work / "records.old"
+    if out.exists():
+        out.rename(old)  # the earlier report's table, until the new one is in place
     parts.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    out.with_name("records.parquet").unlink(missing_ok=True)  # what earlier versions wrote
 
 
 def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,

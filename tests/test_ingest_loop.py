@@ -71,3 +71,43 @@ def test_listings_less_than_a_tick_apart_do_not_settle(tmp_path):
         os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
         loop.run_once()
         assert ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"] == rows
+
+
+def test_quarantined_files_and_full_listings_keep_late_files_in_view(tmp_path, monkeypatch):
+    monkeypatch.setattr("api.ingest_loop.SETTLE_S", 0.0)
+    stage = tmp_path / "stage"
+    rows = write_steps(stage, "r", host=0, hosts=1, steps=range(5), n=100, seed=0,
+                       flush_every=5)
+    good = sorted((stage / "r" / "attempt=0" / "host=0").glob("seg-*.parquet"))[0]
+    late = write_steps(tmp_path / "late", "r", host=0, hosts=1, steps=range(5, 9), n=100,
+                       seed=1, flush_every=4)
+    live = tmp_path / "spool" / "r" / "attempt=0" / "host=0"
+    live.mkdir(parents=True)
+    (live / good.name).write_bytes(b"not parquet")
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        loop = IngestLoop(ledger, tmp_path / "spool")
+
+        def ingested() -> int:
+            return ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"]
+
+        for _ in range(3):
+            loop.run_once()
+        assert (ingested(), loop.quarantined) == (0, 1)
+        # Fixed in place: same name, the directory's mtime unchanged. Still listed, because
+        # a directory holding a quarantined file never settles.
+        (live / good.name).write_bytes(good.read_bytes())
+        loop.run_once()
+        assert ingested() == rows
+        loop.run_once()
+        loop.run_once()  # settled now
+        # A directory whose mtime does not move (as on some FUSE mounts): the periodic full
+        # listing still finds what appears in it.
+        before = live.stat()
+        for f in (tmp_path / "late" / "r" / "attempt=0" / "host=0").iterdir():
+            shutil.move(f, live / f.name)
+        os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
+        loop.run_once()
+        assert ingested() == rows
+        monkeypatch.setattr("api.ingest_loop.FULL_LISTING_S", 0.0)
+        loop.run_once()
+        assert ingested() == rows + late

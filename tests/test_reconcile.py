@@ -154,6 +154,10 @@ def test_report_files(tmp_path):
     assert data["report_version"] == 1 and data["verdict"] in ("PASS", "WARN", "FAIL")
     for name in ("steps", "hosts", "domains"):
         assert pq.read_table(out / f"{name}.parquet").num_rows > 0
+    (out / "records.parquet").write_bytes(b"what an earlier version wrote")
+    again = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=out,
+                      spool=tmp_path / "spool", bucket_records=97)
+    assert again["coverage"] == report["coverage"] and not (out / "records.parquet").exists()
     records = pq.read_table(out / "records")  # a folder of parts, one per key bucket
     assert len(list((out / "records").glob("part-*.parquet"))) > 1
     assert records["record_key"].to_pylist() == list(range(records.num_rows))
