@@ -1,8 +1,9 @@
 """Per-record exposure for one record-key bucket: partial aggregates and the per-record rows.
 
-Everything is vectorised over the bucket's rows: two sorts of one packed int64 key each
-(`(record << 32) | step` and `(record << 32) | epoch`), bincounts, and a small matrix product
-for the host overlap. No per-row Python objects.
+Everything is vectorised over the bucket's rows: one sort of a packed int64 key
+(`(record << 32) | step`; a second, `(record << 32) | epoch`, only when epochs are too many to
+count in place), bincounts, and for the host overlap a histogram of each record's set of hosts
+(a matrix product beyond 16 hosts). No per-row Python objects.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
 
 
-def compute(bucket: int, man: dict | None, c: dict[str, np.ndarray],
+def compute(man: dict | None, c: dict[str, np.ndarray],
             hosts: int) -> tuple[dict[str, Any], pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
     consumption rows. Returns the partial aggregates and the per-record table."""

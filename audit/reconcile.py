@@ -194,8 +194,9 @@ class Spans:
 
 
 def merge(a: Any, b: Any) -> Any:
-    """Sum nested dicts of numpy arrays and ints (arrays padded to the longer shape); keys
-    starting with `min_` / `max_` keep the smaller / larger value; lists concatenate (capped)."""
+    """Sum nested dicts of numpy arrays, Spans and ints (arrays padded to the longer shape);
+    keys starting with `min_` / `max_` keep the smaller / larger value; lists concatenate
+    (capped)."""
     if a is None:
         return b
     if b is None:
@@ -389,7 +390,7 @@ class BucketStats(beam.DoFn):
         bucket, grouped = item
         slices = list(grouped["c"])
         rows = key_buckets.read(slices, overflow=bucket == self.plan.buckets)
-        out, records = bucket_stats.compute(bucket, _manifest_bucket(self.plan, bucket), rows,
+        out, records = bucket_stats.compute(_manifest_bucket(self.plan, bucket), rows,
                                             self.plan.hosts)
         out["_id"] = f"bucket-{bucket}"
         out["slices_joined"] = len(slices)
