@@ -1,6 +1,8 @@
-"""The live API (FastAPI): one process owns the ledger, a background thread ingests the spool,
-request handlers read with their own cursors, each request inside one snapshot transaction (so
-a query never sees half a segment file). Thin over api/queries.py."""
+"""The live API (FastAPI): routes over the live ledger (audit.ledger.live), which owns the
+snapshots, the cached answers and the ingest loop; the answers themselves are
+audit.ledger.queries. One process owns the ledger: a background thread ingests the spool while
+request handlers read, each request inside one snapshot transaction (so an answer never sees
+half a segment file)."""
 
 from __future__ import annotations
 
@@ -8,35 +10,30 @@ import contextlib
 import hmac
 import json
 import sys
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
-import pyarrow.parquet as pq
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
-from api import queries as q
 from api.alerts import Thresholds, Webhook, evaluate, status
-from api.ingest_loop import IngestLoop
 from api.preflight_routes import add_routes as add_preflight_routes
-from audit.aggregates import Aggregates, Records, for_ledger
-from audit.errors import TallyError
-from audit.ledger import Ledger, one
+from audit.core.errors import NotFound, TallyError, Unavailable
+from audit.hook.spool import RUN_ID_PATTERN
+from audit.ledger import queries as q
+from audit.ledger.database import Ledger
+from audit.ledger.ingest_loop import IngestLoop
+from audit.ledger.live import LiveLedger, Snap
+from pipeline.manifest_file import ManifestDomains
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
-RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # audit.spool's run id rule
 MAX_STEP = 2**62
 SWITCH_INTERVAL = 0.0005  # seconds; see lifespan()
 
-RunId = Annotated[str, PathParam(pattern=RUN_ID, description="run id")]
+RunId = Annotated[str, PathParam(pattern=RUN_ID_PATTERN, description="run id")]
 Step = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 Bucket = Annotated[int | None, Query(ge=1, le=MAX_STEP, description="steps per bucket")]
 Points = Annotated[int, Query(ge=1, le=q.MAX_POINTS,
@@ -45,194 +42,37 @@ ERRORS = {404: {"description": "unknown run, host or record"},
           409: {"description": "needs something the service was not given (a manifest)"}}
 
 
-@dataclass
-class Manifest:
-    path: str
-    fingerprint: str
-    records: int
-    train_records: int
-    domain_codes: np.ndarray  # int32 per record key
-    domain_names: list[str]
-
-    @classmethod
-    def load(cls, path: str | Path) -> Manifest:
-        from pipeline.manifest_file import manifest_info
-
-        info = manifest_info(path)
-        t = pq.read_table(path, columns=["record_key", "domain", "split"])
-        n = int(info["train_records"])
-        keys = t["record_key"].to_numpy()
-        split = t["split"].to_numpy(zero_copy_only=False)
-        if not np.array_equal(keys, np.arange(len(keys))) or not (
-                (split[:n] == "train").all() and (split[n:] != "train").all()):
-            raise TallyError(f"manifest {path}: record keys are not 0..N-1 with the train split "
-                             "first (rebuild it with `tally manifest`)")
-        dom = t["domain"].dictionary_encode().combine_chunks()
-        return cls(str(path), info["manifest_fingerprint"], len(keys), n,
-                   dom.indices.to_numpy(zero_copy_only=False).astype(np.int32),
-                   dom.dictionary.to_pylist())
-
-
-@dataclass
-class Snap:
-    """What a request reads: one snapshot transaction of the ledger."""
-
-    cur: Any
-    run: int | None
-    gen: int  # the newest file id in the snapshot: its version, for cached answers
-    uni: q.Universe
-    outside: Records | None = None  # state of the keys outside the universe, when asked
-    state: Any = None  # what `read(locked=...)` read from the per-record state
-
-
 class Service:
-    """What the handlers share: the ledger, its aggregates, the ingest loop, the settings, and
-    answers already computed for the current version of the ledger."""
+    """What the routes share: the live ledger (snapshots and cached answers), the ingest loop,
+    and the settings the service was started with."""
 
-    ANSWERS = 512  # cached answers kept (all runs and parameters together)
-    HOT, HOT_S = 32, 60.0  # answers recomputed after each ingest round: asked for lately
-
-    def __init__(self, ledger: Ledger, *, spool: Path | None, manifest: Manifest | None,
+    def __init__(self, ledger: Ledger, *, spool: Path | None, manifest: ManifestDomains | None,
                  records: int | None, reports: Path | None, thresholds: Thresholds,
                  webhook: str | None, interval: float) -> None:
-        self.ledger = ledger
-        self.agg: Aggregates = for_ledger(ledger)
-        self.manifest = manifest
         if manifest is not None:
-            self.uni = q.Universe(manifest.train_records, "manifest")
+            uni = q.Universe(manifest.train_records, "manifest")
         elif records is not None:
-            self.uni = q.Universe(records, "records option")
+            uni = q.Universe(records, "records option")
         else:
-            self.uni = q.Universe(None, "unknown")
+            uni = q.Universe(None, "unknown")
+        self.ledger = ledger
+        self.live = LiveLedger(ledger, uni)
+        self.manifest = manifest
         self.reports = reports
         self.thresholds = thresholds
         self.webhook = Webhook(webhook)
         self.loop = (IngestLoop(ledger, spool, interval=interval, after_round=self.after_round)
                      if spool is not None else None)
-        self._local = threading.local()
-        self._cursor_lock = threading.Lock()
-        self._answers: OrderedDict[tuple, Any] = OrderedDict()
-        self._answers_lock = threading.Lock()
-        self._hot: OrderedDict[tuple, tuple] = OrderedDict()
-        self._warm_gen = -1
-
-    def _cursor(self):
-        cur = getattr(self._local, "cur", None)
-        if cur is None:
-            with self._cursor_lock:
-                cur = self._local.cur = self.ledger.cursor()
-        return cur
-
-    def universe(self, cur, run: int | None) -> q.Universe:
-        """The manifest's train split or --records; else what the run's writers said."""
-        if self.uni.n is not None or run is None:
-            return self.uni
-        row = one(cur, """SELECT records_per_epoch FROM attempts WHERE run = ?
-                          AND records_per_epoch IS NOT NULL ORDER BY attempt DESC LIMIT 1""",
-                  [run])
-        return self.uni if row is None else q.Universe(int(row[0]), "writer metadata")
-
-    def _pin(self, cur, run_id: str | None) -> Snap:
-        gen = one(cur, "SELECT coalesce(max(file_id), 0) FROM segments")[0]  # pins the snapshot
-        run = None if run_id is None else q.run_of(cur, run_id)
-        return Snap(cur, run, gen, self.universe(cur, run))
-
-    @contextlib.contextmanager
-    def read(self, run_id: str | None = None, *, outside: bool = False,
-             locked: Callable[[int], Any] | None = None) -> Iterator[Snap]:
-        """One snapshot transaction. With `outside`, also the per-record state of the keys
-        outside the universe; `locked(run)` reads something else from the per-record state
-        (its result in `snap.state`). That state must match the snapshot: the ingester holds
-        Aggregates.lock across its COMMIT and the state update, so such a snapshot is pinned
-        under the lock. A run whose keys all fall inside the universe (the normal case) has
-        no outside state to read, which the state's key bound says without the lock."""
-        cur = self._cursor()
-        cur.execute("BEGIN TRANSACTION")
-        try:
-            snap = self._pin(cur, run_id)
-            if locked is not None or (outside and self._has_outside(snap)):
-                snap = self._pin_locked(snap, run_id, locked)
-            yield snap
-        finally:
-            cur.execute("ROLLBACK")
-
-    def _has_outside(self, snap: Snap) -> bool:
-        # `top` only grows and is raised before the COMMIT that adds keys: below the universe
-        # now means below it in any snapshot taken before now.
-        st = self.agg.runs.get(snap.run)
-        return st is not None and snap.uni.n is not None and st.top >= snap.uni.n
-
-    def _pin_locked(self, snap: Snap, run_id: str | None,
-                    locked: Callable[[int], Any] | None) -> Snap:
-        snap.cur.execute("ROLLBACK")
-        snap.cur.execute("BEGIN TRANSACTION")
-        with self.agg.lock:
-            snap = self._pin(snap.cur, run_id)
-            st = self.agg.runs.get(snap.run)
-            if locked is not None:
-                snap.state = locked(snap.run)
-            elif st is not None and snap.uni.n is not None:
-                snap.outside = st.beyond(snap.uni.n)
-        return snap
-
-    def answer(self, key: tuple, run_id: str | None, compute: Callable[[Snap], Any], *,
-               outside: bool = False) -> Any:
-        """compute(snap), or what it gave for the same ledger version: between two ingested
-        batches, a repeated request costs one small query."""
-        with self.read(run_id) as snap:
-            hit = self._cached((snap.gen, *key))
-            if hit is not None:
-                return hit
-            if outside and self._has_outside(snap):
-                snap = self._pin_locked(snap, run_id, None)
-            value = compute(snap)
-        with self._answers_lock:
-            self._answers[(snap.gen, *key)] = value
-            while len(self._answers) > self.ANSWERS:
-                self._answers.popitem(last=False)
-            self._hot[key] = (run_id, compute, outside, time.monotonic())
-            self._hot.move_to_end(key)
-            while len(self._hot) > self.HOT:
-                self._hot.popitem(last=False)
-        return value
-
-    def warm(self) -> None:
-        """Compute the answers asked for lately for the ledger's new version, so that the
-        requests after an ingest find them (run by the ingester after each round)."""
-        with self.read() as snap:
-            if snap.gen == self._warm_gen:
-                return
-            self._warm_gen = snap.gen
-        with self._answers_lock:
-            hot = [(k, v) for k, v in self._hot.items() if time.monotonic() - v[3] < self.HOT_S]
-        for key, (run_id, compute, outside, _) in hot:
-            try:
-                self.answer(key, run_id, compute, outside=outside)
-            except TallyError:  # e.g. a host that no longer exists after a restart
-                continue
-
-    def _cached(self, key: tuple) -> Any:
-        with self._answers_lock:
-            hit = self._answers.get(key)
-            if hit is not None:
-                self._answers.move_to_end(key)
-            return hit
 
     def json(self, key: tuple, run_id: str | None, compute: Callable[[Snap], Any], *,
              outside: bool = False) -> Response:
         """A cached answer as a JSON response (encoded once per ledger version)."""
-        body = self.answer(key, run_id, lambda snap: _encode(compute(snap)), outside=outside)
+        body = self.live.answer(key, run_id, lambda snap: _encode(compute(snap)),
+                                outside=outside)
         return Response(body, media_type="application/json")
 
-    def facts(self, run_id: str) -> dict[str, Any]:
-        """A run's totals and coverage (what the summary and alerts need), cached."""
-        def compute(snap: Snap) -> dict[str, Any]:
-            return {"totals": q.totals(snap.cur, snap.run),
-                    "coverage": q.coverage(snap.cur, snap.run, snap.uni, None, snap.outside)}
-        return self.answer(("facts", run_id), run_id, compute, outside=True)
-
     def summary(self, run_id: str) -> dict[str, Any]:
-        f = self.facts(run_id)
+        f = self.live.facts(run_id)
         t, cov = f["totals"], f["coverage"]
         n = cov["train_records"]
         first_pass = n is None or cov["exposures"] <= n
@@ -244,28 +84,12 @@ class Service:
                 "last_step": cov["latest_step"], **t, "coverage": cov,
                 "ingest_lag_seconds": lag}
 
-    def hosts(self, run_id: str) -> dict[str, Any]:
-        return self.answer(("hosts", run_id), run_id, lambda snap: q.hosts(snap.cur, snap.run))
-
-    def hosts_json(self, run_id: str) -> Response:
-        return self.json(("hosts.json", run_id), run_id,
-                         lambda snap: q.hosts(snap.cur, snap.run))
-
-    def host_rows(self, run_id: str) -> dict[int, int]:
-        return self.answer(("host_rows", run_id), run_id, lambda snap: dict(snap.cur.execute(
-            "SELECT host, sum(n_rows) FROM segments WHERE run = ? AND kind = 'seg' "
-            "GROUP BY host", [snap.run]).fetchall()))
-
-    def run_ids(self) -> list[str]:
-        return self.answer(("run_ids",), None, lambda snap: [r[0] for r in snap.cur.execute(
-            "SELECT run_id FROM runs ORDER BY run_id").fetchall()])
-
     def after_round(self) -> None:
         self.check_alerts()
-        self.warm()
+        self.live.warm()
 
     def check_alerts(self) -> None:
-        for run_id in self.run_ids():
+        for run_id in self.live.run_ids():
             self.webhook.update(run_id, self.summary(run_id)["alerts"])
 
 
@@ -284,7 +108,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     if records is not None and records < 1:
         raise TallyError("--records must be >= 1")
     svc = Service(ledger, spool=None if spool is None else Path(spool),
-                  manifest=None if manifest is None else Manifest.load(manifest),
+                  manifest=None if manifest is None else ManifestDomains.load(manifest),
                   records=records, reports=None if reports is None else Path(reports),
                   thresholds=thresholds or Thresholds(), webhook=webhook, interval=interval)
 
@@ -323,12 +147,12 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
 
     add_preflight_routes(app, svc, RunId, ERRORS)
 
-    @app.exception_handler(q.NotFound)
-    async def not_found(request: Request, exc: q.NotFound):
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound):
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
-    @app.exception_handler(q.Unavailable)
-    async def unavailable(request: Request, exc: q.Unavailable):
+    @app.exception_handler(Unavailable)
+    async def unavailable(request: Request, exc: Unavailable):
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -339,8 +163,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def healthz() -> dict[str, Any]:
         """Liveness, and how the ingester is doing."""
         loop = svc.loop
-        with svc.read() as snap:
-            files = one(snap.cur, "SELECT count(*) FROM segments")[0]
+        files = svc.live.files_in_ledger()
         ok = loop is None or (loop.alive and loop.last_error is None)
         return {"status": "ok" if ok else "degraded", "ledger": str(ledger.path),
                 "files_in_ledger": files, "ingesting": loop is not None,
@@ -348,7 +171,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                     "alive": loop.alive, "rounds": loop.rounds, "files": loop.files,
                     "rows": loop.rows, "quarantined": loop.quarantined,
                     "last_error": loop.last_error, "lag_seconds": loop.lag_seconds()},
-                "universe": {"train_records": svc.uni.n, "source": svc.uni.source},
+                "universe": {"train_records": svc.live.uni.n, "source": svc.live.uni.source},
                 "thresholds": svc.thresholds.as_dict(),
                 "webhook": {"configured": svc.webhook.url is not None,
                             "sent": svc.webhook.sent, "failures": svc.webhook.failures}}
@@ -381,7 +204,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     @app.get("/v1/runs/{run_id}/hosts", tags=["hosts"], responses=ERRORS)
     def run_hosts(run_id: RunId) -> dict[str, Any]:
         """Per-host stats and the host x host overlap matrix."""
-        return svc.hosts_json(run_id)
+        return svc.json(("hosts.json", run_id), run_id,
+                        lambda snap: q.hosts(snap.cur, snap.run))
 
     @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"], responses=ERRORS)
     def run_host_steps(run_id: RunId, host: Annotated[int, PathParam(ge=0, le=2**31 - 1)],
@@ -396,7 +220,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def run_record(run_id: RunId,
                    record_key: Annotated[int, PathParam(ge=0, le=2**63 - 1)]) -> dict[str, Any]:
         """Every consumption of one record: step, host, attempt, epoch, rolled back or not."""
-        with svc.read(run_id) as snap:
+        with svc.live.read(run_id) as snap:
             return q.record(snap.cur, snap.run, record_key=record_key)
 
     @app.get("/v1/runs/{run_id}/records", tags=["records"], responses=ERRORS)
@@ -407,26 +231,19 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     ) -> dict[str, Any]:
         """Every consumption of the records with this content hash."""
         h = int(content_hash, 0) if content_hash.startswith("0x") else int(content_hash)
-        with svc.read(run_id) as snap:
+        with svc.live.read(run_id) as snap:
             if h >= 2**64:  # a well-formed number, but no xxh3_64 value: no record has it
-                raise q.NotFound(f"no record has content hash {content_hash} (xxh3_64 values "
+                raise NotFound(f"no record has content hash {content_hash} (xxh3_64 values "
                                  "are below 2**64)")
             return q.record(snap.cur, snap.run, content_hash=h)
 
     @app.get("/v1/runs/{run_id}/domains", tags=["coverage"], responses=ERRORS)
     def run_domains(run_id: RunId) -> list[dict[str, Any]]:
         """Per domain (from the manifest): planned vs actual share of exposures, coverage."""
-        m = svc.manifest
-        if m is None:
-            raise q.Unavailable("per-domain exposure needs the manifest: start the service "
-                                "with --manifest")
-
-        def per_domain(run: int) -> list[dict[str, Any]]:
-            st = svc.agg.runs.get(run)
-            return q.domains(np.zeros(0, np.int64) if st is None else st.exposures[: st.size], m)
-
-        with svc.read(run_id, locked=per_domain) as snap:
-            return snap.state
+        if svc.manifest is None:
+            raise Unavailable("per-domain exposure needs the manifest: start the service "
+                              "with --manifest")
+        return q.domains(svc.live.record_exposures(run_id), svc.manifest)
 
     @app.get("/v1/runs/{run_id}/metrics", tags=["metrics"], responses=ERRORS)
     def run_metrics(run_id: RunId, points: Points = 500) -> dict[str, Any]:
@@ -438,7 +255,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def run_report(run_id: RunId) -> dict[str, Any]:
         """The latest reconcile report (report.json) of this run under --reports."""
         if svc.reports is None:
-            raise q.Unavailable("no reports directory: start the service with --reports DIR "
+            raise Unavailable("no reports directory: start the service with --reports DIR "
                                 "(where `tally reconcile -o DIR` writes)")
         best = None
         for p in [svc.reports / "report.json", *svc.reports.glob("*/report.json")]:
@@ -451,7 +268,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                     best is None or mtime > best[0]):
                 best = (mtime, rep)
         if best is None:
-            raise q.NotFound(f"no reconcile report for run {run_id!r} under {svc.reports}")
+            raise NotFound(f"no reconcile report for run {run_id!r} under {svc.reports}")
         return best[1]
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["service"])
@@ -479,8 +296,9 @@ def _prometheus(svc: Service) -> str:
         add("tally_ingest_rounds_total", "Ingest rounds of this process", svc.loop.rounds)
         add("tally_quarantined_files_total", "Files quarantined by this process",
             svc.loop.quarantined)
-    for run_id in svc.run_ids():
-        s, hs, host_rows = svc.summary(run_id), svc.hosts(run_id), svc.host_rows(run_id)
+    for run_id in svc.live.run_ids():
+        s, hs = svc.summary(run_id), svc.live.hosts(run_id)
+        host_rows = svc.live.host_rows(run_id)
         c = s["coverage"]
         add("tally_coverage", "Share of train records seen at least once", c["coverage"],
             run=run_id)

@@ -12,8 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from api import queries as q
-from audit.errors import NotFound, TallyError
+from audit.core.errors import NotFound, TallyError, Unavailable
 from audit.preflight import record_verdict, run_preflight
 
 
@@ -41,9 +40,9 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
         """Run the pre-flight check for resuming `run_id` from a checkpoint on `hosts` hosts;
         the verdict (safe, unsafe or unknown, with findings) is recorded in the ledger."""
         if svc.manifest is None:
-            raise q.Unavailable("the pre-flight check needs the manifest: start the service "
+            raise Unavailable("the pre-flight check needs the manifest: start the service "
                                 "with --manifest")
-        with svc.read(run_id):  # 404 for an unknown run
+        with svc.live.read(run_id):  # 404 for an unknown run
             pass
         try:
             verdict = run_preflight(svc.ledger, run_id, svc.manifest.path, body.checkpoint,
@@ -60,7 +59,7 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
     @app.get("/v1/runs/{run_id}/preflight", tags=["preflight"], responses=errors)
     def preflight_history(run_id: run_id_type) -> list[dict[str, Any]]:
         """Every pre-flight verdict recorded for this run, newest first."""
-        with svc.read(run_id) as snap:
+        with svc.live.read(run_id) as snap:
             rows = snap.cur.execute(
                 "SELECT id, checked_at, checkpoint_step, old_hosts, new_hosts, status, forced, "
                 "requested_by, headline FROM preflight_verdicts WHERE run_id = ? "

@@ -10,12 +10,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
-    from audit.ingest import ingest
-    from audit.ledger import Ledger
+    from audit.ledger.database import Ledger
+    from audit.ledger.ingest import ingest
 
     spool = Path(args.spool)
     if not spool.is_dir():
@@ -31,7 +31,7 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
-    from audit.ledger import Ledger
+    from audit.ledger.database import Ledger
 
     with Ledger(args.path, read_only=True) as ledger:
         ov = ledger.overview()
@@ -117,7 +117,7 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
 
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     from audit.reconcile import reconcile
-    from audit.report import summary
+    from audit.reconcile.report import summary
 
     report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
                        spool=args.spool, ledger=args.ledger, at_step=args.at_step,
@@ -131,7 +131,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from api.alerts import Thresholds
     from api.app import create_app
-    from audit.ledger import Ledger
+    from audit.ledger.database import Ledger
 
     off = lambda v: None if v is not None and v < 0 else v  # noqa: E731
     th = Thresholds(epoch_duplicates=off(args.max_epoch_duplicates),
@@ -150,8 +150,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
-    from audit.ledger import Ledger
-    from audit.preflight import record_verdict, run_preflight
+    from audit.ledger.database import Ledger
+    from audit.preflight import PreflightVerdict, record_verdict, run_preflight
 
     try:
         cfg = None
@@ -173,9 +173,9 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
             verdict = run_preflight(args.ledger, **call)
     except TallyError as exc:
         if args.json:  # a machine reader still gets a verdict to parse
-            print(json.dumps({"run_id": args.run, "status": "unknown", "findings": [
-                {"severity": "UNKNOWN", "code": "bad_input", "message": str(exc),
-                 "numbers": {}}], "numbers": {}}, indent=2))
+            bad = PreflightVerdict(args.run, "unknown")
+            bad.findings.add("UNKNOWN", "bad_input", str(exc))
+            print(bad.to_json())
         raise
     print(verdict.to_json() if args.json else verdict.summary())
     return verdict.exit_code

@@ -19,8 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from audit.errors import TallyError
-from audit.report import summary
+from audit.core.errors import TallyError
+from audit.reconcile.report import summary
 
 HOSTS = 4
 RUNS = (("demo-ok", ""), ("demo-per-host-seed", "per_host_seed"))

@@ -15,7 +15,7 @@ import logging
 import time
 from pathlib import Path
 
-from audit.hashing import content_hash
+from audit.core.hashing import content_hash
 from pipeline.corpus import decode_record, list_shards
 from pipeline.manifest import build_manifest
 from pipeline.runners import RunnerSpec

@@ -28,11 +28,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.ingest import ingest
-from audit.ledger import Ledger
-from audit.preflight import load_checkpoint_meta, run_preflight, state_for_host
-from audit.writer import LedgerWriter
-from pipeline.loader import KeyedLoader, LoaderConfig
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
+from audit.preflight import load_checkpoint_meta, run_preflight
+from pipeline.loader import KeyedLoader, LoaderConfig, state_for_host
 from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
 from pipeline.shadow import ShadowSource
 

@@ -25,11 +25,11 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.ingest import ingest
-from audit.ledger import Ledger
+from audit.hook.segments import Segments
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from audit.reconcile import reconcile
-from audit.segments import Segments
-from audit.writer import LedgerWriter
 from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, ROW_GROUP_RECORDS, Fingerprint
 from pipeline.runners import RunnerSpec
 

@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.errors import TallyError
-from audit.hashing import TOKEN_DTYPE, content_hash, hash_runs
+from audit.core.errors import TallyError
+from audit.core.hashing import TOKEN_DTYPE, content_hash, hash_runs
 
 MAGIC = b"TLY1"
 _HEADER = len(MAGIC) + 2

@@ -16,7 +16,7 @@ packing and batching. Every batch row therefore says which record segments it ho
 `elastic=True` uses Grain's ElasticIterator (batching and sharding inside, unpacked rows
 only), whose state is the global position: it restores on any host count.
 
-Fault switches reproduce real loader bugs (DESIGN.md, "Known ways loaders go wrong") with real
+Fault switches reproduce real loader bugs (docs/DESIGN.md, "Known ways loaders go wrong") with real
 Grain code, so demos and tests get real damaged ledgers. They are off by default:
 - `per_host_seed`: each host shuffles with its own seed, then slices ("~Poisson" coverage).
 - `double_slice`: the per-host slice applied twice (`[h::H][h::H]`).
@@ -37,7 +37,7 @@ import grain
 import numpy as np
 from grain import experimental as gx
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 
 PACKINGS = ("none", "first_fit", "concat_split")
 FAULTS = ("per_host_seed", "double_slice", "no_sharding", "naive_reshard")
@@ -227,6 +227,13 @@ def compatibility(state: dict[str, Any], loader: KeyedLoader) -> list[str]:
     if state.get("host_count") != loader.host_count and not loader.cfg.elastic:
         problems.append("host_count")
     return problems
+
+
+def state_for_host(loaders: dict[str, Any], host: int) -> dict[str, Any]:
+    """The saved loader state new host `host` restores when the host count changes: old host
+    `host % old_hosts`'s (what a trainer's transfer does; the pre-flight check shadow-runs the
+    same placement)."""
+    return loaders[str(host % len(loaders))]
 
 
 def explain(problem: str, state: dict[str, Any], loader: KeyedLoader) -> str:

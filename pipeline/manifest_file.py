@@ -6,11 +6,14 @@ the pre-flight check and the API read manifests without importing Beam.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from audit.core.errors import TallyError
 from pipeline.corpus import CorpusError
 
 MANIFEST_SCHEMA = pa.schema([
@@ -50,3 +53,31 @@ def manifest_info(path: str | Path) -> dict[str, str]:
         raise CorpusError(f"{path} is not a Tally manifest (build one with `tally manifest`)")
     return {k.decode()[len("tally."):]: v.decode() for k, v in md.items()
             if k.startswith(b"tally.")}
+
+
+@dataclass
+class ManifestDomains:
+    """The manifest as the live service needs it: sizes and each train record's domain."""
+
+    path: str
+    fingerprint: str
+    records: int
+    train_records: int
+    domain_codes: np.ndarray  # int32 per record key
+    domain_names: list[str]
+
+    @classmethod
+    def load(cls, path: str | Path) -> ManifestDomains:
+        info = manifest_info(path)
+        t = pq.read_table(path, columns=["record_key", "domain", "split"])
+        n = int(info["train_records"])
+        keys = t["record_key"].to_numpy()
+        split = t["split"].to_numpy(zero_copy_only=False)
+        if not np.array_equal(keys, np.arange(len(keys))) or not (
+                (split[:n] == "train").all() and (split[n:] != "train").all()):
+            raise TallyError(f"manifest {path}: record keys are not 0..N-1 with the train split "
+                             "first (rebuild it with `tally manifest`)")
+        dom = t["domain"].dictionary_encode().combine_chunks()
+        return cls(str(path), info["manifest_fingerprint"], len(keys), n,
+                   dom.indices.to_numpy(zero_copy_only=False).astype(np.int32),
+                   dom.dictionary.to_pylist())

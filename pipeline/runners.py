@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 
 
 @dataclass

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 from pipeline.loader import KeyedLoader, LoaderConfig
 from pipeline.manifest_file import manifest_info
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 
-from audit.segments import segments_from_batch
+from audit.hook.segments import segments_from_batch
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
 

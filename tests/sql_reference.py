@@ -1,7 +1,7 @@
 """The reconcile numbers, computed by DuckDB SQL straight from a ledger and the manifest.
 
 This is the test oracle for the Beam job: written independently of `audit.reconcile`, from the
-definitions in DESIGN.md ("Exposure semantics"), one query per number.
+definitions in docs/DESIGN.md ("Exposure semantics"), one query per number.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from api.app import create_app
-from audit.aggregates import NO_STEP, Aggregates, Starts, group
-from audit.ingest import ingest
-from audit.ledger import Ledger
+from audit.ledger.aggregates import Aggregates
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
+from audit.ledger.state import NO_STEP, Starts, group
 from tests.api_helpers import Server, write_steps
 
 N = 150  # train records; keys 150.. are outside (held out or unknown)

@@ -22,8 +22,8 @@ import pytest
 
 from api.alerts import Thresholds
 from api.app import create_app
-from audit.ingest import ingest
-from audit.ledger import Ledger
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from pipeline.manifest import MANIFEST_SCHEMA
 from tests.api_helpers import Server, content_hash_of, free_port, poll, write_steps
 from tests.conftest import ROOT
@@ -287,7 +287,7 @@ def test_answers_asked_for_are_ready_after_each_ingest_round(tmp_path):
 
             def ready() -> bool:  # the new version's answer, computed with no request
                 g = newest()
-                return g > gen and svc._cached((g, "steps", "r", None, None, 2, 500)) is not None
+                return g > gen and svc.live._cached((g, "steps", "r", None, None, 2, 500)) is not None
 
             assert poll(ready)
             after = srv.get("/v1/runs/r/steps?bucket=2").json()

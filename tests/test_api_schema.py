@@ -11,8 +11,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from api.app import create_app
-from audit.ingest import ingest
-from audit.ledger import Ledger
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from tests.api_helpers import Server, write_steps
 from tests.test_api_live import N, write_manifest
 

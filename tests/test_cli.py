@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from audit.writer import LedgerWriter
+from audit.hook.writer import LedgerWriter
 from tests.conftest import ROOT, unpacked_batch
 
 

@@ -6,18 +6,18 @@ import time
 
 import numpy as np
 
-from audit import spool as sp
-from audit.ingest import ingest
-from audit.ledger import Ledger
-from audit.segments import Segments
-from audit.writer import LedgerWriter
+from audit.hook import spool as sp
+from audit.hook.segments import Segments
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from tests.conftest import popen_py
 
 ROWS = 256
 
 WRITER = f"""
 import sys
-from audit.writer import LedgerWriter
+from audit.hook.writer import LedgerWriter
 from tests.conftest import unpacked_batch
 w = LedgerWriter(sys.argv[1], "crash", flush_every=int(sys.argv[2]))
 last = None
@@ -63,12 +63,12 @@ def test_sigkill_mid_write_loses_nothing_durable_and_shows_no_partial_file(tmp_p
 
 INGEST = """
 import sys
-import audit.ingest
-write = audit.ingest._write_batch
+import audit.ledger.ingest
+write = audit.ledger.ingest._write_batch
 def announced(*args):
     write(*args)
     print("batch", flush=True)
-audit.ingest._write_batch = announced
+audit.ledger.ingest._write_batch = announced
 from audit.cli import main
 sys.exit(main(["ingest", sys.argv[1], "--ledger", sys.argv[2], "-q", "--batch-rows", "60000"]))
 """
@@ -103,7 +103,7 @@ def test_sigkill_mid_ingest_never_counts_twice_nor_half(tmp_path):
             files, in_files = ledger.query(
                 "SELECT count(*) AS f, coalesce(sum(n_rows), 0) AS r FROM segments")[0].values()
             rows = ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"]
-            agg = ledger.query("SELECT coalesce(sum(n_segments), 0) AS n FROM host_steps")[0]["n"]
+            agg = ledger.query("SELECT coalesce(sum(segments), 0) AS n FROM agg_steps")[0]["n"]
             applied = ledger.query("SELECT coalesce(sum(seg_files), 0) AS n FROM agg_runs")[0]["n"]
             # Whatever the kill interrupted, the ledger holds whole batches of whole files only,
             # and the aggregates count exactly those files.

@@ -8,9 +8,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from audit.hook.segments import Segments
+from audit.hook.writer import LedgerWriter
 from audit.reconcile import reconcile
-from audit.segments import Segments
-from audit.writer import LedgerWriter
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
 from pipeline.manifest import build_manifest, manifest_info

@@ -7,11 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit import spool as sp
-from audit.errors import TallyError
-from audit.ingest import ingest
-from audit.ledger import Ledger
-from audit.writer import LedgerWriter
+from audit.core.errors import TallyError
+from audit.hook import spool as sp
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from tests.conftest import popen_py, unpacked_batch
 
 
@@ -150,7 +150,7 @@ def test_ledger_with_another_schema_version_is_refused(tmp_path):
     path = tmp_path / "l.duckdb"
     with Ledger(path) as ledger:
         ledger.con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    with pytest.raises(TallyError, match="schema version 99.*reads version 3"):
+    with pytest.raises(TallyError, match="schema version 99.*reads version 4"):
         Ledger(path)
 
 
@@ -171,7 +171,7 @@ def test_a_ledger_held_by_another_process_is_a_clear_error(tmp_path):
     path = tmp_path / "l.duckdb"
     Ledger(path).close()
     holder = popen_py(
-        "import sys, time; from audit.ledger import Ledger\n"
+        "import sys, time; from audit.ledger.database import Ledger\n"
         "l = Ledger(sys.argv[1]); print('open', flush=True); time.sleep(60)", str(path))
     try:
         assert holder.stdout.readline().strip() == "open"

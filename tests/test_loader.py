@@ -6,8 +6,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from audit.hashing import content_hash
-from audit.segments import segments_from_batch
+from audit.core.hashing import content_hash
+from audit.hook.segments import segments_from_batch
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig, LoaderStateError
 from pipeline.synth import synth_corpus

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from audit.cli import main
-from audit.ingest import ingest
-from audit.ledger import Ledger
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from audit.preflight import record_verdict, run_preflight
-from audit.writer import LedgerWriter
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader, LoaderConfig
 from pipeline.manifest import build_manifest
@@ -66,7 +66,7 @@ def _preflight(tmp, manifest, new_hosts, **kw):
 
 
 def _codes(v):
-    return [f["code"] for f in v.findings if f["severity"] != "INFO"]
+    return [f.code for f in v.findings if f.severity != "INFO"]
 
 
 @pytest.mark.parametrize("packing", ["first_fit", "concat_split"])
@@ -115,8 +115,8 @@ def test_naive_state_transfer_4_to_8_skips_a_band(corpus, tmp_path):
     assert _codes(v) == ["state_incompatible", "skips"]
     # Old hosts stopped at global 640; new hosts resume at position 160 of [h::8]: 1280.
     assert v.numbers["skipped"] == 640 and v.numbers["repeats"] == 0
-    (skip,) = [f for f in v.findings if f["code"] == "skips"]
-    assert "would skip 640 of the 2,048 records of epoch 0" in skip["message"]
+    (skip,) = [f for f in v.findings if f.code == "skips"]
+    assert "would skip 640 of the 2,048 records of epoch 0" in skip.message
 
 
 def test_non_elastic_state_on_another_host_count_is_refused_and_measured(corpus, tmp_path):
@@ -124,9 +124,9 @@ def test_non_elastic_state_on_another_host_count_is_refused_and_measured(corpus,
     _old_run(tmp_path, source, _cfg(), 8)
     v = _preflight(tmp_path, manifest, 4)
     assert _codes(v) == ["state_incompatible", "repeats"]
-    (f,) = [f for f in v.findings if f["code"] == "state_incompatible"]
-    assert "saved on 8 hosts cannot be restored on 4 without the elastic iterator" in f["message"]
-    assert "would refuse it" in f["message"]
+    (f,) = [f for f in v.findings if f.code == "state_incompatible"]
+    assert "saved on 8 hosts cannot be restored on 4 without the elastic iterator" in f.message
+    assert "would refuse it" in f.message
 
 
 @pytest.mark.parametrize("fault,codes", [
@@ -140,9 +140,9 @@ def test_loader_faults_on_an_unchanged_topology_are_unsafe(corpus, tmp_path, fau
     v = _preflight(tmp_path, manifest, 4)
     assert v.status == "unsafe" and _codes(v) == codes, v.summary()
     if fault == "no_sharding":
-        (f,) = [f for f in v.findings if f["code"] == "planned_twice"]
+        (f,) = [f for f in v.findings if f.code == "planned_twice"]
         # Every host plans the whole rest of the epoch.
-        assert f["numbers"]["on_several_hosts"] == f["numbers"]["records"] >= 2048 - 160
+        assert f.numbers["on_several_hosts"] == f.numbers["records"] >= 2048 - 160
 
 
 def test_changed_global_batch_is_unsafe(corpus, tmp_path):
@@ -150,7 +150,7 @@ def test_changed_global_batch_is_unsafe(corpus, tmp_path):
     _old_run(tmp_path, source, _cfg(elastic=True), 4)
     v = _preflight(tmp_path, manifest, 4, global_batch=32)
     assert v.status == "unsafe" and _codes(v) == ["global_batch_changed"]
-    assert v.findings[0]["numbers"] == {"before": 16, "after": 32}
+    assert v.findings[0].numbers == {"before": 16, "after": 32}
     assert v.numbers["repeats"] == 0  # the elastic state still names the next record
 
 
@@ -233,8 +233,8 @@ def test_a_ledger_behind_the_checkpoint_cannot_tell(corpus, tmp_path, capsys):
     v = _preflight(tmp_path, manifest, 2)
     assert v.status == "unknown" and v.exit_code == 2
     (f,) = v.findings
-    assert f["code"] == "ledger_behind"
-    assert "holds steps up to 29" in f["message"] and "ingest the spool first" in f["message"]
+    assert f.code == "ledger_behind"
+    assert "holds steps up to 29" in f.message and "ingest the spool first" in f.message
 
 
 def test_config_file_gives_the_new_loader_config(corpus, tmp_path, capsys):

@@ -8,11 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.ingest import ingest
-from audit.ledger import Ledger
-from audit.reconcile import Spans, make_plan, reconcile
-from audit.segments import Segments
-from audit.writer import LedgerWriter
+from audit.hook.segments import Segments
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
+from audit.reconcile import reconcile
+from audit.reconcile.partials import Spans
+from audit.reconcile.plan import make_plan
 from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
 from pipeline.runners import RunnerSpec
 from tests.sql_reference import from_report, reference
@@ -173,16 +175,17 @@ def test_report_files(tmp_path):
 def test_a_group_delivered_twice_with_different_values_is_refused(tmp_path):
     # What FnApiRunner multi_processing (Beam 2.77) was seen to do: the stage after the join ran
     # twice for a bucket, once with a subset of its values. Both results are kept and refused.
-    from audit.errors import TallyError
-    from audit.reconcile import _Save, load_partials
+    from audit.core.errors import TallyError
+    from audit.reconcile.job import _Save, load_partials
+    from audit.reconcile.partials import Partial
 
     save = _Save(str(tmp_path))
-    same = {"_id": "bucket-3", "hash_checked": 10}
-    for partial in (same, same, {"_id": "file-a", "segments": 10}):
-        list(save.process(dict(partial)))
-    assert sorted(p.get("segments", p.get("hash_checked")) for p in load_partials(tmp_path)) \
+    same = ("bucket-3", Partial(hash_checked=10))
+    for partial in (same, same, ("file-a", Partial(segments=10))):
+        list(save.process(partial))
+    assert sorted(p.segments + p.hash_checked for p in load_partials(tmp_path)) \
         == [10, 10]  # a retry with the same result is one result
-    list(save.process({"_id": "bucket-3", "hash_checked": 7}))
+    list(save.process(("bucket-3", Partial(hash_checked=7))))
     with pytest.raises(TallyError, match="bucket-3"):
         load_partials(tmp_path)
 
@@ -212,7 +215,7 @@ def test_buckets_follow_the_manifests_row_groups(tmp_path):
 
 @pytest.mark.parametrize("hosts", [1, 3, 8, 11, 16, 20])
 def test_host_sets_match_a_record_by_record_count(hosts):
-    from audit.bucket_stats import _host_sets
+    from audit.reconcile.bucket_stats import _host_sets
 
     rng = np.random.default_rng(hosts)
     n = 300

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from grain import experimental as gx
 
-from audit.hashing import content_hash
-from audit.segments import Segments, segments_from_batch
+from audit.core.hashing import content_hash
+from audit.hook.segments import Segments, segments_from_batch
 
 N = 40
 LENGTH = 16

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from audit.hashing import content_hash
-from audit.ingest import ingest
-from audit.ledger import Ledger
-from audit.segments import segments_from_batch
+from audit.core.hashing import content_hash
+from audit.hook.segments import segments_from_batch
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from pipeline.corpus import TokenSource
 from pipeline.loader import KeyedLoader
 from pipeline.synth import synth_corpus

@@ -5,9 +5,9 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from audit.errors import TallyError
-from audit.ingest import ingest
-from audit.ledger import Ledger
+from audit.core.errors import TallyError
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from pipeline.synth import synth_corpus
 from trainer.config import TrainConfig
 from trainer.loop import train

@@ -6,12 +6,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from audit import spool as sp
-from audit.hashing import content_hash
-from audit.ingest import ingest
-from audit.ledger import Ledger
-from audit.segments import Segments, segments_from_batch
-from audit.writer import LedgerWriter, WriterError
+from audit.core.hashing import content_hash
+from audit.hook import spool as sp
+from audit.hook.segments import Segments, segments_from_batch
+from audit.hook.writer import LedgerWriter, WriterError
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 from tests.conftest import record_tokens, unpacked_batch
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 
 
 def manager(directory: str | Path) -> ocp.CheckpointManager:

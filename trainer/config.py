@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 from pipeline.corpus import CorpusError, TokenSource
 from trainer.model import LM
 from trainer.step import predicted

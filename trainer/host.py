@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 
 
 def rank(own: str, addresses: list[str]) -> tuple[int, str]:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
 from trainer.config import TrainConfig
 
 
@@ -66,17 +66,12 @@ def preflight(cfg: TrainConfig, hosts: int, force: bool) -> dict:
     if not cfg.ledger:
         raise TallyError("resuming on another topology runs the pre-flight check against the "
                          "ledger: set ledger=PATH, or api=URL when `tally serve` owns it")
-    from audit.ingest import ingest
-    from audit.ledger import Ledger
-    from audit.preflight import record_verdict, run_preflight
+    from audit.preflight import check_and_record
     from trainer.loop import loader_config
 
-    with Ledger(cfg.ledger) as ledger:
-        ingest(cfg.spool, ledger)
-        verdict = run_preflight(ledger, cfg.run_id, cfg.manifest, cfg.checkpoint_dir, hosts,
-                                loader_config(cfg))
-        record_verdict(ledger, verdict, forced=force and not verdict.ok, requested_by="trainer")
-    return verdict.to_dict()
+    return check_and_record(cfg.ledger, cfg.spool, cfg.run_id, cfg.manifest, cfg.checkpoint_dir,
+                            hosts, loader_config(cfg), forced=force,
+                            requested_by="trainer").to_dict()
 
 
 def _preflight_api(cfg: TrainConfig, hosts: int, force: bool) -> dict:

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from audit.errors import TallyError
-from audit.preflight import state_for_host
-from audit.writer import LedgerWriter
+from audit.core.errors import TallyError
+from audit.hook.writer import LedgerWriter
 from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader, LoaderConfig
+from pipeline.loader import KeyedLoader, LoaderConfig, state_for_host
 from pipeline.manifest_file import manifest_info
 from trainer import checkpoint
 from trainer.config import TrainConfig

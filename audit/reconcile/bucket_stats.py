@@ -8,12 +8,11 @@ count in place), bincounts, and for the host overlap a histogram of each record'
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pyarrow as pa
 
-EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
+from audit.reconcile.partials import EXAMPLES, Partial
+
 _STRING = pa.dictionary(pa.int32(), pa.string())
 # Per-record exposure: one row per manifest record (report's records/ table).
 RECORDS_SCHEMA = pa.schema([
@@ -43,9 +42,10 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
 
 
 def compute(man: dict | None, c: dict[str, np.ndarray],
-            hosts: int) -> tuple[dict[str, Any], pa.Table | None]:
+            hosts: int) -> tuple[Partial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
-    consumption rows. Returns the partial aggregates and the per-record table."""
+    consumption rows (audit.reconcile.buckets). Returns the bucket's partial and its
+    per-record table."""
     if man is None:  # the overflow bucket: whole keys, none in the manifest
         keys, known = c["key"], np.zeros(len(c["key"]), dtype=bool)
     else:  # keys as offsets from the bucket's first key: the manifest row within the bucket
@@ -54,18 +54,15 @@ def compute(man: dict | None, c: dict[str, np.ndarray],
         known = j < n  # all but keys past the manifest's end, in its last bucket
         keys = j[~known] + man["record_key"][0]
     unknown = ~known
-    out: dict[str, Any] = {
-        "unknown_segments": int(unknown.sum()),
-        "unknown_keys": int(np.unique(keys).size),
-        "examples": {"unknown": _examples(keys, c["step"][unknown], c["host"][unknown])},
-    }
+    out = Partial(unknown_segments=int(unknown.sum()), unknown_keys=int(np.unique(keys).size),
+                  unknown_examples=_examples(keys, c["step"][unknown], c["host"][unknown]))
     if man is None:
         return out, None
     if not known.all():
         c = {k: v[known] for k, v in c.items()}
         j = j[known]
     step = c["step"].astype(np.int64)
-    starts = c["start"]
+    starts = c["start"]  # record starts (audit.core.exposure.starts, flagged in the bucket file)
     j_starts = j[starts]
     full = starts & (c["n_tokens"] == man["n_tokens"][j])
     mismatch = full & (c["content_hash"] != man["content_hash"][j])
@@ -102,25 +99,22 @@ def compute(man: dict | None, c: dict[str, np.ndarray],
     per_epoch = _pair_counts(j[ep], c["epoch"][ep], n)
 
     e_train = of_train(exposures)
-    out.update({
-        "train_exposures": int(e_train.sum()),
-        "epoch_duplicates": int((per_epoch - 1).sum()),
-        "epoch_duplicate_records": int((per_epoch > 1).sum()),
-        "exposure_counts": bincount(e_train),  # records seen e times, by e
-        "hash_checked": int(full.sum()),
-        "hash_unverifiable": int(len(full) - full.sum()),
-        "hash_mismatches": int(mismatch.sum()),
-        "heldout_consumed_records": int(((exposures > 0) & ~train).sum()),
-        "heldout_exposures": int(exposures[~train].sum()),
-        "overlap": overlap,
-        "hosts": {"unique": unique, "overlap_with_others": others},
-        "steps": {"new_unique": bincount(ss[head])},
-        "train_exposures_by_step": bincount(ss),
-        "max_rank_by_step": max_rank,
-        "domain": {}, "source": {},
-    })
-    out["examples"]["hash_mismatch"] = _examples(man["record_key"][j[mismatch]],
-                                                 c["step"][mismatch], c["host"][mismatch])
+    out.train_exposures = int(e_train.sum())
+    out.epoch_duplicates = int((per_epoch - 1).sum())
+    out.epoch_duplicate_records = int((per_epoch > 1).sum())
+    out.exposure_counts = bincount(e_train)  # records seen e times, by e
+    out.hash_checked = int(full.sum())
+    out.hash_unverifiable = int(len(full) - full.sum())
+    out.hash_mismatches = int(mismatch.sum())
+    out.heldout_consumed_records = int(((exposures > 0) & ~train).sum())
+    out.heldout_exposures = int(exposures[~train].sum())
+    out.overlap = overlap
+    out.host_unique, out.host_overlap_with_others = unique, others
+    out.new_unique_by_step = bincount(ss[head])
+    out.train_exposures_by_step = bincount(ss)
+    out.max_rank_by_step = max_rank
+    out.hash_mismatch_examples = _examples(man["record_key"][j[mismatch]], c["step"][mismatch],
+                                           c["host"][mismatch])
 
     weights = {"tokens": of_train(man["n_tokens"]), "exposures": e_train,
                "consumed": of_train(tokens), "never_seen": e_train == 0}
@@ -129,9 +123,10 @@ def compute(man: dict | None, c: dict[str, np.ndarray],
         codes, k = of_train(man[col]), len(man[f"{col}_names"])
         sums = {f: np.bincount(codes, None if f == "records" else weights[f], k)
                 for f in fields}
+        per_name = getattr(out, col)
         for code, name in enumerate(man[f"{col}_names"]):
             if sums["records"][code]:
-                out[col][name] = np.array([sums[f][code] for f in fields]).astype(np.int64)
+                per_name[name] = np.array([sums[f][code] for f in fields]).astype(np.int64)
     records = pa.table({
         "record_key": man["record_key"],
         "split": _strings(man, "split"),

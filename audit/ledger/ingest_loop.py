@@ -1,5 +1,6 @@
 """The background ingester: one thread of the service that owns the ledger, ingesting new spool
-files exactly once (audit.ingest) while request handlers read with their own cursors."""
+files exactly once (audit.ledger.ingest) while request handlers read with their own cursors
+(audit.ledger.live)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from audit import spool as sp
-from audit.ingest import ingest
-from audit.ledger import Ledger
+from audit.hook import spool as sp
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
 
-log = logging.getLogger("tally.api")
+log = logging.getLogger("tally.ingest")
 SETTLE_S = 2.0  # longer than the coarsest file-system timestamp tick
 FULL_LISTING_S = 60.0  # every directory listed at least this often, settled or not
 

@@ -10,9 +10,9 @@ most 1000 steps), and compares the plan with what the ledger says the run alread
 - when the horizon reaches the end of the epoch, consumed plus planned covers the epoch;
 - the global batch is unchanged, and the loader state is compatible with the new loader.
 
-A new host h restores the state of old host `h % old_hosts` (`state_for_host`), the transfer
-a trainer does when the host count changes. A state the loader would refuse is restored anyway
-in the shadow, so the verdict can say what forcing it would do.
+A new host h restores the state of old host `h % old_hosts` (`pipeline.loader.state_for_host`),
+the transfer a trainer does when the host count changes. A state the loader would refuse is
+restored anyway in the shadow, so the verdict can say what forcing it would do.
 
 Statuses: `safe` (exit 0), `unsafe` (exit 1), `unknown` (exit 2: the inputs cannot answer, e.g.
 a ledger behind the checkpoint). Unusable input (a missing file, a run not in the ledger) raises
@@ -24,79 +24,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from audit.errors import NotFound, TallyError
-from audit.ledger import Ledger, one
-from pipeline.loader import KeyedLoader, LoaderConfig, compatibility, explain
+from audit.core.errors import NotFound, TallyError
+from audit.core.exposure import effective_sql, start_sql
+from audit.ledger.database import Ledger, one
+from audit.preflight.verdict import PreflightVerdict
+from pipeline.loader import KeyedLoader, LoaderConfig, compatibility, explain, state_for_host
 from pipeline.shadow import ShadowSource, default_workers, shadow_run
 
 DEFAULT_MAX_HORIZON = 1000
-STATUSES = {"safe": 0, "unsafe": 1, "unknown": 2}  # status -> exit code
-
-
-@dataclass
-class PreflightVerdict:
-    run_id: str
-    status: str  # safe | unsafe | unknown
-    findings: list[dict[str, Any]] = field(default_factory=list)  # severity, code, message, numbers
-    numbers: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "safe"
-
-    @property
-    def exit_code(self) -> int:
-        return STATUSES[self.status]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "status": self.status, "headline": self.headline(),
-                "findings": self.findings, "numbers": self.numbers}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def headline(self) -> str:
-        n = self.numbers
-        where = (f"resume step {n['checkpoint_step']} on {n['new_hosts']} host(s) "
-                 f"(was {n['old_hosts']})" if "new_hosts" in n else "resume")
-        word = {"safe": "SAFE", "unsafe": "UNSAFE", "unknown": "CANNOT TELL"}[self.status]
-        line = f"preflight run {self.run_id}: {word} to {where}"
-        bad = [f"repeat {n['repeats']:,} records" if n.get("repeats") else "",
-               f"skip {n['skipped']:,} records" if n.get("skipped") else "",
-               f"plan {n['duplicates']:,} records twice" if n.get("duplicates") else ""]
-        bad = [b for b in bad if b]
-        if bad and n.get("first_bad_step") is not None:
-            said = bad[0] if len(bad) == 1 else ", ".join(bad[:-1]) + " and " + bad[-1]
-            line += f": would {said} between steps {n['first_bad_step']} and {n['last_bad_step']}"
-        return line
-
-    def summary(self) -> str:
-        lines = [self.headline()]
-        lines += [f"  {f['severity']} {f['code']}: {f['message']}" for f in self.findings]
-        n = self.numbers
-        if "horizon_steps" in n:
-            end = (f"to the end of epoch {n['epoch']}" if n["reached_epoch_end"]
-                   else "not reaching the end of the epoch")
-            lines.append(
-                f"  plan: {n['new_hosts']} host(s) x {n['horizon_steps']} steps from step "
-                f"{n['checkpoint_step']} ({end}), {n['planned']:,} record starts; "
-                f"{n['consumed_in_epoch']:,} of {n['records_per_epoch']:,} records consumed in "
-                f"epoch {n['epoch']}; global batch {n['old_global_batch']} -> "
-                f"{n['new_global_batch']}; {n['seconds']:.1f} s")
-        return "\n".join(lines)
-
-
-def state_for_host(loaders: dict[str, Any], host: int) -> dict[str, Any]:
-    """The checkpointed loader state new host `host` restores: old host `host % old_hosts`."""
-    return loaders[str(host % len(loaders))]
-
-
 def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """The JSON `meta` item of an orbax checkpoint (trainer.checkpoint): of the latest step of
     a checkpoint directory, or of one step's directory."""
@@ -158,12 +98,10 @@ class _Run:
 
     def hosts_at(self, step: int) -> tuple[int, int | None]:
         """(hosts with rows at `step`, last step the ledger holds) in the surviving lineage."""
-        rows = self.cur.execute("""
-            SELECT h.step, count(DISTINCT h.host) FROM host_steps h JOIN attempts a
+        rows = self.cur.execute(f"""
+            SELECT h.step, count(DISTINCT h.host) FROM agg_steps h JOIN attempts a
                 USING (run, attempt)
-            WHERE h.run = ? AND (a.rolled_back_from_step IS NULL
-                                 OR h.step < a.rolled_back_from_step)
-                AND h.step < ?
+            WHERE h.run = ? AND {effective_sql("h", "a")} AND h.step < ?
             GROUP BY h.step ORDER BY h.step DESC LIMIT 1""", [self.run, self.before]).fetchall()
         if not rows:
             return 0, None
@@ -177,14 +115,14 @@ class _Run:
 
     def distinct_in_epoch(self, epoch: int) -> int:
         return one(self.cur, 'SELECT count(DISTINCT record_key) FROM effective_consumption '
-                   'WHERE run = ? AND step < ? AND epoch = ? AND "offset" = 0',
+                   f'WHERE run = ? AND step < ? AND epoch = ? AND {start_sql()}',
                    [self.run, self.before, epoch])[0]
 
     def consumed(self, n: int, from_epoch: int) -> np.ndarray:
         """Carried indices (epoch * n + record key) of records started in epochs >= from_epoch."""
         got = self.cur.execute(
             'SELECT DISTINCT epoch::BIGINT * ? + record_key AS idx FROM effective_consumption '
-            'WHERE run = ? AND step < ? AND "offset" = 0 AND epoch >= ?',
+            f'WHERE run = ? AND step < ? AND {start_sql()} AND epoch >= ?',
             [n, self.run, self.before, from_epoch]).fetchnumpy()["idx"]
         return np.asarray(got, dtype=np.int64)
 
@@ -244,12 +182,10 @@ def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders
         "records_per_epoch": n}
     v = PreflightVerdict(run_id, "safe", numbers=numbers)
 
-    def add(severity: str, code: str, message: str, **nums: Any) -> None:
-        v.findings.append({"severity": severity, "code": code, "message": message,
-                           "numbers": nums})
+    add = v.findings.add
 
     def done() -> PreflightVerdict:
-        sev = {f["severity"] for f in v.findings}
+        sev = v.findings.severities()
         v.status = "unsafe" if "FAIL" in sev else "unknown" if "UNKNOWN" in sev else "safe"
         numbers["seconds"] = round(time.perf_counter() - t0, 3)
         return v
@@ -418,3 +354,20 @@ def record_verdict(ledger: Ledger, verdict: PreflightVerdict, *, forced: bool = 
     finally:
         cur.close()
     return vid
+
+
+def check_and_record(ledger_path: str | Path, spool: str | Path, run_id: str,
+                     manifest: str | Path, checkpoint: str | Path, new_hosts: int,
+                     loader_config: LoaderConfig | None = None, *, forced: bool = False,
+                     requested_by: str = "trainer") -> PreflightVerdict:
+    """For a resume on a new topology where no service owns the ledger: bring the ledger up to
+    date with the spool, run the check, and record the verdict (with `forced` when the caller
+    resumes against it)."""
+    from audit.ledger.ingest import ingest
+
+    with Ledger(ledger_path) as ledger:
+        ingest(spool, ledger)
+        verdict = run_preflight(ledger, run_id, manifest, checkpoint, new_hosts, loader_config)
+        record_verdict(ledger, verdict, forced=forced and not verdict.ok,
+                       requested_by=requested_by)
+    return verdict

@@ -30,9 +30,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit import spool as sp
-from audit.errors import TallyError
-from audit.segments import Segments, segments_from_batch
+from audit.core.errors import TallyError
+from audit.core.schema import METRIC_SCHEMA, SEGMENT_SCHEMA
+from audit.hook import spool as sp
+from audit.hook.segments import FIELDS, Segments, segments_from_batch
 
 
 class WriterError(TallyError):
@@ -243,17 +244,16 @@ class LedgerWriter:
         cols = {
             "step": steps,
             "host": np.full(len(steps), self.host, dtype=np.int32),
-            **{f: np.concatenate([getattr(s, f) for s in self._segs]) for f in (
-                "row", "record_key", "offset", "n_tokens", "content_hash", "epoch")},
+            **{f: np.concatenate([getattr(s, f) for s in self._segs]) for f in FIELDS},
         }
-        table = pa.Table.from_pydict(cols, schema=sp.SEGMENT_SCHEMA)
+        table = pa.Table.from_pydict(cols, schema=SEGMENT_SCHEMA)
         return "seg", table, min(self._steps), max(self._steps)
 
     def _metric_table(self) -> tuple[str, pa.Table, int, int]:
         steps, names, values = zip(*self._metrics, strict=True)
         table = pa.Table.from_pydict(
             {"step": steps, "host": [self.host] * len(steps), "name": names, "value": values},
-            schema=sp.METRIC_SCHEMA,
+            schema=METRIC_SCHEMA,
         )
         return "met", table, min(steps), max(steps)
 

@@ -4,10 +4,11 @@ DuckDB's file lock lets only one process open the file, so hosts never touch it:
 (`tally ingest` or the API service) owns it, and threads inside that process each take their
 own `cursor()`.
 
-Restart lineage lives in `attempts.rolled_back_from_step` (`rolled_back_from`, the one
-definition of the rule). Rows of an attempt at or after that step were rolled back;
-they stay in `consumption` (they prove whether the replay was exact) and the
-`effective_consumption` view leaves them out.
+Restart lineage lives in `attempts.rolled_back_from_step`, derived by the one rule
+(`audit.core.exposure.rolled_back_from`). Rows of an attempt at or after that step were rolled
+back; they stay in `consumption` (they prove whether the replay was exact) and the
+`effective_consumption` view leaves them out. The `consumption` and `metrics` columns come
+from audit.core.schema.
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ from typing import Any
 
 import duckdb
 
-from audit.errors import TallyError
+from audit.core.errors import TallyError
+from audit.core.exposure import effective_sql, rolled_back_from, rolled_back_sql, start_sql
+from audit.core.schema import (
+    LEDGER_PREFIX,
+    LEDGER_SUFFIX,
+    METRIC_COLUMNS,
+    SEGMENT_COLUMNS,
+    sql_columns,
+)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
-_DDL = """
+_DDL = f"""
 CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
 CREATE SEQUENCE run_ids START 1;
 CREATE SEQUENCE file_ids START 1;
@@ -57,35 +66,10 @@ CREATE TABLE segments (                -- one row per ingested spool file
     ingested_at TIMESTAMP NOT NULL DEFAULT current_timestamp
 );
 CREATE TABLE consumption (
-    run INTEGER NOT NULL,
-    attempt INTEGER NOT NULL,
-    host INTEGER NOT NULL,
-    step BIGINT NOT NULL,
-    "row" INTEGER NOT NULL,
-    record_key BIGINT NOT NULL,
-    "offset" INTEGER NOT NULL,
-    n_tokens INTEGER NOT NULL,
-    content_hash UBIGINT NOT NULL,
-    epoch INTEGER NOT NULL,
-    file_id INTEGER NOT NULL
-);
-CREATE TABLE host_steps (              -- aggregate kept at ingest: one row per (file, step)
-    run INTEGER NOT NULL,
-    attempt INTEGER NOT NULL,
-    host INTEGER NOT NULL,
-    step BIGINT NOT NULL,
-    n_segments BIGINT NOT NULL,
-    n_tokens BIGINT NOT NULL,
-    file_id INTEGER NOT NULL
+    {sql_columns(LEDGER_PREFIX + SEGMENT_COLUMNS + LEDGER_SUFFIX)}
 );
 CREATE TABLE metrics (
-    run INTEGER NOT NULL,
-    attempt INTEGER NOT NULL,
-    host INTEGER NOT NULL,
-    step BIGINT NOT NULL,
-    name VARCHAR NOT NULL,
-    value DOUBLE NOT NULL,
-    file_id INTEGER NOT NULL
+    {sql_columns(LEDGER_PREFIX + METRIC_COLUMNS + LEDGER_SUFFIX)}
 );
 CREATE TABLE quarantine (
     path VARCHAR PRIMARY KEY,
@@ -96,13 +80,13 @@ CREATE TABLE quarantine (
 );
 CREATE VIEW effective_consumption AS
     SELECT c.* FROM consumption c JOIN attempts a USING (run, attempt)
-    WHERE a.rolled_back_from_step IS NULL OR c.step < a.rolled_back_from_step;
+    WHERE {effective_sql("c", "a")};
 CREATE VIEW rolled_back_consumption AS
     SELECT c.* FROM consumption c JOIN attempts a USING (run, attempt)
-    WHERE c.step >= a.rolled_back_from_step;
--- Aggregates kept at ingest (audit/aggregates.py), in each file's transaction, so the live API
--- never scans `consumption`. An exposure is a record-start segment ("offset" = 0).
-CREATE TABLE agg_steps (               -- every row; rolled-back ones are left out by readers
+    WHERE {rolled_back_sql("c", "a")};
+-- Aggregates kept at ingest (audit/ledger/aggregates.py), in each file's transaction, so the
+-- live API never scans `consumption`. An exposure is a record-start segment ({start_sql()}).
+CREATE TABLE agg_steps (               -- per (file, host, step); readers drop rolled-back steps
     run INTEGER NOT NULL,
     attempt INTEGER NOT NULL,
     host INTEGER NOT NULL,
@@ -165,21 +149,6 @@ CREATE TABLE preflight_verdicts (      -- every pre-flight verdict (audit/prefli
     verdict VARCHAR NOT NULL           -- the whole verdict as JSON (findings, numbers)
 );
 """
-
-def rolled_back_from(resumed: dict[int, int | None]) -> dict[int, int | None]:
-    """The restart-lineage rule, for every attempt of one run.
-
-    `resumed` maps attempt -> resumed_from_step (None for a fresh start). Attempt a's rows at
-    or after the smallest resumed_from_step of any later attempt are rolled back.
-    """
-    out: dict[int, int | None] = {}
-    later: int | None = None
-    for a in sorted(resumed, reverse=True):
-        out[a] = later
-        s = resumed[a]
-        if s is not None:
-            later = s if later is None else min(later, s)
-    return out
 
 
 def one(cur: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> tuple | None:
@@ -310,10 +279,10 @@ class Ledger:
         runs = self.query("SELECT run, run_id, manifest_fingerprint FROM runs ORDER BY run_id")
         attempts = self.query("""
             SELECT a.run, a.attempt, a.resumed_from_step, a.host_count, a.rolled_back_from_step,
-                   coalesce(sum(h.n_segments), 0) AS segments,
-                   coalesce(sum(h.n_segments) FILTER (
+                   coalesce(sum(h.segments), 0) AS segments,
+                   coalesce(sum(h.segments) FILTER (
                        WHERE h.step >= a.rolled_back_from_step), 0) AS rolled_back_segments
-            FROM attempts a LEFT JOIN host_steps h USING (run, attempt)
+            FROM attempts a LEFT JOIN agg_steps h USING (run, attempt)
             GROUP BY ALL ORDER BY a.run, a.attempt""")
         hosts = self.query("""
             SELECT run, attempt, host, count(*) AS files, min(first_step) AS first_step,

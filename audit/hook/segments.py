@@ -22,19 +22,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from audit.hashing import as_token_array, hash_runs
+from audit.core.hashing import as_token_array, hash_runs
+from audit.core.schema import SEGMENT_COLUMNS, SEGMENT_DTYPES, names
+
+# The columns a step's segments carry: the segment schema less the step and host, which the
+# writer adds for the whole step.
+FIELDS = tuple(n for n in names(SEGMENT_COLUMNS) if n not in ("step", "host"))
+# Smallest value each column may hold (the spool's checks say the same, audit.hook.spool).
+MINIMUM = {"row": 0, "record_key": 0, "offset": 0, "n_tokens": 1}
 
 
 @dataclass(frozen=True)
 class Segments:
-    """Column arrays for the segments of one step, in the spool's dtypes."""
+    """Column arrays for the segments of one step, in the spool's dtypes (audit.core.schema)."""
 
-    row: np.ndarray  # int32
-    record_key: np.ndarray  # int64
-    offset: np.ndarray  # int32
-    n_tokens: np.ndarray  # int32
-    epoch: np.ndarray  # int32, -1 when unknown
-    content_hash: np.ndarray  # uint64
+    row: np.ndarray
+    record_key: np.ndarray
+    offset: np.ndarray
+    n_tokens: np.ndarray
+    content_hash: np.ndarray
+    epoch: np.ndarray  # -1 when unknown
 
     def __len__(self) -> int:
         return len(self.row)
@@ -52,27 +59,21 @@ class Segments:
     ) -> Segments:
         """Checked constructor: equal lengths, sane values, spool dtypes."""
         n = len(row)
-        cols = {
-            "row": np.asarray(row, dtype=np.int32),
-            "record_key": np.asarray(record_key, dtype=np.int64),
-            "offset": np.zeros(n, np.int32) if offset is None else np.asarray(offset, np.int32),
-            "n_tokens": np.asarray(n_tokens, dtype=np.int32),
-            "epoch": np.full(n, -1, np.int32) if epoch is None else np.asarray(epoch, np.int32),
-            "content_hash": np.asarray(content_hash, dtype=np.uint64),
-        }
+        given = {"row": row, "record_key": record_key, "n_tokens": n_tokens,
+                 "content_hash": content_hash,
+                 "offset": np.zeros(n) if offset is None else offset,
+                 "epoch": np.full(n, -1) if epoch is None else epoch}
+        cols = {f: np.asarray(given[f], dtype=SEGMENT_DTYPES[f]) for f in FIELDS}
         for name, arr in cols.items():
             if arr.shape != (n,):
                 raise ValueError(
                     f"segments: column {name!r} has shape {arr.shape}, expected ({n},)")
         if n:
-            if cols["row"].min() < 0:
-                raise ValueError("segments: negative row")
-            if cols["record_key"].min() < 0:
-                raise ValueError("segments: negative record_key")
-            if cols["offset"].min() < 0:
-                raise ValueError("segments: negative offset")
-            if cols["n_tokens"].min() < 1:
-                raise ValueError("segments: a segment must hold at least one token")
+            for name, low in MINIMUM.items():
+                if cols[name].min() < low:
+                    raise ValueError(f"segments: column {name!r} has values below {low}"
+                                     + (" (a segment holds at least one token)"
+                                        if name == "n_tokens" else ""))
         return cls(**cols)
 
 

@@ -3,7 +3,8 @@
 `<spool>/<run_id>/attempt=<a>/host=<h>/seg-<first_step:012d>-<seq:06d>.parquet` holds consumed
 segments; `met-...` files beside them hold metrics (train loss, eval loss). Files appear only
 by rename from a dot-prefixed temporary name, so a listing never sees a partial file.
-This module is the one definition of names, schemas and metadata keys.
+This module is the one definition of names, layout and metadata keys; the columns come from
+audit.core.schema.
 """
 
 from __future__ import annotations
@@ -18,29 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from audit.core.schema import METRIC_SCHEMA, SEGMENT_SCHEMA
+from audit.hook.segments import MINIMUM
+
 FORMAT_VERSION = "1"
 WRITER_VERSION = "tally-writer/1"
 
-SEGMENT_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("host", pa.int32()),
-        ("row", pa.int32()),
-        ("record_key", pa.int64()),
-        ("offset", pa.int32()),
-        ("n_tokens", pa.int32()),
-        ("content_hash", pa.uint64()),
-        ("epoch", pa.int32()),
-    ]
-)
-METRIC_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("host", pa.int32()),
-        ("name", pa.string()),
-        ("value", pa.float64()),
-    ]
-)
 SCHEMAS = {"seg": SEGMENT_SCHEMA, "met": METRIC_SCHEMA}
 
 # File metadata keys (all values are strings in Parquet's key-value metadata).
@@ -64,7 +48,8 @@ OPTIONAL_META_KEYS = (
 )
 META_PREFIX = "tally."
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_RUN_ID = re.compile(RUN_ID_PATTERN)
 _FILE = re.compile(r"^(seg|met)-(\d{12})-(\d{6})\.parquet$")
 _ATTEMPT_DIR = re.compile(r"^attempt=(\d+)$")
 _HOST_DIR = re.compile(r"^host=(\d+)$")
@@ -265,6 +250,6 @@ def _check_values(table: pa.Table, kind: str, info: dict) -> None:
     if not pc.all(pc.equal(table["host"], info["host"])).as_py():
         raise BadFile(f"rows for a host other than {info['host']}")
     if kind == "seg":
-        for name, low in (("row", 0), ("record_key", 0), ("offset", 0), ("n_tokens", 1)):
+        for name, low in MINIMUM.items():
             if pc.min(table[name]).as_py() < low:
                 raise BadFile(f"column {name} has values below {low}")

@@ -1,8 +1,8 @@
-"""The live API's answers: plain functions over a DuckDB cursor (inside the caller's snapshot
+"""The live answers: plain functions over a DuckDB cursor (inside the caller's snapshot
 transaction), returning JSON-able dicts. They read the `agg_*` tables kept at ingest
-(audit/aggregates.py), never a scan of `consumption`, except the per-record lookups.
+(audit/ledger/aggregates.py), never a scan of `consumption`, except the per-record lookups.
 
-Rolled-back steps are left out with the ledger's rule (`attempts.rolled_back_from_step`).
+Rolled-back steps are left out with the ledger's rule (audit.core.exposure.effective_sql).
 Coverage is over a universe of N train records (record keys 0..N-1: the manifest's train split,
 which comes first in key order, or `--records N`); keys >= N are counted apart as `outside`.
 """
@@ -16,17 +16,15 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from audit import exposure
-from audit.aggregates import Records
-from audit.errors import NotFound, TallyError
-from audit.ledger import one
+from audit.core import exposure
+from audit.core.errors import NotFound, Unavailable
+from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql, starts
+from audit.ledger.database import one
+from audit.ledger.state import HOST_BITS, Records
 
-EFFECTIVE = "(a.rolled_back_from_step IS NULL OR s.step < a.rolled_back_from_step)"
+EFFECTIVE = effective_sql("s", "a")  # over agg_steps s JOIN attempts a
 MAX_POINTS = 5000
-
-
-class Unavailable(TallyError):
-    """The answer needs something the service was not given, such as a manifest (HTTP 409)."""
+__all__ = ["NotFound", "Unavailable"]  # the errors the answers raise, for the routes
 
 
 @dataclass
@@ -83,46 +81,27 @@ def coverage(cur: duckdb.DuckDBPyConnection, run: int, uni: Universe, step: int 
         if last is None or at >= last:
             out_exp = int(outside.exposures.sum())
         else:  # a scan, but only when keys outside the corpus were consumed (a fault)
-            out_exp = int(one(cur, """
+            out_exp = int(one(cur, f"""
                 SELECT count(*) FROM consumption c JOIN attempts a USING (run, attempt)
-                WHERE c.run = ? AND c.record_key >= ? AND c."offset" = 0 AND c.step <= ?
-                  AND (a.rolled_back_from_step IS NULL OR c.step < a.rolled_back_from_step)""",
-                              [run, uni.n, at])[0])
+                WHERE c.run = ? AND c.record_key >= ? AND {start_sql("c")} AND c.step <= ?
+                  AND {effective_sql("c", "a")}""", [run, uni.n, at])[0])
         out_rec = int(seen[:, 0].sum())
         exposures -= out_exp
     n = uni.n
-    counts = np.array([0 if n is None else n - ge[0], ge[0] - ge[1], ge[1] - ge[2], ge[2]])
-    hist = exposure.histogram(counts)
-    res: dict[str, Any] = {
-        "step": None if at < 0 else at, "latest_step": last, "train_records": n,
-        "universe": uni.source, "exposures": exposures, "seen": ge[0],
-        "coverage": ge[0] / n if n else None,
-        "histogram": {b: (None if (b == "0" and n is None) else int(v))
-                      for b, v in zip(exposure.HIST_BINS, hist, strict=True)},
-        "outside": {"records": out_rec, "exposures": out_exp},
-    }
-    if n:
-        lo, hi = exposure.ideal_bounds(exposures, n)
-        res["histogram_fraction"] = {b: int(v) / n
-                                     for b, v in zip(exposure.HIST_BINS, hist, strict=True)}
-        res["never_seen_fraction"] = int(hist[0]) / n
-        res["ideal"] = {"min": lo, "max": hi,
-                        "coverage": float(exposure.ideal_coverage(exposures, n))}
-        res["behind_ideal"] = res["ideal"]["coverage"] - res["coverage"]
-        if at == last or step is None:
-            levels = dict(cur.execute("SELECT level, records FROM agg_levels WHERE run = ? "
-                                      "AND records <> 0", [run]).fetchall())
-            if outside is not None and len(outside.keys):
-                for lv, c in zip(*np.unique(outside.exposures, return_counts=True), strict=True):
-                    levels[int(lv)] = levels.get(int(lv), 0) - int(c)
-            top = max(levels, default=0)
-            per_level = np.zeros(top + 1, np.int64)
-            for lv, c in levels.items():
-                per_level[lv] = c
-            per_level[0] = n - ge[0]
-            excess, missing = exposure.excess(per_level, exposures, n)
-            res["excess_exposures"], res["missing_exposures"] = excess, missing
-    return res
+    cov = Coverage(n, exposures, *ge)
+    if n and (at == last or step is None):
+        levels = dict(cur.execute("SELECT level, records FROM agg_levels WHERE run = ? "
+                                  "AND records <> 0", [run]).fetchall())
+        if outside is not None and len(outside.keys):
+            for lv, c in zip(*np.unique(outside.exposures, return_counts=True), strict=True):
+                levels[int(lv)] = levels.get(int(lv), 0) - int(c)
+        per_level = np.zeros(max(levels, default=0) + 1, np.int64)
+        for lv, c in levels.items():
+            per_level[lv] = c
+        per_level[0] = n - ge[0]
+        cov = Coverage.from_levels(n, exposures, per_level)
+    return {"step": None if at < 0 else at, "latest_step": last, "universe": uni.source,
+            **cov.to_dict(), "outside": {"records": out_rec, "exposures": out_exp}}
 
 
 def _range(cur, run: int, start: int | None, end: int | None, bucket: int | None,
@@ -187,7 +166,7 @@ def _host_count(cur, run: int) -> int:
 
 def hosts(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     """Per host (effective rows): segments, tokens, exposures, steps, unique records, records
-    shared with another host; and the host x host overlap matrix (hosts < 64)."""
+    shared with another host; and the host x host overlap matrix (hosts < HOST_BITS)."""
     h = _host_count(cur, run)
     per = {r[0]: r[1:] for r in cur.execute(f"""
         SELECT s.host, sum(s.segments), sum(s.tokens), sum(s.exposures), min(s.step), max(s.step)
@@ -195,7 +174,7 @@ def hosts(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
         WHERE s.run = ? AND {EFFECTIVE} GROUP BY s.host""", [run]).fetchall()}
     shared = dict(cur.execute("SELECT host, shared FROM agg_hosts WHERE run = ?",
                               [run]).fetchall())
-    tracked = min(h, 64)
+    tracked = min(h, HOST_BITS)
     matrix = np.zeros((tracked, tracked), np.int64)
     for a, b, c in cur.execute("SELECT a, b, records FROM agg_host_pairs WHERE run = ? "
                                "AND records <> 0", [run]).fetchall():
@@ -245,7 +224,7 @@ def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None =
     rows = cur.execute(f"""
         SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset", c.n_tokens,
                c.content_hash,
-               coalesce(c.step >= a.rolled_back_from_step, false) AS rolled_back
+               coalesce({rolled_back_sql("c", "a")}, false) AS rolled_back
         FROM consumption c JOIN attempts a USING (run, attempt)
         WHERE c.run = ? AND c.{col} = ?
         ORDER BY c.record_key, c.step, c.host, c.attempt, c."row", c."offset" LIMIT ?""",
@@ -256,7 +235,7 @@ def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None =
         raise NotFound(f"{what} was never consumed in this run")
     segs = [dict(zip(_RECORD_COLS, r, strict=True)) for r in rows[:limit]]
     keys = sorted({s["record_key"] for s in segs})
-    eff = [s for s in segs if not s["rolled_back"] and s["offset"] == 0]
+    eff = [s for s in segs if not s["rolled_back"] and starts(s["offset"])]
     return {"record_keys": keys, "exposures": len(eff),
             "exposures_by_epoch": {str(e): sum(1 for s in eff if s["epoch"] == e)
                                    for e in sorted({s["epoch"] for s in eff})},
@@ -266,9 +245,9 @@ def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None =
 def metrics(cur: duckdb.DuckDBPyConnection, run: int, points: int = 500) -> dict[str, Any]:
     """Milestones (held-out loss, per-domain perplexity, train loss there) and the train loss
     series, effective steps only, averaged over hosts."""
-    rows = cur.execute("""
+    rows = cur.execute(f"""
         SELECT m.step, m.name, avg(m.value) FROM metrics m JOIN attempts a USING (run, attempt)
-        WHERE m.run = ? AND (a.rolled_back_from_step IS NULL OR m.step < a.rolled_back_from_step)
+        WHERE m.run = ? AND {effective_sql("m", "a")}
         GROUP BY ALL ORDER BY m.step""", [run]).fetchall()
     train = {s: v for s, name, v in rows if name == "train_loss"}
     miles: dict[int, dict[str, Any]] = {}

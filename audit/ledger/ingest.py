@@ -26,10 +26,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tqdm import tqdm
 
-from audit import spool as sp
-from audit.aggregates import Aggregates, Starts, for_ledger
-from audit.ledger import Ledger
-from audit.spool import BadFile, read_checked
+from audit.core.exposure import starts
+from audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS, sql_select
+from audit.hook import spool as sp
+from audit.hook.spool import BadFile, read_checked
+from audit.ledger.aggregates import Aggregates, for_ledger
+from audit.ledger.database import Ledger
+from audit.ledger.state import Starts
 
 
 @dataclass
@@ -49,6 +52,7 @@ class IngestResult:
         return s
 
 
+_SEGMENT_SELECT, _METRIC_SELECT = sql_select(SEGMENT_COLUMNS), sql_select(METRIC_COLUMNS)
 BATCH_ROWS = 1_000_000  # rows per transaction (fewer when the backlog is shorter)
 BATCH_FILES = 64
 READ_AHEAD_BYTES = 64 << 20  # spool bytes read ahead of the transactions
@@ -144,7 +148,7 @@ def _read(item: sp.SpoolFile | sp.Stray
         return exc
     if item.kind != "seg":
         return table, info, None, None, 0
-    start = pc.cast(pc.equal(table["offset"], 0), pa.int64())
+    start = pa.array(starts(table["offset"].to_numpy()).astype(np.int64))
     steps = table.append_column("start", start).group_by(["host", "step"]).aggregate(
         [("n_tokens", "count"), ("n_tokens", "sum"), ("start", "sum")])
     return (table, info, steps, Starts.from_table(table, info["host"]),
@@ -244,8 +248,6 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
                                                            np.int32)))
                 .append_column("file_id", pa.array(np.full(len(f.steps), fid, np.int32)))
                 for f, fid in segs]))
-            cur.execute("""INSERT INTO host_steps SELECT run, attempt, host, step,
-                n_tokens_count, n_tokens_sum, file_id FROM incoming_steps""")
             cur.execute("""INSERT INTO agg_steps SELECT run, attempt, host, step,
                 n_tokens_count, n_tokens_sum, start_sum, file_id FROM incoming_steps""")
             cur.unregister("incoming_steps")
@@ -276,12 +278,8 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
 def _insert_rows(cur, batch: list[_File], ids: list[int]) -> None:
     for f, fid in zip(batch, ids, strict=True):
         cur.register("incoming", f.table)
-        if f.item.kind == "seg":
-            cur.execute("""
-                INSERT INTO consumption SELECT $1, $2, host, step, "row", record_key, "offset",
-                    n_tokens, content_hash, epoch, $3 FROM incoming""",
-                        [f.run, f.info["attempt"], fid])
-        else:
-            cur.execute("INSERT INTO metrics SELECT $1, $2, host, step, name, value, $3 "
-                        "FROM incoming", [f.run, f.info["attempt"], fid])
+        table, columns = (("consumption", _SEGMENT_SELECT) if f.item.kind == "seg" else
+                          ("metrics", _METRIC_SELECT))
+        cur.execute(f"INSERT INTO {table} SELECT $1, $2, {columns}, $3 FROM incoming",
+                    [f.run, f.info["attempt"], fid])
         cur.unregister("incoming")

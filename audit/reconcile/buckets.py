@@ -26,9 +26,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-# What a bucket needs of each row, narrowed; "key" is uint32 (int64 in the overflow bucket).
+from audit.core.exposure import starts
+from audit.core.schema import SEGMENT_DTYPES
+
+# What a bucket needs of each row: the key narrowed to its offset in the bucket (uint32; int64
+# in the overflow bucket), the host to int16, the step to int32, the offset to a start flag
+# (audit.core.exposure.starts); the other columns as the segment schema has them.
 COLUMNS = {"key": np.uint32, "step": np.int32, "host": np.int16, "start": np.bool_,
-           "n_tokens": np.int32, "content_hash": np.uint64, "epoch": np.int32}
+           **{k: SEGMENT_DTYPES[k].type for k in ("n_tokens", "content_hash", "epoch")}}
 WHOLE_KEY = np.int64
 
 
@@ -62,7 +67,7 @@ def write(cols: dict[str, np.ndarray], bucket_size: int, buckets: int,
     order = np.argsort(bucket.astype(small), kind="stable")
     counts = np.bincount(bucket, minlength=buckets + 1)
     key, bucket = key[order], bucket[order]
-    ordered = {"key": key - bucket * bucket_size, "start": cols["offset"][order] == 0}
+    ordered = {"key": key - bucket * bucket_size, "start": starts(cols["offset"][order])}
     for k in ("step", "host", "n_tokens", "content_hash", "epoch"):
         ordered[k] = np.asarray(cols[k])[order].astype(COLUMNS[k], copy=False)
     ends = np.cumsum(counts)

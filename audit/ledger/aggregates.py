@@ -1,13 +1,11 @@
 """Aggregates kept at ingest, so that live queries never scan `consumption`.
 
 Two layers:
-- the `agg_*` tables of the ledger (schema in audit/ledger.py), written in the same transaction
-  as the segment files they count, so a reader sees a file's effect entirely or not at all;
-- per-record state (exposures, the three earliest exposure steps, the set of hosts, the set of
-  epochs) in memory, one 40-byte row per record key, rebuilt from `effective_consumption` when a
-  process first ingests. Keeping it as a DuckDB table was measured at ~0.1 s per 100k-row file
-  for the join alone (10M records) and 1.6 s with an indexed upsert; one packed numpy row per
-  record costs one cache miss to read and one to write.
+- the `agg_*` tables of the ledger (schema in audit/ledger/database.py), written in the same
+  transaction as the segment files they count, so a reader sees a file's effect entirely or not
+  at all;
+- per-record state (audit/ledger/state.py) in memory, rebuilt from `effective_consumption` when
+  a process first ingests.
 
 From the per-record state, each batch of files changes only what it touches: the step at which
 a record was first, second and third seen (`agg_ranks`: coverage and the 0/1/2/3+ histogram as
@@ -19,6 +17,10 @@ steps.
 Restart lineage: an attempt's rows at or after its `rolled_back_from_step` stay out of the
 per-record state. When a new attempt lowers a cut, the records with rows that just left the
 lineage are recomputed from `effective_consumption` and the differences written.
+
+Readers of the per-record state take `Aggregates.lock` while they pin their snapshot: the
+ingester holds it across each COMMIT and the state update that goes with it
+(audit.ledger.live).
 """
 
 from __future__ import annotations
@@ -30,219 +32,9 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from audit.ledger import Ledger
-
-HOST_BITS = 64  # host sets are uint64 masks: overlap is tracked for hosts 0..63
-EPOCH_BITS = 64  # epoch sets are masks of epoch % 64: exact for runs of fewer than 64 epochs
-NO_STEP = np.iinfo(np.int32).max
-
-# One record's state. Fields are aligned so that column views are plain strided arrays; the
-# whole row moves as one 40-byte item (np.take / np.put on a void view), which is what keeps
-# the random-key gathers and scatters of a batch cheap.
-STATE = np.dtype([("e", "<i4"),  # exposures (effective record starts)
-                  ("ee", "<i4"),  # exposures whose epoch is known
-                  ("s", "<i4", (3,)),  # the three earliest exposure steps, NO_STEP when fewer
-                  ("pad", "<i4"),
-                  ("h", "<u8"),  # mask of hosts < HOST_BITS
-                  ("p", "<u8")])  # mask of epoch % EPOCH_BITS, known epochs only
-_VOID = np.dtype((np.void, STATE.itemsize))
-
-# Codes used while sorting a batch's starts: host code 64 = not tracked, epoch code 0 = unknown.
-_HOST_BIT = np.array([1 << i for i in range(HOST_BITS)] + [0] * 64, np.uint64)
-_EPOCH_BIT = np.array([0] + [1 << i for i in range(EPOCH_BITS)] + [0] * 63, np.uint64)
-
-
-@dataclass
-class Records:
-    """Per-record state for a sorted set of record keys, one array per field (the arithmetic
-    of a batch runs over contiguous columns; RunState stores rows)."""
-
-    keys: np.ndarray  # int64, sorted, unique
-    exposures: np.ndarray  # int32
-    steps: np.ndarray  # int32 [n, 3]: the three earliest exposure steps, NO_STEP when fewer
-    hosts: np.ndarray  # uint64 mask of hosts < HOST_BITS
-    epochs: np.ndarray  # uint64 mask of epoch % EPOCH_BITS, known epochs only
-    epoch_exposures: np.ndarray  # int32: exposures whose epoch is known
-
-    @classmethod
-    def empty(cls, keys: np.ndarray) -> Records:
-        n = len(keys)
-        return cls(np.asarray(keys, np.int64), np.zeros(n, np.int32),
-                   np.full((n, 3), NO_STEP, np.int32), np.zeros(n, np.uint64),
-                   np.zeros(n, np.uint64), np.zeros(n, np.int32))
-
-    @classmethod
-    def from_rows(cls, keys: np.ndarray, rows: np.ndarray) -> Records:
-        r = cls(keys, rows["e"].copy(), rows["s"].copy(), rows["h"].copy(), rows["p"].copy(),
-                rows["ee"].copy())
-        r.steps[r.exposures == 0] = NO_STEP  # zeroed memory: never seen
-        return r
-
-    def rows(self) -> np.ndarray:
-        rows = np.empty(len(self.keys), STATE)
-        rows["e"], rows["ee"], rows["s"] = self.exposures, self.epoch_exposures, self.steps
-        rows["pad"], rows["h"], rows["p"] = 0, self.hosts, self.epochs
-        return rows
-
-    def take(self, idx: np.ndarray) -> Records:
-        return Records(self.keys[idx], self.exposures[idx], self.steps[idx], self.hosts[idx],
-                       self.epochs[idx], self.epoch_exposures[idx])
-
-    def set(self, pos: np.ndarray, other: Records) -> None:
-        """Rows at `pos` take `other`'s values."""
-        for f in ("exposures", "steps", "hosts", "epochs", "epoch_exposures"):
-            getattr(self, f)[pos] = getattr(other, f)
-
-    def merged(self, inc: Records) -> Records:
-        """This state plus `inc`'s exposures of the same keys."""
-        a, b = self.steps, inc.steps
-        # The three smallest of two sorted triples: r_k = min over i + j = k of max(a_i, b_j).
-        # It leaves a row alone when no incoming step enters its three, so it runs on all rows
-        # when most change, and on those that can change otherwise.
-        todo = np.flatnonzero(b[:, 0] < a[:, 2])
-        if len(todo) > len(a) // 4:
-            steps = _three_smallest(a, b)
-        else:
-            steps = a.copy()
-            if len(todo):
-                steps[todo] = _three_smallest(a[todo], b[todo])
-        return Records(self.keys, self.exposures + inc.exposures, steps,
-                       self.hosts | inc.hosts, self.epochs | inc.epochs,
-                       self.epoch_exposures + inc.epoch_exposures)
-
-
-def _three_smallest(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    (a1, a2, a3), (b1, b2, b3) = a.T, b.T
-    out = np.empty_like(a)
-    np.minimum(a1, b1, out=out[:, 0])
-    np.minimum(np.minimum(a2, b2), np.maximum(a1, b1), out=out[:, 1])
-    np.minimum(np.minimum(a3, b3), np.minimum(np.maximum(a1, b2), np.maximum(a2, b1)),
-               out=out[:, 2])
-    return out
-
-
-@dataclass
-class Starts:
-    """A file's record starts (offset 0), prepared off the ingest transaction, in the
-    read-ahead thread."""
-
-    keys: np.ndarray  # int64
-    steps: np.ndarray  # int64
-    epochs: np.ndarray  # int32
-    host: int  # a spool file holds one host's rows (checked at read)
-
-    @classmethod
-    def from_table(cls, table: pa.Table, host: int) -> Starts:
-        start = table["offset"].to_numpy() == 0
-        return cls(table["record_key"].to_numpy()[start], table["step"].to_numpy()[start],
-                   table["epoch"].to_numpy()[start], host)
-
-    def before(self, cut: int | None) -> Starts:
-        if cut is None:
-            return self
-        keep = self.steps < cut
-        return Starts(self.keys[keep], self.steps[keep], self.epochs[keep], self.host)
-
-
-def group(parts: list[Starts]) -> Records:
-    """The starts of several files as per-record increments."""
-    parts = [p for p in parts if len(p.keys)]
-    if not parts:
-        return Records.empty(np.zeros(0, np.int64))
-    keys = np.concatenate([p.keys for p in parts]).astype(np.int64, copy=False)
-    steps = np.concatenate([p.steps for p in parts]).astype(np.int64, copy=False)
-    epochs = np.concatenate([p.epochs for p in parts]).astype(np.int64, copy=False)
-    hcode = np.repeat(np.array([min(p.host, HOST_BITS) if p.host >= 0 else HOST_BITS
-                                for p in parts], np.int64), [len(p.keys) for p in parts])
-    ecode = np.where(epochs >= 0, 1 + (epochs & (EPOCH_BITS - 1)), 0)
-    base = int(steps.min())
-    sbits = (int(steps.max()) - base).bit_length()
-    shift = sbits + 14
-    if int(keys.max()).bit_length() + shift <= 63:
-        # One int64 per start, (key, step, host, epoch) in that order of significance: a plain
-        # sort of it (SIMD, no argsort) groups by key with steps ascending.
-        code = keys << shift | (steps - base) << 14 | hcode << 7 | ecode
-        code.sort()
-        keys, steps = code >> shift, (code >> 14 & ((1 << sbits) - 1)) + base
-        hcode, ecode = code >> 7 & 127, code & 127
-    else:  # keys or a step range too wide to pack
-        order = np.lexsort((steps, keys))
-        keys, steps, hcode, ecode = keys[order], steps[order], hcode[order], ecode[order]
-    n = len(keys)
-    first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-    out = Records.empty(keys[first])
-    hb, eb = _HOST_BIT[hcode], _EPOCH_BIT[ecode]
-    if len(first) == n:  # every key once
-        out.exposures[:] = 1
-        out.steps[:, 0] = steps
-        out.hosts, out.epochs, out.epoch_exposures = hb, eb, (ecode > 0).astype(np.int32)
-        return out
-    counts = np.diff(np.r_[first, n])
-    out.exposures[:] = counts
-    for j in range(3):
-        ok = np.flatnonzero(counts > j) if j else slice(None)
-        out.steps[ok, j] = steps[first[ok] + j]
-    out.hosts, out.epochs = hb[first], eb[first]
-    out.epoch_exposures = (ecode[first] > 0).astype(np.int32)
-    multi = np.flatnonzero(counts > 1)
-    if len(multi):  # reductions over the starts of keys seen more than once only
-        sel = np.repeat(counts > 1, counts)
-        at = np.r_[0, np.cumsum(counts[multi])[:-1]]
-        out.hosts[multi] = np.bitwise_or.reduceat(hb[sel], at)
-        out.epochs[multi] = np.bitwise_or.reduceat(eb[sel], at)
-        out.epoch_exposures[multi] = np.add.reduceat((ecode[sel] > 0).astype(np.int32), at)
-    return out
-
-
-class RunState:
-    """Per-record state of one run, indexed by record key (keys are manifest rows, so dense).
-    Rows never written are zero: a row with no exposure reads as "no steps"."""
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.data = np.zeros(0, STATE)
-        self.top = -1  # an upper bound of the keys ever put (it never goes down)
-
-    def _grow(self, need: int) -> None:
-        if need <= self.size:
-            return
-        cap = max(need, self.size + self.size // 8, 1024)  # geometric, without doubling memory
-        if not self.size:
-            self.data = np.zeros(cap, STATE)
-        else:
-            # realloc (mremap for large arrays): the rows already there are neither copied nor
-            # faulted in again; the tail is zeroed. No view of `data` outlives a reader's hold
-            # of Aggregates.lock, which puts run under.
-            self.data.resize(cap, refcheck=False)
-        self.size = cap
-
-    @property
-    def exposures(self) -> np.ndarray:
-        return self.data["e"]
-
-    def get(self, keys: np.ndarray) -> Records:
-        keys = np.asarray(keys, np.int64)
-        inside = keys < self.size
-        if inside.all():
-            return Records.from_rows(keys, np.take(self.data.view(_VOID), keys).view(STATE))
-        rows = np.zeros(len(keys), STATE)
-        rows[inside] = np.take(self.data.view(_VOID), keys[inside]).view(STATE)
-        return Records.from_rows(keys, rows)
-
-    def beyond(self, n: int) -> Records | None:
-        """State of the records seen with key >= n (outside a universe of n records)."""
-        if self.top < n:
-            return None
-        keys = n + np.flatnonzero(self.data["e"][n: self.size] > 0)
-        return self.get(keys) if len(keys) else None
-
-    def put(self, r: Records) -> None:
-        if not len(r.keys):
-            return
-        top = int(r.keys[-1])
-        self._grow(top + 1)
-        np.put(self.data.view(_VOID), r.keys, r.rows().view(_VOID))
-        self.top = max(self.top, top)
+from audit.core.exposure import start_sql
+from audit.ledger.database import Ledger
+from audit.ledger.state import EPOCH_BITS, HOST_BITS, NO_STEP, Records, RunState, Starts, group
 
 
 @dataclass
@@ -299,9 +91,9 @@ class Aggregates:
             for t in ("agg_steps", "agg_ranks", "agg_levels", "agg_host_pairs", "agg_hosts",
                       "agg_runs"):
                 cur.execute(f"DELETE FROM {t} WHERE run = ?", [run])
-            cur.execute("""
+            cur.execute(f"""
                 INSERT INTO agg_steps SELECT run, attempt, host, step, count(*), sum(n_tokens),
-                    count(*) FILTER (WHERE "offset" = 0), file_id
+                    count(*) FILTER (WHERE {start_sql()}), file_id
                 FROM consumption WHERE run = ? GROUP BY ALL""", [run])
             st = self._state(run)
             new = st.get(np.flatnonzero(st.exposures[: st.size] > 0))
@@ -334,7 +126,7 @@ class Aggregates:
         params = [run] + [x for a, cut, old in lowered
                           for x in ((a, cut) if old is None else (a, cut, old))]
         keys = cur.execute(f"""SELECT DISTINCT record_key FROM consumption
-            WHERE run = ? AND "offset" = 0 AND ({clauses})""", params).fetchnumpy()["record_key"]
+            WHERE run = ? AND {start_sql()} AND ({clauses})""", params).fetchnumpy()["record_key"]
         if not len(keys):
             return
         new = Records.empty(np.sort(np.asarray(keys, np.int64)))
@@ -403,16 +195,16 @@ def _recompute(cur: duckdb.DuckDBPyConnection, run: int | None = None,
         params = [run]
         cur.register("recompute_keys", pa.table({"k": keys}))
     res = cur.execute(f"""
-        SELECT run, record_key, n,
-               coalesce(s[1], {NO_STEP}) AS s1, coalesce(s[2], {NO_STEP}) AS s2,
-               coalesce(s[3], {NO_STEP}) AS s3, hosts, epochs, ee
-        FROM (SELECT run, record_key, count(*) AS n, min(step, 3) AS s,
+        SELECT run, record_key, exposures,
+               coalesce(earliest[1], {NO_STEP}) AS step1, coalesce(earliest[2], {NO_STEP}) AS step2,
+               coalesce(earliest[3], {NO_STEP}) AS step3, hosts, epochs, epoch_exposures
+        FROM (SELECT run, record_key, count(*) AS exposures, min(step, 3) AS earliest,
                      bit_or(CASE WHEN host < {HOST_BITS} THEN 1::UBIGINT << host
                             ELSE 0::UBIGINT END) AS hosts,
                      bit_or(CASE WHEN epoch >= 0 THEN 1::UBIGINT << (epoch % {EPOCH_BITS})
                             ELSE 0::UBIGINT END) AS epochs,
-                     count(*) FILTER (WHERE epoch >= 0) AS ee
-              FROM effective_consumption WHERE "offset" = 0 {where} GROUP BY ALL)
+                     count(*) FILTER (WHERE epoch >= 0) AS epoch_exposures
+              FROM effective_consumption WHERE {start_sql()} {where} GROUP BY ALL)
         ORDER BY run, record_key""", params).fetchnumpy()
     if run is not None:
         cur.unregister("recompute_keys")
@@ -421,10 +213,11 @@ def _recompute(cur: duckdb.DuckDBPyConnection, run: int | None = None,
     for r in np.unique(runs):
         m = runs == r
         rec = Records(
-            np.asarray(res["record_key"], np.int64)[m], np.asarray(res["n"], np.int32)[m],
-            np.stack([np.asarray(res[c], np.int32)[m] for c in ("s1", "s2", "s3")], axis=1),
+            np.asarray(res["record_key"], np.int64)[m], np.asarray(res["exposures"], np.int32)[m],
+            np.stack([np.asarray(res[c], np.int32)[m] for c in ("step1", "step2", "step3")],
+                     axis=1),
             np.asarray(res["hosts"], np.uint64)[m], np.asarray(res["epochs"], np.uint64)[m],
-            np.asarray(res["ee"], np.int32)[m])
+            np.asarray(res["epoch_exposures"], np.int32)[m])
         out[int(r)] = rec
     return out
 

@@ -1,11 +1,12 @@
-"""Findings and a verdict from a reconcile report: each finding names the likely cause, with
-the numbers that point at it (DESIGN.md, "Known ways loaders go wrong")."""
+"""Findings from a reconcile report: each finding names the likely cause, with the numbers
+that point at it (docs/DESIGN.md, "Known ways loaders go wrong")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from audit.exposure import independent_hosts
+from audit.core.exposure import Findings, independent_hosts
 
 
 def _pct(x: float) -> str:
@@ -13,10 +14,9 @@ def _pct(x: float) -> str:
 
 
 def findings(r: dict[str, Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-
-    def add(severity: str, code: str, message: str, **numbers: Any) -> None:
-        out.append({"severity": severity, "code": code, "message": message, "numbers": numbers})
+    """The report's findings, as report.json stores them."""
+    out = Findings()
+    add = out.add
 
     cov, integ = r["coverage"], r["integrity"]
     n, total = cov["train_records"], cov["exposures"]
@@ -49,14 +49,12 @@ def findings(r: dict[str, Any]) -> list[dict[str, Any]]:
                 f"(first at step {rs['first_differing_step']}): the loader state was not "
                 "restored exactly", attempt=rs["attempt"], step=rs["first_differing_step"])
     _exposure_findings(r, add)
-    if not n:
-        return out
-    if not total:
+    if n and not total:
         add("WARN", "nothing_consumed", "no train record has been consumed yet")
-    return out
+    return out.to_list()
 
 
-def _exposure_findings(r: dict[str, Any], add) -> None:
+def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
     cov, hosts = r["coverage"], r["hosts"]
     n, total, h = cov["train_records"], cov["exposures"], hosts["count"]
     excess, missing = cov["excess_exposures"], cov["missing_exposures"]
@@ -161,7 +159,3 @@ def _exposure_findings(r: dict[str, Any], add) -> None:
             f"{excess:,} exposures beyond the ideal and {missing:,} below it{where}: "
             f"{_pct(unseen)} never seen, {_pct(seen2)} seen 2+", excess=excess, missing=missing)
 
-
-def verdict(found: list[dict[str, Any]]) -> str:
-    sev = {f["severity"] for f in found}
-    return "FAIL" if "FAIL" in sev else "WARN" if "WARN" in sev else "PASS"

@@ -1,0 +1,81 @@
+"""The columns of a consumed segment and of a metric, defined once.
+
+Every other form is derived from these tuples: the spool's Arrow schemas (audit.hook.spool), the
+ledger's DuckDB tables (audit.ledger.database), the columns reconcile reads (audit.reconcile)
+and the numpy dtypes the writer builds its tables from. A new column is added here and nowhere
+else; docs/DESIGN.md ("Spool segment files") describes the same contract in words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    arrow: pa.DataType
+    sql: str  # the DuckDB type
+    doc: str
+
+    @property
+    def dtype(self) -> np.dtype:
+        return pa.array([], self.arrow).to_numpy(zero_copy_only=False).dtype
+
+    @property
+    def quoted(self) -> str:
+        """The name as SQL reads it ("row" and "offset" are keywords in DuckDB)."""
+        return f'"{self.name}"'
+
+
+SEGMENT_COLUMNS: tuple[Column, ...] = (
+    Column("step", pa.int64(), "BIGINT", "training step that consumed the segment"),
+    Column("host", pa.int32(), "INTEGER", "host (process index) that consumed it"),
+    Column("row", pa.int32(), "INTEGER", "batch row within the host's share of the step"),
+    Column("record_key", pa.int64(), "BIGINT", "the record's row in the corpus manifest"),
+    Column("offset", pa.int32(), "INTEGER", "first token's position within the record"),
+    Column("n_tokens", pa.int32(), "INTEGER", "tokens of the record inside this segment"),
+    Column("content_hash", pa.uint64(), "UBIGINT", "xxh3_64 of exactly these tokens"),
+    Column("epoch", pa.int32(), "INTEGER", "epoch of the carried index; -1 when unknown"),
+)
+METRIC_COLUMNS: tuple[Column, ...] = (
+    Column("step", pa.int64(), "BIGINT", "training step the value belongs to"),
+    Column("host", pa.int32(), "INTEGER", "host that logged it"),
+    Column("name", pa.string(), "VARCHAR", "train_loss, heldout_loss, ppl/<domain>, ..."),
+    Column("value", pa.float64(), "DOUBLE", "the value"),
+)
+# Columns the ledger puts before a file's own columns (which run and attempt it belongs to) and
+# after them (which file it came from).
+LEDGER_PREFIX: tuple[Column, ...] = (
+    Column("run", pa.int32(), "INTEGER", "the run's number in the ledger (runs.run)"),
+    Column("attempt", pa.int32(), "INTEGER", "the attempt (restart) that wrote the file"),
+)
+LEDGER_SUFFIX: tuple[Column, ...] = (
+    Column("file_id", pa.int32(), "INTEGER", "the spool file the row came from (segments)"),
+)
+
+
+def names(columns: tuple[Column, ...]) -> tuple[str, ...]:
+    return tuple(c.name for c in columns)
+
+
+def arrow_schema(columns: tuple[Column, ...]) -> pa.Schema:
+    return pa.schema([(c.name, c.arrow) for c in columns])
+
+
+def sql_columns(columns: tuple[Column, ...]) -> str:
+    """`"name" TYPE NOT NULL, ...` for a CREATE TABLE."""
+    return ",\n    ".join(f"{c.quoted} {c.sql} NOT NULL" for c in columns)
+
+
+def sql_select(columns: tuple[Column, ...]) -> str:
+    """`"a", "b", ...` for a SELECT list."""
+    return ", ".join(c.quoted for c in columns)
+
+
+SEGMENT_SCHEMA = arrow_schema(SEGMENT_COLUMNS)
+METRIC_SCHEMA = arrow_schema(METRIC_COLUMNS)
+SEGMENT_DTYPES = {c.name: c.dtype for c in SEGMENT_COLUMNS}

@@ -1,9 +1,0 @@
-"""User-facing errors: the CLI prints these as one clear line instead of a traceback."""
-
-
-class TallyError(Exception):
-    """A problem with the user's input or environment that Tally can explain."""
-
-
-class NotFound(TallyError):
-    """Something the user named does not exist: a run, host, record or checkpoint (HTTP 404)."""

@@ -1,0 +1,350 @@
+"""The reconcile job (Beam): a run's consumption against the corpus manifest.
+
+Inputs are a frozen list of consumption files (audit.reconcile.plan): the run's published spool
+segment files, or an export of the ledger. The consumption is cut into record-key buckets and
+joined with the manifest bucket by bucket (CoGroupByKey on the bucket number; each bucket's
+manifest rows are read by key range where the bucket is computed, so there are no side inputs).
+The rows travel between the two stages as bucket files (audit.reconcile.buckets): the shuffle
+carries only references to them, and each bucket is computed with numpy over its columns
+(audit.reconcile.bucket_stats), never one Python object per row. Every worker emits typed
+partial results (audit.reconcile.partials) that the driver merges; per-record rows are written
+as part files that the driver moves into place. Only Create, ParDo, GroupByKey and Flatten are
+used, the primitives every runner translates, Dask's included.
+
+Restart lineage (audit.core.exposure) splits rows into effective and rolled back; rolled-back
+rows are compared step by step with the surviving replay.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from audit.core.errors import TallyError
+from audit.core.exposure import effective, starts
+from audit.hook.spool import BadFile, read_checked
+from audit.reconcile import bucket_stats, buckets
+from audit.reconcile.partials import Partial, Spans, merge_all
+from audit.reconcile.plan import COLUMNS, InputFile, Plan, ledger_inputs, make_plan, spool_inputs
+from pipeline.corpus import read_rows
+from pipeline.runners import RunnerSpec, pipeline
+
+Columns = dict[str, np.ndarray]
+
+
+# ---- stage 1: read consumption, cut it into key-bucket files ------------------------------
+
+def _read_file(f: InputFile) -> Columns:
+    if f.spool_file is None:
+        table = pq.read_table(f.path, columns=list(COLUMNS))
+    else:
+        table, _ = read_checked(f.spool_file)  # the same checks as ingest; BadFile if not
+        table = table.append_column(
+            "attempt", pa.array(np.full(table.num_rows, f.spool_file.attempt, np.int32)))
+    return {c: table[c].to_numpy() for c in COLUMNS}
+
+
+def _name(path: str) -> str:
+    return xxhash.xxh3_64_hexdigest(path.encode())
+
+
+def _rows_where(cols: Columns, mask: np.ndarray) -> Columns:
+    return {k: v[mask] for k, v in cols.items()}
+
+
+def _kind(item: tuple[str, Any], kind: str) -> list[Any]:
+    return [item[1]] if item[0] == kind else []
+
+
+class ReadConsumption(beam.DoFn):
+    """One input file -> (kind, value): its effective rows written as a bucket file and one
+    reference per bucket, its per-step and per-host partial, replay rows, or the reason the
+    file was skipped."""
+
+    def __init__(self, plan: Plan, folder: str) -> None:
+        self.plan, self.folder = plan, folder
+
+    def process(self, f: InputFile):
+        plan = self.plan
+        try:
+            cols = _read_file(f)
+        except BadFile as exc:
+            yield "partials", (f"skipped-{_name(f.path)}",
+                               Partial(skipped=1, skipped_files=[f"{f.path}: {exc}"]))
+            return
+        if plan.at_step is not None:
+            cols = _rows_where(cols, cols["step"] <= plan.at_step)
+        kept = effective(cols["step"], cols["attempt"], plan.cutoffs)
+        rolled = _rows_where(cols, ~kept)
+        if not kept.all():
+            cols = _rows_where(cols, kept)
+        refs = []
+        if len(cols["step"]):
+            Path(self.folder).mkdir(parents=True, exist_ok=True)
+            refs = buckets.write(cols, plan.bucket_size, plan.buckets,
+                                 Path(self.folder, f"{_name(f.path)}.bin"))
+        yield from self._replay_rows(cols, rolled)
+        if len(cols["step"]):
+            yield "partials", (f"file-{_name(f.path)}", self._per_file(cols, len(refs)))
+        for ref in refs:
+            yield "by_bucket", ref
+
+    def _replay_rows(self, cols: Columns, rolled: Columns) -> Iterator[tuple[str, Any]]:
+        """Rolled-back rows, and effective rows at rolled-back steps, by step."""
+        if not self.plan.replay_ranges:
+            return
+        in_range = np.zeros(len(cols["step"]), dtype=bool)
+        for lo, hi in self.plan.replay_ranges:
+            in_range |= (cols["step"] >= lo) & (cols["step"] <= hi)
+        for tag, part in (("effective", _rows_where(cols, in_range)), ("rolled_back", rolled)):
+            for step in np.unique(part["step"]):
+                yield "replay", (int(step), (tag, _rows_where(part, part["step"] == step)))
+
+    def _per_file(self, cols: Columns, slices: int) -> Partial:
+        """The per-step and per-host counts of one file's effective rows."""
+        steps, host, row = cols["step"], cols["host"], cols["row"]
+        start, n_tokens = starts(cols["offset"]), cols["n_tokens"]
+        lo, hi = int(steps.min()), int(steps.max())
+        h0, h1 = int(host.min()), int(host.max())
+        rel = steps.astype(np.int64, copy=False) - lo
+        # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
+        # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
+        rows_n = int(row.max()) + 1
+        per_step = (h1 - h0 + 1) * rows_n
+        triples = rel * per_step
+        if h1 > h0:
+            triples += (host - h0).astype(np.int64) * rows_n
+        triples += row
+        space = (hi - lo + 1) * per_step
+        if space <= 8 * len(triples) + 4096:
+            mark = np.zeros(space, dtype=bool)
+            mark[triples] = True
+            rows = mark.reshape(-1, per_step).sum(axis=1)
+        else:
+            rows = bucket_stats.bincount(np.unique(triples) // per_step)
+        n = self.plan.hosts
+        if h1 == h0:  # one host (every spool file): its totals, no bincount
+            by_host = [np.zeros(n, np.int64) for _ in range(3)]
+            for a, total in zip(by_host, (len(steps), start.sum(), n_tokens.sum(dtype=np.int64)),
+                                strict=True):
+                a[h0] = total
+        else:
+            by_host = [bucket_stats.bincount(host, n=n),
+                       bucket_stats.bincount(host[start], n=n),
+                       bucket_stats.bincount(host, n_tokens, n=n)]
+        return Partial(
+            segments=len(steps), slices_written=slices, first_step=lo, last_step=hi,
+            step_segments=Spans([(lo, bucket_stats.bincount(rel))]),
+            step_tokens=Spans([(lo, bucket_stats.bincount(rel, n_tokens))]),
+            step_rows=Spans([(lo, rows.astype(np.int64))]),
+            host_segments=by_host[0], host_exposures=by_host[1], host_tokens=by_host[2])
+
+
+# ---- stage 2: the join, per bucket -----------------------------------------------------------
+
+def _manifest_bucket(plan: Plan, bucket: int) -> dict | None:
+    lo = bucket * plan.bucket_size
+    hi = min(lo + plan.bucket_size, plan.records)
+    if lo >= hi:  # the overflow bucket: keys beyond the manifest
+        return None
+    strings = ("domain", "split", "source")
+    # Strings read as the dictionaries Parquet stores them in: no string is materialised.
+    t = read_rows(pq.ParquetFile(plan.manifest, read_dictionary=strings), lo, hi,
+                  ["record_key", "content_hash", "n_tokens", *strings])
+    out = {c: t[c].to_numpy() for c in ("record_key", "content_hash", "n_tokens")}
+    for c in strings:
+        enc = t[c].unify_dictionaries().combine_chunks()
+        out[c] = enc.indices.to_numpy(zero_copy_only=False).astype(np.int32)
+        out[f"{c}_names"] = enc.dictionary.to_pylist()
+    return out
+
+
+class BucketStats(beam.DoFn):
+    """One bucket: its manifest rows (read here, by key range) joined with its consumption
+    (read from the bucket files): a partial, and a part file of per-record rows."""
+
+    def __init__(self, plan: Plan, parts: str) -> None:
+        self.plan, self.parts = plan, parts
+
+    def process(self, item):
+        bucket, grouped = item
+        slices = list(grouped["consumption"])
+        rows = buckets.read(slices, overflow=bucket == self.plan.buckets)
+        out, records = bucket_stats.compute(_manifest_bucket(self.plan, bucket), rows,
+                                            self.plan.hosts)
+        out.slices_joined = len(slices)
+        if records is not None:
+            write_part(records, Path(self.parts, f"part-{bucket:06d}.parquet"))
+        yield f"bucket-{bucket}", out
+
+
+class CompareReplay(beam.DoFn):
+    """For one step: was each rolled-back attempt's batch replayed, and identically?"""
+
+    def process(self, item):
+        step, parts = item
+        replayed = [p for tag, p in parts if tag == "effective"]
+        rolled: dict[int, list[Columns]] = {}
+        for tag, p in parts:
+            if tag == "rolled_back":
+                for a in np.unique(p["attempt"]):
+                    rolled.setdefault(int(a), []).append(_rows_where(p, p["attempt"] == a))
+        want = _multiset(replayed)
+        for a, ps in rolled.items():
+            same = bool(replayed) and _multiset(ps) == want
+            yield f"replay-{step}-{a}", Partial(
+                replay={a: np.array([1, int(bool(replayed)), int(same)], np.int64)},
+                first_differing_step={} if (not replayed or same) else {a: step})
+
+
+def _multiset(parts: list[Columns]) -> list[tuple]:
+    rows = []
+    for p in parts:
+        rows += list(zip(p["record_key"].tolist(), p["offset"].tolist(),
+                         p["n_tokens"].tolist(), p["content_hash"].tolist(), strict=True))
+    return sorted(rows)
+
+
+# ---- the job --------------------------------------------------------------------------------
+
+def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> Partial:
+    """Run the pipeline; return the merged partials. Workers write bucket files, per-record
+    parts and partial results under `work`, which must be reachable from every worker."""
+    (work / "records").mkdir(parents=True)
+    with pipeline(runner or RunnerSpec(), partitions=max(2, len(plan.files))) as p:
+        # Create spreads its elements over the workers itself (a Reshuffle inside).
+        read = (p | "files" >> beam.Create(plan.files)
+                  | "read" >> beam.ParDo(ReadConsumption(plan, str(work / "buckets"))))
+        # Outputs are (kind, value) pairs split by FlatMaps, not tagged outputs: the Dask
+        # runner sends every tagged output to the main one.
+        out = {kind: read | kind >> beam.FlatMap(_kind, kind)
+               for kind in ("by_bucket", "partials", "replay")}
+        # Every bucket, consumed or not: never-seen records count too.
+        every = p | "buckets" >> beam.Create([(b, b) for b in range(plan.buckets + 1)],
+                                              reshuffle=False)  # the join shuffles them
+        joined = ({"consumption": out["by_bucket"], "manifest": every}
+                  | "join" >> beam.CoGroupByKey())
+        stats = joined | "stats" >> beam.ParDo(BucketStats(plan, str(work / "records")))
+        replay = (out["replay"] | "by step" >> beam.GroupByKey()
+                  | "compare" >> beam.ParDo(CompareReplay()))
+        # Every partial goes to its own file; the driver merges them and checks that nothing
+        # went missing. One leaf: the Dask runner computes only the last transform.
+        saved = ((stats, replay, out["partials"]) | "all partials" >> beam.Flatten()
+                 | "save" >> beam.ParDo(_Save(str(work / "partials"))))
+        (saved | "count" >> beam.Map(lambda n: (0, n)) | "total" >> beam.GroupByKey()
+         | "done" >> beam.MapTuple(lambda _, ns: (work / "saved").write_text(str(sum(ns)))))
+    if not (work / "saved").exists():
+        raise TallyError("the reconcile job did not finish writing its results")
+    merged = merge_all(load_partials(work / "partials"))
+    joined = merged.unknown_segments + merged.hash_checked + merged.hash_unverifiable
+    if (merged.segments, merged.slices_written) != (joined, merged.slices_joined):
+        raise TallyError(f"the reconcile job lost rows: {merged.segments:,} effective rows "
+                         f"read, {joined:,} joined with the manifest; {merged.slices_written:,} "
+                         f"bucket slices written, {merged.slices_joined:,} joined (runner "
+                         f"{runner}); no report written")
+    return merged
+
+
+class _Save(beam.DoFn):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def process(self, item: tuple[str, Partial]):
+        # Named by what it summarises and by its content, written by rename: a retried bundle
+        # rewrites the same file, never half a file; a second, different result for the same
+        # bucket (file, step) lands beside the first, where `load_partials` finds it.
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
+        key, partial = item
+        data = pickle.dumps(partial)
+        name = f"{key}.{xxhash.xxh3_64_hexdigest(data)}.pkl"
+        final = Path(self.folder, name)
+        tmp = final.with_name(f".{name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, final)
+        yield 1
+
+
+def load_partials(folder: Path) -> list[Partial]:
+    """The saved partial results; TallyError when one id has two different results (the
+    runner delivered a bucket's group twice, with different values)."""
+    by_id: dict[str, list[Path]] = {}
+    for f in sorted(folder.glob("*.pkl")):
+        by_id.setdefault(f.name.split(".")[0], []).append(f)
+    twice = sorted(k for k, v in by_id.items() if len(v) > 1)
+    if twice:
+        raise TallyError(f"the runner delivered {len(twice)} group(s) more than once with "
+                         f"different contents ({', '.join(twice[:5])}): a GroupByKey split a "
+                         "key's values; no report written")
+    return [pickle.loads(v[0].read_bytes()) for v in by_id.values()]
+
+
+def write_part(records: pa.Table, final: Path) -> None:
+    # Written where the bucket is computed, in parallel: the driver only moves the folder.
+    # Strings stay dictionary-encoded, as Parquet stores them; without the Arrow schema in the
+    # file they read back as plain strings.
+    tmp = final.with_name(f".{final.name}.{os.getpid()}")
+    pq.write_table(records, tmp, store_schema=False,
+                   use_dictionary=[f.name for f in records.schema
+                                   if pa.types.is_dictionary(f.type)])
+    os.replace(tmp, final)  # a retried bundle rewrites the same part whole
+
+
+def publish_records(work: Path, out: Path) -> None:
+    """OUT/records/: one Parquet part per key bucket, named in key order."""
+    parts = work / "records"
+    if not any(parts.glob("part-*.parquet")):  # an empty manifest: still a readable table
+        write_part(bucket_stats.RECORDS_SCHEMA.empty_table(), parts / "part-000000.parquet")
+    old = work / "records.old"
+    if out.exists():
+        out.rename(old)  # the earlier report's table, until the new one is in place
+    parts.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    out.with_name("records.parquet").unlink(missing_ok=True)  # what earlier versions wrote
+
+
+def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
+              spool: str | Path | None = None, ledger: str | Path | None = None,
+              at_step: int | None = None, runner: RunnerSpec | None = None,
+              bucket_records: int | None = None, memory_gb: float = 3.0) -> dict:
+    """Inputs -> plan -> Beam job -> report files in `out`; returns the report.
+
+    `memory_gb` bounds the memory of the buckets in flight (see `make_plan`)."""
+    from audit.reconcile import report as rp
+
+    if (spool is None) == (ledger is None):
+        raise TallyError("give exactly one of --spool or --ledger")
+    if not Path(manifest).exists():
+        raise TallyError(f"no manifest at {manifest}")
+    out = Path(out)
+    # Under the output folder, so that workers on other machines can reach it when the output
+    # is on a shared file system; removed when the job is done.
+    work = out / ".work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        if spool is not None:
+            if not Path(spool).is_dir():
+                raise TallyError(f"spool {spool} is not a directory")
+            files, attempts, fp = spool_inputs(Path(spool), run_id)
+        else:
+            files, attempts, fp = ledger_inputs(Path(ledger), run_id, work)
+        plan = make_plan(run_id=run_id, manifest=manifest, files=files, attempts=attempts,
+                         run_fingerprint=fp, at_step=at_step, bucket_records=bucket_records,
+                         memory_gb=memory_gb)
+        merged = run_reconcile(plan, work, runner)
+        report, tables = rp.build(plan, merged)
+        rp.write(report, tables, out)
+        publish_records(work, out / "records")
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

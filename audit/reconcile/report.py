@@ -1,0 +1,201 @@
+"""The reconcile report: report.json (versioned), Parquet tables, one self-contained HTML file
+(audit.reconcile.html), and a short terminal summary."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from audit.core import exposure
+from audit.core.exposure import Coverage, verdict
+from audit.reconcile.html import render_html, step_or_none
+from audit.reconcile.partials import Partial
+from audit.reconcile.plan import Plan
+from audit.reconcile.verdict import findings
+
+REPORT_VERSION = 1
+
+
+def _series(a: np.ndarray, n: int) -> np.ndarray:
+    """A per-step (or per-host) series padded with zeros, or cut, to length n."""
+    out = np.zeros(n, dtype=np.int64)
+    out[: min(n, len(a))] = a[:n]
+    return out
+
+
+def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Table]]:
+    """The report dict and its tables, from the plan and the job's merged partials."""
+    n = plan.train_records
+    total = merged.train_exposures
+    counts = merged.exposure_counts
+    coverage = Coverage.from_levels(n, total, counts).to_dict()
+
+    last = merged.last_step
+    n_steps = 0 if last is None else last + 1
+    seg = _series(merged.step_segments.dense(), n_steps)
+    exp_step = _series(merged.train_exposures_by_step, n_steps)
+    new = _series(merged.new_unique_by_step, n_steps)
+    cum_exp = np.cumsum(exp_step)
+    cum_unique = np.cumsum(new)
+    present = seg > 0
+    steps = pa.table({
+        "step": np.arange(n_steps)[present],
+        "segments": seg[present],
+        "tokens": _series(merged.step_tokens.dense(), n_steps)[present],
+        "rows": _series(merged.step_rows.dense(), n_steps)[present],
+        "exposures": exp_step[present],
+        "new_unique": new[present],
+        "repeats": (exp_step - new)[present],
+        "cumulative_unique": cum_unique[present],
+        "coverage": (cum_unique / n if n else cum_unique * 0.0)[present],
+        "ideal_coverage": np.asarray(exposure.ideal_coverage(cum_exp, n))[present],
+    })
+
+    h = plan.hosts
+    overlap = merged.overlap
+    overlap = np.pad(overlap, ((0, h - overlap.shape[0]), (0, h - overlap.shape[1])))
+    per_host_series = {name: _series(getattr(merged, f"host_{name}"), h) for name in (
+        "segments", "exposures", "tokens", "unique", "overlap_with_others")}
+    per_host = [{"host": i, **{name: int(v[i]) for name, v in per_host_series.items()}}
+                for i in range(h)]
+
+    dom = merged.domain
+    rec_total = sum(int(v[0]) for v in dom.values()) or 1
+    tok_total = sum(int(v[1]) for v in dom.values()) or 1
+    exp_total = sum(int(v[2]) for v in dom.values()) or 1
+    ctok_total = sum(int(v[3]) for v in dom.values()) or 1
+    domains = [{"domain": d, "records": int(v[0]), "tokens": int(v[1]),
+                "exposures": int(v[2]), "tokens_consumed": int(v[3]),
+                "never_seen": int(v[4]),
+                "planned_share": v[0] / rec_total, "actual_share": v[2] / exp_total,
+                "planned_token_share": v[1] / tok_total,
+                "actual_token_share": v[3] / ctok_total}
+               for d, v in sorted(dom.items())]
+    sources = [{"source": s, "records": int(v[0]), "never_seen": int(v[1])}
+               for s, v in sorted(merged.source.items())]
+
+    restarts = []
+    prev_hosts = None
+    for a in sorted(plan.attempts):
+        info = plan.attempts[a]
+        cut = plan.cutoffs.get(a)
+        rolled, replayed, identical = map(int, _series(merged.replay.get(a, np.zeros(0)), 3))
+        restarts.append({
+            "attempt": a, "resumed_from_step": info["resumed_from_step"],
+            "host_count": info["host_count"], "previous_host_count": prev_hosts,
+            "rolled_back_from_step": cut, "rolled_back_steps": rolled,
+            "replayed_steps": replayed, "identical_steps": identical,
+            "exact": None if cut is None or not replayed else replayed == identical,
+            "first_differing_step": merged.first_differing_step.get(a)})
+        prev_hosts = info["host_count"]
+
+    first_bad = exposure.first_bad_step(merged.max_rank_by_step, exp_step, n)
+    report: dict[str, Any] = {
+        "report_version": REPORT_VERSION,
+        "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "run_id": plan.run_id,
+        "at_step": plan.at_step,
+        "manifest": {"path": plan.manifest, "fingerprint": plan.fingerprint,
+                     "records": plan.records, "train_records": n},
+        "run_manifest_fingerprint": plan.run_fingerprint,
+        "consumption": {"segments": merged.segments,
+                        "first_step": merged.first_step, "last_step": last,
+                        "files": len(plan.files), "skipped_files": merged.skipped_files,
+                        "rows_per_step": int(np.median(steps["rows"].to_numpy()))
+                        if steps.num_rows else 0},
+        "coverage": {
+            **coverage,
+            # Exposures beyond the first of a record within one epoch (epoch known).
+            "epoch_duplicates": merged.epoch_duplicates,
+            "epoch_duplicate_records": merged.epoch_duplicate_records,
+        },
+        "hosts": {"count": h, "per_host": per_host, "overlap_matrix": overlap.tolist()},
+        "domains": domains,
+        "sources": sources,
+        "integrity": {k: int(getattr(merged, k)) for k in (
+            "unknown_keys", "unknown_segments", "hash_checked", "hash_mismatches",
+            "hash_unverifiable", "heldout_consumed_records", "heldout_exposures")},
+        "examples": {"unknown": merged.unknown_examples,
+                     "hash_mismatch": merged.hash_mismatch_examples},
+        "restarts": [r for r in restarts if r["resumed_from_step"] is not None
+                     or r["rolled_back_from_step"] is not None],
+        "batch_changes": _batch_changes(steps, plan),
+        "first_bad_step": first_bad,
+        "exposures_before_first_bad": (int(cum_exp[first_bad - 1]) if first_bad else
+                                       0 if first_bad == 0 else None),
+    }
+    report["findings"] = findings(report)
+    report["verdict"] = verdict(report["findings"])
+    tables = {
+        "steps": steps,
+        "hosts": pa.Table.from_pylist(per_host),
+        "domains": pa.Table.from_pylist(domains) if domains else pa.table({}),
+    }
+    return report, tables
+
+
+def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:
+    """Resumes after which the global rows per step changed."""
+    out = []
+    if not steps.num_rows:
+        return out
+    s = steps["step"].to_numpy()
+    rows = steps["rows"].to_numpy()
+    last = s == s.max()  # a run still going may have a partial last step
+    for info in plan.attempts.values():
+        r = info["resumed_from_step"]
+        if r is None:
+            continue
+        before = rows[(s < r) & ~last]
+        after = rows[(s >= r) & ~last]
+        if before.size and after.size:
+            b, a = int(np.median(before)), int(np.median(after))
+            if a != b:
+                out.append({"step": r, "before": b, "after": a})
+    return out
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
+    """report.json, report.html and the small tables (records/ is written by the job)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
+    for name, t in tables.items():
+        pq.write_table(t, out / f"{name}.parquet")
+    (out / "report.html").write_text(render_html(report, tables["steps"]))
+
+
+def _json(o: Any) -> Any:
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    raise TypeError(type(o).__name__)
+
+
+def summary(report: dict, out: Path | None = None) -> str:
+    c = report["coverage"]
+    f = c["histogram_fraction"]
+    lines = [
+        f"run {report['run_id']}: {report['verdict']}"
+        + (f" (as of step {report['at_step']})" if report["at_step"] is not None else ""),
+        f"  coverage {100 * c['coverage']:.1f}% of {c['train_records']:,} train records; "
+        f"never seen {100 * f['0']:.1f}%, seen once {100 * f['1']:.1f}%, "
+        f"seen 2+ {100 * (f['2'] + f['3+']):.1f}% ({c['exposures']:,} exposures; ideal "
+        f"{c['ideal']['min']}..{c['ideal']['max']} each)",
+        f"  excess exposures {c['excess_exposures']:,}, missing {c['missing_exposures']:,}; "
+        f"first bad step {step_or_none(report['first_bad_step'])}",
+    ]
+    lines += [f"  {x['severity']}: {x['message']}" for x in report["findings"]]
+    if out is not None:
+        lines.append(f"  report: {out / 'report.html'}  ({out / 'report.json'})")
+    return "\n".join(lines)
+
+
