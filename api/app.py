@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,8 @@ class Service:
 
     def __init__(self, ledger: Ledger, *, spool: Path | None, manifest: ManifestDomains | None,
                  records: int | None, reports: Path | None, thresholds: Thresholds,
-                 webhook: str | None, interval: float) -> None:
+                 webhook: str | None, interval: float, checkpoints: list[str] | None = None,
+                 preflight_seconds: float = 120.0, max_round_seconds: float = 60.0) -> None:
         if manifest is not None:
             uni = q.Universe(manifest.train_records, "manifest")
         elif records is not None:
@@ -61,8 +63,11 @@ class Service:
         self.reports = reports
         self.thresholds = thresholds
         self.webhook = Webhook(webhook)
-        self.loop = (IngestLoop(ledger, spool, interval=interval, after_round=self.after_round)
+        self.loop = (IngestLoop(ledger, spool, interval=interval, after_round=self.after_round,
+                                max_round_seconds=max_round_seconds)
                      if spool is not None else None)
+        self.checkpoints = checkpoints or []
+        self.preflight_seconds = preflight_seconds
 
     def json(self, key: tuple, run_id: str | None, compute: Callable[[Snap], Any], *,
              outside: bool = False) -> Response:
@@ -82,7 +87,7 @@ class Service:
                           lag_seconds=lag, behind=cov.get("behind_ideal"))
         return {"run_id": run_id, "status": status(alerts), "alerts": alerts,
                 "last_step": cov["latest_step"], **t, "coverage": cov,
-                "ingest_lag_seconds": lag}
+                "ingest_lag_seconds": lag, "quarantined_files": self.live.quarantined(run_id)}
 
     def after_round(self) -> None:
         self.check_alerts()
@@ -93,24 +98,61 @@ class Service:
             self.webhook.update(run_id, self.summary(run_id)["alerts"])
 
 
+class FiniteJSONResponse(JSONResponse):
+    """JSON with every non-finite float as null: a NaN loss is a value JSON cannot hold, and
+    must not turn an answer into a server error."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(finite(jsonable_encoder(content)), ensure_ascii=False,
+                          allow_nan=False, separators=(",", ":")).encode()
+
+
+def finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
 def _encode(value: Any) -> bytes:
-    return JSONResponse(jsonable_encoder(value)).body
+    return FiniteJSONResponse(value).body
+
+
+def check_settings(*, spool: str | Path | None = None, manifest: str | Path | None = None,
+                   records: int | None = None, reports: str | Path | None = None,
+                   checkpoints: list[str] | None = None) -> ManifestDomains | None:
+    """The service's arguments, checked before anything is opened or created (TallyError
+    saying which is wrong); returns the manifest's domains when a manifest is given."""
+    if spool is not None and not Path(spool).is_dir():
+        raise TallyError(f"spool {spool} is not a directory")
+    if records is not None and records < 1:
+        raise TallyError("--records must be >= 1")
+    if reports is not None and not Path(reports).is_dir():
+        raise TallyError(f"reports {reports} is not a directory")
+    for c in checkpoints or []:
+        if not Path(c).is_dir():
+            raise TallyError(f"--checkpoints {c} is not a directory")
+    return None if manifest is None else ManifestDomains.load(manifest)
 
 
 def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                manifest: str | Path | None = None, records: int | None = None,
                reports: str | Path | None = None, token: str | None = None,
                thresholds: Thresholds | None = None, webhook: str | None = None,
-               interval: float = 1.0) -> FastAPI:
-    """The app over an open, writable ledger; with `spool`, it ingests while it serves."""
-    if spool is not None and not Path(spool).is_dir():
-        raise TallyError(f"spool {spool} is not a directory")
-    if records is not None and records < 1:
-        raise TallyError("--records must be >= 1")
-    svc = Service(ledger, spool=None if spool is None else Path(spool),
-                  manifest=None if manifest is None else ManifestDomains.load(manifest),
+               interval: float = 1.0, checkpoints: list[str] | None = None,
+               preflight_seconds: float = 120.0, max_round_seconds: float = 60.0) -> FastAPI:
+    """The app over an open, writable ledger; with `spool`, it ingests while it serves.
+    Checks its arguments (`check_settings`) first."""
+    domains = check_settings(spool=spool, manifest=manifest, records=records,
+                             reports=reports, checkpoints=checkpoints)
+    svc = Service(ledger, spool=None if spool is None else Path(spool), manifest=domains,
                   records=records, reports=None if reports is None else Path(reports),
-                  thresholds=thresholds or Thresholds(), webhook=webhook, interval=interval)
+                  thresholds=thresholds or Thresholds(), webhook=webhook, interval=interval,
+                  checkpoints=checkpoints, preflight_seconds=preflight_seconds,
+                  max_round_seconds=max_round_seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -131,15 +173,18 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     app = FastAPI(title="Tally live API", version="1",
                   description="What a training run has consumed, while it runs: coverage and "
                               "duplication per step and per host, record lookups, alerts.",
-                  lifespan=lifespan)
+                  lifespan=lifespan, default_response_class=FiniteJSONResponse)
     app.state.service = svc
 
     @app.middleware("http")
     async def bearer(request: Request, call_next):
         if token is not None:
+            # The header everywhere; a query token only for the dashboard page, which a browser
+            # opens by URL (its own requests then send the header).
             got = request.headers.get("authorization", "")
-            given = got[7:] if got.lower().startswith("bearer ") else \
-                request.query_params.get("token", "")
+            given = got[7:] if got.lower().startswith("bearer ") else ""
+            if not given and request.url.path == "/" and request.method == "GET":
+                given = request.query_params.get("token", "")
             if not hmac.compare_digest(given.encode(), token.encode()):
                 return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
@@ -164,13 +209,16 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         """Liveness, and how the ingester is doing."""
         loop = svc.loop
         files = svc.live.files_in_ledger()
-        ok = loop is None or (loop.alive and loop.last_error is None)
+        overran = loop is not None and loop.overran() is not None
+        ok = loop is None or (loop.alive and loop.last_error is None and not overran)
         return {"status": "ok" if ok else "degraded", "ledger": str(ledger.path),
                 "files_in_ledger": files, "ingesting": loop is not None,
+                "quarantined_files": svc.live.quarantine_counts(),
                 "ingest": None if loop is None else {
                     "alive": loop.alive, "rounds": loop.rounds, "files": loop.files,
                     "rows": loop.rows, "quarantined": loop.quarantined,
-                    "last_error": loop.last_error, "lag_seconds": loop.lag_seconds()},
+                    "last_error": loop.last_error, "lag_seconds": loop.lag_seconds(),
+                    "overran": loop.overran(), "max_round_seconds": loop.max_round_seconds},
                 "universe": {"train_records": svc.live.uni.n, "source": svc.live.uni.source},
                 "thresholds": svc.thresholds.as_dict(),
                 "webhook": {"configured": svc.webhook.url is not None,

@@ -2,28 +2,41 @@
 records the verdict there; GET lists the verdicts recorded for a run. A trainer that resumes on
 another topology while `tally serve` holds the ledger asks here (trainer/launch.py).
 
+What a client may make the service do is bounded: the checkpoint must lie under a checkpoint
+directory the service may read (`--checkpoints DIR`, else the directories the run's trainer
+recorded in its spool files), error messages never echo the file system, the horizon is capped,
+and the shadow run is cancelled when the client goes away or its time box is spent.
+
 No `from __future__ import annotations` here: FastAPI must see the run-id type passed in as a
 real annotation, not as a string naming a local variable."""
 
-
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from audit.core.errors import NotFound, TallyError, Unavailable
-from audit.preflight import record_verdict, run_preflight
+from audit.preflight import load_checkpoint_meta, record_verdict, run_preflight
+from pipeline.shadow import Cancelled
+
+MAX_HORIZON = 2000  # steps per request: ~2 s per host on one core (bench/RESULTS.md)
 
 
 class PreflightRequest(BaseModel):
     checkpoint: str = Field(min_length=1, max_length=4096,
                             description="checkpoint directory (latest step) or one step's "
-                                        "directory, as the service's host sees it")
+                                        "directory, as the service's host sees it; it must lie "
+                                        "under a checkpoint directory the service may read")
     hosts: int = Field(ge=1, le=65536, description="the new host count")
     global_batch: int | None = Field(None, ge=1, le=2**31 - 1,
                                      description="the new global batch (default: unchanged)")
-    horizon: int | None = Field(None, ge=1, le=1_000_000,
+    horizon: int | None = Field(None, ge=1, le=MAX_HORIZON,
                                 description="steps to plan (default: to the epoch's end, "
                                             "at most 1000)")
     forced: bool = Field(False, description="the caller resumes even if the verdict is not "
@@ -31,30 +44,66 @@ class PreflightRequest(BaseModel):
     requested_by: Literal["api", "trainer"] = "api"
 
 
+class Forbidden(TallyError):
+    """A checkpoint outside the directories the service may read (HTTP 403)."""
+
+
+def checkpoint_roots(svc: Any, run: int, cur: Any) -> list[str]:
+    """The directories checkpoints may be read from: --checkpoints, else the run's own."""
+    if svc.checkpoints:
+        return [os.path.realpath(p) for p in svc.checkpoints]
+    return [os.path.realpath(r[0]) for r in cur.execute(
+        "SELECT DISTINCT checkpoint_dir FROM attempts WHERE run = ? AND checkpoint_dir "
+        "IS NOT NULL", [run]).fetchall()]
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(os.path.commonpath([real, root]) == root for root in roots)
+
+
 def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
     @app.post("/v1/runs/{run_id}/preflight", tags=["preflight"],
               responses={**errors,
+                         403: {"description": "the checkpoint lies outside the checkpoint "
+                                              "directories this service may read"},
                          404: {"description": "unknown run, or no checkpoint at that path"},
-                         422: {"description": "bad request or unusable checkpoint"}})
-    def preflight(run_id: run_id_type, body: PreflightRequest) -> dict[str, Any]:
+                         422: {"description": "bad request or unusable checkpoint"},
+                         503: {"description": "the check ran out of its time box"}})
+    async def preflight(run_id: run_id_type, body: PreflightRequest,
+                        request: Request) -> dict[str, Any]:
         """Run the pre-flight check for resuming `run_id` from a checkpoint on `hosts` hosts;
         the verdict (safe, unsafe or unknown, with findings) is recorded in the ledger."""
         if svc.manifest is None:
             raise Unavailable("the pre-flight check needs the manifest: start the service "
-                                "with --manifest")
-        with svc.live.read(run_id):  # 404 for an unknown run
-            pass
+                              "with --manifest")
+        with svc.live.read(run_id) as snap:  # 404 for an unknown run
+            roots = checkpoint_roots(svc, snap.run, snap.cur)
+        if not roots:
+            raise Forbidden("no checkpoint directory is known for this run: its trainer did "
+                            "not record one, and the service was started without "
+                            "--checkpoints DIR")
+        if not _inside(body.checkpoint, roots):
+            raise Forbidden("the checkpoint lies outside the checkpoint directories this "
+                            "service may read (the run's recorded checkpoint directory, or "
+                            "--checkpoints DIR)")
+        cancel = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(_check, svc, run_id, body, cancel))
+        deadline = time.monotonic() + svc.preflight_seconds
         try:
-            verdict = run_preflight(svc.ledger, run_id, svc.manifest.path, body.checkpoint,
-                                    body.hosts, global_batch=body.global_batch,
-                                    horizon=body.horizon, workers=1)
-        except NotFound:
-            raise  # 404: no checkpoint there
-        except TallyError as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=422)
-        vid = record_verdict(svc.ledger, verdict, forced=body.forced and not verdict.ok,
-                             requested_by=body.requested_by)
-        return {"id": vid, "exit_code": verdict.exit_code, **verdict.to_dict()}
+            while not work.done():
+                await asyncio.wait({work}, timeout=0.25)
+                if work.done():
+                    break
+                if await request.is_disconnected() or time.monotonic() > deadline:
+                    cancel.set()
+            return await work
+        except Cancelled:
+            return JSONResponse({"detail": f"the pre-flight check ran past its time box of "
+                                           f"{svc.preflight_seconds:.0f} s and was stopped; "
+                                           "give a shorter horizon"}, status_code=503)
+        finally:
+            cancel.set()
 
     @app.get("/v1/runs/{run_id}/preflight", tags=["preflight"], responses=errors)
     def preflight_history(run_id: run_id_type) -> list[dict[str, Any]]:
@@ -68,3 +117,32 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
                 "forced", "requested_by", "headline")
         return [{**dict(zip(keys, r, strict=True)), "checked_at": r[1].isoformat()}
                 for r in rows]
+
+    @app.exception_handler(Forbidden)
+    async def forbidden(request: Request, exc: Forbidden):
+        return JSONResponse({"detail": str(exc)}, status_code=403)
+
+
+def _check(svc: Any, run_id: str, body: PreflightRequest,
+           cancel: threading.Event) -> dict[str, Any]:
+    """The check and its record (in a worker thread). Checkpoint errors are answered without
+    the file system's own words: which paths exist, or what a directory holds, is not the
+    client's to learn."""
+    try:
+        meta = load_checkpoint_meta(Path(body.checkpoint))
+    except NotFound:
+        raise NotFound("no checkpoint at that path") from None
+    except TallyError:
+        return JSONResponse({"detail": "the checkpoint cannot be read as a Tally checkpoint "
+                                       "(not one, or damaged)"}, status_code=422)
+    try:
+        verdict = run_preflight(svc.ledger, run_id, svc.manifest.path, meta, body.hosts,
+                                global_batch=body.global_batch, horizon=body.horizon,
+                                workers=1, cancel=cancel)
+    except Cancelled:
+        raise
+    except TallyError as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+    vid = record_verdict(svc.ledger, verdict, forced=body.forced and not verdict.ok,
+                         requested_by=body.requested_by)
+    return {"id": vid, "exit_code": verdict.exit_code, **verdict.to_dict()}

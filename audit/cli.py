@@ -130,7 +130,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.alerts import Thresholds
-    from api.app import create_app
+    from api.app import check_settings, create_app
     from audit.ledger.database import Ledger
 
     off = lambda v: None if v is not None and v < 0 else v  # noqa: E731
@@ -139,14 +139,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     ingest_lag_seconds=off(args.max_ingest_lag),
                     coverage_behind=off(args.max_coverage_behind))
     token = args.token or os.environ.get("TALLY_API_TOKEN") or None
+    # Everything that can be checked is checked before the ledger is opened: a failed start
+    # creates nothing.
+    check_settings(spool=args.spool, manifest=args.manifest, records=args.records,
+                   reports=args.reports, checkpoints=args.checkpoints)
+    _check_port(args.host, args.port)
     with Ledger(args.ledger) as ledger:
         app = create_app(ledger, spool=args.spool, manifest=args.manifest, records=args.records,
                          reports=args.reports, token=token, thresholds=th,
-                         webhook=args.webhook, interval=args.interval)
+                         webhook=args.webhook, interval=args.interval,
+                         checkpoints=args.checkpoints, preflight_seconds=args.preflight_seconds,
+                         max_round_seconds=args.max_round_seconds)
         print(f"tally serve: http://{args.host}:{args.port}/ (ledger {args.ledger}"
               + (f", ingesting {args.spool}" if args.spool else "") + ")", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise TallyError(f"--port {port} is outside 0..65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise TallyError(f"--host {host}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            raise TallyError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
@@ -305,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alert above this many seconds of ingest lag (-1: off)")
     s.add_argument("--max-coverage-behind", type=float, default=0.02,
                    help="alert when coverage is this far below the ideal (-1: off)")
+    s.add_argument("--checkpoints", action="append", metavar="DIR",
+                   help="a directory the pre-flight endpoint may read checkpoints from "
+                        "(repeatable; default: the checkpoint directories the run's trainer "
+                        "recorded in its spool files)")
+    s.add_argument("--preflight-seconds", type=float, default=120.0,
+                   help="time box of one pre-flight request (default 120)")
+    s.add_argument("--max-round-seconds", type=float, default=60.0,
+                   help="an ingest round longer than this turns /healthz degraded (default 60)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(func=_cmd_serve)
 

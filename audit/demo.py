@@ -116,7 +116,7 @@ def table(reports: dict[str, dict], metrics: dict[str, dict]) -> str:
                                  + reports[r]["coverage"]["histogram_fraction"]["3+"]))
     add("host overlap (records x host pairs)", lambda r: f"{_overlap(reports[r]):,}")
     for i, m in enumerate(metrics[runs[0]]["milestones"]):
-        add(f"step {m['step'] + 1}: train / held-out loss",
+        add(f"step {m['step']}: train / held-out loss",
             lambda r, i=i: _losses(metrics[r]["milestones"], i))
     widths = [max(len(row[c]) for row in rows + [("", *map(LABELS.get, runs))])
               for c in range(len(runs) + 1)]

@@ -1,13 +1,14 @@
 """Live API latency on a large ledger while ingestion goes on.
 
 Writes a spool of `--rows` consumption rows through the real writer (a healthy loader: each
-epoch a fresh permutation of `--records` keys, cut across `--hosts` hosts, `--batch` segments per
-host and step), ingests it with `audit.ledger.ingest` (aggregates included), then times the reference:
-the same answers computed by one SQL query each over `effective_consumption` (coverage, the
-per-step series, per-host unique records). Then starts `tally serve` on the ledger in its own
-process, keeps writing more spool files (about `--live-rows-per-s` rows per second, ingested by
-the server as they appear) and times `--requests` sequential requests per endpoint. Prints p50
-and p99 per endpoint, and each aggregate-backed endpoint's p50 against its reference.
+epoch a fresh permutation of `--records` keys, cut across `--hosts` hosts, `--batch` segments
+per host and step), ingests it with `audit.ledger.ingest` (aggregates included), then times the
+reference: the same answers computed by one SQL query each over `effective_consumption`
+(coverage, the per-step series, per-host unique records). Then starts `tally serve` on the
+ledger in its own process, keeps writing more spool files (about `--live-rows-per-s` rows per
+second, ingested by the server as they appear) and times `--requests` sequential requests per
+endpoint. Prints p50 and p99 per endpoint, and each aggregate-backed endpoint's p50 against its
+reference.
 
     python -m bench.api_latency [--rows 50000000] [--records 10000000] [--dir bench/out/api]
 """
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         built = json.loads(saved.read_text())
         rows, ref = built["rows"], built["ref"]
         steps = 1 + max(int(pq.read_schema(f.path).metadata[b"tally.last_step"])
-                        for f in sp.scan(spool) if getattr(f, "kind", None) == "seg")
+                        for f, _ in sp.scan(spool) if getattr(f, "kind", None) == "seg")
         print(f"reusing {out}: {rows:,} rows built, spool up to step {steps - 1}")
     else:
         shutil.rmtree(out, ignore_errors=True)

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     make_spool(spool, args.files, args.rows)
     print(f"spool: {args.files} files x {args.rows:,} rows written in "
           f"{time.perf_counter() - t0:.1f} s")
-    paths = [f.path for f in sp.scan(spool)]
+    paths = [f.path for f, _ in sp.scan(spool)]
     tables = [pq.read_table(p) for p in paths]
     total = sum(t.num_rows for t in tables)
 

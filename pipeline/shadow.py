@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -86,15 +87,21 @@ def record_starts(batch: dict[str, np.ndarray]) -> np.ndarray:
     return batch["key"][starts]
 
 
+class Cancelled(TallyError):
+    """A shadow run stopped by its caller (a client gone, a time box spent)."""
+
+
 def _plan_host(source, cfg: LoaderConfig, host: int, hosts: int, state: dict | None,
                steps: int, *, until_epoch: int | None, stop_when_passed: bool,
-               keep_state: bool) -> HostPlan:
+               keep_state: bool, cancel: threading.Event | None = None) -> HostPlan:
     loader = KeyedLoader(source, cfg, host, hosts)
     if state is not None:
         loader.set_state(state, force=True)
     n = len(source)
     idx, step_of, passed, ended, read = [], [], None, False, 0
     while read < steps:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the pre-flight shadow run was cancelled")
         try:
             batch = next(loader)
         except StopIteration:
@@ -131,7 +138,8 @@ def _plan_hosts(args: tuple) -> list[HostPlan]:
 
 def shadow_run(source, cfg: LoaderConfig, hosts: int, states: Sequence[dict | None], *,
                steps: int, until_epoch: int | None = None, to_epoch_end: bool = False,
-               workers: int = 1) -> tuple[list[HostPlan], int]:
+               workers: int = 1, cancel: threading.Event | None = None
+               ) -> tuple[list[HostPlan], int]:
     """Every host's plan from its restored state (`states[h]`, None: from the start).
 
     With `to_epoch_end`, the horizon ends at the first step where every host is wholly past
@@ -141,7 +149,7 @@ def shadow_run(source, cfg: LoaderConfig, hosts: int, states: Sequence[dict | No
     cfg = dataclasses.replace(cfg, read_threads=0, read_buffer=0, workers=0)
     cfg.check(hosts)
     kw = dict(until_epoch=until_epoch, stop_when_passed=to_epoch_end, keep_state=to_epoch_end)
-    with _Pool(source, workers, len(states)) as pool:
+    with _Pool(source, workers, len(states), cancel) as pool:
         plans = pool.run(cfg, hosts, [(h, st, steps) for h, st in enumerate(states)], kw)
         horizon = steps
         if to_epoch_end and all(p.passed is not None for p in plans):
@@ -164,8 +172,10 @@ def shadow_run(source, cfg: LoaderConfig, hosts: int, states: Sequence[dict | No
 class _Pool:
     """Runs host jobs in this process (workers <= 1) or in spawned worker processes."""
 
-    def __init__(self, source, workers: int, jobs: int) -> None:
+    def __init__(self, source, workers: int, jobs: int,
+                 cancel: threading.Event | None = None) -> None:
         self.source, self.workers = source, max(1, min(workers, jobs))
+        self.cancel = cancel  # honoured in this process, and between chunks of the workers
         self._ex: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> _Pool:
@@ -181,12 +191,15 @@ class _Pool:
 
     def run(self, cfg, hosts: int, jobs: list, kw: dict) -> list[HostPlan]:
         if self._ex is None:
-            return [_plan_host(self.source, cfg, h, hosts, st, n, **kw) for h, st, n in jobs]
+            return [_plan_host(self.source, cfg, h, hosts, st, n, cancel=self.cancel, **kw)
+                    for h, st, n in jobs]
         # Several chunks per worker so that an uneven chunk does not leave workers idle.
         n = min(len(jobs), self.workers * 4)
         chunks = [jobs[i::n] for i in range(n)]
         out = {}
         for part in self._ex.map(_plan_hosts, [(cfg, hosts, c, kw) for c in chunks]):
+            if self.cancel is not None and self.cancel.is_set():
+                raise Cancelled("the pre-flight shadow run was cancelled")
             out.update({p.host: p for p in part})
         return [out[h] for h, _, _ in jobs]
 

@@ -241,7 +241,7 @@ def test_coverage_universe_from_writer_metadata_and_cached_answers(tmp_path):
     writers recorded; answers cached between ingests change when an ingest lands."""
     spool = tmp_path / "spool"
     write_steps(spool, "w", host=0, hosts=1, steps=range(10), n=N, seed=1, flush_every=5,
-                records_per_epoch=N, outside={3: N + 1})
+                records_per_epoch=N)
     write_steps(spool, "plain", host=0, hosts=1, steps=range(5), n=N, seed=2, flush_every=5)
     with Ledger(tmp_path / "ledger.duckdb") as ledger:
         ingest(spool, ledger)
@@ -254,7 +254,8 @@ def test_coverage_universe_from_writer_metadata_and_cached_answers(tmp_path):
                     AND "offset" = 0 AND record_key < {n}""")[0]["seen"]
                 assert (c["train_records"], c["universe"], c["seen"]) == (n, source, want)
                 assert c["coverage"] == pytest.approx(want / n)
-                assert c["outside"]["records"] >= 1  # key N + 1 at step 3
+                # Keys the writer said are inside; under --records 40 most are outside.
+                assert (c["outside"]["records"] > 0) == (records is not None)
                 assert srv.get("/v1/runs/w").json()["coverage"] == c
                 p = srv.get("/v1/runs/plain/coverage").json()
                 assert p["universe"] == ("unknown" if records is None else source)
@@ -287,7 +288,8 @@ def test_answers_asked_for_are_ready_after_each_ingest_round(tmp_path):
 
             def ready() -> bool:  # the new version's answer, computed with no request
                 g = newest()
-                return g > gen and svc.live._cached((g, "steps", "r", None, None, 2, 500)) is not None
+                key = (g, "steps", "r", None, None, 2, 500)
+                return g > gen and svc.live._cached(key) is not None
 
             assert poll(ready)
             after = srv.get("/v1/runs/r/steps?bucket=2").json()

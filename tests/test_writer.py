@@ -16,7 +16,7 @@ from tests.conftest import record_tokens, unpacked_batch
 
 
 def _published(spool):
-    return [f for f in sp.scan(spool) if isinstance(f, sp.SpoolFile)]
+    return [f for f, _ in sp.scan(spool) if isinstance(f, sp.SpoolFile)]
 
 
 def test_round_trip_writer_spool_ingest_holds_exactly_the_rows_written(spool, tmp_path):
@@ -149,8 +149,42 @@ def test_invalid_arguments_are_refused(spool):
         LedgerWriter(spool, "../evil")
 
 
-def test_a_new_writer_for_the_same_host_never_overwrites(spool):
-    for _ in range(2):
-        with LedgerWriter(spool, "again") as w:
+def test_a_reused_run_id_or_a_restart_within_an_attempt_is_refused(spool):
+    with LedgerWriter(spool, "again", host=1, host_count=2) as w:
+        w.write_batch(0, unpacked_batch(0))
+        w.write_batch(1, unpacked_batch(1))
+    # Another host of the same job starting attempt 0 later is fine, and so is a new writer
+    # of host 1 that goes on with later steps.
+    LedgerWriter(spool, "again", host=0, host_count=2).close()
+    with LedgerWriter(spool, "again", host=1, host_count=2) as w:
+        w.write_batch(2, unpacked_batch(2))
+    # Host 1 writing a step of attempt 0 again: the run id is reused (or the host restarted
+    # without resuming); its rows would count twice.
+    w = LedgerWriter(spool, "again", host=1, host_count=2)
+    with pytest.raises(WriterError, match="run again already has a spool: host 1 published "
+                                          "steps up to 2 of attempt 0; step 0 again .* resume"):
+        w.write_batch(0, unpacked_batch(0))
+    w.close()
+    with LedgerWriter(spool, "again", host=1, host_count=2, attempt=1,
+                      resumed_from_step=1) as w:
+        w.write_batch(1, unpacked_batch(1))
+        with pytest.raises(WriterError, match="never go back"):
             w.write_batch(0, unpacked_batch(0))
-    assert [f.seq for f in _published(spool)] == [0, 1]
+    with pytest.raises(WriterError, match="already has attempt 1"):  # an older attempt, late
+        LedgerWriter(spool, "again", host=0, host_count=2)
+    assert [(f.attempt, f.first_step) for f in _published(spool)] == [(0, 0), (0, 2), (1, 1)]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(host=0, host_count=0), "host_count 0 is outside"),
+    (dict(host=0, host_count=65_537), "host_count 65537 is outside"),
+    (dict(host=4, host_count=4), "host 4 is outside 0..3"),
+    (dict(host=-1, host_count=4), "host -1 is outside"),
+    (dict(records_per_epoch=0), "records_per_epoch 0 is outside"),
+    (dict(records_per_epoch=2**41), "records_per_epoch .* is outside"),
+    (dict(attempt=1, resumed_from_step=-5), "resumed_from_step -5 is outside"),
+])
+def test_the_writer_refuses_values_outside_the_contract(spool, bad, match):
+    with pytest.raises(WriterError, match=match):
+        LedgerWriter(spool, "bounds", **bad)
+    assert not (spool / "bounds").exists()

@@ -27,6 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def refuse_reuse(cfg: TrainConfig) -> None:
+    """A fresh start (no --resume) of a run that already has a spool would write a second
+    attempt 0: the ledger would quarantine it and the audit would mix two runs."""
+    from audit.hook import spool as sp
+
+    run_dir = Path(cfg.spool) / cfg.run_id
+    if run_dir.is_dir() and any(sp.published(p.name) for p in run_dir.glob("attempt=*/host=*/*")):
+        raise TallyError(f"run {cfg.run_id} already has a spool in {cfg.spool}: resume it "
+                         "(--resume) or choose another run id")
+
+
 def check_resume(cfg: TrainConfig, hosts: int, force: bool) -> dict | None:
     """Before any host starts: resuming on the checkpoint's own topology needs nothing; on
     another host count or global batch the pre-flight check must say it is safe, or the job
@@ -104,13 +115,17 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
         raise TallyError(f"global_batch {cfg.global_batch} is not divisible by {hosts} hosts")
     if resume:
         check_resume(cfg, hosts, force)
+    else:
+        refuse_reuse(cfg)
     coordinator = f"127.0.0.1:{free_port()}"
     env = {"JAX_PLATFORMS": "cpu", **os.environ}  # CPU unless the caller chose otherwise
+    # Each host in a session of its own: a Ctrl-C at the terminal reaches this launcher only,
+    # which stops the hosts (SIGTERM) instead of each printing its traceback.
     procs = [subprocess.Popen(
         [sys.executable, "-m", "trainer.host", "--config-json",
          json.dumps(dataclasses.asdict(cfg)), "--host", str(h), "--hosts", str(hosts),
          "--coordinator", coordinator] + (["--resume"] if resume else [])
-        + (["--force"] if force else []), env=env)
+        + (["--force"] if force else []), env=env, start_new_session=True)
         for h in range(hosts)]
     try:
         return _wait(procs, grace_s)

@@ -80,6 +80,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
     writer = (LedgerWriter(cfg.spool, cfg.run_id, host=host, host_count=host_count,
                            attempt=attempt, resumed_from_step=start if attempt else None,
                            records_per_epoch=len(source), flush_every=cfg.flush_every,
+                           checkpoint_dir=cfg.checkpoint_dir if mngr is not None else None,
                            manifest_fingerprint=fingerprint)
               if audit else nullcontext())
     pending: list[tuple[int, jax.Array]] = []  # losses not yet fetched (keeps dispatch async)
@@ -129,7 +130,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
                 log_losses()
                 if log and host == 0:
                     rate = (step + 1 - start) / (time.perf_counter() - t0)
-                    log(f"step {step + 1}/{cfg.steps}  loss {result.losses[-1]:.3f}  "
+                    log(f"step {step} (last {cfg.steps - 1})  loss {result.losses[-1]:.3f}  "
                         f"{rate:.1f} steps/s")
             if held is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 sums, counts = jax.device_get(evaluate(params, held_tokens, held_segments))
@@ -137,7 +138,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
                 if audit and host == 0:
                     writer.log_metrics([(step, k, v) for k, v in result.evals[step].items()])
                 if log and host == 0:
-                    log(f"step {step + 1}: held-out loss "
+                    log(f"step {step}: held-out loss "
                         f"{result.evals[step]['heldout_loss']:.3f}")
         log_losses()
         if cfg.checkpoint_every and cfg.steps > start:

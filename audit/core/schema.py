@@ -79,3 +79,15 @@ def sql_select(columns: tuple[Column, ...]) -> str:
 SEGMENT_SCHEMA = arrow_schema(SEGMENT_COLUMNS)
 METRIC_SCHEMA = arrow_schema(METRIC_COLUMNS)
 SEGMENT_DTYPES = {c.name: c.dtype for c in SEGMENT_COLUMNS}
+
+# ---- bounds of the contract -----------------------------------------------------------------
+# What a spool file may claim, checked before anything it holds reaches the ledger (files beyond
+# them are quarantined with the reason), and what the writer refuses up front. They bound the
+# memory one file, or the live state, can take; each is far beyond a real run.
+MAX_HOSTS = 65_536  # host_count; host < host_count
+MAX_RECORD_KEY = 2**40  # record keys and records_per_epoch: a trillion records
+MAX_EPOCH = 2**20  # epoch * records_per_epoch + record_key must fit in an int64
+MAX_STEP = 2**62  # steps (int64 end to end)
+MAX_FILE_ROWS = 16_000_000  # rows in one spool file (a writer flushes ~100 steps: ~500k rows)
+MAX_DECODED_BYTES = 2**31  # a file's columns, uncompressed, as its footer declares them
+MAX_METRIC_NAME = 256  # characters of a metric name

@@ -9,17 +9,32 @@ audit.core.schema.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from audit.core.schema import METRIC_SCHEMA, SEGMENT_SCHEMA
+from audit.core.schema import (
+    MAX_DECODED_BYTES,
+    MAX_EPOCH,
+    MAX_FILE_ROWS,
+    MAX_HOSTS,
+    MAX_METRIC_NAME,
+    MAX_RECORD_KEY,
+    MAX_STEP,
+    METRIC_SCHEMA,
+    SEGMENT_SCHEMA,
+)
 from audit.hook.segments import MINIMUM
 
 FORMAT_VERSION = "1"
@@ -45,13 +60,14 @@ META_KEYS = (
 # Optional keys: files written before they existed lack them.
 OPTIONAL_META_KEYS = (
     "records_per_epoch",  # train records N the loader cycles through; "" when the run did not say
+    "checkpoint_dir",  # where the run saves its checkpoints (the service may read only there)
 )
 META_PREFIX = "tally."
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 _FILE = re.compile(r"^(seg|met)-(\d{12})-(\d{6})\.parquet$")
-_ATTEMPT_DIR = re.compile(r"^attempt=(\d+)$")
+ATTEMPT_DIR = re.compile(r"^attempt=(\d+)$")
 _HOST_DIR = re.compile(r"^host=(\d+)$")
 
 
@@ -101,55 +117,112 @@ class Stray:
 
 
 def scan(spool: Path, skip_host_dir: Callable[[str, int], bool] | None = None,
-         ) -> Iterator[SpoolFile | Stray]:
-    """Every published file and every stray file under `spool`, in a stable order.
+         ) -> Iterator[tuple[SpoolFile | Stray, os.stat_result]]:
+    """Every published file and every stray entry under `spool`, in a stable order, each with
+    its stat (of the file itself; of the link, for a link that leads nowhere).
 
-    Hidden files (temporaries of writers still running, or of killed ones) are skipped, and so
-    is every `<run>/attempt=<a>/host=<h>` directory for which `skip_host_dir(rel, mtime_ns)`
-    says so (given its path relative to the spool and its modification time).
+    Only regular files (or links to them) are spool files: a FIFO, socket or device named like
+    one would hang or break a reader, so it is a Stray, and so is a dangling link or a link
+    loop. A directory that cannot be listed is a Stray too; the other directories are still
+    listed. Hidden files (temporaries of writers still running, or of killed ones) are skipped,
+    and so is every `<run>/attempt=<a>/host=<h>` directory for which `skip_host_dir(rel,
+    mtime_ns)` says so (given its path relative to the spool and its modification time).
     """
     spool = Path(spool)
     if not spool.is_dir():
         return
-    for dirpath, dirnames, filenames in os.walk(spool):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        here = Path(dirpath)
-        parts = here.relative_to(spool).parts
-        if skip_host_dir is not None and len(parts) == 2:
-            dirnames[:] = [d for d in dirnames if not _skipped(here / d, spool, skip_host_dir)]
-        for name in sorted(filenames):
-            if name.startswith("."):
-                continue
-            path = here / name
-            rel = path.relative_to(spool).as_posix()
-            m = _FILE.match(name)
-            if not m or len(parts) != 3:
-                yield Stray(path, rel, "not a spool file name or location "
-                            "(<run>/attempt=<a>/host=<h>/seg-<step>-<seq>.parquet)")
-                continue
-            run_id, attempt_dir, host_part = parts
-            am, hm = _ATTEMPT_DIR.match(attempt_dir), _HOST_DIR.match(host_part)
-            if not (_RUN_ID.match(run_id) and am and hm):
-                yield Stray(path, rel, "directory names are not <run>/attempt=<a>/host=<h>")
-                continue
-            yield SpoolFile(
-                path=path,
-                rel=rel,
-                run_id=run_id,
-                attempt=int(am.group(1)),
-                host=int(hm.group(1)),
-                kind=m.group(1),
-                first_step=int(m.group(2)),
-                seq=int(m.group(3)),
-            )
+    yield from _walk(spool, spool, (), skip_host_dir)
 
 
-def _skipped(path: Path, spool: Path, skip: Callable[[str, int], bool]) -> bool:
+def _walk(spool: Path, here: Path, parts: tuple[str, ...],
+          skip: Callable[[str, int], bool] | None) -> Iterator[tuple[SpoolFile | Stray,
+                                                                      os.stat_result]]:
     try:
-        mtime = path.stat().st_mtime_ns
-    except FileNotFoundError:
-        return True
-    return skip(path.relative_to(spool).as_posix(), mtime)
+        with os.scandir(here) as it:
+            entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError as exc:
+        rel = here.relative_to(spool).as_posix()
+        st = _lstat(here)
+        if st is not None:
+            yield Stray(here, rel, f"directory cannot be listed: {exc.strerror}"), st
+        return
+    for entry in entries:
+        path = here / entry.name
+        rel = path.relative_to(spool).as_posix()
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            is_dir = False
+        if is_dir:
+            if len(parts) == 2 and skip is not None:
+                st = _lstat(path)
+                if st is None or skip(rel, st.st_mtime_ns):
+                    continue
+            yield from _walk(spool, path, (*parts, entry.name), skip)
+            continue
+        try:
+            lst = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue  # gone since the listing
+        item = _classify(path, rel, parts, entry.name)
+        st, why = _regular(path, lst)
+        if why is not None:
+            yield Stray(path, rel, why), st
+        else:
+            yield item, st
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return path.lstat()
+    except OSError:
+        return None
+
+
+def _regular(path: Path, lst: os.stat_result) -> tuple[os.stat_result, str | None]:
+    """(stat, None) for a regular file or a link to one; else (lstat, why it is not one)."""
+    if stat.S_ISLNK(lst.st_mode):
+        try:
+            st = path.stat()
+        except OSError as exc:
+            why = ("a symlink loop" if exc.errno == errno.ELOOP else
+                   "a dangling symlink" if exc.errno == errno.ENOENT else
+                   f"a symlink that cannot be followed ({exc.strerror})")
+            return lst, f"not a regular file: {why}"
+        lst_target = st
+    else:
+        lst_target = lst
+    if not stat.S_ISREG(lst_target.st_mode):
+        return lst, f"not a regular file: {_kind_of(lst_target.st_mode)}"
+    return lst_target, None
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _classify(path: Path, rel: str, parts: tuple[str, ...], name: str) -> SpoolFile | Stray:
+    m = _FILE.match(name)
+    if not m or len(parts) != 3:
+        return Stray(path, rel, "not a spool file name or location "
+                     "(<run>/attempt=<a>/host=<h>/seg-<step>-<seq>.parquet)")
+    run_id, attempt_dir, host_part = parts
+    am, hm = ATTEMPT_DIR.match(attempt_dir), _HOST_DIR.match(host_part)
+    if not (_RUN_ID.match(run_id) and am and hm):
+        return Stray(path, rel, "directory names are not <run>/attempt=<a>/host=<h>")
+    return SpoolFile(path=path, rel=rel, run_id=run_id, attempt=int(am.group(1)),
+                     host=int(hm.group(1)), kind=m.group(1), first_step=int(m.group(2)),
+                     seq=int(m.group(3)))
+
+
+def published(name: str) -> bool:
+    """Whether a file name is that of a published spool file."""
+    return _FILE.match(name) is not None
 
 
 def next_seq(directory: Path) -> int:
@@ -183,19 +256,64 @@ def _int(meta: dict[str, str], key: str) -> int:
 
 
 def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
-    """The file's table and parsed metadata, or BadFile saying what is wrong."""
+    """The file's table and parsed metadata, or BadFile saying what is wrong.
+
+    The file is opened without blocking and must be a regular file when opened (a FIFO put
+    there since the listing would otherwise hang the reader); its footer is checked against the
+    contract and its bounds (audit.core.schema) before any data page is decoded."""
+    with _open_regular(f.path) as fh:
+        try:
+            pf = pq.ParquetFile(fh)
+        except Exception as exc:
+            raise BadFile(f"unreadable Parquet footer (truncated or not Parquet): {exc}") from None
+        expected = SCHEMAS[f.kind]
+        found = pf.schema_arrow.remove_metadata()
+        if not found.equals(expected):
+            raise BadFile(f"schema mismatch: expected {_fmt(expected)}, found {_fmt(found)}")
+        meta = _meta(pf.schema_arrow.metadata)
+        if meta["format_version"] != FORMAT_VERSION:
+            raise BadFile(f"spool format version {meta['format_version']}, expected "
+                          f"{FORMAT_VERSION}")
+        info = _info(meta, f)
+        if pf.metadata.num_rows != info["rows"]:
+            raise BadFile(f"footer holds {pf.metadata.num_rows} rows, writer wrote "
+                          f"{info['rows']}")
+        decoded = sum(pf.metadata.row_group(g).total_byte_size
+                      for g in range(pf.metadata.num_row_groups))
+        if decoded > MAX_DECODED_BYTES:
+            raise BadFile(f"columns of {decoded:,} bytes uncompressed, more than the "
+                          f"{MAX_DECODED_BYTES:,} a spool file may hold")
+        try:
+            table = pf.read()
+        except Exception as exc:
+            raise BadFile(f"corrupt data pages: {exc}") from None
+    if table.num_rows != info["rows"] or table.num_rows == 0:
+        raise BadFile(f"read {table.num_rows} rows, writer wrote {info['rows']}")
+    _check_values(table, f.kind, info)
+    return table, info
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path) -> Iterator[Any]:
     try:
-        pf = pq.ParquetFile(f.path)
-    except Exception as exc:
-        raise BadFile(f"unreadable Parquet footer (truncated or not Parquet): {exc}") from None
-    expected = SCHEMAS[f.kind]
-    found = pf.schema_arrow.remove_metadata()
-    if not found.equals(expected):
-        raise BadFile(f"schema mismatch: expected {_fmt(expected)}, found {_fmt(found)}")
-    meta = _meta(pf.schema_arrow.metadata)
-    if meta["format_version"] != FORMAT_VERSION:
-        raise BadFile(f"spool format version {meta['format_version']}, expected "
-                      f"{FORMAT_VERSION}")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        raise BadFile(f"cannot open: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile(f"not a regular file: {_kind_of(st.st_mode)}")
+        os.set_blocking(fd, True)
+        fh = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
+        yield fh
+
+
+def _info(meta: dict[str, str], f: SpoolFile) -> dict[str, Any]:
+    """The parsed metadata, checked against the path and the contract's bounds."""
     info = {
         "run_id": meta["run_id"],
         "attempt": _int(meta, "attempt"),
@@ -209,28 +327,64 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
         "last_step": _int(meta, "last_step"),
         "records_per_epoch": (_int(meta, "records_per_epoch") if meta["records_per_epoch"]
                               else None),
+        "checkpoint_dir": meta["checkpoint_dir"] or None,
     }
     for key, from_path in (("run_id", f.run_id), ("attempt", f.attempt), ("host", f.host)):
         if info[key] != from_path:
             raise BadFile(f"metadata {key}={info[key]!r} but the path says {from_path!r}")
     if meta["kind"] != f.kind or info["first_step"] != f.first_step:
         raise BadFile("metadata kind/first_step disagree with the file name")
-    if not 0 <= info["host"] < info["host_count"]:
-        raise BadFile(f"host {info['host']} is outside host_count {info['host_count']}")
+    check_topology(info["host"], info["host_count"], BadFile)
     if (info["attempt"] > 0) != (info["resumed_from_step"] is not None):
         raise BadFile("attempt > 0 must say resumed_from_step, attempt 0 must not")
-    if info["records_per_epoch"] is not None and info["records_per_epoch"] < 1:
-        raise BadFile(f"metadata records_per_epoch={info['records_per_epoch']} is below 1")
-    if pf.metadata.num_rows != info["rows"]:
-        raise BadFile(f"footer holds {pf.metadata.num_rows} rows, writer wrote {info['rows']}")
-    try:
-        table = pf.read()
-    except Exception as exc:
-        raise BadFile(f"corrupt data pages: {exc}") from None
-    if table.num_rows != info["rows"] or table.num_rows == 0:
-        raise BadFile(f"read {table.num_rows} rows, writer wrote {info['rows']}")
-    _check_values(table, f.kind, info)
-    return table, info
+    if not 0 <= (info["resumed_from_step"] or 0) < MAX_STEP:
+        raise BadFile(f"metadata resumed_from_step={info['resumed_from_step']} is outside "
+                      f"0..{MAX_STEP - 1}")
+    n = info["records_per_epoch"]
+    if n is not None and not 1 <= n <= MAX_RECORD_KEY:
+        raise BadFile(f"metadata records_per_epoch={n} is outside 1..{MAX_RECORD_KEY:,}")
+    if not 1 <= info["rows"] <= MAX_FILE_ROWS:
+        raise BadFile(f"metadata rows={info['rows']} is outside 1..{MAX_FILE_ROWS:,} (the "
+                      "most one spool file may hold)")
+    return info
+
+
+def check_topology(host: int, host_count: int, error: type[Exception] = ValueError) -> None:
+    """`host` and `host_count` within the contract's bounds (raises `error` otherwise)."""
+    if not 1 <= host_count <= MAX_HOSTS:
+        raise error(f"host_count {host_count} is outside 1..{MAX_HOSTS:,}")
+    if not 0 <= host < host_count:
+        raise error(f"host {host} is outside 0..{host_count - 1} (host_count {host_count})")
+
+
+def first_repeat(a_steps: np.ndarray, a_rows: np.ndarray, b_steps: np.ndarray,
+                 b_rows: np.ndarray) -> tuple[int, int] | None:
+    """The first (step, row) found in both of two files of one host and attempt, or None.
+
+    The rule every reader applies (ingest and reconcile): a host's batch row at a step is
+    consumed once, so a file repeating a (step, row) of another file is a copy, or the work
+    of a writer restarted within its attempt, and counts nothing. A step split across files
+    (a timer flush between the micro-batches of a step) repeats no row: the writer numbers a
+    step's rows on across its parts.
+    """
+    lo = max(int(a_steps.min()), int(b_steps.min()))
+    hi = min(int(a_steps.max()), int(b_steps.max()))
+    if lo > hi:
+        return None
+    a_in, b_in = (a_steps >= lo) & (a_steps <= hi), (b_steps >= lo) & (b_steps <= hi)
+    width = int(max(a_rows.max(initial=0), b_rows.max(initial=0))) + 1
+    if (hi - lo + 1) * width >= 2**62:  # too wide to pack: compare as pairs
+        both = set(zip(a_steps[a_in].tolist(), a_rows[a_in].tolist(), strict=True)) & set(
+            zip(b_steps[b_in].tolist(), b_rows[b_in].tolist(), strict=True))
+        return min(both) if both else None
+    def code(s: np.ndarray, r: np.ndarray) -> np.ndarray:
+        return (s.astype(np.int64) - lo) * width + r.astype(np.int64)
+
+    both = np.intersect1d(code(a_steps[a_in], a_rows[a_in]), code(b_steps[b_in], b_rows[b_in]))
+    if not len(both):
+        return None
+    first = int(both[0])
+    return lo + first // width, first % width
 
 
 def _fmt(schema: pa.Schema) -> str:
@@ -245,11 +399,26 @@ def _check_values(table: pa.Table, kind: str, info: dict) -> None:
     if (steps["min"], steps["max"]) != (info["first_step"], info["last_step"]):
         raise BadFile(f"steps {steps['min']}..{steps['max']} disagree with metadata "
                       f"{info['first_step']}..{info['last_step']}")
-    if steps["min"] < 0:
-        raise BadFile("negative step")
+    if not 0 <= steps["min"] <= steps["max"] < MAX_STEP:
+        raise BadFile(f"steps {steps['min']}..{steps['max']} are outside 0..{MAX_STEP - 1}")
     if not pc.all(pc.equal(table["host"], info["host"])).as_py():
         raise BadFile(f"rows for a host other than {info['host']}")
-    if kind == "seg":
-        for name, low in MINIMUM.items():
-            if pc.min(table[name]).as_py() < low:
-                raise BadFile(f"column {name} has values below {low}")
+    if kind == "met":
+        longest = pc.max(pc.utf8_length(table["name"])).as_py()
+        if longest > MAX_METRIC_NAME:
+            raise BadFile(f"a metric name of {longest} characters (at most {MAX_METRIC_NAME})")
+        return
+    for name, low in MINIMUM.items():
+        if pc.min(table[name]).as_py() < low:
+            raise BadFile(f"column {name} has values below {low}")
+    n = info["records_per_epoch"]
+    top = pc.max(table["record_key"]).as_py()
+    if n is not None and top >= n:
+        raise BadFile(f"record_key {top:,} is outside the run's universe: the writer said "
+                      f"records_per_epoch={n:,}, so keys lie in 0..{n - 1:,}")
+    if top >= MAX_RECORD_KEY:
+        raise BadFile(f"record_key {top:,} is beyond {MAX_RECORD_KEY - 1:,}, the largest key "
+                      "Tally accepts")
+    epochs = pc.min_max(table["epoch"]).as_py()
+    if not -1 <= epochs["min"] <= epochs["max"] < MAX_EPOCH:
+        raise BadFile(f"epochs {epochs['min']}..{epochs['max']} are outside -1..{MAX_EPOCH - 1}")

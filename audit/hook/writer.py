@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import queue
 import threading
@@ -31,13 +32,39 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from audit.core.errors import TallyError
-from audit.core.schema import METRIC_SCHEMA, SEGMENT_SCHEMA
+from audit.core.schema import MAX_RECORD_KEY, MAX_STEP, METRIC_SCHEMA, SEGMENT_SCHEMA
 from audit.hook import spool as sp
 from audit.hook.segments import FIELDS, Segments, segments_from_batch
 
 
 class WriterError(TallyError):
-    """The background writer failed; the cause is chained."""
+    """The writer cannot go on: a bad argument, a reused run, or a background failure (the
+    cause chained)."""
+
+
+class WriterArgumentError(WriterError, ValueError):
+    """A value the writer refuses when constructed."""
+
+
+def _published_up_to(directory: Path) -> int | None:
+    """The last step of the segment files already published in `directory` (None: none)."""
+    names = sorted(n for n in os.listdir(directory) if sp.published(n) and n.startswith("seg-"))
+    if not names:
+        return None
+    meta = pq.read_metadata(directory / names[-1]).metadata or {}
+    return int(meta.get(f"{sp.META_PREFIX}last_step".encode(), b"-1"))
+
+
+def _refuse_reuse(spool: Path, run_id: str, attempt: int) -> None:
+    """Writing an attempt when a later one exists means the run id is reused (or an old host
+    still runs): its rows would mix two runs."""
+    run_dir = Path(spool) / run_id
+    later = [int(m.group(1)) for n in (os.listdir(run_dir) if run_dir.is_dir() else [])
+             if (m := sp.ATTEMPT_DIR.match(n)) and int(m.group(1)) > attempt]
+    if later:
+        raise WriterError(f"run {run_id} already has attempt {max(later)} in {spool}: attempt "
+                          f"{attempt} cannot start now (resume the latest, or choose another "
+                          "run id)")
 
 
 class LedgerWriter:
@@ -51,24 +78,41 @@ class LedgerWriter:
         attempt: int = 0,
         resumed_from_step: int | None = None,
         records_per_epoch: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
         manifest_fingerprint: str | None = None,
         flush_every: int = 100,
         flush_seconds: float = 30.0,
         queue_size: int = 8,
         fsync: bool = True,
     ) -> None:
-        if not 0 <= host < host_count:
-            raise ValueError(f"host {host} is outside 0..{host_count - 1}")
+        sp.check_topology(host, host_count, WriterArgumentError)
         if attempt < 0 or (attempt > 0) != (resumed_from_step is not None):
-            raise ValueError("attempt 0 is a fresh start; attempt > 0 needs resumed_from_step")
+            raise WriterArgumentError("attempt 0 is a fresh start; attempt > 0 needs "
+                                      "resumed_from_step")
+        if resumed_from_step is not None and not 0 <= resumed_from_step < MAX_STEP:
+            raise WriterArgumentError(f"resumed_from_step {resumed_from_step} is outside "
+                                      f"0..{MAX_STEP - 1}")
+        if records_per_epoch is not None and not 1 <= records_per_epoch <= MAX_RECORD_KEY:
+            raise WriterArgumentError(f"records_per_epoch {records_per_epoch} is outside "
+                                      f"1..{MAX_RECORD_KEY:,}")
         if flush_every < 1:
-            raise ValueError("flush_every must be >= 1")
-        self.run_id = sp.check_run_id(run_id)
+            raise WriterArgumentError("flush_every must be >= 1")
+        try:
+            self.run_id = sp.check_run_id(run_id)
+        except ValueError as exc:
+            raise WriterArgumentError(str(exc)) from None
         self.host, self.host_count, self.attempt = host, host_count, attempt
         self.records_per_epoch = records_per_epoch
         self.flush_every, self.flush_seconds, self._fsync = flush_every, flush_seconds, fsync
         self.dir = sp.host_dir(Path(spool), run_id, attempt, host)
+        _refuse_reuse(Path(spool), run_id, attempt)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # Steps this host already published in this attempt: writing one of them again (a
+        # reused run id, a host restarted without resuming) is refused at the first such step;
+        # a new writer continuing with later steps is fine.
+        self._published_up_to = _published_up_to(self.dir)
+        self._last_step: int | None = None  # the newest step handed over (training thread)
+        self._row_step, self._next_row = -1, 0  # row numbering within a step (writer thread)
         # Temporaries of a killed writer of this host, in this attempt or an earlier one.
         for b in range(attempt + 1):
             for stale in sp.host_dir(Path(spool), run_id, b, host).glob(".*.tmp"):
@@ -84,6 +128,7 @@ class LedgerWriter:
             "writer_version": sp.WRITER_VERSION,
             "manifest_fingerprint": manifest_fingerprint or "",
             "records_per_epoch": "" if records_per_epoch is None else str(records_per_epoch),
+            "checkpoint_dir": "" if checkpoint_dir is None else os.path.abspath(checkpoint_dir),
         }
         # Background state: touched only by the writer thread, except _error (handed over).
         self._steps: list[int] = []
@@ -110,11 +155,27 @@ class LedgerWriter:
         Only references are queued: the loop must not mutate the arrays afterwards (Grain and
         jax.device_get hand out fresh arrays each step).
         """
-        self._put(("batch", int(step), batch, layout))
+        self._put(("batch", self._new_step(step), batch, layout))
 
     def write_segments(self, step: int, segments: Segments) -> None:
         """Record precomputed segments (hashes already known) consumed at `step`."""
-        self._put(("segments", int(step), segments))
+        self._put(("segments", self._new_step(step), segments))
+
+    def _new_step(self, step: int) -> int:
+        step = int(step)
+        if not 0 <= step < MAX_STEP:
+            raise WriterArgumentError(f"step {step} is outside 0..{MAX_STEP - 1}")
+        done = self._published_up_to
+        if done is not None and step <= done:
+            what = (f"run {self.run_id} already has a spool: host {self.host} published steps "
+                    f"up to {done} of attempt {self.attempt}")
+            raise WriterError(f"{what}; step {step} again would count twice: resume it (a new "
+                              "attempt, from a checkpoint) or choose another run id")
+        if self._last_step is not None and step < self._last_step:
+            raise WriterError(f"step {step} comes after step {self._last_step}: steps handed "
+                              "to a writer never go back (a restart is a new attempt)")
+        self._last_step = step
+        return step
 
     def log_metric(self, step: int, name: str, value: float) -> None:
         self._put(("metrics", [(int(step), str(name), float(value))]))
@@ -224,6 +285,15 @@ class LedgerWriter:
             self._oldest = time.monotonic()
 
     def _add(self, step: int, segs: Segments) -> None:
+        # A step handed over in several parts (micro-batches) numbers its rows on from the
+        # parts before it: a host's (step, row) names one batch row, whichever file holds it,
+        # so the ledger can tell a step split across files from a copy of a file.
+        if step == self._row_step:
+            segs = dataclasses.replace(segs, row=segs.row + self._next_row)
+        else:
+            self._row_step, self._next_row = step, 0
+        if len(segs):
+            self._next_row = max(self._next_row, int(segs.row.max()) + 1)
         self._touch()
         self._steps.append(step)
         self._segs.append(segs)
@@ -232,22 +302,23 @@ class LedgerWriter:
 
     def _publish(self) -> None:
         if self._steps:
-            self._write(*self._segment_table())
+            self._write(*self._segment_table(self._steps, self._segs))
             self._steps, self._segs = [], []
         if self._metrics:
             self._write(*self._metric_table())
             self._metrics = []
 
-    def _segment_table(self) -> tuple[str, pa.Table, int, int]:
-        lens = [len(s) for s in self._segs]
-        steps = np.repeat(np.asarray(self._steps, dtype=np.int64), lens)
+    def _segment_table(self, steps_of: list[int], segs: list[Segments]
+                       ) -> tuple[str, pa.Table, int, int]:
+        lens = [len(s) for s in segs]
+        steps = np.repeat(np.asarray(steps_of, dtype=np.int64), lens)
         cols = {
             "step": steps,
             "host": np.full(len(steps), self.host, dtype=np.int32),
-            **{f: np.concatenate([getattr(s, f) for s in self._segs]) for f in FIELDS},
+            **{f: np.concatenate([getattr(s, f) for s in segs]) for f in FIELDS},
         }
         table = pa.Table.from_pydict(cols, schema=SEGMENT_SCHEMA)
-        return "seg", table, min(self._steps), max(self._steps)
+        return "seg", table, min(steps_of), max(steps_of)
 
     def _metric_table(self) -> tuple[str, pa.Table, int, int]:
         steps, names, values = zip(*self._metrics, strict=True)

@@ -25,6 +25,7 @@ ingester holds it across each COMMIT and the state update that goes with it
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -34,7 +35,16 @@ import pyarrow as pa
 
 from audit.core.exposure import start_sql
 from audit.ledger.database import Ledger
-from audit.ledger.state import EPOCH_BITS, HOST_BITS, NO_STEP, Records, RunState, Starts, group
+from audit.ledger.state import (
+    EPOCH_BITS,
+    HOST_BITS,
+    NO_STEP,
+    STATE,
+    Records,
+    RunState,
+    Starts,
+    group,
+)
 
 
 @dataclass
@@ -56,11 +66,12 @@ class Aggregates:
     the per-record state take `lock` while they open their snapshot.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_state_bytes: int | None = None) -> None:
         self.runs: dict[int, RunState] = {}
         self.lock = threading.Lock()
-        self.ingesting = threading.Lock()  # held by audit.ingest for a whole call
+        self.ingesting = threading.Lock()  # held by audit.ledger.ingest for a whole call
         self._pending: list[tuple[int, Records]] = []
+        self.max_state_bytes = max_state_bytes or default_max_state_bytes()
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -157,6 +168,23 @@ class Aggregates:
             st = self._state(run)
             st.top = max(st.top, int(new.keys[-1]))
 
+    def too_large(self, key: int) -> str | None:
+        """Why a record key cannot go into the live state (None: it can). The state is dense
+        by key, so one key sets its size; the bound keeps a file from exhausting memory."""
+        need = (key + 1) * STATE.itemsize
+        if need <= self.max_state_bytes:
+            return None
+        return (f"record_key {key:,} would need {need / 2**30:,.1f} GiB of live state, more "
+                f"than the {self.max_state_bytes / 2**30:,.1f} GiB this process allows "
+                f"(TALLY_MAX_STATE_GB)")
+
+    def reserve(self) -> None:
+        """Grow the state for the pending changes (before the COMMIT: what can fail, such as
+        an allocation, fails while the transaction can still roll back)."""
+        for run, rec in self._pending:
+            if len(rec.keys):
+                self._state(run).reserve(int(rec.keys[-1]) + 1)
+
     def commit(self) -> None:
         for run, rec in self._pending:
             self._state(run).put(rec)
@@ -164,6 +192,12 @@ class Aggregates:
 
     def discard(self) -> None:
         self._pending = []
+
+    def invalidate(self, ledger: Ledger) -> None:
+        """The state no longer matches the ledger: the next user reloads it from the ledger."""
+        self._pending = []
+        if getattr(ledger, "_aggregates", None) is self:
+            ledger._aggregates = None
 
     def get(self, run: int, keys: np.ndarray) -> Records:
         """State as this transaction sees it: committed, then this transaction's changes."""
@@ -175,6 +209,14 @@ class Aggregates:
             hit = np.flatnonzero(rec.keys[pos] == keys)
             out.set(hit, rec.take(pos[hit]))
         return out
+
+
+def default_max_state_bytes() -> int:
+    """Half the machine's memory, or TALLY_MAX_STATE_GB."""
+    gb = os.environ.get("TALLY_MAX_STATE_GB")
+    if gb:
+        return int(float(gb) * 2**30)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def for_ledger(ledger: Ledger) -> Aggregates:

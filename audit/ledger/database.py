@@ -49,6 +49,7 @@ CREATE TABLE attempts (
     writer_version VARCHAR NOT NULL,
     rolled_back_from_step BIGINT,      -- derived: min resumed_from_step of later attempts
     records_per_epoch BIGINT,          -- train records the loader cycles through (writer metadata)
+    checkpoint_dir VARCHAR,            -- where the trainer saves checkpoints (writer metadata)
     PRIMARY KEY (run, attempt)
 );
 CREATE TABLE segments (                -- one row per ingested spool file
@@ -236,14 +237,16 @@ class Ledger:
 
     def ensure_attempt(self, cur: duckdb.DuckDBPyConnection, run: int, attempt: int,
                        resumed_from_step: int | None, host_count: int, writer_version: str,
-                       records_per_epoch: int | None = None) -> None:
+                       records_per_epoch: int | None = None,
+                       checkpoint_dir: str | None = None) -> None:
         row = one(cur, "SELECT resumed_from_step, host_count, records_per_epoch FROM attempts "
                   "WHERE run = ? AND attempt = ?", [run, attempt])
         if row is None:
             cur.execute(
                 "INSERT INTO attempts (run, attempt, resumed_from_step, host_count, writer_version,"
-                " records_per_epoch) VALUES (?, ?, ?, ?, ?, ?)",
-                [run, attempt, resumed_from_step, host_count, writer_version, records_per_epoch],
+                " records_per_epoch, checkpoint_dir) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [run, attempt, resumed_from_step, host_count, writer_version, records_per_epoch,
+                 checkpoint_dir],
             )
             resumed = dict(cur.execute("SELECT attempt, resumed_from_step FROM attempts "
                                        "WHERE run = ?", [run]).fetchall())
@@ -263,6 +266,9 @@ class Ledger:
                     f"per epoch, but earlier files of it say {row[2]}")
             cur.execute("UPDATE attempts SET records_per_epoch = ? WHERE run = ? AND attempt = ?",
                         [records_per_epoch, run, attempt])
+        if checkpoint_dir is not None:
+            cur.execute("UPDATE attempts SET checkpoint_dir = ? WHERE run = ? AND attempt = ? "
+                        "AND checkpoint_dir IS NULL", [checkpoint_dir, run, attempt])
 
     # ---- reads ------------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:

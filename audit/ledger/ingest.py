@@ -107,12 +107,10 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
         held = {r[0]: (r[1], r[2]) for r in cur.execute(
             f"SELECT path, bytes, mtime_ns FROM quarantine {only}", params).fetchall()}
         todo = []
-        for item, st in listing if listing is not None else (
-                (item, None) for item in sp.scan(spool)):
+        for item, st in listing if listing is not None else sp.scan(spool):
             if item.rel in done:
                 result.already += 1
                 continue
-            st = st or item.path.stat()
             if held.get(item.rel) == (st.st_size, st.st_mtime_ns):
                 continue  # known bad and unchanged: reported by `tally ledger`, not again here
             todo.append((item, st))
@@ -143,9 +141,16 @@ def _read(item: sp.SpoolFile | sp.Stray
     if isinstance(item, sp.Stray):
         return BadFile(item.reason)
     try:
-        table, info = read_checked(item)
+        return _read_file(item)
     except BadFile as exc:
         return exc
+    except Exception as exc:  # whatever a file holds, it is this file's fault, not the ingest's
+        return BadFile(f"unreadable: {type(exc).__name__}: {exc}")
+
+
+def _read_file(item: sp.SpoolFile
+               ) -> tuple[pa.Table, dict, pa.Table | None, Starts | None, int]:
+    table, info = read_checked(item)
     if item.kind != "seg":
         return table, info, None, None, 0
     start = pa.array(starts(table["offset"].to_numpy()).astype(np.int64))
@@ -188,8 +193,12 @@ def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
 
 def _ingest_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
                   batch: list[_File], result: IngestResult) -> None:
-    """The batch in one transaction; a file whose run or attempt metadata contradicts the
-    ledger is quarantined and the rest go in without it."""
+    """The batch in one transaction. A file that repeats steps already ingested from another
+    file, whose keys the live state cannot hold, or whose run or attempt metadata contradicts
+    the ledger is quarantined, and the rest go in without it."""
+    for f, reason in _refused(cur, agg, batch):
+        _quarantine(cur, result, f.item.rel, f.stat, reason)
+        batch = [g for g in batch if g is not f]
     while batch:
         try:
             _write_batch(ledger, cur, agg, pool, batch)
@@ -205,6 +214,7 @@ def _ingest_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor
 def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
                  batch: list[_File]) -> None:
     cur.execute("BEGIN TRANSACTION")
+    committed = False
     try:
         # Runs and attempts first: a contradiction rejects its file before any row goes in,
         # and a new attempt's lineage change is recomputed from the rows already committed.
@@ -212,14 +222,15 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
         for f in batch:
             i = f.info
             key = (i["run_id"], i["fingerprint"], i["attempt"], i["resumed_from_step"],
-                   i["host_count"], i["writer_version"], i["records_per_epoch"])
+                   i["host_count"], i["writer_version"], i["records_per_epoch"],
+                   i["checkpoint_dir"])
             if key not in known:
                 try:
                     run = ledger.ensure_run(cur, i["run_id"], i["fingerprint"])
                     cuts = agg.cuts(cur, run)
                     ledger.ensure_attempt(cur, run, i["attempt"], i["resumed_from_step"],
                                           i["host_count"], i["writer_version"],
-                                          i["records_per_epoch"])
+                                          i["records_per_epoch"], i["checkpoint_dir"])
                 except ValueError as exc:
                     raise _Rejected(f, str(exc)) from None
                 agg.lineage(cur, run, cuts)
@@ -267,12 +278,88 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
             if f.held:
                 cur.execute("DELETE FROM quarantine WHERE path = ?", [f.item.rel])
         with agg.lock:  # readers of the per-record state open their snapshot under it
+            agg.reserve()  # memory for the new state first: nothing may fail after COMMIT
             cur.execute("COMMIT")
+            committed = True
             agg.commit()
     except BaseException:
-        agg.discard()
-        cur.execute("ROLLBACK")
+        if committed:  # the ledger has the batch; the state in memory is rebuilt from it
+            agg.invalidate(ledger)
+        else:
+            agg.discard()
+            cur.execute("ROLLBACK")
         raise
+
+
+def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]]:
+    """Files of the batch to quarantine before its transaction, with the reason.
+
+    - The same consumption twice (audit.hook.spool.first_repeat): a host's (attempt, step, row)
+      of a segment file, or (attempt, step, metric name) of a metric file, already ingested
+      from another file or held by an earlier file of this batch. A copy under another
+      sequence number, a link to a copy, or a writer restarted within its attempt would
+      otherwise count rows twice.
+    - A record key the live state cannot hold within its memory bound.
+    """
+    out: list[tuple[_File, str]] = []
+    kept: dict[tuple, list[_File]] = {}
+    for f in batch:
+        i = f.info
+        key = (i["run_id"], i["attempt"], i["host"], f.item.kind)
+        why = _already(cur, key, f)
+        for other in kept.get(key, []):
+            if why is None and i["first_step"] <= other.info["last_step"] and \
+                    other.info["first_step"] <= i["last_step"]:
+                why = _repeat(f, _columns(other.table, f.item.kind), other.item.rel)
+        if why is None and f.item.kind == "seg" and len(f.table):
+            why = agg.too_large(int(pc.max(f.table["record_key"]).as_py()))
+        if why is not None:
+            out.append((f, why))
+            continue
+        kept.setdefault(key, []).append(f)
+    return out
+
+
+def _columns(table: pa.Table, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """What names one consumption in a file: (step, row), or (step, metric name code)."""
+    if kind == "seg":
+        return table["step"].to_numpy(), table["row"].to_numpy()
+    names = np.array([hash(n) for n in table["name"].to_pylist()], np.int64)
+    return table["step"].to_numpy(), names
+
+
+def _already(cur, key: tuple, f: _File) -> str | None:
+    """Why `f` repeats a file already in the ledger (None: it does not). Files are compared by
+    step range first (the `segments` table); rows only where ranges overlap."""
+    run_id, attempt, host, kind = key
+    overlapping = cur.execute("""
+        SELECT g.file_id, g.path FROM segments g JOIN runs r USING (run)
+        WHERE r.run_id = ? AND g.attempt = ? AND g.host = ? AND g.kind = ?
+          AND g.first_step <= ? AND g.last_step >= ? ORDER BY g.file_id""",
+                              [run_id, attempt, host, kind, f.info["last_step"],
+                               f.info["first_step"]]).fetchall()
+    for file_id, path in overlapping:
+        table = "consumption" if kind == "seg" else "metrics"
+        column = '"row"' if kind == "seg" else "name"
+        theirs = cur.execute(f"SELECT step, {column} FROM {table} WHERE file_id = ?",
+                             [file_id]).fetch_arrow_table()
+        why = _repeat(f, _columns(theirs.rename_columns(["step", column.strip('"')]), kind),
+                      path)
+        if why is not None:
+            return why
+    return None
+
+
+def _repeat(f: _File, theirs: tuple[np.ndarray, np.ndarray], path: str) -> str | None:
+    steps, rows = _columns(f.table, f.item.kind)
+    both = sp.first_repeat(steps, rows, *theirs)
+    if both is None:
+        return None
+    step, row = both
+    said = f"row {row} of step {step}" if f.item.kind == "seg" else f"a metric at step {step}"
+    return (f"duplicate: {said} of host {f.info['host']}, attempt {f.info['attempt']} was "
+            f"already ingested from {path} (a copy of a file, or a writer restarted within "
+            "its attempt); counted once, from that file")
 
 
 def _insert_rows(cur, batch: list[_File], ids: list[int]) -> None:

@@ -22,8 +22,12 @@ FULL_LISTING_S = 60.0  # every directory listed at least this often, settled or 
 
 class IngestLoop:
     def __init__(self, ledger: Ledger, spool: Path, *, interval: float = 1.0,
-                 after_round: Callable[[], None] | None = None) -> None:
+                 after_round: Callable[[], None] | None = None,
+                 max_round_seconds: float = 60.0) -> None:
         self.ledger, self.spool, self.interval = ledger, Path(spool), interval
+        self.max_round_seconds = max_round_seconds
+        self._round_started: float | None = None  # monotonic start of the round under way
+        self._last_round_seconds = 0.0
         self.after_round = after_round
         self.rounds = 0
         self.files = 0
@@ -58,6 +62,14 @@ class IngestLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def overran(self) -> float | None:
+        """Seconds of the round under way, or of the last one, when beyond max_round_seconds
+        (a hung file system, a backlog too large for one round); None otherwise."""
+        started = self._round_started
+        running = 0.0 if started is None else time.monotonic() - started
+        worst = max(running, self._last_round_seconds)
+        return round(worst, 3) if worst > self.max_round_seconds else None
+
     def lag_seconds(self) -> float:
         t = self._oldest_pending
         return 0.0 if t is None else max(0.0, time.time() - t)
@@ -76,24 +88,17 @@ class IngestLoop:
             self._full = time.monotonic() - self._full_at >= FULL_LISTING_S
             if self._full:
                 self._full_at = time.monotonic()
-            new = [f for f in sp.scan(self.spool, self._settled) if f.rel not in self._done]
+            new = [(f, st) for f, st in sp.scan(self.spool, self._settled)
+                   if f.rel not in self._done]
             # Before quarantined files are set aside: a directory holding one stays listed,
             # so that the file rewritten in place (same name, no mtime change) is seen.
             self._settle(new)
             held = {path: (size, mtime) for path, size, mtime in (cur.execute(
                 "SELECT path, bytes, mtime_ns FROM quarantine WHERE path IN (SELECT unnest(?))",
-                [[f.rel for f in new]]).fetchall() if new else [])}
+                [[f.rel for f, _ in new]]).fetchall() if new else [])}
         finally:
             cur.close()
-        out = []
-        for f in new:
-            try:
-                st = f.path.stat()
-            except FileNotFoundError:
-                continue
-            if held.get(f.rel) != (st.st_size, st.st_mtime_ns):
-                out.append((f, st))
-        return out
+        return [(f, st) for f, st in new if held.get(f.rel) != (st.st_size, st.st_mtime_ns)]
 
     def _settled(self, rel_dir: str, mtime_ns: int) -> bool:
         self._stats[rel_dir] = (mtime_ns, time.monotonic())  # before the directory is read
@@ -107,7 +112,7 @@ class IngestLoop:
         ms on Linux's ext4 and xfs, up to 2 s on some file systems), leaves the mtime as it
         was; a listing after the tick has ended sees the file, and any rename after that
         moves the mtime."""
-        busy = {f.rel.rsplit("/", 1)[0] for f in new}
+        busy = {f.rel.rsplit("/", 1)[0] for f, _ in new}
         for rel_dir, (mtime, at) in self._stats.items():
             old = self._dirs.get(rel_dir)
             if old is None or old[0] != mtime:
@@ -117,6 +122,14 @@ class IngestLoop:
                                        old[2])
 
     def run_once(self) -> None:
+        self._round_started = time.monotonic()
+        try:
+            self._round()
+        finally:
+            self._last_round_seconds = time.monotonic() - self._round_started
+            self._round_started = None
+
+    def _round(self) -> None:
         pending = self._pending()
         if pending:
             self._oldest_pending = min(st.st_mtime for _, st in pending)

@@ -51,7 +51,7 @@ class LiveLedger:
 
     def __init__(self, ledger: Ledger, uni: q.Universe) -> None:
         self.ledger = ledger
-        self.agg: Aggregates = for_ledger(ledger)
+        for_ledger(ledger)  # load the per-record state now, before the first request
         self.uni = uni
         self._local = threading.local()
         self._cursor_lock = threading.Lock()
@@ -59,6 +59,11 @@ class LiveLedger:
         self._answers_lock = threading.Lock()
         self._hot: OrderedDict[tuple, tuple] = OrderedDict()
         self._warm_gen = -1
+
+    @property
+    def agg(self) -> Aggregates:
+        """The ledger's aggregates (reloaded from the ledger if the ingester dropped them)."""
+        return for_ledger(self.ledger)
 
     def _cursor(self):
         cur = getattr(self._local, "cur", None)
@@ -188,6 +193,22 @@ class LiveLedger:
     def run_ids(self) -> list[str]:
         return self.answer(("run_ids",), None, lambda snap: [r[0] for r in snap.cur.execute(
             "SELECT run_id FROM runs ORDER BY run_id").fetchall()])
+
+    def quarantined(self, run_id: str) -> dict[str, Any]:
+        """The run's quarantined spool files: how many, and the first few with their reason."""
+        with self.read() as snap:
+            rows = snap.cur.execute(
+                "SELECT path, reason FROM quarantine WHERE starts_with(path, ?) ORDER BY path",
+                [f"{run_id}/"]).fetchall()
+        return {"count": len(rows),
+                "first": [{"path": p, "reason": r} for p, r in rows[:5]]}
+
+    def quarantine_counts(self) -> dict[str, int]:
+        """Quarantined files per run id (the first part of their path in the spool)."""
+        with self.read() as snap:
+            return dict(snap.cur.execute(
+                "SELECT split_part(path, '/', 1), count(*) FROM quarantine GROUP BY ALL "
+                "ORDER BY 1").fetchall())
 
     def files_in_ledger(self) -> int:
         with self.read() as snap:

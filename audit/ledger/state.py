@@ -191,6 +191,10 @@ class RunState:
         self.data = np.zeros(0, STATE)
         self.top = -1  # an upper bound of the keys ever put (it never goes down)
 
+    def reserve(self, need: int) -> None:
+        """Room for keys below `need` (MemoryError if it cannot be had)."""
+        self._grow(need)
+
     def _grow(self, need: int) -> None:
         if need <= self.size:
             return

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger, one
 from audit.preflight.verdict import PreflightVerdict
 from pipeline.loader import KeyedLoader, LoaderConfig, compatibility, explain, state_for_host
-from pipeline.shadow import ShadowSource, default_workers, shadow_run
+from pipeline.shadow import Cancelled, ShadowSource, default_workers, shadow_run
 
 DEFAULT_MAX_HORIZON = 1000
 def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
@@ -130,11 +131,13 @@ class _Run:
 def run_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str | Path,
                   checkpoint: dict[str, Any] | str | Path, new_hosts: int,
                   loader_config: LoaderConfig | None = None, *, global_batch: int | None = None,
-                  horizon: int | None = None, workers: int | None = None) -> PreflightVerdict:
+                  horizon: int | None = None, workers: int | None = None,
+                  cancel: threading.Event | None = None) -> PreflightVerdict:
     """Shadow-run the loader on `new_hosts` from `checkpoint` (a directory, or its meta dict)
     and check the plan against the ledger. `loader_config` is the new topology's loader config
     (default: the checkpointed one); `global_batch` overrides its batch; `horizon` fixes the
-    steps to plan (default: to the end of the current epoch, at most 1000)."""
+    steps to plan (default: to the end of the current epoch, at most 1000); setting `cancel`
+    stops the shadow run (Cancelled)."""
     t0 = time.perf_counter()
     if new_hosts < 1:
         raise TallyError(f"--hosts must be at least 1, got {new_hosts}")
@@ -150,10 +153,10 @@ def run_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str | Path
         cfg = dataclasses.replace(cfg, global_batch=global_batch)
     if isinstance(ledger, Ledger):
         return _check(ledger, run_id, source, step, loaders, cfg, new_hosts, horizon, workers,
-                      t0)
+                      t0, cancel)
     with Ledger(_existing(ledger), read_only=True) as opened:
         return _check(opened, run_id, source, step, loaders, cfg, new_hosts, horizon, workers,
-                      t0)
+                      t0, cancel)
 
 
 def _existing(path: str | Path) -> Path:
@@ -171,7 +174,7 @@ def _saved_config(state: dict[str, Any], where: str) -> LoaderConfig:
 
 def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders: dict,
            cfg: LoaderConfig, new_hosts: int, horizon: int | None, workers: int | None,
-           t0: float) -> PreflightVerdict:
+           t0: float, cancel: threading.Event | None = None) -> PreflightVerdict:
     state0 = loaders["0"]
     old_hosts = state0["host_count"]
     n = len(source)
@@ -250,7 +253,9 @@ def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders
         try:
             plans, steps = shadow_run(source, cfg, new_hosts, states, steps=steps,
                                       until_epoch=epoch, to_epoch_end=horizon is None,
-                                      workers=workers)
+                                      workers=workers, cancel=cancel)
+        except Cancelled:
+            raise
         except Exception as exc:  # a forced state that does not fit this pipeline at all
             if not problems:
                 raise

@@ -80,7 +80,7 @@ class ReadConsumption(beam.DoFn):
             cols = _read_file(f)
         except BadFile as exc:
             yield "partials", (f"skipped-{_name(f.path)}",
-                               Partial(skipped=1, skipped_files=[f"{f.path}: {exc}"]))
+                               Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
             return
         if plan.at_step is not None:
             cols = _rows_where(cols, cols["step"] <= plan.at_step)
@@ -335,12 +335,13 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         if spool is not None:
             if not Path(spool).is_dir():
                 raise TallyError(f"spool {spool} is not a directory")
-            files, attempts, fp = spool_inputs(Path(spool), run_id)
+            inputs = spool_inputs(Path(spool), run_id)
         else:
-            files, attempts, fp = ledger_inputs(Path(ledger), run_id, work)
-        plan = make_plan(run_id=run_id, manifest=manifest, files=files, attempts=attempts,
-                         run_fingerprint=fp, at_step=at_step, bucket_records=bucket_records,
-                         memory_gb=memory_gb)
+            inputs = ledger_inputs(Path(ledger), run_id, work)
+        plan = make_plan(run_id=run_id, manifest=manifest, files=inputs.files,
+                         attempts=inputs.attempts, run_fingerprint=inputs.fingerprint,
+                         at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
+                         left_out=inputs.left_out)
         merged = run_reconcile(plan, work, runner)
         report, tables = rp.build(plan, merged)
         rp.write(report, tables, out)

@@ -123,7 +123,7 @@ class Partial:
     host_segments: np.ndarray = _summed(_empty)
     host_exposures: np.ndarray = _summed(_empty)
     host_tokens: np.ndarray = _summed(_empty)
-    skipped_files: list[str] = _field(examples, factory=list)
+    skipped_files: list[tuple[str, str]] = _field(examples, factory=list)  # (path, reason)
     skipped: int = _summed()  # files skipped (all of them; skipped_files keeps examples)
 
     # ---- per record-key bucket ----

@@ -52,36 +52,91 @@ class Plan:
     bucket_size: int
     buckets: int
     rows: int = 0  # consumption rows
+    left_out: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), see Inputs
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
 
 
 # ---- inputs -------------------------------------------------------------------------------
 
-def spool_inputs(spool: Path, run_id: str) -> tuple[list[InputFile], dict, str | None]:
-    files, attempts, fingerprint = [], {}, None
-    for f in sp.scan(spool):
-        if not isinstance(f, sp.SpoolFile) or f.kind != "seg" or f.run_id != run_id:
+@dataclass
+class Inputs:
+    """What a reconcile reads, and what it leaves out with the reason."""
+
+    files: list[InputFile]
+    attempts: dict[int, dict[str, Any]]
+    fingerprint: str | None
+    left_out: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+
+
+def spool_inputs(spool: Path, run_id: str) -> Inputs:
+    """The run's published segment files. Entries under the run's directory that are not
+    spool files are left out with their reason, and so is a file repeating a (attempt, host,
+    step) of a file before it, the rule ingest applies (each host-step counts once)."""
+    files, attempts, fingerprint, left_out = [], {}, None, []
+    kept: dict[tuple[int, int], list[tuple[int, int, str]]] = {}  # (attempt, host) -> ranges
+    for f, _ in sp.scan(spool):
+        if isinstance(f, sp.Stray):
+            if f.rel.startswith(f"{run_id}/"):
+                left_out.append((str(f.path), f.reason))
             continue
+        if f.kind != "seg" or f.run_id != run_id:
+            continue
+        first = last = None
         try:
             md = {k.decode(): v.decode() for k, v in
                   (pq.read_metadata(f.path).metadata or {}).items()}
             resumed = md.get("tally.resumed_from_step", "")
+            first, last = int(md["tally.first_step"]), int(md["tally.last_step"])
             info = attempts.setdefault(f.attempt, {
                 "resumed_from_step": int(resumed) if resumed else None,
                 "host_count": int(md["tally.host_count"]), "last_step": -1})
-            info["last_step"] = max(info["last_step"], int(md["tally.last_step"]))
+            info["last_step"] = max(info["last_step"], last)
             info["rows"] = info.get("rows", 0) + int(md["tally.rows"])
             fingerprint = fingerprint or md.get("tally.manifest_fingerprint") or None
         except Exception:
             pass  # the worker re-checks the file and reports why it was skipped
+        if first is not None:
+            ranges = kept.setdefault((f.attempt, f.host), [])
+            repeat = _repeats(f, first, last, ranges)
+            if repeat is not None:
+                left_out.append((str(f.path), repeat))
+                continue
+            ranges.append((first, last, str(f.path)))
         files.append(InputFile(str(f.path), f))
     if not files:
         raise TallyError(f"no segment files for run {run_id!r} in spool {spool}")
-    return files, attempts, fingerprint
+    return Inputs(files, attempts, fingerprint, left_out)
 
 
-def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> tuple[list, dict, str | None]:
+def _repeats(f: sp.SpoolFile, first: int, last: int,
+             ranges: list[tuple[int, int, str]]) -> str | None:
+    """Why `f` repeats a (step, row) of a file kept before it (None: it does not), the rule
+    ingest applies (audit.hook.spool.first_repeat). Step ranges are compared first; rows are
+    read only where two ranges overlap."""
+    mine = None
+    for lo, hi, path in ranges:
+        if lo > last or hi < first:
+            continue
+        try:
+            if mine is None:
+                mine = _step_rows(f.path)
+            both = sp.first_repeat(*mine, *_step_rows(path))
+        except Exception:
+            return None  # unreadable: the worker says why
+        if both is not None:
+            return (f"duplicate: row {both[1]} of step {both[0]} of host {f.host}, attempt "
+                    f"{f.attempt} is already in {path} (a copy of a file, or a writer "
+                    "restarted within its attempt); counted once, from that file")
+    return None
+
+
+def _step_rows(path: str | Path) -> tuple[Any, Any]:
+    t = pq.read_table(path, columns=["step", "row"])
+    return t["step"].to_numpy(), t["row"].to_numpy()
+
+
+def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> Inputs:
     with Ledger(ledger_path, read_only=True) as ledger:
         run = ledger.query("SELECT run, manifest_fingerprint FROM runs WHERE run_id = ?",
                            [run_id])
@@ -102,13 +157,18 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> tuple[list, 
             COPY (SELECT attempt, {sql_select(SEGMENT_COLUMNS)}
                   FROM consumption WHERE run = {int(run[0]['run'])})
             TO '{target}' (FORMAT parquet, PER_THREAD_OUTPUT true, FILE_SIZE_BYTES '64MB')""")
+        # Files of the run the ingester set aside, with its reason (paths under the spool).
+        quarantined = [(r["path"], r["reason"]) for r in ledger.query(
+            "SELECT path, reason FROM quarantine WHERE starts_with(path, ?) ORDER BY path",
+            [f"{run_id}/"])]
     files = [InputFile(str(p)) for p in sorted(out.glob("*.parquet"))]
-    return files, attempts, run[0]["manifest_fingerprint"]
+    return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined)
 
 
 def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], attempts: dict,
               run_fingerprint: str | None, at_step: int | None,
-              bucket_records: int | None = None, memory_gb: float = 3.0) -> Plan:
+              bucket_records: int | None = None, memory_gb: float = 3.0,
+              left_out: list[tuple[str, str]] | None = None) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers."""
     from pipeline.manifest_file import manifest_info, uniform_row_groups
@@ -132,7 +192,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     plan = Plan(run_id=run_id, files=files, attempts=attempts, manifest=str(manifest),
                 records=records, train_records=train, fingerprint=info["manifest_fingerprint"],
                 run_fingerprint=run_fingerprint, at_step=at_step, hosts=hosts,
-                bucket_size=bucket_size, buckets=buckets, rows=rows)
+                bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=left_out or [])
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]

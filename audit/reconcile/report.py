@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from audit.core import exposure
 from audit.core.exposure import Coverage, verdict
 from audit.reconcile.html import render_html, step_or_none
-from audit.reconcile.partials import Partial
+from audit.reconcile.partials import EXAMPLES, Partial
 from audit.reconcile.plan import Plan
 from audit.reconcile.verdict import findings
 
@@ -106,7 +106,7 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "run_manifest_fingerprint": plan.run_fingerprint,
         "consumption": {"segments": merged.segments,
                         "first_step": merged.first_step, "last_step": last,
-                        "files": len(plan.files), "skipped_files": merged.skipped_files,
+                        "files": len(plan.files), **_left_out(plan, merged),
                         "rows_per_step": int(np.median(steps["rows"].to_numpy()))
                         if steps.num_rows else 0},
         "coverage": {
@@ -138,6 +138,16 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "domains": pa.Table.from_pylist(domains) if domains else pa.table({}),
     }
     return report, tables
+
+
+def _left_out(plan: Plan, merged: Partial) -> dict[str, Any]:
+    """Files the job did not count, by kind: unreadable ones (their rows may be missing) and
+    duplicates of files it counted (their rows are counted once, from the other file)."""
+    left = plan.left_out + merged.skipped_files
+    duplicates = sum(1 for _, why in plan.left_out if why.startswith("duplicate:"))
+    unreadable = len(plan.left_out) - duplicates + merged.skipped
+    return {"skipped_files": [f"{path}: {why}" for path, why in left[:EXAMPLES]],
+            "unreadable_files": unreadable, "duplicate_files": duplicates}
 
 
 def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:

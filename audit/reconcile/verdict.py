@@ -20,6 +20,7 @@ def findings(r: dict[str, Any]) -> list[dict[str, Any]]:
 
     cov, integ = r["coverage"], r["integrity"]
     n, total = cov["train_records"], cov["exposures"]
+    _left_out_findings(r["consumption"], add)
     if r["run_manifest_fingerprint"] and r["run_manifest_fingerprint"] != r["manifest"][
             "fingerprint"]:
         add("FAIL", "manifest_mismatch",
@@ -52,6 +53,25 @@ def findings(r: dict[str, Any]) -> list[dict[str, Any]]:
     if n and not total:
         add("WARN", "nothing_consumed", "no train record has been consumed yet")
     return out.to_list()
+
+
+def _left_out_findings(cons: dict[str, Any], add: Callable[..., Any]) -> None:
+    def first(dup: bool) -> str:
+        said = [s if len(s) < 240 else s[:237] + "..." for s in cons["skipped_files"]
+                if (": duplicate:" in s) == dup]
+        return "; ".join(said[:3])
+
+    bad, dups = cons.get("unreadable_files", 0), cons.get("duplicate_files", 0)
+    if bad:
+        add("FAIL", "files_unreadable",
+            f"{bad:,} spool file(s) of this run could not be read and were left out: the rows "
+            f"they hold are missing from every number of this report. {first(False)}",
+            files=bad)
+    if dups:
+        add("WARN", "duplicate_files",
+            f"{dups:,} spool file(s) repeat host-steps already read from another file (a copy "
+            f"of a file, or a writer restarted within its attempt); each host-step was counted "
+            f"once. {first(True)}", files=dups)
 
 
 def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
