@@ -21,13 +21,15 @@ class Thresholds:
     host_overlap: int | None = 0  # records seen by 2+ hosts, while in the first pass (C <= N)
     ingest_lag_seconds: float | None = 300.0  # age of the oldest published, not ingested file
     coverage_behind: float | None = 0.02  # ideal coverage minus coverage (needs N)
+    non_finite_losses: int | None = 0  # NaN or infinite loss values logged
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
-             first_pass: bool, lag_seconds: float, behind: float | None) -> list[dict[str, Any]]:
+             first_pass: bool, lag_seconds: float, behind: float | None,
+             non_finite_losses: int = 0) -> list[dict[str, Any]]:
     """Every configured alert with its value and whether it fires."""
     checks = [
         ("epoch_duplicates", epoch_duplicates, th.epoch_duplicates,
@@ -38,6 +40,8 @@ def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
          "seconds since the oldest spool file still waiting for ingest was published"),
         ("coverage_behind_ideal", behind, th.coverage_behind,
          "ideal coverage minus actual coverage"),
+        ("non_finite_loss", non_finite_losses, th.non_finite_losses,
+         "loss values logged as NaN or infinite (the run diverged)"),
     ]
     return [{"name": name, "value": value, "threshold": limit,
              "firing": value is not None and value > limit, "what": what}

@@ -84,7 +84,8 @@ class Service:
         lag = self.loop.lag_seconds() if self.loop is not None else 0.0
         alerts = evaluate(self.thresholds, epoch_duplicates=t["epoch_duplicates"],
                           multi_host_records=t["multi_host_records"], first_pass=first_pass,
-                          lag_seconds=lag, behind=cov.get("behind_ideal"))
+                          lag_seconds=lag, behind=cov.get("behind_ideal"),
+                          non_finite_losses=t["non_finite_losses"]["count"])
         return {"run_id": run_id, "status": status(alerts), "alerts": alerts,
                 "last_step": cov["latest_step"], **t, "coverage": cov,
                 "ingest_lag_seconds": lag, "quarantined_files": self.live.quarantined(run_id)}
@@ -121,6 +122,30 @@ def _encode(value: Any) -> bytes:
     return FiniteJSONResponse(value).body
 
 
+class BearerToken:
+    """Every request needs `Authorization: Bearer <token>`; a query token opens the dashboard
+    page only, which a browser opens by URL (its own requests then send the header). Tokens
+    are compared in constant time. A plain ASGI middleware: it leaves the request's receive
+    channel alone, so a handler still learns when its client goes away."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        got = request.headers.get("authorization", "")
+        given = got[7:] if got.lower().startswith("bearer ") else ""
+        if not given and scope["path"] == "/" and scope["method"] == "GET":
+            given = request.query_params.get("token", "")
+        if hmac.compare_digest(given.encode(), self.token):
+            return await self.app(scope, receive, send)
+        response = JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 def check_settings(*, spool: str | Path | None = None, manifest: str | Path | None = None,
                    records: int | None = None, reports: str | Path | None = None,
                    checkpoints: list[str] | None = None) -> ManifestDomains | None:
@@ -130,8 +155,8 @@ def check_settings(*, spool: str | Path | None = None, manifest: str | Path | No
         raise TallyError(f"spool {spool} is not a directory")
     if records is not None and records < 1:
         raise TallyError("--records must be >= 1")
-    if reports is not None and not Path(reports).is_dir():
-        raise TallyError(f"reports {reports} is not a directory")
+    if reports is not None and Path(reports).exists() and not Path(reports).is_dir():
+        raise TallyError(f"reports {reports} is not a directory")  # it may be made later
     for c in checkpoints or []:
         if not Path(c).is_dir():
             raise TallyError(f"--checkpoints {c} is not a directory")
@@ -176,19 +201,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                   lifespan=lifespan, default_response_class=FiniteJSONResponse)
     app.state.service = svc
 
-    @app.middleware("http")
-    async def bearer(request: Request, call_next):
-        if token is not None:
-            # The header everywhere; a query token only for the dashboard page, which a browser
-            # opens by URL (its own requests then send the header).
-            got = request.headers.get("authorization", "")
-            given = got[7:] if got.lower().startswith("bearer ") else ""
-            if not given and request.url.path == "/" and request.method == "GET":
-                given = request.query_params.get("token", "")
-            if not hmac.compare_digest(given.encode(), token.encode()):
-                return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    if token is not None:
+        app.add_middleware(BearerToken, token=token)
 
     add_preflight_routes(app, svc, RunId, ERRORS)
 

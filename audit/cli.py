@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -385,17 +387,88 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+# Commands whose work runs in worker threads and processes (Beam, Grain workers, training
+# hosts): a Ctrl-C that reached all of them printed a traceback from each (110-150 lines for a
+# reconcile). They run as a child in a session of its own, so the terminal's Ctrl-C reaches
+# only this process, which stops the child's whole process group and says so in one line.
+SUPERVISED = {"reconcile", "manifest", "train", "demo", "preflight", "compare"}
+_CHILD = "TALLY_SUPERVISED"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
     # Beam logs optional-dependency warnings at import; they are noise on a terminal.
     logging.getLogger().setLevel(logging.ERROR)
+    if args.command in SUPERVISED and not os.environ.get(_CHILD):
+        return _supervise(argv, args)
     try:
         return args.func(args)
     except TallyError as exc:
         print(f"tally: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("tally: interrupted", file=sys.stderr)
         return 130
+
+
+def _supervise(argv: list[str], args: argparse.Namespace) -> int:
+    """Run the command in a child process of its own session; on Ctrl-C (or SIGTERM) stop its
+    process group, remove what it left half made, and print one line."""
+    import signal
+
+    leftovers = _half_made(args)
+    child = subprocess.Popen([sys.executable, "-m", "audit.cli", *argv],
+                             env={**os.environ, _CHILD: "1"}, start_new_session=True)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        _stop_group(child)
+        for path in leftovers:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        print("tally: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_group(child: subprocess.Popen, grace_s: float = 5.0) -> None:
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            child.wait(wait)
+            # Grandchildren in the group (Beam workers, training hosts) go with the signal.
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        return
+
+
+def _half_made(args: argparse.Namespace) -> list[Path]:
+    """What the command would leave half made if it were stopped now: an output directory it
+    creates (the whole of it), or the work files inside one that exists already."""
+    if args.command == "reconcile":
+        out = Path(args.output)
+        return [out / ".work"] if out.exists() else [out]
+    if args.command == "manifest":
+        out = Path(args.output)
+        return [out.with_name(f".{out.name}.parts"), out.with_name(f".{out.name}.tmp")]
+    return []
 
 
 if __name__ == "__main__":

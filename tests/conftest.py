@@ -49,3 +49,10 @@ def popen_py(code: str, *args: str, **kw) -> subprocess.Popen:
 @pytest.fixture
 def spool(tmp_path: Path) -> Path:
     return tmp_path / "spool"
+
+
+@pytest.fixture
+def in_process(monkeypatch) -> None:
+    """`audit.cli.main` runs the command in this process (not in a supervised child), so
+    that capsys sees its output."""
+    monkeypatch.setenv("TALLY_SUPERVISED", "1")

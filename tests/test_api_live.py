@@ -195,6 +195,12 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
         assert poll(lambda: httpx.get(url + "/v1/runs/t", headers=auth, timeout=5)
                     .status_code == 200)
         assert httpx.get(url + "/?token=s3cret", timeout=5).status_code == 200
+        # A query token opens the dashboard page only: never the API, never a POST.
+        for path in ("/v1/runs?token=s3cret", "/v1/runs/t?token=s3cret",
+                     "/metrics?token=s3cret"):
+            assert httpx.get(url + path, timeout=5).status_code == 401, path
+        assert httpx.post(url + "/v1/runs/t/preflight?token=s3cret", timeout=5,
+                          json={"checkpoint": "/tmp", "hosts": 1}).status_code == 401
     finally:
         proc.terminate()
         out = proc.communicate(timeout=30)[0]

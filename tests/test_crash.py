@@ -1,17 +1,22 @@
 """Crash safety with real processes killed by SIGKILL, mid-write and mid-ingest."""
 
+import os
 import random
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from audit.hook import spool as sp
 from audit.hook.segments import Segments
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
-from tests.conftest import popen_py
+from tests.conftest import ROOT, popen_py
 
 ROWS = 256
 
@@ -119,3 +124,111 @@ def test_sigkill_mid_ingest_never_counts_twice_nor_half(tmp_path):
         assert ledger.query("""SELECT max(n) AS m FROM (SELECT file_id, step, count(*) AS n
             FROM consumption GROUP BY ALL)""")[0]["m"] == 20_000
         assert ledger.query("SELECT count(DISTINCT step) AS s FROM consumption")[0]["s"] == 120
+
+
+def _soak_spool(stage):
+    """A run with a restart (attempt 1 resumed at step 40, so attempt 0's steps >= 40 roll
+    back), many small files, and copies of some of them under other sequence numbers."""
+    rng = np.random.default_rng(5)
+    for attempt, steps in ((0, range(0, 60)), (1, range(40, 80))):
+        for h in range(2):
+            with LedgerWriter(stage, "soak", host=h, host_count=2, attempt=attempt,
+                              resumed_from_step=40 if attempt else None, flush_every=2,
+                              records_per_epoch=5000, fsync=False) as w:
+                for step in steps:
+                    w.write_segments(step, Segments.build(
+                        row=np.arange(64) // 2, record_key=rng.integers(0, 5000, 64),
+                        n_tokens=np.full(64, 10), content_hash=rng.integers(0, 2**63, 64),
+                        epoch=np.zeros(64)))
+    files = sorted(p for p in stage.rglob("seg-*.parquet"))
+    copies = []
+    for i, f in enumerate(files[::9]):  # a copy of every ninth file, under another sequence
+        copy = f.with_name(sp.file_name("seg", int(f.name.split("-")[1]), 500 + i))
+        shutil.copy(f, copy)
+        copies.append(copy)
+    return files, copies
+
+
+def test_kill_9_soak_of_ingest_and_serve_loses_nothing_and_counts_nothing_twice(tmp_path):
+    """Twenty-four kill -9s, at random moments, of `tally ingest` and `tally serve` in turn,
+    while the spool grows (files published in stages, copies among them): the ledger then holds
+    every original file exactly once and no copy, and its aggregates match it."""
+    stage, spool, path = tmp_path / "stage", tmp_path / "spool", tmp_path / "l.duckdb"
+    files, copies = _soak_spool(stage)
+    everything = sorted(files + copies, key=lambda p: p.name)
+    rnd = random.Random(7)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    published, mid_work = 0, 0
+    for kill in range(24):
+        # Publish a few more files (with their directories) before each round.
+        for f in everything[published: published + rnd.randint(3, 12)]:
+            target = spool / f.relative_to(stage)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, target.with_name(f".{target.name}.tmp"))
+            os.rename(target.with_name(f".{target.name}.tmp"), target)
+            published += 1
+        cmd = (["ingest", str(spool), "--ledger", str(path), "-q", "--batch-rows", "100"]
+               if kill % 2 == 0 else
+               ["serve", "--spool", str(spool), "--ledger", str(path), "--records", "5000",
+                "--interval", "0.01", "--port", "0"])
+        before = _files_in(path)
+        child = subprocess.Popen([sys.executable, "-m", "audit.cli", *cmd], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rnd.uniform(0.6, 2.5))
+        still_running = child.poll() is None
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        after = _files_in(path)
+        mid_work += still_running and after > before
+        _consistent(path)
+    assert mid_work >= 5, mid_work  # kills that landed while files were going in
+    for f in everything[published:]:
+        target = spool / f.relative_to(stage)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, target)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger)
+        held = {r["path"] for r in ledger.query("SELECT path FROM segments WHERE kind = 'seg'")}
+        assert held == {f.relative_to(stage).as_posix() for f in files}
+        quarantined = {r["path"]: r["reason"] for r in ledger.query(
+            "SELECT path, reason FROM quarantine")}
+        assert set(quarantined) == {c.relative_to(stage).as_posix() for c in copies}
+        assert all(r.startswith("duplicate:") for r in quarantined.values())
+        written = sum(pq.read_metadata(f).num_rows for f in files)
+        assert ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"] == written
+        # No host-step row twice: a copy never went in.
+        assert ledger.query("""SELECT count(*) AS n FROM (SELECT attempt, host, step, "row",
+            "offset", count(*) AS c FROM consumption GROUP BY ALL HAVING c > 2)""")[0]["n"] == 0
+        # Effective rows: attempt 0 below step 40, attempt 1 from it, 2 hosts x 64 each step.
+        assert ledger.query("SELECT count(*) AS n FROM effective_consumption")[0]["n"] == \
+            80 * 2 * 64
+    _consistent(path)
+
+
+def _files_in(path) -> int:
+    if not path.exists():
+        return 0
+    with Ledger(path, read_only=True) as ledger:
+        return ledger.query("SELECT count(*) AS n FROM segments")[0]["n"]
+
+
+def _consistent(path) -> None:
+    """Whole files only, each once; aggregates equal to the rows they count."""
+    if not path.exists():
+        return
+    with Ledger(path, read_only=True) as ledger:
+        per_file = ledger.query("""SELECT count(*) AS bad FROM segments g LEFT JOIN (
+            SELECT file_id, count(*) AS n FROM consumption GROUP BY ALL) c USING (file_id)
+            WHERE g.kind = 'seg' AND coalesce(c.n, 0) <> g.n_rows""")[0]["bad"]
+        assert per_file == 0
+        twice = ledger.query("SELECT count(*) - count(DISTINCT path) AS n FROM segments")
+        assert twice[0]["n"] == 0
+        rows = ledger.query("SELECT count(*) AS n FROM consumption")[0]["n"]
+        agg = ledger.query("SELECT coalesce(sum(segments), 0) AS n FROM agg_steps")[0]["n"]
+        assert rows == agg
+        files = ledger.query("SELECT count(*) AS n FROM segments WHERE kind = 'seg'")[0]["n"]
+        applied = ledger.query("SELECT coalesce(sum(seg_files), 0) AS n FROM agg_runs")[0]["n"]
+        assert applied == files
+        in_quarantine = ledger.query("""SELECT count(*) AS n FROM quarantine q
+            JOIN segments g USING (path)""")[0]["n"]
+        assert in_quarantine == 0

@@ -3,6 +3,7 @@ real writer into a spool, ingested into a real ledger, the loader states in a re
 checkpoint; then the shadow run of the new topology from the manifest, checked."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -39,14 +40,15 @@ def corpus(tmp_path_factory):
     return root / "m.parquet", source
 
 
-def _old_run(tmp, source, cfg, hosts, *, steps=STEPS, unrecorded=0):
+def _old_run(tmp, source, cfg, hosts, *, steps=STEPS, unrecorded=0, checkpoint_dir=None):
     """`hosts` loaders consume `steps` steps into the ledger (plus `unrecorded` more the
     ledger never sees), then the trainer's checkpoint of all their states."""
     states = {}
     for h in range(hosts):
         loader = KeyedLoader(source, cfg, h, hosts)
         with LedgerWriter(tmp / "spool", "r", host=h, host_count=hosts, fsync=False,
-                          records_per_epoch=len(source), flush_every=64) as w:
+                          records_per_epoch=len(source), flush_every=64,
+                          checkpoint_dir=checkpoint_dir) as w:
             for step in range(steps):
                 w.write_batch(step, next(loader))
         for _ in range(unrecorded):
@@ -175,7 +177,7 @@ def test_shadow_plan_is_what_the_real_loaders_read_next(corpus, packing, elastic
             np.testing.assert_array_equal(plan.index[plan.step == t], record_starts(next(real)))
 
 
-def test_cli_exit_codes_json_and_recorded_verdicts(corpus, tmp_path, capsys):
+def test_cli_exit_codes_json_and_recorded_verdicts(corpus, tmp_path, capsys, in_process):
     manifest, source = corpus
     ckpt = _old_run(tmp_path, source, _cfg(fault="naive_reshard"), 4)
     base = ["preflight", "--run", "r", "--ledger", str(tmp_path / "ledger.duckdb"),
@@ -204,7 +206,7 @@ def test_cli_exit_codes_json_and_recorded_verdicts(corpus, tmp_path, capsys):
                             [vid]) == [{"forced": True, "requested_by": "trainer"}]
 
 
-def test_bad_or_missing_input_exits_2_with_a_message(corpus, tmp_path, capsys):
+def test_bad_or_missing_input_exits_2_with_a_message(corpus, tmp_path, capsys, in_process):
     manifest, source = corpus
     ckpt = _old_run(tmp_path, source, _cfg(), 2)
     led = str(tmp_path / "ledger.duckdb")
@@ -227,7 +229,7 @@ def test_bad_or_missing_input_exits_2_with_a_message(corpus, tmp_path, capsys):
     assert "no checkpoint in" in run("--checkpoint", str(tmp_path / "empty"))[1]
 
 
-def test_a_ledger_behind_the_checkpoint_cannot_tell(corpus, tmp_path, capsys):
+def test_a_ledger_behind_the_checkpoint_cannot_tell(corpus, tmp_path, capsys, in_process):
     manifest, source = corpus
     _old_run(tmp_path, source, _cfg(), 2, steps=30, unrecorded=10)
     v = _preflight(tmp_path, manifest, 2)
@@ -237,7 +239,7 @@ def test_a_ledger_behind_the_checkpoint_cannot_tell(corpus, tmp_path, capsys):
     assert "holds steps up to 29" in f.message and "ingest the spool first" in f.message
 
 
-def test_config_file_gives_the_new_loader_config(corpus, tmp_path, capsys):
+def test_config_file_gives_the_new_loader_config(corpus, tmp_path, capsys, in_process):
     manifest, source = corpus
     ckpt = _old_run(tmp_path, source, _cfg(packing="first_fit"), 2)
     base = ["preflight", "--run", "r", "--ledger", str(tmp_path / "ledger.duckdb"),
@@ -273,3 +275,60 @@ def test_horizon_to_the_epoch_end_keeps_hosts_in_lockstep(corpus):
         np.testing.assert_array_equal(a.index, b.index)
     everything = np.concatenate([p.index for p in plans])
     assert sorted(everything[everything < 2048]) == list(range(2048))
+
+
+def test_the_preflight_endpoint_reads_only_checkpoints_it_may_and_bounds_its_work(corpus,
+                                                                                   tmp_path):
+    """A client names a path on the server: only under the checkpoint directories the service
+    may read, with answers that reveal nothing of the file system, a capped horizon, a time
+    box, and no work left running when the client goes away."""
+    import httpx
+
+    from api.app import create_app
+    from tests.api_helpers import Server
+
+    manifest, source = corpus
+    ckpt = _old_run(tmp_path, source, _cfg(), 4, checkpoint_dir=tmp_path / "ckpt")
+    (ckpt / "junk").mkdir()
+    (ckpt / "junk" / "meta").mkdir()
+
+    def post(srv, checkpoint, timeout=60, **kw):
+        return httpx.post(srv.url + "/v1/runs/r/preflight", timeout=timeout,
+                          json={"checkpoint": str(checkpoint), "hosts": 8, **kw})
+
+    with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        # The run's trainer recorded its checkpoint directory: that is where it may read.
+        with Server(create_app(ledger, manifest=manifest)) as srv:
+            ok = post(srv, ckpt)
+            assert ok.status_code == 200 and ok.json()["status"] == "unsafe"
+            for outside in ("/proc", "/etc/passwd", ckpt / ".." / "spool", tmp_path):
+                r = post(srv, outside)
+                assert r.status_code == 403, (outside, r.text)
+                assert str(tmp_path) not in r.text and "/proc" not in r.text
+            r = post(srv, ckpt / "nope")
+            assert (r.status_code, r.json()["detail"]) == (404, "no checkpoint at that path")
+            r = post(srv, ckpt / "junk")
+            assert r.status_code in (404, 422) and "junk" not in r.text, r.text
+            assert post(srv, ckpt, horizon=5000).status_code == 422
+        # --checkpoints DIR replaces the recorded ones.
+        with Server(create_app(ledger, manifest=manifest,
+                               checkpoints=[str(tmp_path / "spool")])) as srv:
+            assert post(srv, ckpt).status_code == 403
+        # Work past the time box stops, and is not recorded.
+        before = ledger.query("SELECT count(*) AS n FROM preflight_verdicts")[0]["n"]
+        with Server(create_app(ledger, manifest=manifest, preflight_seconds=0.2)) as srv:
+            t0 = time.monotonic()
+            r = post(srv, ckpt, horizon=2000)
+            assert r.status_code == 503 and "time box" in r.json()["detail"]
+            assert time.monotonic() - t0 < 10
+        # A client that goes away: the work stops (this process, which runs the server, goes
+        # idle) and records nothing.
+        with Server(create_app(ledger, manifest=manifest, preflight_seconds=600)) as srv:
+            with pytest.raises(httpx.TimeoutException):
+                post(srv, ckpt, horizon=2000, timeout=1.0)
+            time.sleep(1.0)
+            cpu = time.process_time()
+            time.sleep(1.5)
+            assert time.process_time() - cpu < 0.3
+        after = ledger.query("SELECT count(*) AS n FROM preflight_verdicts")[0]["n"]
+        assert after == before

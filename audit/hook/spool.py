@@ -66,7 +66,8 @@ META_PREFIX = "tally."
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _RUN_ID = re.compile(RUN_ID_PATTERN)
-_FILE = re.compile(r"^(seg|met)-(\d{12})-(\d{6})\.parquet$")
+# Steps take 12 digits or more (int64 steps: up to 19), sequence numbers 6 or more.
+_FILE = re.compile(r"^(seg|met)-(\d{12,19})-(\d{6,19})\.parquet$")
 ATTEMPT_DIR = re.compile(r"^attempt=(\d+)$")
 _HOST_DIR = re.compile(r"^host=(\d+)$")
 
@@ -139,7 +140,9 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
                                                                       os.stat_result]]:
     try:
         with os.scandir(here) as it:
-            entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+            # In step order: a longer number is a larger one.
+            entries = sorted((e for e in it if not e.name.startswith(".")),
+                             key=lambda e: (len(e.name), e.name))
     except OSError as exc:
         rel = here.relative_to(spool).as_posix()
         st = _lstat(here)

@@ -55,18 +55,6 @@ def _published_up_to(directory: Path) -> int | None:
     return int(meta.get(f"{sp.META_PREFIX}last_step".encode(), b"-1"))
 
 
-def _refuse_reuse(spool: Path, run_id: str, attempt: int) -> None:
-    """Writing an attempt when a later one exists means the run id is reused (or an old host
-    still runs): its rows would mix two runs."""
-    run_dir = Path(spool) / run_id
-    later = [int(m.group(1)) for n in (os.listdir(run_dir) if run_dir.is_dir() else [])
-             if (m := sp.ATTEMPT_DIR.match(n)) and int(m.group(1)) > attempt]
-    if later:
-        raise WriterError(f"run {run_id} already has attempt {max(later)} in {spool}: attempt "
-                          f"{attempt} cannot start now (resume the latest, or choose another "
-                          "run id)")
-
-
 class LedgerWriter:
     def __init__(
         self,
@@ -105,7 +93,6 @@ class LedgerWriter:
         self.records_per_epoch = records_per_epoch
         self.flush_every, self.flush_seconds, self._fsync = flush_every, flush_seconds, fsync
         self.dir = sp.host_dir(Path(spool), run_id, attempt, host)
-        _refuse_reuse(Path(spool), run_id, attempt)
         self.dir.mkdir(parents=True, exist_ok=True)
         # Steps this host already published in this attempt: writing one of them again (a
         # reused run id, a host restarted without resuming) is refused at the first such step;

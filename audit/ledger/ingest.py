@@ -310,7 +310,7 @@ def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]
         for other in kept.get(key, []):
             if why is None and i["first_step"] <= other.info["last_step"] and \
                     other.info["first_step"] <= i["last_step"]:
-                why = _repeat(f, _columns(other.table, f.item.kind), other.item.rel)
+                why = _repeat(f, other.table, other.item.rel)
         if why is None and f.item.kind == "seg" and len(f.table):
             why = agg.too_large(int(pc.max(f.table["record_key"]).as_py()))
         if why is not None:
@@ -318,14 +318,6 @@ def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]
             continue
         kept.setdefault(key, []).append(f)
     return out
-
-
-def _columns(table: pa.Table, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """What names one consumption in a file: (step, row), or (step, metric name code)."""
-    if kind == "seg":
-        return table["step"].to_numpy(), table["row"].to_numpy()
-    names = np.array([hash(n) for n in table["name"].to_pylist()], np.int64)
-    return table["step"].to_numpy(), names
 
 
 def _already(cur, key: tuple, f: _File) -> str | None:
@@ -341,18 +333,27 @@ def _already(cur, key: tuple, f: _File) -> str | None:
     for file_id, path in overlapping:
         table = "consumption" if kind == "seg" else "metrics"
         column = '"row"' if kind == "seg" else "name"
-        theirs = cur.execute(f"SELECT step, {column} FROM {table} WHERE file_id = ?",
-                             [file_id]).fetch_arrow_table()
-        why = _repeat(f, _columns(theirs.rename_columns(["step", column.strip('"')]), kind),
-                      path)
+        got = cur.execute(f"SELECT step, {column} AS other FROM {table} WHERE file_id = ?",
+                          [file_id]).fetchnumpy()
+        theirs = pa.table({"step": got["step"], column.strip('"'): got["other"]})
+        why = _repeat(f, theirs, path)
         if why is not None:
             return why
     return None
 
 
-def _repeat(f: _File, theirs: tuple[np.ndarray, np.ndarray], path: str) -> str | None:
-    steps, rows = _columns(f.table, f.item.kind)
-    both = sp.first_repeat(steps, rows, *theirs)
+def _repeat(f: _File, theirs: pa.Table, path: str) -> str | None:
+    """Why `f` repeats a consumption of `theirs` (another file's step and row, or step and
+    metric name, columns), or None."""
+    if f.item.kind == "seg":
+        mine_rows, their_rows = f.table["row"].to_numpy(), theirs["row"].to_numpy()
+    else:  # metric names as codes shared by both sides
+        names = pa.chunked_array([f.table["name"].cast(pa.string()),
+                                  theirs["name"].cast(pa.string())]).combine_chunks()
+        codes = pc.index_in(names, pc.unique(names)).to_numpy()
+        mine_rows, their_rows = codes[: len(f.table)], codes[len(f.table):]
+    both = sp.first_repeat(f.table["step"].to_numpy(), mine_rows, theirs["step"].to_numpy(),
+                           their_rows)
     if both is None:
         return None
     step, row = both

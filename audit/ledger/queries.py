@@ -309,4 +309,15 @@ def totals(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
                        for r in cur.execute("""SELECT attempt, resumed_from_step, host_count,
             rolled_back_from_step FROM attempts WHERE run = ? ORDER BY attempt""",
                                             [run]).fetchall()]
+    out["non_finite_losses"] = non_finite_losses(cur, run)
     return out
+
+
+def non_finite_losses(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
+    """Loss values (train or held-out) that are NaN or infinite, in the effective steps: the
+    run diverged there, and its losses say nothing about the data after it."""
+    count, first = one(cur, f"""
+        SELECT count(*), min(m.step) FROM metrics m JOIN attempts a USING (run, attempt)
+        WHERE m.run = ? AND {effective_sql("m", "a")} AND NOT isfinite(m.value)
+          AND (m.name LIKE '%loss' OR m.name LIKE 'ppl/%')""", [run])
+    return {"count": int(count), "first_step": first}

@@ -341,7 +341,8 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         plan = make_plan(run_id=run_id, manifest=manifest, files=inputs.files,
                          attempts=inputs.attempts, run_fingerprint=inputs.fingerprint,
                          at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
-                         left_out=inputs.left_out)
+                         left_out=inputs.left_out,
+                         non_finite_losses=inputs.non_finite_losses)
         merged = run_reconcile(plan, work, runner)
         report, tables = rp.build(plan, merged)
         rp.write(report, tables, out)

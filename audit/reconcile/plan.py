@@ -4,17 +4,20 @@ buckets sized to the memory budget. Decided once, before the pipeline starts (`P
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from audit.core.errors import TallyError
-from audit.core.exposure import rolled_back_from
+from audit.core.exposure import effective, rolled_back_from
 from audit.core.schema import SEGMENT_COLUMNS, names, sql_select
 from audit.hook import spool as sp
 from audit.ledger.database import Ledger
+from audit.ledger.queries import non_finite_losses
 
 # What the job reads of each row: the segment columns, with the row's attempt.
 COLUMNS = ("attempt", *names(SEGMENT_COLUMNS))
@@ -53,6 +56,7 @@ class Plan:
     buckets: int
     rows: int = 0  # consumption rows
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), see Inputs
+    non_finite_losses: dict[str, Any] = field(default_factory=dict)  # see Inputs
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
 
@@ -67,19 +71,24 @@ class Inputs:
     attempts: dict[int, dict[str, Any]]
     fingerprint: str | None
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    # Loss values logged as NaN or infinite: {"count", "first_step"}
+    non_finite_losses: dict[str, Any] = field(default_factory=lambda: {"count": 0,
+                                                                        "first_step": None})
 
 
 def spool_inputs(spool: Path, run_id: str) -> Inputs:
     """The run's published segment files. Entries under the run's directory that are not
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
     step) of a file before it, the rule ingest applies (each host-step counts once)."""
-    files, attempts, fingerprint, left_out = [], {}, None, []
+    files, attempts, fingerprint, left_out, metric_files = [], {}, None, [], []
     kept: dict[tuple[int, int], list[tuple[int, int, str]]] = {}  # (attempt, host) -> ranges
     for f, _ in sp.scan(spool):
         if isinstance(f, sp.Stray):
             if f.rel.startswith(f"{run_id}/"):
                 left_out.append((str(f.path), f.reason))
             continue
+        if f.run_id == run_id and f.kind == "met":
+            metric_files.append(f)
         if f.kind != "seg" or f.run_id != run_id:
             continue
         first = last = None
@@ -106,7 +115,30 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
         files.append(InputFile(str(f.path), f))
     if not files:
         raise TallyError(f"no segment files for run {run_id!r} in spool {spool}")
-    return Inputs(files, attempts, fingerprint, left_out)
+    cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
+    return Inputs(files, attempts, fingerprint, left_out,
+                  _non_finite_losses(metric_files, cutoffs))
+
+
+def _non_finite_losses(files: list[sp.SpoolFile],
+                       cutoffs: dict[int, int | None]) -> dict[str, Any]:
+    """NaN or infinite losses among the run's metric files (effective steps only)."""
+    def read(f: sp.SpoolFile) -> tuple[int, int | None]:
+        try:
+            table, _ = sp.read_checked(f)
+        except sp.BadFile:
+            return 0, None
+        loss = np.array([n.endswith("loss") or n.startswith("ppl/")
+                         for n in table["name"].to_pylist()], bool)
+        steps, values = table["step"].to_numpy(), table["value"].to_numpy()
+        bad = loss & ~np.isfinite(values) & effective(
+            steps, np.full(len(steps), f.attempt), cutoffs)
+        return int(bad.sum()), (int(steps[bad].min()) if bad.any() else None)
+
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(read, files))
+    firsts = [s for _, s in found if s is not None]
+    return {"count": sum(n for n, _ in found), "first_step": min(firsts, default=None)}
 
 
 def _repeats(f: sp.SpoolFile, first: int, last: int,
@@ -161,14 +193,20 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> Inputs:
         quarantined = [(r["path"], r["reason"]) for r in ledger.query(
             "SELECT path, reason FROM quarantine WHERE starts_with(path, ?) ORDER BY path",
             [f"{run_id}/"])]
+        cur = ledger.cursor()
+        try:
+            non_finite = non_finite_losses(cur, int(run[0]["run"]))
+        finally:
+            cur.close()
     files = [InputFile(str(p)) for p in sorted(out.glob("*.parquet"))]
-    return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined)
+    return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite)
 
 
 def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], attempts: dict,
               run_fingerprint: str | None, at_step: int | None,
               bucket_records: int | None = None, memory_gb: float = 3.0,
-              left_out: list[tuple[str, str]] | None = None) -> Plan:
+              left_out: list[tuple[str, str]] | None = None,
+              non_finite_losses: dict[str, Any] | None = None) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers."""
     from pipeline.manifest_file import manifest_info, uniform_row_groups
@@ -192,7 +230,8 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     plan = Plan(run_id=run_id, files=files, attempts=attempts, manifest=str(manifest),
                 records=records, train_records=train, fingerprint=info["manifest_fingerprint"],
                 run_fingerprint=run_fingerprint, at_step=at_step, hosts=hosts,
-                bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=left_out or [])
+                bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=left_out or [],
+                non_finite_losses=non_finite_losses or {"count": 0, "first_step": None})
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]

@@ -126,6 +126,7 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "restarts": [r for r in restarts if r["resumed_from_step"] is not None
                      or r["rolled_back_from_step"] is not None],
         "batch_changes": _batch_changes(steps, plan),
+        "metrics": {"non_finite_losses": plan.non_finite_losses},
         "first_bad_step": first_bad,
         "exposures_before_first_bad": (int(cum_exp[first_bad - 1]) if first_bad else
                                        0 if first_bad == 0 else None),

@@ -21,6 +21,13 @@ def findings(r: dict[str, Any]) -> list[dict[str, Any]]:
     cov, integ = r["coverage"], r["integrity"]
     n, total = cov["train_records"], cov["exposures"]
     _left_out_findings(r["consumption"], add)
+    bad_loss = r.get("metrics", {}).get("non_finite_losses", {})
+    if bad_loss.get("count"):
+        add("WARN", "non_finite_loss",
+            f"{bad_loss['count']:,} loss value(s) were logged as NaN or infinite, the first at "
+            f"step {bad_loss['first_step']}: the run diverged there, and its losses after it "
+            "say nothing about the data", count=bad_loss["count"],
+            first_step=bad_loss["first_step"])
     if r["run_manifest_fingerprint"] and r["run_manifest_fingerprint"] != r["manifest"][
             "fingerprint"]:
         add("FAIL", "manifest_mismatch",

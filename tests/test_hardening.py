@@ -1,0 +1,201 @@
+"""Hardening on the real service and the real CLI: entries that used to hang or stop the live
+ingester, non-finite values, failed starts that must create nothing, one line for a user's
+mistake, Ctrl-C, and a reused run id."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from api.app import create_app
+from audit.hook import spool as sp
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from tests.api_helpers import Server, poll, write_steps
+from tests.conftest import ROOT, unpacked_batch
+
+N = 150
+
+
+def _tally(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, **kw)
+
+
+def test_a_fifo_and_a_symlink_loop_neither_hang_nor_stop_live_ingest(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(10), n=N, seed=0, flush_every=5)
+    d = sp.host_dir(spool, "r", 0, 0)
+    os.mkfifo(d / sp.file_name("seg", 50, 0))
+    os.symlink(sp.file_name("seg", 60, 0), d / sp.file_name("seg", 60, 0))
+    os.symlink(tmp_path / "gone", spool / "dangling.parquet")
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        app = create_app(ledger, spool=spool, records=N, interval=0.05)
+        with Server(app) as srv:
+            assert poll(lambda: srv.get("/v1/runs/r").json().get("last_step") == 9, timeout=30)
+            write_steps(spool, "s", host=0, hosts=1, steps=range(5), n=N, seed=1)
+            assert poll(lambda: srv.get("/v1/runs/s").status_code == 200, timeout=30)
+            h = srv.get("/healthz").json()
+            assert h["status"] == "ok", h
+            assert h["quarantined_files"] == {"dangling.parquet": 1, "r": 2}
+            q = srv.get("/v1/runs/r").json()["quarantined_files"]
+            assert q["count"] == 2
+            assert {x["reason"] for x in q["first"]} == {
+                "not a regular file: a FIFO", "not a regular file: a symlink loop"}
+
+
+def test_a_round_that_overruns_turns_healthz_degraded(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(40), n=N, seed=0, flush_every=1)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        app = create_app(ledger, spool=spool, records=N, interval=0.05,
+                         max_round_seconds=0.0001)
+        with Server(app) as srv:
+            h = poll(lambda: (x := srv.get("/healthz").json())["ingest"]["overran"] and x)
+            assert h["status"] == "degraded" and h["ingest"]["overran"] > 0.0001
+
+
+def test_a_nan_loss_is_served_as_null_and_never_breaks_an_answer(tmp_path):
+    spool = tmp_path / "spool"
+    with LedgerWriter(spool, "nan", records_per_epoch=N, fsync=False) as w:
+        for s in range(4):
+            w.write_batch(s, unpacked_batch(s, n_records=N))
+            w.log_metric(s, "train_loss", [2.0, float("nan"), float("inf"), 1.5][s])
+        w.log_metric(3, "heldout_loss", float("-inf"))
+    with Ledger(tmp_path / "l.duckdb") as ledger, \
+            Server(create_app(ledger, spool=spool, interval=0.05)) as srv:
+        assert poll(lambda: srv.get("/v1/runs/nan").json().get("last_step") == 3)
+        m = srv.get("/v1/runs/nan/metrics")
+        assert m.status_code == 200
+        assert m.json()["train_loss"]["value"] == [2.0, None, None, 1.5]
+        assert m.json()["milestones"][0]["heldout_loss"] is None
+        assert srv.get("/metrics").status_code == 200
+        s = srv.get("/v1/runs/nan").json()
+        assert s["non_finite_losses"] == {"count": 3, "first_step": 1}
+        assert [a["firing"] for a in s["alerts"] if a["name"] == "non_finite_loss"] == [True]
+    _manifest(tmp_path / "m.parquet")
+    from audit.reconcile import reconcile
+
+    for source in ({"spool": spool}, {"ledger": tmp_path / "l.duckdb"}):
+        r = reconcile(run_id="nan", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
+                      **source)
+        (f,) = [f for f in r["findings"] if f["code"] == "non_finite_loss"]
+        assert f["numbers"] == {"count": 3, "first_step": 1}, source
+
+
+def test_a_failed_start_of_serve_creates_nothing(tmp_path):
+    ledger = tmp_path / "y.duckdb"
+    out = _tally("serve", "--spool", str(tmp_path / "nonexistent"), "--ledger", str(ledger))
+    assert out.returncode == 2
+    assert out.stderr == f"tally: error: spool {tmp_path / 'nonexistent'} is not a directory\n"
+    assert not ledger.exists()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _tally("serve", "--ledger", str(ledger), "--port", str(port))
+    assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr
+    assert out.stderr.count("\n") == 1 and not ledger.exists()
+    out = _tally("serve", "--ledger", str(ledger), "--manifest", str(tmp_path / "m.parquet"))
+    assert out.returncode == 2 and "cannot read manifest" in out.stderr
+    assert not ledger.exists()
+
+
+def test_bad_config_values_print_one_line_naming_key_value_and_what_is_allowed(tmp_path):
+    conf = tmp_path / "train.json"
+    for overrides, said in ((["steps=abc"], "override steps='abc': expected an integer"),
+                            (["packing=bogus"], "packing='bogus': Input should be 'none', "
+                                                "'first_fit' or 'concat_split'"),
+                            (["nope=1"], "override 'nope=1': expected key=value")):
+        out = _tally("train", f"spool={tmp_path / 'spool'}", *overrides)
+        assert (out.returncode, out.stderr.count("\n")) == (2, 1), out.stderr
+        assert said in out.stderr and out.stderr.startswith("tally: error: ")
+    for body, said in (({"global_batch": -3}, "global_batch=-3: Input should be greater than "
+                                              "or equal to 1"),
+                       ({"steps": "30"}, "steps='30': Input should be a valid integer")):
+        conf.write_text(json.dumps(body))
+        out = _tally("train", "--config", str(conf))
+        assert (out.returncode, out.stderr.count("\n")) == (2, 1), out.stderr
+        assert said in out.stderr
+
+
+def test_a_fresh_train_of_a_run_that_has_a_spool_is_refused(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "exp1", host=0, hosts=1, steps=range(2), n=N, seed=0)
+    out = _tally("train", f"spool={spool}", "run_id=exp1", "steps=2")
+    assert out.returncode == 2
+    assert out.stderr == (f"tally: error: run exp1 already has a spool in {spool}: resume it "
+                          "(--resume) or choose another run id\n")
+
+
+def test_ctrl_c_during_reconcile_prints_one_line_and_leaves_no_output(tmp_path):
+    spool, out_dir = tmp_path / "spool", tmp_path / "report"
+    for h in range(2):
+        write_steps(spool, "r", host=h, hosts=2, steps=range(40), n=N, seed=h, flush_every=2)
+    _manifest(tmp_path / "m.parquet")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "reconcile", "--spool",
+                             str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run", "r",
+                             "-o", str(out_dir), "--mode", "multi_processing"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group: a terminal's Ctrl-C
+    try:
+        assert poll(lambda: (out_dir / ".work").exists() or proc.poll() is not None,
+                    timeout=60, every=0.01)
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends the foreground group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.endswith("tally: interrupted\n") and "Traceback" not in err, err
+    assert not out_dir.exists()
+    time.sleep(0.5)  # nothing of the job lives on
+    left = subprocess.run(["pgrep", "-f", str(out_dir)], capture_output=True, text=True)
+    assert left.stdout == ""
+
+
+def _manifest(path):
+    keys = np.arange(N)
+    t = pa.table({"record_key": keys, "content_hash": keys.astype(np.uint64),
+                  "n_tokens": np.full(N, 10, np.int32), "domain": ["web"] * N,
+                  "split": ["train"] * N, "source": ["s"] * N, "source_index": keys})
+    pq.write_table(t.replace_schema_metadata({"tally.manifest_fingerprint": "f", "tally.records":
+                                              str(N), "tally.train_records": str(N)}), path)
+
+
+def test_a_reconcile_over_unreadable_files_fails_and_says_why(tmp_path):
+    """Before: a spool whose only file had the wrong columns gave WARN 'nothing consumed' and
+    exit 0, the reason only in report.json."""
+    spool = tmp_path / "spool"
+    d = sp.host_dir(spool, "r", 0, 0)
+    d.mkdir(parents=True)
+    pq.write_table(pa.table({"step": [0], "x": [1]}), d / sp.file_name("seg", 0, 0))
+    _manifest(tmp_path / "m.parquet")
+    out = _tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
+                 "--run", "r", "-o", str(tmp_path / "rep"), "--strict")
+    assert out.returncode == 1, out.stderr
+    assert "FAIL: 1 spool file(s) of this run could not be read" in out.stdout
+    assert "schema mismatch" in out.stdout
+
+
+def test_a_fifo_named_like_a_segment_is_left_out_of_reconcile_with_its_reason(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(10), n=N, seed=0, flush_every=5)
+    os.mkfifo(sp.host_dir(spool, "r", 0, 0) / sp.file_name("seg", 50, 0))
+    _manifest(tmp_path / "m.parquet")
+    out = _tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
+                 "--run", "r", "-o", str(tmp_path / "rep"), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "not a regular file: a FIFO" in out.stdout
