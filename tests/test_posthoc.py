@@ -1,0 +1,267 @@
+"""Post-hoc audits: `tally diff` (the Beam job, on FnApiRunner and Dask) against the DuckDB SQL
+reference (tests/diff_reference.py) on random ledgers, on real Grain runs with exact and inexact
+resumes, and on README's Grain and PyTorch examples over the same corpus; `tally exposure` on a
+corpus with planted duplicates against SQL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from audit.hook.writer import LedgerWriter
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
+from audit.posthoc.diff import diff
+from audit.posthoc.sources import parse_run_source, run_source
+from pipeline.corpus import TokenSource
+from pipeline.loader import KeyedLoader, LoaderConfig
+from pipeline.manifest import build_manifest
+from pipeline.runners import RunnerSpec
+from tests.conftest import ROOT
+from tests.diff_reference import from_diff, reference
+from tests.test_reconcile import random_run, write_manifest
+
+
+def tally(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=600,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def _tables(out: Path) -> dict:
+    return {name: pq.read_table(out / f"{name}.parquet") for name in ("steps", "windows")}
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return int(x) if isinstance(x, np.integer | bool) else x
+
+
+def agrees(d: dict, out: Path, a: tuple[str, str], b: tuple[str, str], manifest: Path,
+           at_step: int | None = None) -> dict:
+    want = reference((str(a[0]), a[1]), (str(b[0]), b[1]), str(manifest), at_step,
+                     d["windows"]["steps"])
+    got = from_diff(d, _tables(out))
+    for key in want:
+        assert _plain(got[key]) == _plain(want[key]), key
+    return want
+
+
+# ---- random ledgers ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def random_ledger(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("random")
+    rng = np.random.default_rng(11)
+    man = write_manifest(tmp / "m.parquet", 400, 20, rng, row_group=50)
+    random_run(tmp / "spool", man, 400, rng, run_id="r")
+    random_run(tmp / "spool", man, 400, np.random.default_rng(12), run_id="s")
+    with Ledger(tmp / "l.duckdb") as ledger:
+        assert not ingest(tmp / "spool", ledger).quarantined
+    return tmp
+
+
+@pytest.mark.parametrize("at_step,window", [(None, None), (9, 3)])
+def test_diff_agrees_with_sql_on_random_ledgers(random_ledger, tmp_path, at_step, window):
+    tmp = random_ledger
+    d = diff(a=run_source(tmp / "spool", "r"), b=run_source(tmp / "l.duckdb", "s"),
+             manifest=tmp / "m.parquet", out=tmp_path / "d", at_step=at_step, window=window,
+             bucket_records=97)
+    want = agrees(d, tmp_path / "d", (tmp / "l.duckdb", "r"), (tmp / "l.duckdb", "s"),
+                  tmp / "m.parquet", at_step)
+    assert d["status"] == "different" and d["verdict"] == "FAIL"
+    assert d["first_divergent_step"] == want["first_divergent_step"] is not None
+    assert d["records_only_a"] == want["records"]["only_a"] > 0
+    assert {f["code"] for f in d["findings"]} >= {"diverged", "unknown_keys"}
+    # Records: one part per key bucket, every manifest record once.
+    records = pq.read_table(tmp_path / "d" / "records")
+    assert records["record_key"].to_pylist() == list(range(420))
+    assert sum(records["difference"].to_pylist()) == sum(
+        int(k) * v for k, v in d["exposure_difference_histogram"].items())
+    html = (tmp_path / "d" / "diff.html").read_text()
+    assert html.count("<svg") >= 4 and "http" not in html.replace("http-equiv", "")
+
+
+def test_a_run_against_itself_from_spool_and_ledger_is_identical(random_ledger, tmp_path):
+    tmp = random_ledger
+    d = diff(a=run_source(tmp / "spool", "s"), b=run_source(tmp / "l.duckdb", "s"),
+             manifest=tmp / "m.parquet", out=tmp_path / "d", bucket_records=97)
+    agrees(d, tmp_path / "d", (tmp / "l.duckdb", "s"), (tmp / "l.duckdb", "s"),
+           tmp / "m.parquet")
+    assert d["status"] == "identical" and d["first_divergent_step"] is None
+    assert d["identical_steps"] == d["steps_compared"] > 0
+    assert d["records_only_a"] == d["records_only_b"] == 0
+    assert set(d["exposure_difference_histogram"]) == {"0"}
+    assert [f["code"] for f in d["findings"]] == ["unknown_keys", "unknown_keys", "identical"]
+
+
+def test_diff_on_dask_agrees_with_sql(random_ledger, tmp_path):
+    tmp = random_ledger
+    d = diff(a=run_source(tmp / "l.duckdb", "s"), b=run_source(tmp / "spool", "r"),
+             manifest=tmp / "m.parquet", out=tmp_path / "d", bucket_records=150,
+             runner=RunnerSpec("dask", workers=2))
+    agrees(d, tmp_path / "d", (tmp / "l.duckdb", "s"), (tmp / "l.duckdb", "r"),
+           tmp / "m.parquet")
+
+
+def test_source_arguments():
+    from audit.core.errors import TallyError
+
+    assert parse_run_source(f"{ROOT}:exp1").kind == "spool"
+    assert parse_run_source(f"{ROOT / 'README.md'}:x.1").kind == "ledger"
+    for text, words in (("nocolon", "expected SOURCE:RUN"), (f"{ROOT}:", "expected SOURCE:RUN"),
+                        ("/no/such:r", "neither a spool directory nor a ledger file"),
+                        (f"{ROOT}:bad run", "is not a run id")):
+        with pytest.raises(TallyError, match=words):
+            parse_run_source(text)
+
+
+# ---- real Grain runs: an exact resume, an inexact one --------------------------------------------
+
+HOSTS, STEPS, CRASH, RESUME = 2, 16, 11, 8
+
+
+def _loader_run(spool: Path, source, run: str, *, resume_state_at: int | None = None) -> None:
+    """HOSTS hosts consume STEPS steps. With `resume_state_at`, attempt 0 crashes after step
+    CRASH and attempt 1 resumes at step RESUME from the loader states saved after
+    `resume_state_at` steps (exact when that is RESUME)."""
+    cfg = LoaderConfig(seq_len=32, global_batch=8, packing="first_fit", read_threads=0,
+                       read_buffer=0)
+    for h in range(HOSTS):
+        loader = KeyedLoader(source, cfg, h, HOSTS)
+        saved = None
+        last = STEPS if resume_state_at is None else CRASH + 1
+        with LedgerWriter(spool, run, host=h, host_count=HOSTS, records_per_epoch=len(source),
+                          flush_every=4, fsync=False) as w:
+            for step in range(last):
+                if step == resume_state_at:
+                    saved = loader.get_state()
+                w.write_batch(step, next(loader))
+        loader.close()
+        if resume_state_at is None:
+            continue
+        loader = KeyedLoader(source, cfg, h, HOSTS)
+        loader.set_state(saved)
+        with LedgerWriter(spool, run, host=h, host_count=HOSTS, attempt=1,
+                          resumed_from_step=RESUME, records_per_epoch=len(source),
+                          flush_every=4, fsync=False) as w:
+            for step in range(RESUME, STEPS):
+                w.write_batch(step, next(loader))
+        loader.close()
+
+
+@pytest.fixture(scope="module")
+def grain_runs(tmp_path_factory):
+    from pipeline.synth import synth_corpus
+
+    tmp = tmp_path_factory.mktemp("grain")
+    synth_corpus(tmp / "c", records=300, seed=5, length_scale=0.02, min_len=4, max_len=40)
+    build_manifest(tmp / "c", tmp / "m.parquet")
+    source = TokenSource(tmp / "c")
+    _loader_run(tmp / "spool", source, "straight")
+    _loader_run(tmp / "spool", source, "resumed", resume_state_at=RESUME)
+    _loader_run(tmp / "spool", source, "inexact", resume_state_at=4)
+    with Ledger(tmp / "l.duckdb") as ledger:
+        assert not ingest(tmp / "spool", ledger).quarantined
+    return tmp
+
+
+def test_an_exact_resume_is_identical_to_the_run_without_a_crash(grain_runs, tmp_path):
+    tmp = grain_runs
+    d = diff(a=run_source(tmp / "spool", "straight"), b=run_source(tmp / "spool", "resumed"),
+             manifest=tmp / "m.parquet", out=tmp_path / "d")
+    agrees(d, tmp_path / "d", (tmp / "l.duckdb", "straight"), (tmp / "l.duckdb", "resumed"),
+           tmp / "m.parquet")
+    assert d["status"] == "identical" and d["verdict"] == "PASS"
+    assert d["identical_steps"] == d["steps_compared"] == STEPS
+    assert d["b"]["attempts"] == 2 and d["b"]["segments"] == d["a"]["segments"]
+
+
+def test_an_inexact_replay_diverges_at_the_resume_step(grain_runs, tmp_path):
+    tmp = grain_runs
+    d = diff(a=run_source(tmp / "l.duckdb", "straight"), b=run_source(tmp / "spool", "inexact"),
+             manifest=tmp / "m.parquet", out=tmp_path / "d", window=4)
+    want = agrees(d, tmp_path / "d", (tmp / "l.duckdb", "straight"),
+                  (tmp / "l.duckdb", "inexact"), tmp / "m.parquet")
+    assert d["first_divergent_step"] == RESUME and d["identical_steps"] == RESUME
+    assert d["status"] == "different"
+    # Steps 8..11 of B replay what A consumed at 4..7: records seen twice by B, once by A.
+    assert d["records"]["more_often_b"] > 0 and d["records_only_a"] > 0
+    assert want["records"]["more_often_b"] == d["records"]["more_often_b"]
+    win = pq.read_table(tmp_path / "d" / "windows.parquet").to_pylist()
+    assert [w["same_multiset"] for w in win] == [True, True, False, False]
+    # As of step 7, before the resume, they are the same run.
+    d7 = diff(a=run_source(tmp / "l.duckdb", "straight"), b=run_source(tmp / "spool", "inexact"),
+              manifest=tmp / "m.parquet", out=tmp_path / "d7", at_step=RESUME - 1)
+    assert d7["status"] == "identical" and d7["steps_compared"] == RESUME
+
+
+# ---- README's Grain and PyTorch examples on the same corpus --------------------------------------
+
+def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_order(tmp_path):
+    from tests.test_readme import blocks
+
+    code = {name: next(c for lang, _, c in blocks() if lang == "python" and name in c)
+            for name in ("spool-grain", "spool-torch")}
+    assert tally("corpus", "synth", "corpus", "--records", "1200", "--length-scale", "0.2",
+                 "--max-len", "512", cwd=tmp_path).returncode == 0
+    build_manifest(tmp_path / "corpus", tmp_path / "manifest.parquet")
+    for name, c in code.items():
+        done = subprocess.run([sys.executable, "-c", c], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600, env={"PYTHONPATH": str(ROOT),
+                                                           "PATH": "/usr/bin:/bin",
+                                                           "JAX_PLATFORMS": "cpu"})
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+    r = tally("diff", "--manifest", "manifest.parquet", "-o", "diff-loaders", "--a",
+              "spool-grain:grain-run", "--b", "spool-torch:torch-run", "--strict", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr  # they differ: --strict says so
+    assert "DIFFERENT" in r.stdout and "first divergent step 0" in r.stdout
+    d = json.loads((tmp_path / "diff-loaders" / "diff.json").read_text())
+    for spool in ("spool-grain", "spool-torch"):
+        with Ledger(tmp_path / f"{spool}.duckdb") as ledger:
+            ingest(tmp_path / spool, ledger)
+    agrees(d, tmp_path / "diff-loaders", (tmp_path / "spool-grain.duckdb", "grain-run"),
+           (tmp_path / "spool-torch.duckdb", "torch-run"), tmp_path / "manifest.parquet")
+    # One epoch each: the same 1,176 records; DistributedSampler pads 4 of them twice.
+    n = TokenSource(tmp_path / "corpus").__len__()
+    assert d["epochs"] == [{
+        "epoch": 0, "exposures_a": n, "exposures_b": n + 4, "records_a": n, "records_b": n,
+        "common_records": n, "jaccard": 1.0, "multiset_difference": 4, "same_set": True,
+        "same_multiset": False}]
+    assert d["first_divergent_step"] == 0 and d["jaccard"]["mean"] < 0.2
+    assert d["records"]["more_often_b"] == 4 and d["records"]["same"] == n - 4
+    assert {f["code"] for f in d["findings"]} >= {"diverged", "same_set_per_epoch",
+                                                  "unequal_length"}
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def test_diff_command_exit_codes_and_one_line_errors(grain_runs, tmp_path):
+    tmp = grain_runs
+    m = str(tmp / "m.parquet")
+    r = tally("diff", "--manifest", m, "-o", str(tmp_path / "same"), "--a",
+              f"{tmp / 'spool'}:straight", "--b", f"{tmp / 'l.duckdb'}:resumed", "--strict")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"diff A {tmp / 'spool'}:straight vs B") and "IDENTICAL" \
+        in r.stdout and f"steps: {STEPS} of {STEPS} identical" in r.stdout
+    assert not (tmp_path / "same" / ".work").exists()
+    for args, words in (
+            (["--a", "nope", "--b", f"{tmp / 'spool'}:x"], "--a 'nope': expected SOURCE:RUN"),
+            (["--a", f"{tmp / 'spool'}:straight", "--b", f"{tmp / 'spool'}:missing"],
+             "no segment files for run 'missing'"),
+            (["--a", f"{tmp / 'l.duckdb'}:missing", "--b", f"{tmp / 'spool'}:straight"],
+             "run 'missing' is not in ledger"),
+            (["--a", f"{tmp / 'spool'}:straight", "--b", f"{tmp / 'spool'}:inexact",
+              "--window", "0"], "--window must be >= 1")):
+        r = tally("diff", "--manifest", m, "-o", str(tmp_path / "x"), *args)
+        assert r.returncode == 2 and r.stderr.startswith("tally: error: ") and words in \
+            r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
