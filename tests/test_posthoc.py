@@ -1,5 +1,5 @@
 """Post-hoc audits: `tally diff` (the Beam job, on FnApiRunner and Dask) against the DuckDB SQL
-reference (tests/diff_reference.py) on random ledgers, on real Grain runs with exact and inexact
+reference (tests/posthoc_reference.py) on random ledgers, on real Grain runs with exact and inexact
 resumes, and on README's Grain and PyTorch examples over the same corpus; `tally exposure` on a
 corpus with planted duplicates against SQL."""
 
@@ -11,9 +11,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 (pa.compute)
 import pyarrow.parquet as pq
 import pytest
 
+from audit.core.hashing import content_hash
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
@@ -24,7 +27,7 @@ from pipeline.loader import KeyedLoader, LoaderConfig
 from pipeline.manifest import build_manifest
 from pipeline.runners import RunnerSpec
 from tests.conftest import ROOT
-from tests.diff_reference import from_diff, reference
+from tests.posthoc_reference import exposure_reference, from_diff, reference
 from tests.test_reconcile import random_run, write_manifest
 
 
@@ -265,3 +268,137 @@ def test_diff_command_exit_codes_and_one_line_errors(grain_runs, tmp_path):
         r = tally("diff", "--manifest", m, "-o", str(tmp_path / "x"), *args)
         assert r.returncode == 2 and r.stderr.startswith("tally: error: ") and words in \
             r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+# ---- tally exposure: a corpus with planted duplicates -------------------------------------------
+
+def _tokens(rng, n) -> list[np.ndarray]:
+    return [rng.integers(0, 50_000, int(rng.integers(5, 30)), dtype=np.int32) for _ in range(n)]
+
+
+def _shard(path: Path, docs: list[np.ndarray], domain: str = "web") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"tokens": pa.array([d.tolist() for d in docs],
+                                                pa.list_(pa.int32())),
+                             "domain": [domain] * len(docs)}), path)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """A 200-record train split where record 10 is also 150 and 199, record 20 also 60, and
+    held-out record 200 repeats train record 30; two runs over it (one with a resume)."""
+    tmp = tmp_path_factory.mktemp("planted")
+    rng = np.random.default_rng(3)
+    train, heldout = _tokens(rng, 200), _tokens(rng, 10)
+    train[150] = train[199] = train[10]
+    train[60] = train[20]
+    heldout[0] = train[30]
+    _shard(tmp / "corpus" / "train-0.parquet", train)
+    _shard(tmp / "corpus" / "heldout-0.parquet", heldout, "eval")
+    build_manifest(tmp / "corpus", tmp / "m.parquet")
+    source = TokenSource(tmp / "corpus")
+    cfg = LoaderConfig(seq_len=64, global_batch=8, read_threads=0, read_buffer=0)
+    with KeyedLoader(source, cfg) as loader, LedgerWriter(
+            tmp / "spool", "r1", host=0, host_count=1, records_per_epoch=200,
+            fsync=False) as w:
+        for step in range(40):  # 320 exposures of 200 records: some twice
+            w.write_batch(step, next(loader))
+    _loader_run(tmp / "spool", source, "r2", resume_state_at=4)  # steps 8..11 rolled back
+    with Ledger(tmp / "l.duckdb") as ledger:
+        assert not ingest(tmp / "spool", ledger).quarantined
+    # The evaluation set: 10 (3 copies in the corpus), 20 (2), 30 (train and held out), a
+    # document in no corpus, 5 twice, and a prefix of 7 (not an exact match).
+    docs = [train[10], train[20], train[30], _tokens(rng, 1)[0], train[5], train[5],
+            train[7][:3]]
+    _shard(tmp / "evalset" / "eval-0.parquet", docs, "eval")
+    return tmp, [content_hash(d) for d in docs]
+
+
+def _rows(table: pa.Table) -> dict:
+    return {(r["document"], r["record_key"], r["run_id"]): (
+        r["exposures"], r["first_step"], r["last_step"], r["hosts"], r["epochs"])
+        for r in table.to_pylist()}
+
+
+def test_exposure_of_documents_with_planted_duplicates_agrees_with_sql(planted, tmp_path):
+    from audit.posthoc.exposure import exposure
+
+    tmp, hashes = planted
+    want = exposure_reference(str(tmp / "l.duckdb"), str(tmp / "m.parquet"), ["r1", "r2"],
+                              hashes)
+    results = []
+    for kind, src in (("spool", tmp / "spool"), ("ledger", tmp / "l.duckdb")):
+        out = tmp_path / kind
+        res = exposure(manifest=tmp / "m.parquet", docs=tmp / "evalset", runs=["r1", "r2"],
+                       out=out, **{kind: src})
+        table = pq.read_table(out / "exposure.parquet")
+        assert _rows(table) == want["rows"], kind
+        for run_id in ("r1", "r2"):
+            got = {k: res["runs"][run_id][k] for k in want["runs"][run_id]}
+            assert got == want["runs"][run_id], (kind, run_id)
+        results.append((res, table))
+    (res, table), (res2, table2) = results
+    assert table.equals(table2) and res["runs"] == res2["runs"]
+    # Matches by exact content: every copy, across splits; a prefix matches nothing.
+    keys = {}
+    for r in table.filter(pa.compute.equal(table["run_id"], "r1")).to_pylist():
+        keys.setdefault(r["document"], []).append(r["record_key"])
+    assert keys == {0: [10, 150, 199], 1: [20, 60], 2: [30, 200], 3: [None], 4: [5], 5: [5],
+                    6: [None]}
+    assert (res["documents"], res["matched"], res["matched_records"]) == (7, 5, 8)
+    r1 = res["runs"]["r1"]
+    assert r1["matched"] == 5 and r1["consumed"] == 5 and r1["consumed_2plus"] >= 1
+    # Record 10's three copies each seen at least once in 320 exposures of 200 records.
+    assert sum(r["exposures"] for r in table.to_pylist()
+               if r["document"] == 0 and r["run_id"] == "r1") >= 3
+    assert res["consumed_by_runs"] == {"0": 2, "1": want_runs_consuming(want, 1),
+                                       "2": want_runs_consuming(want, 2)}
+
+
+def want_runs_consuming(want: dict, k: int) -> int:
+    per_doc: dict[int, set] = {}
+    for (doc, _, run_id), row in want["rows"].items():
+        per_doc.setdefault(doc, set())
+        if row[0]:
+            per_doc[doc].add(run_id)
+    return sum(1 for runs in per_doc.values() if len(runs) == k)
+
+
+def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
+    from audit.core.errors import TallyError
+    from audit.posthoc.exposure import exposure
+
+    tmp, hashes = planted
+    base = exposure(manifest=tmp / "m.parquet", docs=tmp / "evalset", runs=["r1"],
+                    out=tmp_path / "base", ledger=tmp / "l.duckdb")
+    for name, col in (("u64", pa.array(hashes, pa.uint64())),
+                      ("hex", pa.array([f"{h:#x}" for h in hashes])),
+                      ("i64", pa.array(np.array(hashes, np.uint64).view(np.int64)))):
+        pq.write_table(pa.table({"content_hash": col}), tmp_path / f"{name}.parquet")
+        res = exposure(manifest=tmp / "m.parquet", docs=tmp_path / f"{name}.parquet",
+                       runs=["r1"], out=tmp_path / name, ledger=tmp / "l.duckdb")
+        assert res["runs"] == base["runs"], name
+    # Record keys name contents: key 150 matches 10 and 199 too; key 10**6 is no record.
+    pq.write_table(pa.table({"record_key": [150, 10**6]}), tmp_path / "keys.parquet")
+    res = exposure(manifest=tmp / "m.parquet", docs=tmp_path / "keys.parquet", runs=["r1"],
+                   out=tmp_path / "keys", spool=tmp / "spool")
+    assert (res["matched"], res["matched_records"], res["unknown_record_keys"]) == (1, 3, 1)
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "bad.parquet")
+    for docs, words in ((tmp_path / "bad.parquet", "no content_hash, record_key or tokens"),
+                        (tmp_path / "none", "no such corpus directory or Parquet file")):
+        with pytest.raises(TallyError, match=words):
+            exposure(manifest=tmp / "m.parquet", docs=docs, runs=["r1"], out=tmp_path / "x",
+                     ledger=tmp / "l.duckdb")
+    r = tally("exposure", "--manifest", str(tmp / "m.parquet"), "--ledger",
+              str(tmp / "l.duckdb"), "--run", "r1", "--run", "nope", "--docs",
+              str(tmp / "evalset"), "-o", str(tmp_path / "cli"))
+    assert r.returncode == 2 and r.stderr.startswith("tally: error: unknown run 'nope'")
+    r = tally("exposure", "--manifest", str(tmp / "m.parquet"), "--spool", str(tmp / "spool"),
+              "--run", "r1", "--run", "r2", "--docs", str(tmp / "evalset"), "-o",
+              str(tmp_path / "cli"))
+    assert r.returncode == 0, r.stderr
+    assert "7 documents, 5 in the corpus (8 records)" in r.stdout
+    assert "run r1: of the 7 documents, 5 are in the corpus and 5 of them were consumed" \
+        in r.stdout
+    data = json.loads((tmp_path / "cli" / "exposure.json").read_text())
+    assert set(data["runs"]) == {"r1", "r2"} and data["exposure_version"] == 1

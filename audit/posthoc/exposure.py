@@ -339,7 +339,8 @@ def summarize(table: pa.Table, documents: int, run_ids: list[str]) -> dict[str, 
             "headline": f"of the {documents:,} documents, {matched:,} are in the corpus and "
                         f"{consumed:,} of them were consumed, {twice:,} of them twice or more"}
     return {"runs": {r: out[r] for r in run_ids if r in out},
-            "consumed_by_runs": {str(k): int(v) for k, v in sorted(by_runs.items())}}
+            "consumed_by_runs": {str(k): int(by_runs.get(k, 0))
+                                 for k in range(len(run_ids) + 1)}}
 
 
 def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: str | Path,

@@ -1,10 +1,10 @@
-"""The diff's numbers, computed by DuckDB SQL straight from two runs' ledgers and the manifest.
+"""The post-hoc audits' numbers, computed by DuckDB SQL straight from ledgers and the manifest.
 
-The test oracle for the diff job, written independently of `audit.posthoc` from the definitions
-in docs/DESIGN.md ("Post-hoc audits"): an exposure is an effective record start; a step's
-records are the multiset of its exposures; a step is identical when both runs have the same
-multiset there and the same number of segments and tokens; per record over the manifest's
-records.
+The test oracle for `tally diff` and `tally exposure`, written independently of `audit.posthoc`
+from the definitions in docs/DESIGN.md ("Post-hoc audits"): an exposure is an effective record
+start; a step's records are the multiset of its exposures; a step is identical when both runs
+have the same multiset there and the same number of segments and tokens; per record over the
+manifest's records; a document matches every manifest record with its content hash.
 """
 
 from __future__ import annotations
@@ -124,3 +124,41 @@ def from_diff(d: dict, tables: dict) -> dict:
                "exposures": d[r]["exposures"], "unknown_keys": d[r]["unknown_keys"]}
            for r in ("a", "b")},
     }
+
+
+def exposure_reference(ledger: str, manifest: str, run_ids: list[str],
+                       doc_hashes: list[int]) -> dict:
+    """Per (document, record key, run): exposures, first and last step, hosts, epochs; and per
+    run the documents matched, consumed, consumed twice or more."""
+    con = duckdb.connect()
+    con.execute(f"ATTACH '{ledger}' AS l (READ_ONLY)")
+    con.execute(f"CREATE TEMP VIEW m AS SELECT * FROM read_parquet('{manifest}')")
+    con.execute("CREATE TEMP TABLE docs (document BIGINT, content_hash UBIGINT)")
+    con.executemany("INSERT INTO docs VALUES (?, ?)", list(enumerate(doc_hashes)))
+    rows, per_run = {}, {}
+    for run_id in run_ids:
+        con.execute(f"""
+            CREATE OR REPLACE TEMP VIEW s AS SELECT c.* FROM l.consumption c
+                JOIN l.attempts x USING (run, attempt) JOIN l.runs USING (run)
+                WHERE run_id = '{run_id}' AND c."offset" = 0
+                  AND (x.rolled_back_from_step IS NULL OR c.step < x.rolled_back_from_step)""")
+        for r in con.execute("""
+                SELECT d.document, m.record_key, count(s.step), min(s.step), max(s.step),
+                       list(DISTINCT s.host ORDER BY s.host) FILTER (WHERE s.host IS NOT NULL),
+                       list(DISTINCT s.epoch ORDER BY s.epoch) FILTER (WHERE s.epoch IS NOT NULL)
+                FROM docs d LEFT JOIN m USING (content_hash)
+                LEFT JOIN s USING (record_key) GROUP BY ALL""").fetchall():
+            hosts = r[5] if r[2] else None
+            epochs = r[6] if r[2] else None
+            rows[(r[0], r[1], run_id)] = (r[2], r[3], r[4], hosts, epochs)
+        per_run[run_id] = dict(zip(("documents", "matched", "consumed", "consumed_2plus"),
+                                   con.execute("""
+            WITH per_doc AS (SELECT d.document, count(m.record_key) AS records,
+                                    count(s.step) AS exposures
+                             FROM docs d LEFT JOIN m USING (content_hash)
+                             LEFT JOIN s USING (record_key) GROUP BY d.document)
+            SELECT count(*), count(*) FILTER (WHERE records > 0),
+                   count(*) FILTER (WHERE exposures >= 1), count(*) FILTER (WHERE exposures >= 2)
+            FROM per_doc""").fetchall()[0], strict=True))
+    con.close()
+    return {"rows": rows, "runs": per_run}
