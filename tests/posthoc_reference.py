@@ -92,7 +92,7 @@ def reference(a: tuple[str, str], b: tuple[str, str], manifest: str,
     for r in ("a", "b"):
         seen, total = one(f"""SELECT count(*) FILTER (WHERE e{r} > 0), coalesce(sum(e{r}), 0)
                               FROM per_record WHERE split = 'train'""")
-        unknown = one(f"""SELECT count(DISTINCT record_key) FROM eff_{r}
+        unknown = one(f"""SELECT count(DISTINCT record_key) FROM starts_{r}
                           WHERE record_key NOT IN (SELECT record_key FROM m)""")[0]
         out[r] = {"seen": int(seen), "train_exposures": int(total),
                   "exposures": int(one(f"SELECT count(*) FROM starts_{r}")[0]),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 (pa.compute)
@@ -402,3 +403,93 @@ def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
         in r.stdout
     data = json.loads((tmp_path / "cli" / "exposure.json").read_text())
     assert set(data["runs"]) == {"r1", "r2"} and data["exposure_version"] == 1
+
+
+# ---- the live API: two runs of one ledger, documents posted -------------------------------------
+
+def test_api_diff_gives_the_cli_diffs_answer(grain_runs, random_ledger, tmp_path):
+    from api.app import create_app
+    from tests.api_helpers import Server
+
+    for tmp, a, b in ((grain_runs, "straight", "resumed"), (grain_runs, "straight", "inexact"),
+                      (random_ledger, "r", "s")):
+        with Ledger(tmp / "l.duckdb") as ledger, Server(create_app(
+                ledger, manifest=tmp / "m.parquet")) as srv:
+            got = srv.get(f"/v1/diff?a={a}&b={b}").json()
+            assert srv.get(f"/v1/diff?a={a}&b={b}").json() == got  # cached, same version
+        # The live state keeps each record's first three exposures: steps before the first
+        # 4th exposure are compared; the CLI compares them all, so cut it there.
+        at = None if got["exact"] else got["compared_through_step"]
+        want = diff(a=run_source(tmp / "l.duckdb", a), b=run_source(tmp / "spool", b),
+                    manifest=tmp / "m.parquet", out=tmp_path / f"{a}-{b}", at_step=at)
+        full = want if at is None else diff(
+            a=run_source(tmp / "l.duckdb", a), b=run_source(tmp / "spool", b),
+            manifest=tmp / "m.parquet", out=tmp_path / f"{a}-{b}-full")
+        for key in ("steps_compared", "identical_steps", "first_divergent_step",
+                    "steps_same_records_other_tokens"):
+            assert got[key] == want[key], (a, b, key)
+        assert got["jaccard"]["mean"] == pytest.approx(want["jaccard"]["mean"])
+        for key in ("records", "records_only_a", "records_only_b",
+                    "exposure_difference_histogram"):
+            assert got[key] == full[key], (a, b, key)
+        for r in ("a", "b"):
+            assert got[r]["coverage"]["seen"] == full[r]["coverage"]["seen"]
+            assert got[r]["unknown_keys"] == full[r]["unknown_keys"]
+        codes = [f["code"] for f in got["findings"]]
+        if b == "resumed":
+            assert got["status"] == "identical" and got["exact"] and codes == ["identical"]
+        elif b == "inexact":
+            assert got["first_divergent_step"] == RESUME and "diverged" in codes
+        else:
+            assert not got["exact"] and "compared_in_part" in codes
+        # Series to plot: the steps compared, both runs' coverage over every step.
+        assert 0 < len(got["steps_series"]["step"]) <= len(got["a"]["series"]["last_step"])
+
+
+def test_api_diff_and_exposure_errors(planted, grain_runs):
+    from api.app import create_app
+    from tests.api_helpers import Server
+
+    tmp, _ = grain_runs, None
+    with Ledger(tmp / "l.duckdb") as ledger, Server(create_app(ledger)) as srv:
+        for path, code, words in (("/v1/diff?a=straight&b=nope", 404, "unknown run 'nope'"),
+                                  ("/v1/diff?a=nope&b=straight", 404, "unknown run 'nope'"),
+                                  ("/v1/diff?a=straight", 422, "Field required"),
+                                  ("/v1/diff?a=bad%20id&b=straight", 422, "pattern")):
+            r = srv.get(path)
+            assert r.status_code == code and words in r.text, (path, r.text)
+        r = httpx.post(srv.url + "/v1/runs/straight/exposure", json={"content_hashes": ["1"]})
+        assert r.status_code == 409 and "--manifest" in r.json()["detail"]
+
+
+def test_api_exposure_gives_the_cli_exposures_answer(planted, tmp_path):
+    from api.app import create_app
+    from audit.posthoc.answers import MAX_HASHES
+    from audit.posthoc.exposure import exposure
+    from tests.api_helpers import Server
+
+    tmp, hashes = planted
+    cli = exposure(manifest=tmp / "m.parquet", docs=tmp / "evalset", runs=["r2"],
+                   out=tmp_path / "e", ledger=tmp / "l.duckdb")
+    table = pq.read_table(tmp_path / "e" / "exposure.parquet").to_pylist()
+    posted = [f"{h:#x}" for h in hashes] + [str(2**64)]
+    with Ledger(tmp / "l.duckdb") as ledger, Server(create_app(
+            ledger, manifest=tmp / "m.parquet")) as srv:
+        url = srv.url + "/v1/runs/r2/exposure"
+        got = httpx.post(url, json={"content_hashes": posted}, timeout=30).json()
+        run = cli["runs"]["r2"]
+        assert (got["documents"], got["matched"], got["consumed"], got["consumed_2plus"]) == (
+            run["documents"] + 1, run["matched"], run["consumed"], run["consumed_2plus"])
+        assert [x["content_hash"] for x in got["results"]] == \
+            [f"{h:#018x}" for h in hashes] + [str(2**64)]
+        for i, res in enumerate(got["results"]):
+            rows = [r for r in table if r["document"] == i and r["record_key"] is not None]
+            assert [x["record_key"] for x in res["records"]] == [r["record_key"] for r in rows]
+            assert [x["exposures"] for x in res["records"]] == [r["exposures"] for r in rows]
+            assert [x["hosts"] for x in res["records"]] == [r["hosts"] for r in rows]
+        for body, code in (({"content_hashes": ["0x" + "f" * 17]}, 422),
+                           ({"content_hashes": []}, 422),
+                           ({"content_hashes": ["1"] * (MAX_HASHES + 1)}, 422)):
+            assert httpx.post(url, json=body, timeout=30).status_code == code
+        r = httpx.post(srv.url + "/v1/runs/nope/exposure", json={"content_hashes": ["1"]})
+        assert r.status_code == 404 and "unknown run" in r.text

@@ -65,7 +65,7 @@ class DiffPartial(Mergeable):
     exposures: dict[str, int] = summed(dict)  # every exposure, unknown keys included
     heldout_exposures: dict[str, int] = summed(dict)
     heldout_records: dict[str, int] = summed(dict)
-    unknown_keys: dict[str, int] = summed(dict)  # distinct consumed keys beyond the manifest
+    unknown_keys: dict[str, int] = summed(dict)  # distinct keys beyond the manifest exposed
     unknown_exposures: dict[str, int] = summed(dict)
 
     # ---- groups compared (audit.posthoc.multiset.GroupComparison's fields, as arrays) ----
@@ -101,14 +101,6 @@ def _starts(man: dict | None, c: dict[str, np.ndarray], base: int) -> dict[str, 
             "epoch": c["epoch"][s].astype(np.int64)}
 
 
-def _unknown_keys(man: dict | None, c: dict[str, np.ndarray], base: int) -> np.ndarray:
-    key = c["key"].astype(np.int64)
-    if man is None:
-        return np.unique(key)
-    n = len(man["record_key"])
-    return np.unique(key[key >= n]) + base
-
-
 def compute(man: dict | None, rows: dict[str, dict[str, np.ndarray]], base: int,
             window: int) -> tuple[DiffPartial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `rows[r]`: run r's
@@ -118,7 +110,8 @@ def compute(man: dict | None, rows: dict[str, dict[str, np.ndarray]], base: int,
     n = 0 if man is None else len(man["record_key"])
     out = DiffPartial(rows_joined={r: len(rows[r]["step"]) for r in RUNS},
                       exposures={r: len(st[r]["step"]) for r in RUNS},
-                      unknown_keys={r: len(_unknown_keys(man, rows[r], base)) for r in RUNS},
+                      unknown_keys={r: len(np.unique(st[r]["whole"][st[r]["row"] < 0]))
+                                    for r in RUNS},
                       unknown_exposures={r: int((st[r]["row"] < 0).sum()) for r in RUNS})
 
     # Group comparisons over every start: a key is its manifest row, or beyond the rows a

@@ -222,7 +222,7 @@ def findings(d: dict[str, Any]) -> list[dict[str, Any]]:
     add = out.add
     for r in RUNS:
         run, fp = d[r], d[r]["run_manifest_fingerprint"]
-        if fp and fp != d["manifest"]["fingerprint"]:
+        if fp and d["manifest"]["fingerprint"] and fp != d["manifest"]["fingerprint"]:
             add("FAIL", "manifest_mismatch",
                 f"run {r.upper()} ({run['run_id']}) trained against manifest {fp}, this diff "
                 f"compares against {d['manifest']['fingerprint']}: per-record numbers may be "
