@@ -493,3 +493,32 @@ def test_api_exposure_gives_the_cli_exposures_answer(planted, tmp_path):
             assert httpx.post(url, json=body, timeout=30).status_code == code
         r = httpx.post(srv.url + "/v1/runs/nope/exposure", json={"content_hashes": ["1"]})
         assert r.status_code == 404 and "unknown run" in r.text
+
+
+def test_dashboard_shows_two_runs_side_by_side_in_headless_chromium(grain_runs):
+    import re
+    import tempfile
+
+    from api.app import create_app
+    from tests.api_helpers import Server
+    from tests.test_api_live import _chromium
+
+    if _chromium() is None:
+        pytest.skip("needs chromium (CI installs it)")
+    tmp = grain_runs
+    with Ledger(tmp / "l.duckdb") as ledger, Server(create_app(
+            ledger, manifest=tmp / "m.parquet")) as srv, tempfile.TemporaryDirectory() as prof:
+        out = subprocess.run(
+            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={prof}", "--virtual-time-budget=10000", "--dump-dom",
+             srv.url + "/?run=straight&compare=inexact"], capture_output=True, text=True,
+            timeout=120)
+    dom = out.stdout
+    assert "straight vs inexact: different" in dom, (dom[-2000:], out.stderr[-2000:])
+    assert f"first divergent step {RESUME};" in dom
+    for series in ("coverage A", "coverage B", "Jaccard"):
+        m = re.search(rf'<polyline points="([^"]*)"[^>]*data-series="{series}"', dom)
+        assert m and len(m.group(1).split()) == STEPS, series
+    bars = re.findall(r'data-series="difference" data-bin="(-?\d+)" data-value="(\d+)"', dom)
+    assert sum(int(v) for _, v in bars) == 300 and "0" in dict(bars)
