@@ -15,6 +15,7 @@ tree, and checks that they agree.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 import time
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dir", default="bench/out/diff")
     ap.add_argument("--keep", action="store_true", help="keep the data in --dir")
     args = ap.parse_args(argv)
+    logging.getLogger().setLevel(logging.ERROR)  # Beam's workers log every start at INFO
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.posthoc_reference import reference
 

@@ -522,3 +522,23 @@ def test_dashboard_shows_two_runs_side_by_side_in_headless_chromium(grain_runs):
         assert m and len(m.group(1).split()) == STEPS, series
     bars = re.findall(r'data-series="difference" data-bin="(-?\d+)" data-value="(\d+)"', dom)
     assert sum(int(v) for _, v in bars) == 300 and "0" in dict(bars)
+
+
+@pytest.mark.parametrize("dense", [0, 1000])
+def test_group_comparison_matches_a_count_per_group(dense, monkeypatch):
+    from collections import Counter
+
+    from audit.posthoc import multiset
+
+    monkeypatch.setattr(multiset, "DENSE", dense)  # both ways: sorted, counted in place
+    rng = np.random.default_rng(dense)
+    ga, ka = rng.integers(0, 7, 500), rng.integers(0, 40, 500)
+    gb, kb = rng.integers(2, 9, 400), rng.integers(0, 40, 400)
+    got = multiset.compare_groups(ga, ka, gb, kb, groups=10)
+    for g in range(10):
+        a = Counter(k for x, k in zip(ga, ka, strict=True) if x == g)
+        b = Counter(k for x, k in zip(gb, kb, strict=True) if x == g)
+        want = (a.total(), b.total(), len(a), len(b), len(a.keys() & b.keys()),
+                sum(abs(a[k] - b[k]) for k in a.keys() | b.keys()))
+        assert tuple(int(getattr(got, f)[g]) for f in (
+            "size_a", "size_b", "distinct_a", "distinct_b", "common", "l1")) == want, g
