@@ -23,6 +23,8 @@ from audit.posthoc.exposure import ManifestHashes
 
 HASH_PATTERN = r"^(0x[0-9a-fA-F]{1,16}|[0-9]{1,20})$"
 DiffRun = Annotated[str, Query(pattern=RUN_ID_PATTERN, description="run id")]
+Window = Annotated[int | None, Query(ge=1, le=2**62, description="steps per window (default: "
+                                                              "about 20 windows)")]
 
 
 class ExposureRequest(BaseModel):
@@ -35,7 +37,8 @@ class ExposureRequest(BaseModel):
 def add_routes(app: FastAPI, svc: Any, run_id_type: Any, points_type: Any,
                errors: dict) -> None:
     @app.get("/v1/diff", tags=["runs"], responses=errors)
-    def runs_diff(a: DiffRun, b: DiffRun, points: points_type = 500) -> dict[str, Any]:
+    def runs_diff(a: DiffRun, b: DiffRun, points: points_type = 500,
+                  window: Window = None) -> dict[str, Any]:
         """Two runs of this ledger side by side, as `tally diff` compares them: identical
         steps, the first divergent step, per-step Jaccard similarity, records seen by one run
         only or more often, the histogram of exposure differences, both coverage curves."""
@@ -45,10 +48,10 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, points_type: Any,
         def compute(snap: Any) -> bytes:
             states = {"a": snap.state[run_a], "b": snap.state[run_b]}
             d = answers.diff(snap.cur, {"a": run_a, "b": run_b}, {"a": a, "b": b}, states,
-                             snap.uni, svc.manifest, points)
+                             snap.uni, svc.manifest, points, window)
             return JSONResponse(jsonable_encoder(d)).body
 
-        body = svc.live.answer(("diff", a, b, points), a, compute,
+        body = svc.live.answer(("diff", a, b, points, window), a, compute,
                                locked=svc.live.record_states((run_a, run_b)))
         return Response(body, media_type="application/json")
 

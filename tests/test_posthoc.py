@@ -542,3 +542,37 @@ def test_group_comparison_matches_a_count_per_group(dense, monkeypatch):
                 sum(abs(a[k] - b[k]) for k in a.keys() | b.keys()))
         assert tuple(int(getattr(got, f)[g]) for f in (
             "size_a", "size_b", "distinct_a", "distinct_b", "common", "l1")) == want, g
+
+
+def test_same_data_in_another_order_per_window_cli_and_api(tmp_path):
+    """B consumes A's steps pairwise swapped (1, 0, 3, 2, ...), epochs unknown: every window
+    of 2 steps holds the same records, no step is identical."""
+    from api.app import create_app
+    from audit.hook.segments import Segments
+    from tests.api_helpers import Server, content_hash_of
+
+    rng = np.random.default_rng(4)
+    write_manifest(tmp_path / "m.parquet", 400, 0, rng)
+    batches = rng.permutation(400)[:320].reshape(40, 8)
+    for run, order in (("a", range(40)), ("b", [s ^ 1 for s in range(40)])):
+        with LedgerWriter(tmp_path / "spool", run, host=0, host_count=1, fsync=False) as w:
+            for step, src in enumerate(order):
+                keys = batches[src]
+                w.write_segments(step, Segments.build(
+                    row=np.arange(8), record_key=keys, n_tokens=np.full(8, 5),
+                    content_hash=content_hash_of(keys)))
+    d = diff(a=run_source(tmp_path / "spool", "a"), b=run_source(tmp_path / "spool", "b"),
+             manifest=tmp_path / "m.parquet", out=tmp_path / "d", window=2)
+    assert (d["status"], d["verdict"], d["identical_steps"], d["first_divergent_step"]) == (
+        "same_data_other_order", "WARN", 0, 0)
+    assert d["windows"] == {"steps": 2, "count": 20, "same_multiset": 20, "other_order": 20}
+    assert not d["epochs_known"] and set(d["exposure_difference_histogram"]) == {"0"}
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        ingest(tmp_path / "spool", ledger)
+        with Server(create_app(ledger, manifest=tmp_path / "m.parquet")) as srv:
+            got = srv.get("/v1/diff?a=a&b=b").json()  # 40 steps: 20 windows of 2 steps
+            again = srv.get("/v1/diff?a=a&b=b&window=4").json()
+            assert srv.get("/v1/diff?a=a&b=b&window=0").status_code == 422
+    assert got["windows"]["steps"] == 2 and got["status"] == "same_data_other_order"
+    assert [f["code"] for f in got["findings"]] == ["same_data_other_order"]
+    assert again["windows"] == {"steps": 4, "count": 10, "same_multiset": 10, "other_order": 10}

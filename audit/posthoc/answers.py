@@ -62,10 +62,11 @@ def _events(exposures: np.ndarray, steps: np.ndarray, horizon: int | None
 
 def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str, str],
          states: dict[str, tuple[np.ndarray, np.ndarray]], uni: q.Universe,
-         manifest: Any | None, points: int = 500) -> dict[str, Any]:
+         manifest: Any | None, points: int = 500, window: int | None = None
+         ) -> dict[str, Any]:
     """Runs `runs['a']` and `runs['b']` compared. `states[r]`: (exposures, three earliest
     steps) per record key, from the same snapshot; `manifest`: the service's (records,
-    fingerprint), or None."""
+    fingerprint), or None; `window`: steps per window (default: about WINDOWS windows)."""
     last = {r: q.last_step(cur, runs[r]) for r in RUNS}
     n_steps = max([-1] + [x for x in last.values() if x is not None]) + 1
     per = {r: _per_step(cur, runs[r], n_steps) for r in RUNS}
@@ -109,10 +110,11 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
 
     # Windows of steps: the same multiset in each, in another order?
     reach = n_steps if horizon is None else min(n_steps, horizon)
-    w = max(1, -(-reach // WINDOWS))
-    win = compare_groups(ev["a"][0] // w, keys_a, ev["b"][0] // w, keys_b)
-    win_present = np.bincount(np.arange(n_steps)[present] // w, minlength=len(win.l1))
-    win_same = (win.l1[: len(win_present)] == 0) & (win_present > 0)
+    w = window or max(1, -(-reach // WINDOWS))
+    n_win = -(-n_steps // w)
+    win = compare_groups(ev["a"][0] // w, keys_a, ev["b"][0] // w, keys_b, n_win)
+    win_present = np.bincount(np.arange(n_steps)[present] // w, minlength=n_win)
+    win_same = (win.l1[:n_win] == 0) & (win_present > 0)
     if not differ.any():
         status = "identical"
     elif win_same[win_present > 0].all():
@@ -175,7 +177,7 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         "windows": {"steps": w, "count": int((win_present > 0).sum()),
                     "same_multiset": int(win_same.sum()),
                     "other_order": int((win_same & (np.bincount(
-                        np.arange(n_steps)[identical] // w, minlength=len(win_present))
+                        np.arange(n_steps)[identical] // w, minlength=n_win)
                         < win_present)).sum())},
         "steps_series": series,
     }

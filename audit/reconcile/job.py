@@ -281,10 +281,11 @@ class SavePartials(beam.DoFn):
         yield 1
 
 
-def load_partials(folder: Path, finished: Path | None = None) -> list[Any]:
-    """The saved partial results; TallyError when one id has two different results (the
-    runner delivered a bucket's group twice, with different values), or when the job did not
-    write its `finished` mark."""
+def load_partials(folder: Path, finished: Path | None = None) -> Iterator[Any]:
+    """The saved partial results, loaded one at a time as they are merged (a bucket's per-step
+    series are as long as the run); TallyError at once when one id has two different results
+    (the runner delivered a bucket's group twice, with different values), or when the job did
+    not write its `finished` mark."""
     if finished is not None and not finished.exists():
         raise TallyError("the job did not finish writing its results")
     by_id: dict[str, list[Path]] = {}
@@ -295,7 +296,7 @@ def load_partials(folder: Path, finished: Path | None = None) -> list[Any]:
         raise TallyError(f"the runner delivered {len(twice)} group(s) more than once with "
                          f"different contents ({', '.join(twice[:5])}): a GroupByKey split a "
                          "key's values; no report written")
-    return [pickle.loads(v[0].read_bytes()) for v in by_id.values()]
+    return (pickle.loads(v[0].read_bytes()) for v in by_id.values())
 
 
 def write_part(records: pa.Table, final: Path) -> None:
