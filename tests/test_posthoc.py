@@ -379,6 +379,9 @@ def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
         res = exposure(manifest=tmp / "m.parquet", docs=tmp_path / f"{name}.parquet",
                        runs=["r1"], out=tmp_path / name, ledger=tmp / "l.duckdb")
         assert res["runs"] == base["runs"], name
+    shard = exposure(manifest=tmp / "m.parquet", docs=tmp / "evalset" / "eval-0.parquet",
+                     runs=["r1"], out=tmp_path / "shard", ledger=tmp / "l.duckdb")
+    assert shard["runs"] == base["runs"] and shard["docs"]["by"] == "tokens"
     # Record keys name contents: key 150 matches 10 and 199 too; key 10**6 is no record.
     pq.write_table(pa.table({"record_key": [150, 10**6]}), tmp_path / "keys.parquet")
     res = exposure(manifest=tmp / "m.parquet", docs=tmp_path / "keys.parquet", runs=["r1"],

@@ -37,6 +37,7 @@ from audit.hook.spool import BadFile, read_checked
 
 EXPOSURE_VERSION = 1
 MAX_EXAMPLES = 20
+DOC_CHUNK = 65_536  # documents hashed per read
 
 # Per matched record: what a run's consumption says about it.
 CONSUMED_SCHEMA = pa.schema([
@@ -157,8 +158,9 @@ def load_documents(path: str | Path, manifest: ManifestHashes) -> Documents:
     from pipeline.corpus import hash_range, list_shards
 
     p = Path(path)
-    if p.is_dir():
-        hashes = [hash_range(s, 0, s.num_records)[0] for s in list_shards(p)]
+    if p.is_dir():  # read in ranges: a shard's tokens need not fit in memory at once
+        hashes = [hash_range(s, lo, min(lo + DOC_CHUNK, s.num_records))[0]
+                  for s in list_shards(p) for lo in range(0, s.num_records, DOC_CHUNK)]
         h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
         return Documents(str(p), "corpus", "tokens", h, np.ones(len(h), bool))
     if not p.is_file():
@@ -195,8 +197,10 @@ def load_documents(path: str | Path, manifest: ManifestHashes) -> Documents:
         from pipeline.corpus import Shard
 
         n = pq.read_metadata(p).num_rows
-        h = hash_range(Shard(p, "parquet", "train", n, 0), 0, n)[0] if n else \
-            np.zeros(0, np.uint64)
+        shard = Shard(p, "parquet", "train", n, 0)
+        parts = [hash_range(shard, lo, min(lo + DOC_CHUNK, n))[0]
+                 for lo in range(0, n, DOC_CHUNK)]
+        h = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
         return Documents(str(p), "parquet", "tokens", h, np.ones(len(h), bool))
     raise TallyError(f"documents {p}: no content_hash, record_key or tokens column (has "
                      f"{', '.join(names)})")
