@@ -21,6 +21,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from api.alerts import Thresholds, Webhook, evaluate, status
+from api.posthoc_routes import add_routes as add_posthoc_routes
 from api.preflight_routes import add_routes as add_preflight_routes
 from audit.core.errors import NotFound, TallyError, Unavailable
 from audit.hook.spool import RUN_ID_PATTERN
@@ -205,6 +206,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         app.add_middleware(BearerToken, token=token)
 
     add_preflight_routes(app, svc, RunId, ERRORS)
+    add_posthoc_routes(app, svc, RunId, Points, ERRORS)
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound):

@@ -10,6 +10,8 @@ Roles, each a sub-package:
 - `audit.reconcile`: the Beam job against the manifest, and its report (`from
   audit.reconcile import reconcile`).
 - `audit.preflight`: is a resume on another topology safe?
+- `audit.posthoc`: after the fact, did two runs consume the same data (`tally diff`, a Beam
+  job), and which documents did a run consume (`tally exposure`)?
 - `audit.cli` and `audit.demo`: the only modules that reach across roles (and into `trainer`
   and `api`).
 

@@ -128,6 +128,80 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     return 0 if report["verdict"] != "FAIL" or not args.strict else 1
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from audit.posthoc.diff import diff
+    from audit.posthoc.diff_report import summary
+    from audit.posthoc.sources import parse_run_source
+
+    d = diff(a=parse_run_source(args.a, "--a"), b=parse_run_source(args.b, "--b"),
+             manifest=args.manifest, out=args.output, at_step=args.at_step, window=args.window,
+             runner=_runner(args), memory_gb=args.memory_gb)
+    print(summary(d, Path(args.output)))
+    return 1 if args.strict and d["status"] != "identical" else 0
+
+
+def _cmd_exposure(args: argparse.Namespace) -> int:
+    from audit.posthoc.exposure import exposure, summary
+
+    result = exposure(manifest=args.manifest, docs=args.docs, runs=args.run, out=args.output,
+                      spool=args.spool, ledger=args.ledger)
+    print(summary(result, Path(args.output)))
+    return 0
+
+
+def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "diff", help="Beam job: did two runs consume the same records, step by step?",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compare two runs over one manifest: per step (identical or not, the first "
+                    "divergent step, Jaccard similarity), per record (exposures in A vs B), "
+                    "per epoch, window and domain. Writes OUT/diff.json, Parquet tables and "
+                    "OUT/diff.html.")
+    s.add_argument("--manifest", required=True, help="manifest Parquet file")
+    s.add_argument("-o", "--output", required=True, help="diff directory")
+    s.add_argument("--a", required=True, metavar="SOURCE:RUN",
+                   help="run A: a spool directory or a ledger file, ':', the run id")
+    s.add_argument("--b", required=True, metavar="SOURCE:RUN", help="run B, likewise")
+    s.add_argument("--at-step", type=int, help="compare both runs as of this step")
+    s.add_argument("--window", type=int,
+                   help="steps per window for the mix and order comparisons (default: about "
+                        "20 windows)")
+    s.add_argument("--strict", action="store_true",
+                   help="exit 1 unless the runs are identical")
+    s.add_argument("--memory-gb", type=float, default=3.0,
+                   help="memory budget for the record-key buckets (default 3)")
+    _add_runner_args(s)
+    s.epilog = ("examples:\n"
+                "  tally diff --manifest m.parquet -o diff --a spool:exp1 --b ledger.duckdb:exp2\n"
+                "  tally diff --manifest m.parquet -o diff --a spool-jax:run --b "
+                "spool-torch:run --strict --runner dask --workers 2\n\n" + s.epilog)
+    s.set_defaults(func=_cmd_diff)
+
+    s = sub.add_parser(
+        "exposure", help="which documents did these runs train on? (exact content match)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Match documents to corpus records by exact content hash (every duplicate "
+                    "record counts) and report how often each run consumed them, at which "
+                    "steps, on which hosts, in which epochs. Writes OUT/exposure.parquet and "
+                    "OUT/exposure.json.",
+        epilog="examples:\n"
+               "  tally exposure --manifest m.parquet --spool spool --run exp1 --docs evalset "
+               "-o exposure\n"
+               "  tally exposure --manifest m.parquet --ledger ledger.duckdb --run exp1 --run "
+               "exp2 --docs hashes.parquet -o exposure")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--spool", help="spool directory the runs were written to")
+    src.add_argument("--ledger", help="DuckDB ledger file (opened read-only)")
+    s.add_argument("--manifest", required=True, help="manifest Parquet file of the corpus")
+    s.add_argument("--run", required=True, action="append",
+                   help="run id (repeat for several runs)")
+    s.add_argument("--docs", required=True,
+                   help="the documents: a corpus directory in Tally's formats, or a Parquet "
+                        "file with a content_hash, record_key or tokens column")
+    s.add_argument("-o", "--output", required=True, help="output directory")
+    s.set_defaults(func=_cmd_exposure)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -364,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record the verdict in the ledger (opens it for writing)")
     s.add_argument("--json", action="store_true", help="machine-readable verdict")
     s.set_defaults(func=_cmd_preflight)
+
+    _add_posthoc_parsers(sub)
 
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")

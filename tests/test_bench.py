@@ -46,3 +46,12 @@ def test_reconcile_benchmark_runs(tmp_path):
     res = reconcile_rate.main(["--rows", "16000", "--records", "5000", "--file-rows", "1000",
                                "--dir", str(tmp_path)])
     assert res["rows"] == 16000 and res["same"] and res["ratio"] > 0 and res["peak"] > 0
+
+
+def test_diff_benchmark_runs(tmp_path):
+    from bench import diff_rate
+
+    res = diff_rate.main(["--rows", "16000", "--records", "5000", "--file-rows", "1000",
+                          "--mode", "in_memory", "--dir", str(tmp_path / "d")])
+    assert res["rows"] == 32000 and res["same"] and res["ratio"] > 0 and res["peak"] > 0
+    assert not (tmp_path / "d").exists()  # cleaned up

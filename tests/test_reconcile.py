@@ -176,10 +176,10 @@ def test_a_group_delivered_twice_with_different_values_is_refused(tmp_path):
     # What FnApiRunner multi_processing (Beam 2.77) was seen to do: the stage after the join ran
     # twice for a bucket, once with a subset of its values. Both results are kept and refused.
     from audit.core.errors import TallyError
-    from audit.reconcile.job import _Save, load_partials
+    from audit.reconcile.job import SavePartials, load_partials
     from audit.reconcile.partials import Partial
 
-    save = _Save(str(tmp_path))
+    save = SavePartials(str(tmp_path))
     same = ("bucket-3", Partial(hash_checked=10))
     for partial in (same, same, ("file-a", Partial(segments=10))):
         list(save.process(partial))

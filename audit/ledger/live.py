@@ -132,21 +132,36 @@ class LiveLedger:
         with self.read(run_id, locked=copy) as snap:
             return snap.state
 
+    def record_states(self, runs: tuple[int, ...]) -> Callable[[int], dict[int, Any]]:
+        """A `locked` reader for `read` or `answer`: each run's per-record exposures and three
+        earliest exposure steps, copied (empty arrays for a run with no exposure yet)."""
+        def copy(_: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+            out = {}
+            for run in runs:
+                st = self.agg.runs.get(run)
+                out[run] = ((np.zeros(0, np.int32), np.zeros((0, 3), np.int32)) if st is None
+                            else (st.exposures[: st.size].copy(),
+                                  st.data["steps"][: st.size].copy()))
+            return out
+        return copy
+
     def answer(self, key: tuple, run_id: str | None, compute: Callable[[Snap], Any], *,
-               outside: bool = False) -> Any:
-        """compute(snap), or what it gave for the same ledger version."""
+               outside: bool = False, locked: Callable[[int], Any] | None = None) -> Any:
+        """compute(snap), or what it gave for the same ledger version. With `locked`, the
+        snapshot is pinned under the aggregates' lock and `snap.state` holds what
+        `locked(run)` read from the per-record state (as `read` does); only on a miss."""
         with self.read(run_id) as snap:
             hit = self._cached((snap.gen, *key))
             if hit is not None:
                 return hit
-            if outside and self._has_outside(snap):
-                snap = self._pin_locked(snap, run_id, None)
+            if locked is not None or (outside and self._has_outside(snap)):
+                snap = self._pin_locked(snap, run_id, locked)
             value = compute(snap)
         with self._answers_lock:
             self._answers[(snap.gen, *key)] = value
             while len(self._answers) > self.ANSWERS:
                 self._answers.popitem(last=False)
-            self._hot[key] = (run_id, compute, outside, time.monotonic())
+            self._hot[key] = (run_id, compute, outside, locked, time.monotonic())
             self._hot.move_to_end(key)
             while len(self._hot) > self.HOT:
                 self._hot.popitem(last=False)
@@ -160,10 +175,10 @@ class LiveLedger:
                 return
             self._warm_gen = snap.gen
         with self._answers_lock:
-            hot = [(k, v) for k, v in self._hot.items() if time.monotonic() - v[3] < self.HOT_S]
-        for key, (run_id, compute, outside, _) in hot:
+            hot = [(k, v) for k, v in self._hot.items() if time.monotonic() - v[4] < self.HOT_S]
+        for key, (run_id, compute, outside, locked, _) in hot:
             try:
-                self.answer(key, run_id, compute, outside=outside)
+                self.answer(key, run_id, compute, outside=outside, locked=locked)
             except TallyError:  # e.g. a host that no longer exists after a restart
                 continue
 

@@ -15,7 +15,7 @@ def step_or_none(s: int | None) -> str:
     return "none" if s is None else str(s)
 
 
-_CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
+CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
 h1{font-size:1.5em}.PASS{color:#1a7f37}.FAIL{color:#cf222e}.WARN{color:#9a6700}
 table{border-collapse:collapse;margin:.5em 0}td,th{padding:2px 8px;border-bottom:1px solid #ddd;
 text-align:right}th:first-child,td:first-child{text-align:left}.grid{display:flex;flex-wrap:wrap;
@@ -45,7 +45,7 @@ def _line_chart(xs, ys, ideal, w=520, h=240) -> str:
             f'<text x="{w - 120}" y="14" fill="#999">ideal</text></svg>')
 
 
-def _bars(labels, series: dict[str, list[float]], w=520, h=240) -> str:
+def bars(labels, series: dict[str, list[float]], w=520, h=240) -> str:
     colors = ["#0969da", "#bf8700", "#8250df"]
     top = max([max(v) for v in series.values() if v] + [1e-9])
     group = (w - 50) / max(1, len(labels))
@@ -122,7 +122,7 @@ def render_html(r: dict, steps: pa.Table) -> str:
         f"<td>{x['replayed_steps']}</td><td>{x['exact']}</td></tr>" for x in r["restarts"])
     integ = r["integrity"]
     return f"""<!doctype html><html><head><meta charset="utf-8">
-<title>Tally report: {html.escape(r['run_id'])}</title><style>{_CSS}</style></head><body>
+<title>Tally report: {html.escape(r['run_id'])}</title><style>{CSS}</style></head><body>
 <h1>Run {html.escape(r['run_id'])}: <span class="{r['verdict']}">{r['verdict']}</span></h1>
 <p>Coverage <b>{100 * c['coverage']:.1f}%</b> of {c['train_records']:,} train records;
 never seen {100 * c['histogram_fraction']['0']:.1f}%, seen 2+
@@ -136,11 +136,11 @@ if r['at_step'] is not None else ''}.</p>
 <figure><figcaption>Cumulative coverage vs step (dashed: ideal)</figcaption>
 {_line_chart(xs, cov, ideal)}</figure>
 <figure><figcaption>Exposure histogram (records seen 0, 1, 2, 3+ times)</figcaption>
-{_bars(list(exposure.HIST_BINS), {'actual': hist, 'ideal': ideal_hist})}</figure>
+{bars(list(exposure.HIST_BINS), {'actual': hist, 'ideal': ideal_hist})}</figure>
 <figure><figcaption>Host overlap (records seen by both hosts)</figcaption>
 {_heatmap(r['hosts']['overlap_matrix'])}</figure>
 <figure><figcaption>Per domain: planned vs actual share of exposures</figcaption>
-{_bars([d['domain'] for d in doms], {'planned': [d['planned_share'] for d in doms],
+{bars([d['domain'] for d in doms], {'planned': [d['planned_share'] for d in doms],
                                      'actual': [d['actual_share'] for d in doms]})}</figure>
 </div>
 <h2>Domains</h2><table><tr><th>domain</th><th>records</th><th>planned</th><th>actual</th>

@@ -62,7 +62,8 @@ def _rows_where(cols: Columns, mask: np.ndarray) -> Columns:
     return {k: v[mask] for k, v in cols.items()}
 
 
-def _kind(item: tuple[str, Any], kind: str) -> list[Any]:
+def of_kind(item: tuple[str, Any], kind: str) -> list[Any]:
+    """The values of (kind, value) pairs of one kind (a FlatMap splitting a DoFn's outputs)."""
     return [item[1]] if item[0] == kind else []
 
 
@@ -152,7 +153,9 @@ class ReadConsumption(beam.DoFn):
 
 # ---- stage 2: the join, per bucket -----------------------------------------------------------
 
-def _manifest_bucket(plan: Plan, bucket: int) -> dict | None:
+def manifest_bucket(plan: Plan, bucket: int) -> dict | None:
+    """The manifest rows of one key bucket as numpy columns (strings as dictionary codes, with
+    their names); None for the overflow bucket."""
     lo = bucket * plan.bucket_size
     hi = min(lo + plan.bucket_size, plan.records)
     if lo >= hi:  # the overflow bucket: keys beyond the manifest
@@ -180,7 +183,7 @@ class BucketStats(beam.DoFn):
         bucket, grouped = item
         slices = list(grouped["consumption"])
         rows = buckets.read(slices, overflow=bucket == self.plan.buckets)
-        out, records = bucket_stats.compute(_manifest_bucket(self.plan, bucket), rows,
+        out, records = bucket_stats.compute(manifest_bucket(self.plan, bucket), rows,
                                             self.plan.hosts)
         out.slices_joined = len(slices)
         if records is not None:
@@ -227,7 +230,7 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
                   | "read" >> beam.ParDo(ReadConsumption(plan, str(work / "buckets"))))
         # Outputs are (kind, value) pairs split by FlatMaps, not tagged outputs: the Dask
         # runner sends every tagged output to the main one.
-        out = {kind: read | kind >> beam.FlatMap(_kind, kind)
+        out = {kind: read | kind >> beam.FlatMap(of_kind, kind)
                for kind in ("by_bucket", "partials", "replay")}
         # Every bucket, consumed or not: never-seen records count too.
         every = p | "buckets" >> beam.Create([(b, b) for b in range(plan.buckets + 1)],
@@ -237,15 +240,8 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
         stats = joined | "stats" >> beam.ParDo(BucketStats(plan, str(work / "records")))
         replay = (out["replay"] | "by step" >> beam.GroupByKey()
                   | "compare" >> beam.ParDo(CompareReplay()))
-        # Every partial goes to its own file; the driver merges them and checks that nothing
-        # went missing. One leaf: the Dask runner computes only the last transform.
-        saved = ((stats, replay, out["partials"]) | "all partials" >> beam.Flatten()
-                 | "save" >> beam.ParDo(_Save(str(work / "partials"))))
-        (saved | "count" >> beam.Map(lambda n: (0, n)) | "total" >> beam.GroupByKey()
-         | "done" >> beam.MapTuple(lambda _, ns: (work / "saved").write_text(str(sum(ns)))))
-    if not (work / "saved").exists():
-        raise TallyError("the reconcile job did not finish writing its results")
-    merged = merge_all(load_partials(work / "partials"))
+        save_partials((stats, replay, out["partials"]), work)
+    merged = merge_all(load_partials(work / "partials", finished=work / "saved"))
     joined = merged.unknown_segments + merged.hash_checked + merged.hash_unverifiable
     if (merged.segments, merged.slices_written) != (joined, merged.slices_joined):
         raise TallyError(f"the reconcile job lost rows: {merged.segments:,} effective rows "
@@ -255,7 +251,18 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
     return merged
 
 
-class _Save(beam.DoFn):
+def save_partials(pcolls: tuple, work: Path) -> None:
+    """The pipeline's end: every (id, partial) of `pcolls` saved to its own file under
+    `work / "partials"`, then `work / "saved"` written once all are. The driver merges them
+    (`load_partials`) and checks that nothing went missing. One leaf: the Dask runner
+    computes only the last transform."""
+    saved = (pcolls | "all partials" >> beam.Flatten()
+             | "save" >> beam.ParDo(SavePartials(str(work / "partials"))))
+    (saved | "count" >> beam.Map(lambda n: (0, n)) | "total" >> beam.GroupByKey()
+     | "done" >> beam.MapTuple(lambda _, ns: (work / "saved").write_text(str(sum(ns)))))
+
+
+class SavePartials(beam.DoFn):
     def __init__(self, folder: str) -> None:
         self.folder = folder
 
@@ -274,9 +281,13 @@ class _Save(beam.DoFn):
         yield 1
 
 
-def load_partials(folder: Path) -> list[Partial]:
-    """The saved partial results; TallyError when one id has two different results (the
-    runner delivered a bucket's group twice, with different values)."""
+def load_partials(folder: Path, finished: Path | None = None) -> Iterator[Any]:
+    """The saved partial results, loaded one at a time as they are merged (a bucket's per-step
+    series are as long as the run); TallyError at once when one id has two different results
+    (the runner delivered a bucket's group twice, with different values), or when the job did
+    not write its `finished` mark."""
+    if finished is not None and not finished.exists():
+        raise TallyError("the job did not finish writing its results")
     by_id: dict[str, list[Path]] = {}
     for f in sorted(folder.glob("*.pkl")):
         by_id.setdefault(f.name.split(".")[0], []).append(f)
@@ -285,7 +296,7 @@ def load_partials(folder: Path) -> list[Partial]:
         raise TallyError(f"the runner delivered {len(twice)} group(s) more than once with "
                          f"different contents ({', '.join(twice[:5])}): a GroupByKey split a "
                          "key's values; no report written")
-    return [pickle.loads(v[0].read_bytes()) for v in by_id.values()]
+    return (pickle.loads(v[0].read_bytes()) for v in by_id.values())
 
 
 def write_part(records: pa.Table, final: Path) -> None:
@@ -299,11 +310,12 @@ def write_part(records: pa.Table, final: Path) -> None:
     os.replace(tmp, final)  # a retried bundle rewrites the same part whole
 
 
-def publish_records(work: Path, out: Path) -> None:
+def publish_records(work: Path, out: Path, schema: pa.Schema = bucket_stats.RECORDS_SCHEMA
+                    ) -> None:
     """OUT/records/: one Parquet part per key bucket, named in key order."""
     parts = work / "records"
     if not any(parts.glob("part-*.parquet")):  # an empty manifest: still a readable table
-        write_part(bucket_stats.RECORDS_SCHEMA.empty_table(), parts / "part-000000.parquet")
+        write_part(schema.empty_table(), parts / "part-000000.parquet")
     old = work / "records.old"
     if out.exists():
         out.rename(old)  # the earlier report's table, until the new one is in place

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self, TypeVar
 
 import numpy as np
 
 EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
+M = TypeVar("M", bound="Mergeable")
 
 
 class Spans:
@@ -92,79 +93,87 @@ def examples(a: list, b: list) -> list:
     return (a + b)[:EXAMPLES]
 
 
-def _field(merge: Callable[[Any, Any], Any], default: Any = None,
-           factory: Callable[[], Any] | None = None) -> Any:
+def merged_by(merge: Callable[[Any, Any], Any], default: Any = None,
+              factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field of a `Mergeable` that merges with `merge`."""
     if factory is not None:
         return field(default_factory=factory, metadata={"merge": merge})
     return field(default=default, metadata={"merge": merge})
 
 
-def _summed(factory: Callable[[], Any] = int) -> Any:
-    return _field(total, factory=factory)
+def summed(factory: Callable[[], Any] = int) -> Any:
+    """A dataclass field of a `Mergeable` that merges by `total`."""
+    return merged_by(total, factory=factory)
 
 
 def _empty() -> np.ndarray:
     return np.zeros(0, np.int64)
 
 
-@dataclass
-class Partial:
-    """Aggregates of part of a run's consumption; fields that a worker did not compute stay
-    empty (None, 0, an empty array) and merge as such."""
+class Mergeable:
+    """A dataclass whose fields each declare their merge rule (`merged_by`, `summed`); fields
+    a worker did not compute stay empty (None, 0, an empty array) and merge as such."""
 
-    # ---- per input file (effective rows) ----
-    segments: int = _summed()  # effective rows read
-    slices_written: int = _summed()  # bucket slices written
-    first_step: int | None = _field(smallest)
-    last_step: int | None = _field(largest)
-    step_segments: Spans = _summed(Spans)
-    step_tokens: Spans = _summed(Spans)
-    step_rows: Spans = _summed(Spans)  # distinct (host, row) per step
-    host_segments: np.ndarray = _summed(_empty)
-    host_exposures: np.ndarray = _summed(_empty)
-    host_tokens: np.ndarray = _summed(_empty)
-    skipped_files: list[tuple[str, str]] = _field(examples, factory=list)  # (path, reason)
-    skipped: int = _summed()  # files skipped (all of them; skipped_files keeps examples)
-
-    # ---- per record-key bucket ----
-    slices_joined: int = _summed()
-    unknown_segments: int = _summed()
-    unknown_keys: int = _summed()
-    unknown_examples: list[dict] = _field(examples, factory=list)
-    hash_mismatch_examples: list[dict] = _field(examples, factory=list)
-    train_exposures: int = _summed()
-    epoch_duplicates: int = _summed()
-    epoch_duplicate_records: int = _summed()
-    exposure_counts: np.ndarray = _summed(_empty)  # train records seen e times, by e
-    hash_checked: int = _summed()
-    hash_unverifiable: int = _summed()
-    hash_mismatches: int = _summed()
-    heldout_consumed_records: int = _summed()
-    heldout_exposures: int = _summed()
-    overlap: np.ndarray = _summed(lambda: np.zeros((0, 0), np.int64))  # host x host, train
-    host_unique: np.ndarray = _summed(_empty)
-    host_overlap_with_others: np.ndarray = _summed(_empty)
-    new_unique_by_step: np.ndarray = _summed(_empty)
-    train_exposures_by_step: np.ndarray = _summed(_empty)
-    max_rank_by_step: np.ndarray = _field(padded_max, factory=_empty)
-    # name -> (records, tokens, exposures, tokens consumed, never seen)
-    domain: dict[str, np.ndarray] = _summed(dict)
-    source: dict[str, np.ndarray] = _summed(dict)  # name -> (records, never seen)
-
-    # ---- per replayed step ----
-    replay: dict[int, np.ndarray] = _summed(dict)  # attempt -> (rolled back, replayed, same)
-    first_differing_step: dict[int, int] = _field(smallest, factory=dict)
-
-    def merge(self, other: Partial) -> Partial:
+    def merge(self, other: Self) -> Self:
         out = {}
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             out[f.name] = a if b is None else b if a is None else f.metadata["merge"](a, b)
-        return Partial(**out)
+        return type(self)(**out)
 
 
-def merge_all(parts: Iterable[Partial]) -> Partial:
-    out = Partial()
+@dataclass
+class Partial(Mergeable):
+    """Aggregates of part of a run's consumption; fields that a worker did not compute stay
+    empty (None, 0, an empty array) and merge as such."""
+
+    # ---- per input file (effective rows) ----
+    segments: int = summed()  # effective rows read
+    slices_written: int = summed()  # bucket slices written
+    first_step: int | None = merged_by(smallest)
+    last_step: int | None = merged_by(largest)
+    step_segments: Spans = summed(Spans)
+    step_tokens: Spans = summed(Spans)
+    step_rows: Spans = summed(Spans)  # distinct (host, row) per step
+    host_segments: np.ndarray = summed(_empty)
+    host_exposures: np.ndarray = summed(_empty)
+    host_tokens: np.ndarray = summed(_empty)
+    skipped_files: list[tuple[str, str]] = merged_by(examples, factory=list)  # (path, reason)
+    skipped: int = summed()  # files skipped (all of them; skipped_files keeps examples)
+
+    # ---- per record-key bucket ----
+    slices_joined: int = summed()
+    unknown_segments: int = summed()
+    unknown_keys: int = summed()
+    unknown_examples: list[dict] = merged_by(examples, factory=list)
+    hash_mismatch_examples: list[dict] = merged_by(examples, factory=list)
+    train_exposures: int = summed()
+    epoch_duplicates: int = summed()
+    epoch_duplicate_records: int = summed()
+    exposure_counts: np.ndarray = summed(_empty)  # train records seen e times, by e
+    hash_checked: int = summed()
+    hash_unverifiable: int = summed()
+    hash_mismatches: int = summed()
+    heldout_consumed_records: int = summed()
+    heldout_exposures: int = summed()
+    overlap: np.ndarray = summed(lambda: np.zeros((0, 0), np.int64))  # host x host, train
+    host_unique: np.ndarray = summed(_empty)
+    host_overlap_with_others: np.ndarray = summed(_empty)
+    new_unique_by_step: np.ndarray = summed(_empty)
+    train_exposures_by_step: np.ndarray = summed(_empty)
+    max_rank_by_step: np.ndarray = merged_by(padded_max, factory=_empty)
+    # name -> (records, tokens, exposures, tokens consumed, never seen)
+    domain: dict[str, np.ndarray] = summed(dict)
+    source: dict[str, np.ndarray] = summed(dict)  # name -> (records, never seen)
+
+    # ---- per replayed step ----
+    replay: dict[int, np.ndarray] = summed(dict)  # attempt -> (rolled back, replayed, same)
+    first_differing_step: dict[int, int] = merged_by(smallest, factory=dict)
+
+
+def merge_all(parts: Iterable[M], into: M | None = None) -> M:
+    """`parts` folded into `into` (default: an empty `Partial`)."""
+    out = Partial() if into is None else into
     for p in parts:
         out = out.merge(p)
     return out

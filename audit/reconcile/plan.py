@@ -168,7 +168,9 @@ def _step_rows(path: str | Path) -> tuple[Any, Any]:
     return t["step"].to_numpy(), t["row"].to_numpy()
 
 
-def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> Inputs:
+def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
+                  folder: str = "export") -> Inputs:
+    """The run's rows exported from the ledger as Parquet files under `workdir / folder`."""
     with Ledger(ledger_path, read_only=True) as ledger:
         run = ledger.query("SELECT run, manifest_fingerprint FROM runs WHERE run_id = ?",
                            [run_id])
@@ -183,7 +185,7 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> Inputs:
                                    "host_count": r["host_count"],
                                    "last_step": r["last_step"] if r["last_step"] is not None
                                    else -1, "rows": int(r["rows"])} for r in rows}
-        out = workdir / "export"
+        out = workdir / folder
         target = str(out).replace("'", "''")  # a path is no SQL parameter in COPY ... TO
         ledger.con.execute(f"""
             COPY (SELECT attempt, {sql_select(SEGMENT_COLUMNS)}
@@ -202,6 +204,16 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path) -> Inputs:
     return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite)
 
 
+def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) -> int:
+    """Records per bucket: the most that keep BUCKETS_IN_FLIGHT buckets of `rows` consumption
+    rows spread over `records` records within `memory_gb`, and each bucket under BUCKET_ROWS.
+    A job over two runs (audit.posthoc.diff) passes both runs' rows: a bucket holds both."""
+    per_record = rows / max(records, 1) * BYTES_PER_ROW + BYTES_PER_RECORD + hosts
+    out = min(int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record),
+              int(BUCKET_ROWS * records / max(rows, 1)))
+    return min(max(out, 10_000), 4_000_000)
+
+
 def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], attempts: dict,
               run_fingerprint: str | None, at_step: int | None,
               bucket_records: int | None = None, memory_gb: float = 3.0,
@@ -216,10 +228,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     hosts = max([a["host_count"] for a in attempts.values()] + [1])
     rows = sum(a.get("rows", 0) for a in attempts.values())
     if bucket_records is None:
-        per_record = rows / max(records, 1) * BYTES_PER_ROW + BYTES_PER_RECORD + hosts
-        bucket_records = min(int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record),
-                             int(BUCKET_ROWS * records / max(rows, 1)))
-        bucket_records = min(max(bucket_records, 10_000), 4_000_000)
+        bucket_records = bucket_records_for(records, rows, hosts, memory_gb)
     bucket_records = min(bucket_records, 2**31)  # bucket files keep key offsets in uint32
     buckets = max(1, -(-records // bucket_records))
     bucket_size = -(-records // buckets)  # equal buckets

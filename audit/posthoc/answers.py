@@ -1,0 +1,216 @@
+"""The post-hoc answers of the live API, from the ledger the service owns: plain functions over
+a cursor inside the caller's snapshot (audit.ledger.live), in the style of audit.ledger.queries.
+
+`diff`: two runs of one ledger side by side. Work per request is bounded by the records and the
+steps, never the rows: per-record exposures and each record's three earliest exposure steps come
+from the per-record state the service keeps (audit.ledger.state, copied under its lock), the
+per-step counts from `agg_steps`. So a step is compared exactly when every exposure at it is
+among its record's first three: through the step before the earliest third exposure of a record
+seen four times or more (`compared_through_step`); a run of up to three epochs is compared
+whole. Windows of steps stand in for epochs (the state keeps no exposure's epoch). The numbers
+and findings have the shape of `tally diff`'s diff.json (audit.posthoc.diff_report).
+
+`exposure`: posted content hashes matched to the manifest's records, and the run's exposures of
+them (one scan of the run's consumption, as the record lookup does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from audit.core.exposure import Coverage, verdict
+from audit.ledger import queries as q
+from audit.posthoc import exposure as ex
+from audit.posthoc.diff_bucket import RUNS
+from audit.posthoc.diff_report import findings
+from audit.posthoc.multiset import KEY_BITS, compare_groups, dense_codes, jaccard
+from audit.reconcile.html import step_or_none
+
+MAX_HASHES = 10_000  # documents per exposure request
+WINDOWS = 20
+
+
+def _per_step(cur: duckdb.DuckDBPyConnection, run: int, n: int) -> np.ndarray:
+    """[3, n]: effective segments, tokens and exposures per step."""
+    out = np.zeros((3, n), np.int64)
+    for step, seg, tok, exp in cur.execute(f"""
+            SELECT s.step, sum(s.segments), sum(s.tokens), sum(s.exposures)
+            FROM agg_steps s JOIN attempts a USING (run, attempt)
+            WHERE s.run = ? AND {q.EFFECTIVE} GROUP BY s.step""", [run]).fetchall():
+        if step < n:
+            out[:, step] = (seg, tok, exp)
+    return out
+
+
+def _events(exposures: np.ndarray, steps: np.ndarray, horizon: int | None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, keys) of every known exposure (a record's first three) before `horizon`."""
+    parts_s, parts_k = [], []
+    for k in range(3):
+        keys = np.flatnonzero(exposures > k)
+        s = steps[keys, k].astype(np.int64)
+        if horizon is not None:
+            keys, s = keys[s < horizon], s[s < horizon]
+        parts_s.append(s)
+        parts_k.append(keys)
+    return np.concatenate(parts_s), np.concatenate(parts_k).astype(np.int64)
+
+
+def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str, str],
+         states: dict[str, tuple[np.ndarray, np.ndarray]], uni: q.Universe,
+         manifest: Any | None, points: int = 500, window: int | None = None
+         ) -> dict[str, Any]:
+    """Runs `runs['a']` and `runs['b']` compared. `states[r]`: (exposures, three earliest
+    steps) per record key, from the same snapshot; `manifest`: the service's (records,
+    fingerprint), or None; `window`: steps per window (default: about WINDOWS windows)."""
+    last = {r: q.last_step(cur, runs[r]) for r in RUNS}
+    n_steps = max([-1] + [x for x in last.values() if x is not None]) + 1
+    per = {r: _per_step(cur, runs[r], n_steps) for r in RUNS}
+
+    # ---- per record: keys of the manifest (else the universe, else every key seen) ----
+    size = max(len(states[r][0]) for r in RUNS)
+    limit = manifest.records if manifest is not None else uni.n if uni.n else size
+    e = {}
+    for r in RUNS:
+        exp = states[r][0].astype(np.int64)
+        e[r] = np.zeros(limit, np.int64)
+        e[r][: min(limit, len(exp))] = exp[:limit]
+    seen_a, seen_b = e["a"] > 0, e["b"] > 0
+    values, counts = np.unique(e["a"] - e["b"], return_counts=True)
+    records = {"compared": limit, "only_a": int((seen_a & ~seen_b).sum()),
+               "only_b": int((seen_b & ~seen_a).sum()),
+               "same": int((seen_a & (e["a"] == e["b"])).sum()),
+               "more_often_a": int((seen_b & (e["a"] > e["b"])).sum()),
+               "more_often_b": int((seen_a & (e["b"] > e["a"])).sum())}
+    records["neither"] = limit - sum(v for k, v in records.items() if k != "compared")
+
+    # ---- per step, through the horizon where every exposure is known ----
+    third = [states[r][1][states[r][0] > 3, 2] for r in RUNS]
+    horizon = int(min(t.min() for t in third if t.size)) if any(t.size for t in third) \
+        else None
+    ev = {r: _events(*states[r], horizon) for r in RUNS}
+    keys_a, keys_b = ev["a"][1], ev["b"][1]
+    if size >= 1 << KEY_BITS:  # keys too wide to pack: compare their ranks instead
+        codes, _ = dense_codes(np.concatenate([keys_a, keys_b]))
+        keys_a, keys_b = codes[: len(keys_a)], codes[len(keys_a):]
+    cmp = compare_groups(ev["a"][0], keys_a, ev["b"][0], keys_b, n_steps)
+    present = (per["a"][0] > 0) | (per["b"][0] > 0)
+    if horizon is not None:
+        present[horizon:] = False
+    same_records = cmp.l1[:n_steps] == 0
+    same_shape = (per["a"][:2] == per["b"][:2]).all(axis=0)
+    identical = present & same_records & same_shape
+    differ = present & ~identical
+    jac = jaccard(cmp.distinct_a, cmp.distinct_b, cmp.common)[:n_steps]
+    first = int(np.flatnonzero(differ)[0]) if differ.any() else None
+
+    # Windows of steps: the same multiset in each, in another order?
+    reach = n_steps if horizon is None else min(n_steps, horizon)
+    w = window or max(1, -(-reach // WINDOWS))
+    n_win = -(-n_steps // w)
+    win = compare_groups(ev["a"][0] // w, keys_a, ev["b"][0] // w, keys_b, n_win)
+    win_present = np.bincount(np.arange(n_steps)[present] // w, minlength=n_win)
+    win_same = (win.l1[:n_win] == 0) & (win_present > 0)
+    if not differ.any():
+        status = "identical"
+    elif win_same[win_present > 0].all():
+        status = "same_data_other_order"
+    else:
+        status = "different"
+
+    # ---- bucketed series for a plot: steps, and both runs' coverage ----
+    bucket = max(1, math.ceil(n_steps / points)) if n_steps else 1
+    b_of = np.arange(n_steps) // bucket
+    nb = -(-n_steps // bucket) if n_steps else 0
+    compared_b = np.bincount(b_of[present], minlength=nb)
+    jac_b = np.bincount(b_of[present], weights=jac[present], minlength=nb)
+    keep = compared_b > 0
+    series = {"bucket": bucket, "step": (np.arange(nb) * bucket)[keep].tolist(),
+              "compared": compared_b[keep].tolist(),
+              "identical": np.bincount(b_of[identical], minlength=nb)[keep].tolist(),
+              "jaccard": (jac_b[keep] / compared_b[keep]).tolist()}
+    side = {}
+    for r in RUNS:
+        # Coverage of the universe's records (keys below N), from the same state copy.
+        n = uni.n
+        inside = e[r][: n if n is not None else limit]
+        cov = Coverage.from_levels(n, int(inside.sum()), np.bincount(inside)).to_dict() \
+            if n else Coverage(None, int(inside.sum()), *(int((inside > k).sum())
+                                                           for k in range(3))).to_dict()
+        steps = q.steps(cur, runs[r], uni, bucket=bucket)
+        fp = cur.execute("SELECT manifest_fingerprint FROM runs WHERE run = ?",
+                         [runs[r]]).fetchall()[0][0]
+        side[r] = {
+            "run_id": run_ids[r], "source": "ledger", "run_manifest_fingerprint": fp,
+            "last_step": last[r], "first_step": int(np.flatnonzero(per[r][0])[0])
+            if per[r][0].any() else None,
+            "steps": int((per[r][0] > 0).sum()), "exposures": int(per[r][2].sum()),
+            "unknown_keys": int((states[r][0][limit:] > 0).sum()),
+            "unknown_exposures": int(states[r][0][limit:].sum()),
+            "coverage": cov,
+            "series": {k: steps[k] for k in ("last_step", "coverage", "ideal_coverage")}}
+    compared = int(present.sum())
+    d: dict[str, Any] = {
+        "a": side["a"], "b": side["b"],
+        "manifest": {"fingerprint": None if manifest is None else manifest.fingerprint,
+                     "records": limit, "train_records": uni.n},
+        "status": status,
+        "steps_compared": compared, "identical_steps": int(identical.sum()),
+        "first_divergent_step": first,
+        "compared_through_step": (n_steps if horizon is None else min(n_steps, horizon)) - 1,
+        "exact": horizon is None or horizon >= n_steps,
+        "steps_only_a": int(((per["a"][0] > 0) & (per["b"][0] == 0) & present).sum()),
+        "steps_only_b": int(((per["b"][0] > 0) & (per["a"][0] == 0) & present).sum()),
+        "steps_same_records_other_tokens": int((present & same_records & ~same_shape).sum()),
+        "jaccard": {"mean": float(jac[present].mean()) if compared else None,
+                    "min": float(jac[present].min()) if compared else None,
+                    "at_first_divergent_step": None if first is None else float(jac[first])},
+        "records": records, "records_only_a": records["only_a"],
+        "records_only_b": records["only_b"],
+        "exposure_difference_histogram": {str(k): int(v) for k, v in
+                                          zip(values.tolist(), counts.tolist(), strict=True)},
+        "epochs": [], "epochs_known": False,
+        "windows": {"steps": w, "count": int((win_present > 0).sum()),
+                    "same_multiset": int(win_same.sum()),
+                    "other_order": int((win_same & (np.bincount(
+                        np.arange(n_steps)[identical] // w, minlength=n_win)
+                        < win_present)).sum())},
+        "steps_series": series,
+    }
+    d["findings"] = findings(d)
+    if not d["exact"]:
+        d["findings"].append({
+            "severity": "INFO", "code": "compared_in_part",
+            "message": f"steps compared through {d['compared_through_step']} of "
+                       f"{step_or_none(n_steps - 1)}: later steps hold a 4th or later exposure of "
+                       "some record, which the live state does not keep (tally diff compares "
+                       "every step)", "numbers": {"step": d["compared_through_step"]}})
+    d["verdict"] = verdict(d["findings"])
+    return d
+
+
+def exposure(cur: duckdb.DuckDBPyConnection, run: int, run_id: str, hashes: np.ndarray,
+             known: np.ndarray, manifest: ex.ManifestHashes) -> dict[str, Any]:
+    """The run's exposures of the records matching each posted content hash (one scan of its
+    consumption); the same numbers as `tally exposure`. `known[i]`: hash i is an xxh3_64
+    value (one that is not matches nothing)."""
+    doc, key = manifest.match(hashes[known])
+    doc = np.flatnonzero(known)[doc]
+    table = ex.join(hashes, doc, key, manifest, {run_id: ex.consumed_in_ledger(cur, run, key)})
+    summary = ex.summarize(table, len(hashes), [run_id])["runs"][run_id]
+    results: list[dict[str, Any]] = [{"content_hash": f"{int(h):#018x}", "exposures": 0,
+                                      "records": []} for h in hashes]
+    for row in table.to_pylist():
+        if row["record_key"] is None:
+            continue
+        res = results[row["document"]]
+        res["exposures"] += row["exposures"]
+        res["records"].append({k: row[k] for k in ("record_key", "split", "domain", "exposures",
+                                                   "first_step", "last_step", "hosts",
+                                                   "epochs")})
+    return {"run_id": run_id, **summary, "manifest_fingerprint": manifest.fingerprint,
+            "results": results}
