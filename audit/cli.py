@@ -151,7 +151,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          reports=args.reports, token=token, thresholds=th,
                          webhook=args.webhook, interval=args.interval,
                          checkpoints=args.checkpoints, preflight_seconds=args.preflight_seconds,
-                         max_round_seconds=args.max_round_seconds)
+                         max_round_seconds=args.max_round_seconds,
+                         findings_every=args.findings_every)
         print(f"tally serve: http://{args.host}:{args.port}/ (ledger {args.ledger}"
               + (f", ingesting {args.spool}" if args.spool else "") + ")", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -338,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "recorded in its spool files)")
     s.add_argument("--preflight-seconds", type=float, default=120.0,
                    help="time box of one pre-flight request (default 120)")
+    s.add_argument("--findings-every", type=float, default=120.0,
+                   help="re-run the reconcile job over the spool for each run that changed, at "
+                        "most this often (seconds; needs --spool and --manifest; 0: never), so "
+                        "that the summary names causes live (default 120)")
     s.add_argument("--max-round-seconds", type=float, default=60.0,
                    help="an ingest round longer than this turns /healthz degraded (default 60)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")

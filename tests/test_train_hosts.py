@@ -75,17 +75,18 @@ def test_four_hosts_write_exactly_the_segments_each_step_consumed(corpus, tmp_pa
     assert any(m.startswith("ppl/") for m in metrics) and hosts == {0}
 
 
-def _host_pid(launcher: int, host: int) -> int | None:
+def _host_pid(spool: Path, host: int) -> int | None:
+    """The training host process `host` of the job writing to `spool` (the launcher runs in a
+    supervised child, so hosts are its grandchildren: found by their command line)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
-        if ppid == launcher and b"trainer.host" in cmd and cmd[cmd.index(b"--host") + 1] == \
-                str(host).encode():
+        if b"trainer.host" in cmd and cmd[cmd.index(b"--host") + 1] == str(host).encode() \
+                and any(str(spool).encode() in part for part in cmd):
             return int(pid)
     return None
 
@@ -113,7 +114,7 @@ def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    pid = _host_pid(launcher.pid, 1)
+    pid = _host_pid(spool, 1)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     _, err = launcher.communicate(timeout=60)
@@ -208,16 +209,19 @@ def test_elastic_reshard_passes_preflight_through_the_api_service(corpus, tmp_pa
             history = json.loads(r.read())
         assert [(h["status"], h["requested_by"], h["old_hosts"], h["new_hosts"], h["forced"])
                 for h in history] == [("safe", "trainer", 2, 1, False)]
-        # No checkpoint at that path: 404; a checkpoint that cannot be read: 422.
-        (tmp_path / "broken" / "3" / "meta").mkdir(parents=True)
-        (tmp_path / "broken" / "3" / "meta" / "metadata").write_text("{not json")
-        for path, code in ((tmp_path / "nope", 404), (tmp_path / "broken" / "3", 422)):
+        # Under the run's recorded checkpoint directory: no checkpoint at that path is 404, one
+        # that cannot be read 422; outside it, 403. No answer echoes the path.
+        ckpt = tmp_path / "ckpt"
+        (ckpt / "broken" / "3" / "meta").mkdir(parents=True)
+        (ckpt / "broken" / "3" / "meta" / "metadata").write_text("{not json")
+        for path, code in ((ckpt / "nope", 404), (ckpt / "broken" / "3", 422),
+                           (tmp_path / "nope", 403)):
             bad = urllib.request.Request(f"{url}/v1/runs/e/preflight", json.dumps(
                 {"checkpoint": str(path), "hosts": 2}).encode(),
                 {"Content-Type": "application/json"})
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(bad, timeout=30)
-            assert (err.value.code, str(path) in err.value.read().decode()) == (code, True)
+            assert (err.value.code, str(tmp_path) in err.value.read().decode()) == (code, False)
     finally:
         server.terminate()
         server.wait(30)

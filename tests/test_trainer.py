@@ -65,7 +65,7 @@ def test_config_file_and_overrides(tmp_path):
     with pytest.raises(TallyError, match="override 'nope=1'"):
         TrainConfig.load(None, ["nope=1"])
     path.write_text('{"stepz": 1}')
-    with pytest.raises(TallyError, match="unknown config keys: stepz"):
+    with pytest.raises(TallyError, match="unknown key 'stepz'"):
         TrainConfig.load(path)
 
 
