@@ -269,7 +269,7 @@ def metrics(cur: duckdb.DuckDBPyConnection, run: int, points: int = 500) -> dict
         keep = cnt > 0
         tv = (np.bincount(idx, weights=tv) / np.maximum(cnt, 1))[keep]
         ts = (ts[0] + np.arange(len(cnt)) * b)[keep]
-    names = sorted({name for _, name, _ in rows})
+    names = sorted({name for _, name, _ in rows if not name.startswith("tally/")})
     return {"names": names, "milestones": [miles[s] for s in sorted(miles)],
             "train_loss": {"step": ts.tolist(), "value": tv.tolist()}}
 
