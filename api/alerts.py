@@ -29,7 +29,8 @@ class Thresholds:
 
 def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
              first_pass: bool, lag_seconds: float, behind: float | None,
-             non_finite_losses: int = 0) -> list[dict[str, Any]]:
+             non_finite_losses: int = 0,
+             findings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every configured alert with its value and whether it fires."""
     checks = [
         ("epoch_duplicates", epoch_duplicates, th.epoch_duplicates,
@@ -43,6 +44,12 @@ def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
         ("non_finite_loss", non_finite_losses, th.non_finite_losses,
          "loss values logged as NaN or infinite (the run diverged)"),
     ]
+    if findings is not None and findings["verdict"] is not None:
+        fails = [f for f in findings["findings"] if f["severity"] == "FAIL"]
+        checks.append(("findings", len(fails), 0,
+                       "causes reconcile names as of step "
+                       f"{findings['as_of_step']}: " + (", ".join(f["code"] for f in fails)
+                                                         or "none")))
     return [{"name": name, "value": value, "threshold": limit,
              "firing": value is not None and value > limit, "what": what}
             for name, value, limit, what in checks if limit is not None]

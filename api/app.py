@@ -21,6 +21,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from api.alerts import Thresholds, Webhook, evaluate, status
+from api.findings import LiveFindings
 from api.posthoc_routes import add_routes as add_posthoc_routes
 from api.preflight_routes import add_routes as add_preflight_routes
 from audit.core.errors import NotFound, TallyError, Unavailable
@@ -51,7 +52,8 @@ class Service:
     def __init__(self, ledger: Ledger, *, spool: Path | None, manifest: ManifestDomains | None,
                  records: int | None, reports: Path | None, thresholds: Thresholds,
                  webhook: str | None, interval: float, checkpoints: list[str] | None = None,
-                 preflight_seconds: float = 120.0, max_round_seconds: float = 60.0) -> None:
+                 preflight_seconds: float = 120.0, max_round_seconds: float = 60.0,
+                 findings_every: float | None = None) -> None:
         if manifest is not None:
             uni = q.Universe(manifest.train_records, "manifest")
         elif records is not None:
@@ -69,6 +71,16 @@ class Service:
                      if spool is not None else None)
         self.checkpoints = checkpoints or []
         self.preflight_seconds = preflight_seconds
+        # Live findings: reconcile re-run over the spool, with the manifest (api.findings).
+        self.findings = None
+        if findings_every and spool is not None and manifest is not None:
+            self.findings = LiveFindings(spool, manifest.path,
+                                         Path(f"{ledger.path}.findings"), findings_every,
+                                         self._versions)
+
+    def _versions(self) -> dict[str, int]:
+        with self.live.read() as snap:
+            return q.run_versions(snap.cur)
 
     def json(self, key: tuple, run_id: str | None, compute: Callable[[Snap], Any], *,
              outside: bool = False) -> Response:
@@ -83,13 +95,16 @@ class Service:
         n = cov["train_records"]
         first_pass = n is None or cov["exposures"] <= n
         lag = self.loop.lag_seconds() if self.loop is not None else 0.0
+        live = None if self.findings is None else self.findings.summary(run_id)
         alerts = evaluate(self.thresholds, epoch_duplicates=t["epoch_duplicates"],
                           multi_host_records=t["multi_host_records"], first_pass=first_pass,
                           lag_seconds=lag, behind=cov.get("behind_ideal"),
-                          non_finite_losses=t["non_finite_losses"]["count"])
+                          non_finite_losses=t["non_finite_losses"]["count"], findings=live)
         return {"run_id": run_id, "status": status(alerts), "alerts": alerts,
-                "last_step": cov["latest_step"], **t, "coverage": cov,
-                "ingest_lag_seconds": lag, "quarantined_files": self.live.quarantined(run_id)}
+                "last_step": cov["latest_step"], **t,
+                "state": "finished" if t["finished"] else "running", "coverage": cov,
+                "ingest_lag_seconds": lag, "quarantined_files": self.live.quarantined(run_id),
+                "findings": live}
 
     def after_round(self) -> None:
         self.check_alerts()
@@ -169,7 +184,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                reports: str | Path | None = None, token: str | None = None,
                thresholds: Thresholds | None = None, webhook: str | None = None,
                interval: float = 1.0, checkpoints: list[str] | None = None,
-               preflight_seconds: float = 120.0, max_round_seconds: float = 60.0) -> FastAPI:
+               preflight_seconds: float = 120.0, max_round_seconds: float = 60.0,
+               findings_every: float | None = None) -> FastAPI:
     """The app over an open, writable ledger; with `spool`, it ingests while it serves.
     Checks its arguments (`check_settings`) first."""
     domains = check_settings(spool=spool, manifest=manifest, records=records,
@@ -178,7 +194,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                   records=records, reports=None if reports is None else Path(reports),
                   thresholds=thresholds or Thresholds(), webhook=webhook, interval=interval,
                   checkpoints=checkpoints, preflight_seconds=preflight_seconds,
-                  max_round_seconds=max_round_seconds)
+                  max_round_seconds=max_round_seconds, findings_every=findings_every)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -189,9 +205,13 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         sys.setswitchinterval(SWITCH_INTERVAL)
         if svc.loop is not None:
             svc.loop.start()
+        if svc.findings is not None:
+            svc.findings.start()
         try:
             yield
         finally:
+            if svc.findings is not None:
+                svc.findings.stop()
             if svc.loop is not None:
                 svc.loop.stop()
             sys.setswitchinterval(switch)
@@ -317,12 +337,18 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
 
     @app.get("/v1/runs/{run_id}/report", tags=["runs"], responses=ERRORS)
     def run_report(run_id: RunId) -> dict[str, Any]:
-        """The latest reconcile report (report.json) of this run under --reports."""
-        if svc.reports is None:
+        """The latest reconcile report (report.json) of this run: under --reports, or the live
+        one the service keeps current (with --manifest and --spool)."""
+        if svc.reports is None and svc.findings is None:
             raise Unavailable("no reports directory: start the service with --reports DIR "
-                                "(where `tally reconcile -o DIR` writes)")
+                              "(where `tally reconcile -o DIR` writes), or with --manifest so "
+                              "that it reconciles the run itself")
         best = None
-        for p in [svc.reports / "report.json", *svc.reports.glob("*/report.json")]:
+        places = [] if svc.reports is None else [svc.reports / "report.json",
+                                                 *svc.reports.glob("*/report.json")]
+        if svc.findings is not None:
+            places.append(svc.findings.work / run_id / "report.json")
+        for p in places:
             try:
                 rep = json.loads(p.read_text())
                 mtime = p.stat().st_mtime
@@ -332,7 +358,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                     best is None or mtime > best[0]):
                 best = (mtime, rep)
         if best is None:
-            raise NotFound(f"no reconcile report for run {run_id!r} under {svc.reports}")
+            raise NotFound(f"no reconcile report for run {run_id!r} yet")
         return best[1]
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["service"])

@@ -225,7 +225,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          reports=args.reports, token=token, thresholds=th,
                          webhook=args.webhook, interval=args.interval,
                          checkpoints=args.checkpoints, preflight_seconds=args.preflight_seconds,
-                         max_round_seconds=args.max_round_seconds)
+                         max_round_seconds=args.max_round_seconds,
+                         findings_every=args.findings_every)
         print(f"tally serve: http://{args.host}:{args.port}/ (ledger {args.ledger}"
               + (f", ingesting {args.spool}" if args.spool else "") + ")", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -412,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "recorded in its spool files)")
     s.add_argument("--preflight-seconds", type=float, default=120.0,
                    help="time box of one pre-flight request (default 120)")
+    s.add_argument("--findings-every", type=float, default=120.0,
+                   help="re-run the reconcile job over the spool for each run that changed, at "
+                        "most this often (seconds; needs --spool and --manifest; 0: never), so "
+                        "that the summary names causes live (default 120)")
     s.add_argument("--max-round-seconds", type=float, default=60.0,
                    help="an ingest round longer than this turns /healthz degraded (default 60)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
@@ -467,7 +472,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 # hosts): a Ctrl-C that reached all of them printed a traceback from each (110-150 lines for a
 # reconcile). They run as a child in a session of its own, so the terminal's Ctrl-C reaches
 # only this process, which stops the child's whole process group and says so in one line.
-SUPERVISED = {"reconcile", "manifest", "train", "demo", "preflight", "compare"}
+SUPERVISED = {"reconcile", "manifest", "train", "demo", "preflight", "compare", "diff",
+              "exposure"}
 _CHILD = "TALLY_SUPERVISED"
 
 
@@ -538,7 +544,7 @@ def _stop_group(child: subprocess.Popen, grace_s: float = 5.0) -> None:
 def _half_made(args: argparse.Namespace) -> list[Path]:
     """What the command would leave half made if it were stopped now: an output directory it
     creates (the whole of it), or the work files inside one that exists already."""
-    if args.command == "reconcile":
+    if args.command in ("reconcile", "diff", "exposure"):
         out = Path(args.output)
         return [out / ".work"] if out.exists() else [out]
     if args.command == "manifest":

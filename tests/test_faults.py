@@ -1,8 +1,10 @@
 """Real Grain loaders with the fault switches, through the writer, reconciled: the report
 catches each fault and names it; the correct loader passes."""
 
+import dataclasses
 import json
 
+import duckdb
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -34,18 +36,28 @@ def corpus(tmp_path_factory):
     return root, TokenSource(root / "c")
 
 
-def _run(spool, source, cfg, hosts, steps, *, attempt=0, first=0, run="r", restore=None):
-    """Each host consumes `steps` batches into the spool; returns the loaders' states."""
+def _run(spool, source, cfg, hosts, steps, *, attempt=0, first=0, run="r", restore=None,
+         finish=False, host_cfg=None, consume=None):
+    """Each host consumes `steps` batches into the spool; returns the loaders' states.
+    `host_cfg(h, cfg)` gives a host its own loader config; `consume(h, step, loader, last)`
+    returns the batch host h hands over at a step (None: it consumes nothing then), `last`
+    being the batch of its step before."""
     out = []
     for h in range(hosts):
-        loader = KeyedLoader(source, cfg, h, hosts)
+        loader = KeyedLoader(source, cfg if host_cfg is None else host_cfg(h, cfg), h, hosts)
         if restore is not None:
             restore(loader, h)
         with LedgerWriter(spool, run, host=h, host_count=hosts, attempt=attempt,
                           resumed_from_step=first if attempt else None,
                           records_per_epoch=len(source), flush_every=64, fsync=False) as w:
+            last = None
             for step in range(first, first + steps):
-                w.write_batch(step, next(loader))
+                batch = next(loader) if consume is None else consume(h, step, loader, last)
+                if batch is not None:
+                    w.write_batch(step, batch)
+                    last = batch
+            if finish:
+                w.finish()
         out.append(loader.get_state())
     return out
 
@@ -114,7 +126,16 @@ def test_naive_reshard_8_to_4_is_named(corpus, tmp_path):
     r = _reconcile(root, tmp_path / "spool", "reshard")
     (finding,) = r["findings"]
     assert finding["code"] == "reshard_band"
-    assert "resume at step 100 on 4 hosts (was 8)" in finding["message"]
+    assert finding["message"].startswith(
+        "attempt 1 resumed at step 100 on 4 hosts (was 8): per-host loader states were "
+        "restored on another topology; ")
+    # The repeats it names are exactly the within-epoch repeats at steps >= 100 (SQL).
+    repeated = duckdb.sql(f"""
+        SELECT count(*) FROM (SELECT step, row_number() OVER (PARTITION BY record_key, epoch
+            ORDER BY step) AS k FROM read_parquet('{tmp_path}/spool/r/*/*/seg-*.parquet')
+            WHERE "offset" = 0) WHERE k > 1 AND step >= 100""").fetchall()[0][0]
+    assert finding["numbers"]["repeated"] == repeated > 0
+    assert finding["numbers"]["skipped"] is None  # epoch 0 is still going at step 300
 
 
 def test_global_batch_changed_on_resume_is_named(corpus, tmp_path):
@@ -184,3 +205,134 @@ def test_files_never_read_are_named(corpus, tmp_path):
     (finding,) = [f for f in r["findings"] if f["code"] == "files_unread"]
     assert sources[3] in finding["message"] and "1 corpus file(s) were never read" in \
         finding["message"]
+
+
+def test_a_host_that_hands_the_same_batch_again_is_named_with_its_steps(corpus, tmp_path):
+    """Host 2's input pipeline stalls at steps 50-59: it hands the batch of step 49 again."""
+    root, source = corpus
+    cfg = _cfg(global_batch=32, seed=5)
+
+    def stall(h, step, loader, last):
+        return last if h == 2 and 50 <= step <= 59 else next(loader)
+
+    _run(tmp_path / "spool", source, cfg, 4, 120, consume=stall)
+    r = _reconcile(root, tmp_path / "spool", "stall")
+    fails = [f for f in r["findings"] if f["severity"] == "FAIL"]
+    assert [f["code"] for f in fails] == ["repeated_batches"], r["findings"]
+    assert fails[0]["numbers"] == {"host": 2, "steps": 10, "ranges": [[50, 59]]}
+    assert "host 2 handed the same batch again at 10 step(s) (steps 50-59)" in \
+        fails[0]["message"]
+    assert r["hosts"]["per_host"][2]["epoch_repeats"] == 10 * 8
+
+
+def test_a_host_that_consumes_nothing_for_a_while_is_named_with_its_steps(corpus, tmp_path):
+    """Host 1 stalls at steps 30-39 and consumes nothing there while the others go on."""
+    root, source = corpus
+    cfg = _cfg(global_batch=32, seed=5)
+
+    def pause(h, step, loader, last):
+        return None if h == 1 and 30 <= step <= 39 else next(loader)
+
+    _run(tmp_path / "spool", source, cfg, 4, 100, consume=pause, finish=True)
+    r = _reconcile(root, tmp_path / "spool", "gap")
+    (gap,) = [f for f in r["findings"] if f["code"] == "host_gap"]
+    assert gap["numbers"] == {"host": 1, "first_step": 30, "last_step": 39, "attempt": 0}
+    assert r["run"] == {"finished": True, "finished_step": 99}
+
+
+def test_one_misconfigured_host_is_named_by_the_repeats_it_takes_part_in(corpus, tmp_path):
+    """Host 3 shuffles with its own seed: the records it reads are also read by the others.
+    The spread alone could pass for sampling with replacement early in a run; the host's share
+    of the repeated records names it instead."""
+    root, source = corpus
+    cfg = _cfg(global_batch=32, seed=7)
+    _run(tmp_path / "spool", source, cfg, 4, 200,
+         host_cfg=lambda h, c: dataclasses.replace(c, seed=8) if h == 3 else c)
+    r = _reconcile(root, tmp_path / "spool", "onehost")
+    codes = [f["code"] for f in r["findings"]]
+    assert "with_replacement" not in codes, r["findings"]
+    (f,) = [f for f in r["findings"] if f["code"] == "repeats_on_hosts"]
+    assert f["numbers"]["hosts"] == [3] and f["numbers"]["shares"][0] > 0.95
+
+
+def test_a_clean_elastic_reshard_is_settled_once_its_epoch_ends(corpus, tmp_path):
+    """8 hosts, then 4 from the step-100 checkpoint with the elastic iterator and the same
+    global batch, on to epoch 1: nothing repeated or skipped, so no warning is left."""
+    root, source = corpus
+    cfg = _cfg(global_batch=32, seed=2, elastic=True)
+    states = _run(tmp_path / "spool", source, cfg, 8, 100)
+    steps = len(source) // 32 + 10 - 100  # past the end of epoch 0
+    _run(tmp_path / "spool", source, cfg, 4, steps, attempt=1, first=100,
+         restore=lambda loader, h: loader.set_state(states[h]))
+    r = _reconcile(root, tmp_path / "spool", "elastic")
+    assert r["verdict"] == "PASS", r["findings"]
+    (f,) = r["findings"]
+    assert (f["severity"], f["code"]) == ("INFO", "resharded")
+    assert "its epoch (0) ended with every record seen once" in f["message"]
+    assert r["epochs"][0]["complete"] and r["epochs"][0]["skipped"] == 0
+
+
+@pytest.mark.parametrize("hosts, packing", [(128, "first_fit"), (256, "none")])
+def test_sampling_with_replacement_is_named_on_many_hosts_packed_or_not(tmp_path, hosts,
+                                                                       packing):
+    synth_corpus(tmp_path / "c", records=4200, seed=9, heldout_fraction=0.02,
+                 length_scale=0.02, min_len=1, max_len=16)
+    build_manifest(tmp_path / "c", tmp_path / "m.parquet")
+    source = TokenSource(tmp_path / "c")
+    rows = 1 if packing == "none" else 2
+    cfg = LoaderConfig(seq_len=16, read_threads=0, read_buffer=0, global_batch=hosts * rows,
+                       packing=packing, fault="per_host_seed", seed=3)
+    _run(tmp_path / "spool", source, cfg, hosts, len(source) // (hosts * rows))
+    r = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
+                  spool=tmp_path / "spool")
+    codes = [f["code"] for f in r["findings"] if f["severity"] == "FAIL"]
+    assert codes == ["with_replacement"], r["findings"]
+
+
+def test_a_sampler_that_drops_each_epochs_remainder_is_named(corpus, tmp_path):
+    """PyTorch's DataLoader with drop_last=True: two epochs, each leaving N mod batch out."""
+    from torch.utils.data import DataLoader
+
+    root, source = corpus
+    n = len(source)
+
+    class Keyed:
+        def __init__(self):
+            self.epoch = 0
+
+        def __len__(self):
+            return n
+
+        def __getitem__(self, k):
+            return {"tokens": np.asarray(source[k][:32], np.int32), "key": self.epoch * n + k}
+
+    data = Keyed()
+
+    def pad(items):
+        tokens = np.zeros((len(items), 32), np.int32)
+        seg = np.zeros((len(items), 32), np.int32)
+        for i, it in enumerate(items):
+            tokens[i, :len(it["tokens"])] = it["tokens"]
+            seg[i, :len(it["tokens"])] = 1
+        return {"tokens": tokens, "tokens_segment_ids": seg,
+                "key": np.array([it["key"] for it in items], np.int64)}
+
+    import torch
+
+    loader = DataLoader(data, batch_size=100, shuffle=True, drop_last=True, collate_fn=pad,
+                        generator=torch.Generator().manual_seed(0))
+    with LedgerWriter(tmp_path / "spool", "r", records_per_epoch=n, fsync=False) as w:
+        step = 0
+        for epoch in range(2):
+            data.epoch = epoch
+            for batch in loader:
+                w.write_batch(step, batch)
+                step += 1
+        w.finish()
+    r = _reconcile(root, tmp_path / "spool", "droplast")
+    assert n % 100 == 84
+    (f,) = [f for f in r["findings"] if f["code"] == "drop_remainder"]
+    assert f["severity"] == "WARN" and f["numbers"] == {"epochs": 1, "records": 84}
+    (last,) = [f for f in r["findings"] if f["code"] == "final_epoch_short"]
+    assert last["numbers"] == {"epoch": 1, "records": 84}
+    assert r["verdict"] == "WARN" and r["run"]["finished"]

@@ -199,3 +199,77 @@ def test_a_fifo_named_like_a_segment_is_left_out_of_reconcile_with_its_reason(tm
                  "--run", "r", "-o", str(tmp_path / "rep"), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "not a regular file: a FIFO" in out.stdout
+
+
+def test_ctrl_c_during_train_stops_every_host_with_one_line(tmp_path):
+    from pipeline.synth import synth_corpus
+
+    synth_corpus(tmp_path / "c", records=300, seed=1, length_scale=0.1, max_len=64)
+    spool = tmp_path / "spool"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "train", "--hosts", "2",
+                             f"corpus={tmp_path / 'c'}", f"spool={spool}", "steps=100000",
+                             "flush_every=1", "d_model=16", "n_layers=1", "seq_len=32"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:  # until both hosts train (each has published a file)
+        assert poll(lambda: len(list(spool.glob("*/*/host=*/seg-*"))) >= 2
+                    or proc.poll() is not None, timeout=180, every=0.2)
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert err.endswith("tally: interrupted\n") and "Traceback" not in err, err[-3000:]
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", f"trainer.host.*{spool}"], capture_output=True,
+                          text=True)
+    assert left.stdout == ""
+
+
+def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(10), n=N, seed=0, flush_every=5)
+    d = sp.host_dir(spool, "r", 0, 0)
+    first = sorted(d.glob("seg-*"))[0]
+    (d / sp.file_name("seg", 0, 77)).write_bytes(first.read_bytes())  # a copy
+    (d / sp.file_name("seg", 90, 78)).write_text("not parquet")
+    _manifest(tmp_path / "m.parquet")
+    assert _tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
+                  "-q").returncode == 0
+    from audit.reconcile import reconcile
+
+    r = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
+                  ledger=tmp_path / "l.duckdb")
+    codes = {f["code"]: f for f in r["findings"]}
+    assert codes["files_unreadable"]["numbers"] == {"files": 1}
+    assert codes["duplicate_files"]["numbers"] == {"files": 1}
+    assert r["verdict"] == "FAIL"
+
+
+def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_path):
+    """The service re-runs the reconcile job over its spool: the run summary names the same
+    causes with the same numbers as `tally reconcile`, and the findings alert fires."""
+    from audit.reconcile import reconcile
+    from tests.test_api_live import write_manifest
+
+    spool = tmp_path / "spool"
+    for h in range(2):
+        write_steps(spool, "r", host=h, hosts=2, steps=range(20), n=150, seed=h, flush_every=5)
+    manifest = write_manifest(tmp_path / "m.parquet")
+    with Ledger(tmp_path / "l.duckdb") as ledger, \
+            Server(create_app(ledger, spool=spool, manifest=manifest, interval=0.05,
+                              findings_every=0.5)) as srv:
+        live = poll(lambda: (s := srv.get("/v1/runs/r").json()).get("findings") and
+                    s["findings"]["verdict"] and s, timeout=120)
+        assert live, srv.get("/v1/runs/r").json()
+        want = reconcile(run_id="r", manifest=manifest, out=tmp_path / "rep", spool=spool)
+        assert live["findings"]["findings"] == want["findings"]
+        assert live["findings"]["verdict"] == want["verdict"] == "FAIL"
+        (alert,) = [a for a in live["alerts"] if a["name"] == "findings"]
+        assert alert["firing"] and alert["value"] == sum(
+            f["severity"] == "FAIL" for f in want["findings"])
+        report = srv.get("/v1/runs/r/report").json()  # the live report is served too
+        assert report["findings"] == want["findings"]

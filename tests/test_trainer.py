@@ -40,9 +40,13 @@ def test_training_learns_and_the_ledger_holds_every_consumed_segment(corpus, tmp
         losses = ledger.query("SELECT step, value FROM metrics WHERE name = 'train_loss' "
                               "ORDER BY step")
         assert [m["value"] for m in losses] == pytest.approx(result.losses)
-        evals = ledger.query("SELECT step, name, value FROM metrics WHERE name <> 'train_loss'")
+        evals = ledger.query("SELECT step, name, value FROM metrics "
+                             "WHERE name NOT IN ('train_loss', 'tally/finished')")
         assert {(m["step"], m["name"]): m["value"] for m in evals} == pytest.approx(
             {(s, k): v for s, ev in result.evals.items() for k, v in ev.items()})
+        # The writer's finish() at the last step marks the run finished.
+        assert ledger.query("SELECT step FROM metrics WHERE name = 'tally/finished'") == [
+            {"step": 29}]
 
 
 def test_bf16_moments_change_the_optimizer_state_dtype():

@@ -119,18 +119,25 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
         refuse_reuse(cfg)
     coordinator = f"127.0.0.1:{free_port()}"
     env = {"JAX_PLATFORMS": "cpu", **os.environ}  # CPU unless the caller chose otherwise
-    # Each host in a session of its own: a Ctrl-C at the terminal reaches this launcher only,
-    # which stops the hosts (SIGTERM) instead of each printing its traceback.
+    # `tally train` runs this launcher in a session of its own (audit.cli supervises it), so a
+    # Ctrl-C at the terminal reaches neither it nor the hosts; the supervisor stops the group.
+    # A SIGTERM here still stops the hosts first.
     procs = [subprocess.Popen(
         [sys.executable, "-m", "trainer.host", "--config-json",
          json.dumps(dataclasses.asdict(cfg)), "--host", str(h), "--hosts", str(hosts),
          "--coordinator", coordinator] + (["--resume"] if resume else [])
-        + (["--force"] if force else []), env=env, start_new_session=True)
+        + (["--force"] if force else []), env=env)
         for h in range(hosts)]
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         return _wait(procs, grace_s)
     finally:
         _stop(procs, grace_s)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait(procs: list[subprocess.Popen], grace_s: float) -> int:

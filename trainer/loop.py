@@ -143,6 +143,8 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
         log_losses()
         if cfg.checkpoint_every and cfg.steps > start:
             save(cfg.steps)  # the final state too, so a longer run can continue from it
+        if audit and cfg.steps > start:
+            writer.finish()  # this host's share of the run ended at its last step
     jax.block_until_ready(params)
     result.finished = time.perf_counter()
     if audit:

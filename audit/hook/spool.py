@@ -63,6 +63,10 @@ OPTIONAL_META_KEYS = (
     "checkpoint_dir",  # where the run saves its checkpoints (the service may read only there)
 )
 META_PREFIX = "tally."
+# A metric row a writer publishes when its host's share of the attempt ended at the run's last
+# step (LedgerWriter.finish): the run is finished when every host of its last attempt said so.
+# Spools written before it existed stay valid: their runs read as not finished.
+FINISHED = "tally/finished"
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _RUN_ID = re.compile(RUN_ID_PATTERN)

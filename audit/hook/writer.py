@@ -178,6 +178,14 @@ class LedgerWriter:
         self._wait(done)
         self._raise_pending()
 
+    def finish(self) -> None:
+        """Close, saying that this host's share of the run ended here: the last step handed
+        over was the run's last (reports can then tell a finished run from one still going,
+        and what its last epoch left out)."""
+        if not self._closed and self._last_step is not None:
+            self.log_metric(self._last_step, sp.FINISHED, 1.0)
+        self.close()
+
     def close(self) -> None:
         if self._closed:
             self._raise_pending()

@@ -19,6 +19,7 @@ import numpy as np
 from audit.core import exposure
 from audit.core.errors import NotFound, Unavailable
 from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql, starts
+from audit.hook.spool import FINISHED
 from audit.ledger.database import one
 from audit.ledger.state import HOST_BITS, Records
 
@@ -268,7 +269,7 @@ def metrics(cur: duckdb.DuckDBPyConnection, run: int, points: int = 500) -> dict
         keep = cnt > 0
         tv = (np.bincount(idx, weights=tv) / np.maximum(cnt, 1))[keep]
         ts = (ts[0] + np.arange(len(cnt)) * b)[keep]
-    names = sorted({name for _, name, _ in rows})
+    names = sorted({name for _, name, _ in rows if not name.startswith("tally/")})
     return {"names": names, "milestones": [miles[s] for s in sorted(miles)],
             "train_loss": {"step": ts.tolist(), "value": tv.tolist()}}
 
@@ -310,7 +311,27 @@ def totals(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
             rolled_back_from_step FROM attempts WHERE run = ? ORDER BY attempt""",
                                             [run]).fetchall()]
     out["non_finite_losses"] = non_finite_losses(cur, run)
+    last = max(out["attempts"], key=lambda a: a["attempt"], default=None)
+    done = finished_hosts(cur, run)
+    out["finished"] = last is not None and all(
+        (last["attempt"], h) in done for h in range(last["host_count"]))
+    out["finished_step"] = (max(done[(last["attempt"], h)] for h in range(last["host_count"]))
+                            if out["finished"] else None)
     return out
+
+
+def run_versions(cur: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Each run's version: the newest segment file of it in the ledger."""
+    return dict(cur.execute("""SELECT r.run_id, max(g.file_id) FROM segments g JOIN runs r
+                               USING (run) WHERE g.kind = 'seg' GROUP BY ALL""").fetchall())
+
+
+def finished_hosts(cur: duckdb.DuckDBPyConnection, run: int) -> dict[tuple[int, int], int]:
+    """(attempt, host) -> the step at which that host said its share of the run finished."""
+    return {(a, h): s for a, h, s in cur.execute(f"""
+        SELECT m.attempt, m.host, max(m.step) FROM metrics m JOIN attempts a USING (run, attempt)
+        WHERE m.run = ? AND m.name = ? AND {effective_sql("m", "a")} GROUP BY ALL""",
+                                                  [run, FINISHED]).fetchall()}
 
 
 def non_finite_losses(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:

@@ -96,7 +96,9 @@ def compute(man: dict | None, c: dict[str, np.ndarray],
 
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
-    per_epoch = _pair_counts(j[ep], c["epoch"][ep], n)
+    per_epoch, repeats_at, repeats_on, out.records_by_epoch, out.epoch_duplicated_by_host = \
+        _within_epoch(j[ep], c["epoch"][ep], c["step"][ep], c["host"][ep], hosts)
+    out.epoch_repeats_by_step, out.epoch_repeats_by_host = repeats_at, repeats_on
 
     e_train = of_train(exposures)
     out.train_exposures = int(e_train.sum())
@@ -171,20 +173,27 @@ def _host_sets(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
             np.rint(hit.T @ hit).astype(np.int64), seen.sum(axis=1))
 
 
-def _pair_counts(j: np.ndarray, epoch: np.ndarray, n: int) -> np.ndarray:
-    """How often each distinct (record, epoch) pair occurs (pairs that occur at all)."""
+def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.ndarray,
+                  hosts: int) -> tuple[np.ndarray, ...]:
+    """From train start events with known epochs: how often each (record, epoch) occurs (those
+    that occur), the within-epoch repeats (every occurrence after the first, in step order) by
+    step and by host, the distinct records seen per epoch, and per host the records repeated
+    within an epoch that it took part in (once per record and epoch)."""
     if not j.size:
-        return np.zeros(0, dtype=np.int64)
-    e0 = int(epoch.min())
-    span = int(epoch.max()) - e0 + 1
-    if span == 1:  # one epoch (a run's first): counts per record
-        counts = np.bincount(j, minlength=n)
-        return counts[counts > 0]
-    if n * span <= max(4 * j.size, 1 << 20):  # few epochs: count in place, no sort
-        counts = np.bincount(j.astype(np.int64) * span + (epoch - e0), minlength=n * span)
-        return counts[counts > 0]
-    pairs = np.sort((j.astype(np.int64) << 32) | epoch.astype(np.int64))
-    return np.diff(np.r_[_groups(pairs), len(pairs)])
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros(hosts, np.int64), empty, np.zeros(hosts, np.int64)
+    order = np.lexsort((step, epoch, j))
+    jj, ee, hh = j[order], epoch[order], host[order].astype(np.int64)
+    head = np.r_[True, (jj[1:] != jj[:-1]) | (ee[1:] != ee[:-1])]
+    starts = np.flatnonzero(head)
+    counts = np.diff(np.r_[starts, len(jj)])
+    again = ~head
+    group = np.cumsum(head) - 1
+    dup = counts[group] > 1  # rows of records repeated within their epoch
+    pairs = np.unique(group[dup] * hosts + hh[dup]) if dup.any() else np.zeros(0, np.int64)
+    return (counts, bincount(step[order][again].astype(np.int64)),
+            bincount(hh[again], n=hosts), bincount(ee[head].astype(np.int64)),
+            bincount(pairs % hosts, n=hosts))
 
 
 def _strings(man: dict, col: str) -> pa.Array:

@@ -33,7 +33,7 @@ import xxhash
 from audit.core.errors import TallyError
 from audit.core.exposure import effective, starts
 from audit.hook.spool import BadFile, read_checked
-from audit.reconcile import bucket_stats, buckets
+from audit.reconcile import bucket_stats, buckets, host_steps
 from audit.reconcile.partials import Partial, Spans, merge_all
 from audit.reconcile.plan import COLUMNS, InputFile, Plan, ledger_inputs, make_plan, spool_inputs
 from pipeline.corpus import read_rows
@@ -144,6 +144,7 @@ class ReadConsumption(beam.DoFn):
                        bucket_stats.bincount(host[start], n=n),
                        bucket_stats.bincount(host, n_tokens, n=n)]
         return Partial(
+            **host_steps.per_file(cols, self.plan.train_records),
             segments=len(steps), slices_written=slices, first_step=lo, last_step=hi,
             step_segments=Spans([(lo, bucket_stats.bincount(rel))]),
             step_tokens=Spans([(lo, bucket_stats.bincount(rel, n_tokens))]),
@@ -354,7 +355,8 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
                          attempts=inputs.attempts, run_fingerprint=inputs.fingerprint,
                          at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
                          left_out=inputs.left_out,
-                         non_finite_losses=inputs.non_finite_losses)
+                         non_finite_losses=inputs.non_finite_losses,
+                         finished=inputs.finished)
         merged = run_reconcile(plan, work, runner)
         report, tables = rp.build(plan, merged)
         rp.write(report, tables, out)

@@ -93,6 +93,19 @@ def examples(a: list, b: list) -> list:
     return (a + b)[:EXAMPLES]
 
 
+def joined(a: list, b: list) -> list:
+    """All of both (lists bounded by the number of input files)."""
+    return a + b
+
+
+def spans(a: dict, b: dict) -> dict:
+    """Per key, the widest (first, last) of both."""
+    out = dict(a)
+    for k, (lo, hi) in b.items():
+        out[k] = (min(lo, out[k][0]), max(hi, out[k][1])) if k in out else (lo, hi)
+    return out
+
+
 def merged_by(merge: Callable[[Any, Any], Any], default: Any = None,
               factory: Callable[[], Any] | None = None) -> Any:
     """A dataclass field of a `Mergeable` that merges with `merge`."""
@@ -140,6 +153,11 @@ class Partial(Mergeable):
     host_tokens: np.ndarray = summed(_empty)
     skipped_files: list[tuple[str, str]] = merged_by(examples, factory=list)  # (path, reason)
     skipped: int = summed()  # files skipped (all of them; skipped_files keeps examples)
+    # What each host consumed step by step (audit.reconcile.host_steps).
+    repeated_step_ranges: list[tuple[int, int, int]] = merged_by(joined, factory=list)
+    host_step_edges: list = merged_by(joined, factory=list)
+    host_step_ranges: list[tuple[int, int, int, int]] = merged_by(joined, factory=list)
+    epoch_steps: dict[int, tuple[int, int]] = merged_by(spans, factory=dict)
 
     # ---- per record-key bucket ----
     slices_joined: int = summed()
@@ -162,6 +180,12 @@ class Partial(Mergeable):
     new_unique_by_step: np.ndarray = summed(_empty)
     train_exposures_by_step: np.ndarray = summed(_empty)
     max_rank_by_step: np.ndarray = merged_by(padded_max, factory=_empty)
+    # Exposures beyond the first of a record in its epoch (epoch known), by step and by host;
+    # distinct train records seen per epoch.
+    epoch_repeats_by_step: np.ndarray = summed(_empty)
+    epoch_repeats_by_host: np.ndarray = summed(_empty)
+    epoch_duplicated_by_host: np.ndarray = summed(_empty)  # repeated records a host was in
+    records_by_epoch: np.ndarray = summed(_empty)
     # name -> (records, tokens, exposures, tokens consumed, never seen)
     domain: dict[str, np.ndarray] = summed(dict)
     source: dict[str, np.ndarray] = summed(dict)  # name -> (records, never seen)

@@ -17,7 +17,7 @@ from audit.core.exposure import effective, rolled_back_from
 from audit.core.schema import SEGMENT_COLUMNS, names, sql_select
 from audit.hook import spool as sp
 from audit.ledger.database import Ledger
-from audit.ledger.queries import non_finite_losses
+from audit.ledger.queries import finished_hosts, non_finite_losses
 
 # What the job reads of each row: the segment columns, with the row's attempt.
 COLUMNS = ("attempt", *names(SEGMENT_COLUMNS))
@@ -57,6 +57,8 @@ class Plan:
     rows: int = 0  # consumption rows
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), see Inputs
     non_finite_losses: dict[str, Any] = field(default_factory=dict)  # see Inputs
+    finished: bool = False  # every host of the last attempt said it finished
+    finished_step: int | None = None
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
 
@@ -74,6 +76,7 @@ class Inputs:
     # Loss values logged as NaN or infinite: {"count", "first_step"}
     non_finite_losses: dict[str, Any] = field(default_factory=lambda: {"count": 0,
                                                                         "first_step": None})
+    finished: dict[tuple[int, int], int] = field(default_factory=dict)  # (attempt, host) -> step
 
 
 def spool_inputs(spool: Path, run_id: str) -> Inputs:
@@ -116,29 +119,34 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
     if not files:
         raise TallyError(f"no segment files for run {run_id!r} in spool {spool}")
     cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
-    return Inputs(files, attempts, fingerprint, left_out,
-                  _non_finite_losses(metric_files, cutoffs))
+    return Inputs(files, attempts, fingerprint, left_out, *_metric_facts(metric_files, cutoffs))
 
 
-def _non_finite_losses(files: list[sp.SpoolFile],
-                       cutoffs: dict[int, int | None]) -> dict[str, Any]:
-    """NaN or infinite losses among the run's metric files (effective steps only)."""
-    def read(f: sp.SpoolFile) -> tuple[int, int | None]:
+def _metric_facts(files: list[sp.SpoolFile], cutoffs: dict[int, int | None]
+                  ) -> tuple[dict[str, Any], dict[tuple[int, int], int]]:
+    """From the run's metric files (effective steps only): NaN or infinite losses, and the
+    hosts that said they finished (audit.hook.spool.FINISHED)."""
+    def read(f: sp.SpoolFile) -> tuple[int, int | None, int | None]:
         try:
             table, _ = sp.read_checked(f)
         except sp.BadFile:
-            return 0, None
-        loss = np.array([n.endswith("loss") or n.startswith("ppl/")
-                         for n in table["name"].to_pylist()], bool)
+            return 0, None, None
+        names = table["name"].to_pylist()
+        loss = np.array([n.endswith("loss") or n.startswith("ppl/") for n in names], bool)
         steps, values = table["step"].to_numpy(), table["value"].to_numpy()
-        bad = loss & ~np.isfinite(values) & effective(
-            steps, np.full(len(steps), f.attempt), cutoffs)
-        return int(bad.sum()), (int(steps[bad].min()) if bad.any() else None)
+        kept = effective(steps, np.full(len(steps), f.attempt), cutoffs)
+        bad = loss & ~np.isfinite(values) & kept
+        done = np.array([n == sp.FINISHED for n in names], bool) & kept
+        return (int(bad.sum()), int(steps[bad].min()) if bad.any() else None,
+                int(steps[done].max()) if done.any() else None)
 
     with ThreadPoolExecutor(8) as pool:
         found = list(pool.map(read, files))
-    firsts = [s for _, s in found if s is not None]
-    return {"count": sum(n for n, _ in found), "first_step": min(firsts, default=None)}
+    firsts = [s for _, s, _ in found if s is not None]
+    finished = {(f.attempt, f.host): step for f, (_, _, step) in zip(files, found, strict=True)
+                if step is not None}
+    return ({"count": sum(n for n, _, _ in found), "first_step": min(firsts, default=None)},
+            finished)
 
 
 def _repeats(f: sp.SpoolFile, first: int, last: int,
@@ -161,6 +169,18 @@ def _repeats(f: sp.SpoolFile, first: int, last: int,
                     f"{f.attempt} is already in {path} (a copy of a file, or a writer "
                     "restarted within its attempt); counted once, from that file")
     return None
+
+
+def run_finished(attempts: dict[int, dict[str, Any]], finished: dict[tuple[int, int], int]
+                 ) -> tuple[bool, int | None]:
+    """(finished, at step): every host of the run's last attempt said it finished."""
+    if not attempts:
+        return False, None
+    last = max(attempts)
+    steps = [finished.get((last, h)) for h in range(attempts[last]["host_count"])]
+    if any(s is None for s in steps):
+        return False, None
+    return True, max(steps)
 
 
 def _step_rows(path: str | Path) -> tuple[Any, Any]:
@@ -198,10 +218,12 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
         cur = ledger.cursor()
         try:
             non_finite = non_finite_losses(cur, int(run[0]["run"]))
+            finished = finished_hosts(cur, int(run[0]["run"]))
         finally:
             cur.close()
     files = [InputFile(str(p)) for p in sorted(out.glob("*.parquet"))]
-    return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite)
+    return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite,
+                  finished)
 
 
 def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) -> int:
@@ -218,7 +240,8 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
               run_fingerprint: str | None, at_step: int | None,
               bucket_records: int | None = None, memory_gb: float = 3.0,
               left_out: list[tuple[str, str]] | None = None,
-              non_finite_losses: dict[str, Any] | None = None) -> Plan:
+              non_finite_losses: dict[str, Any] | None = None,
+              finished: dict[tuple[int, int], int] | None = None) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers."""
     from pipeline.manifest_file import manifest_info, uniform_row_groups
@@ -241,6 +264,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
                 run_fingerprint=run_fingerprint, at_step=at_step, hosts=hosts,
                 bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=left_out or [],
                 non_finite_losses=non_finite_losses or {"count": 0, "first_step": None})
+    plan.finished, plan.finished_step = run_finished(attempts, finished or {})
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]

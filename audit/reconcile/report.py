@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from audit.core import exposure
 from audit.core.exposure import Coverage, verdict
+from audit.reconcile import host_steps
 from audit.reconcile.html import render_html, step_or_none
 from audit.reconcile.partials import EXAMPLES, Partial
 from audit.reconcile.plan import Plan
@@ -52,6 +53,7 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "exposures": exp_step[present],
         "new_unique": new[present],
         "repeats": (exp_step - new)[present],
+        "epoch_repeats": _series(merged.epoch_repeats_by_step, n_steps)[present],
         "cumulative_unique": cum_unique[present],
         "coverage": (cum_unique / n if n else cum_unique * 0.0)[present],
         "ideal_coverage": np.asarray(exposure.ideal_coverage(cum_exp, n))[present],
@@ -62,6 +64,8 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
     overlap = np.pad(overlap, ((0, h - overlap.shape[0]), (0, h - overlap.shape[1])))
     per_host_series = {name: _series(getattr(merged, f"host_{name}"), h) for name in (
         "segments", "exposures", "tokens", "unique", "overlap_with_others")}
+    per_host_series["epoch_repeats"] = _series(merged.epoch_repeats_by_host, h)
+    per_host_series["epoch_duplicated_records"] = _series(merged.epoch_duplicated_by_host, h)
     per_host = [{"host": i, **{name: int(v[i]) for name, v in per_host_series.items()}}
                 for i in range(h)]
 
@@ -115,7 +119,14 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
             "epoch_duplicates": merged.epoch_duplicates,
             "epoch_duplicate_records": merged.epoch_duplicate_records,
         },
-        "hosts": {"count": h, "per_host": per_host, "overlap_matrix": overlap.tolist()},
+        "hosts": {"count": h, "per_host": per_host, "overlap_matrix": overlap.tolist(),
+                  "repeated_batches": host_steps.repeated_batches(
+                      merged.repeated_step_ranges, merged.host_step_edges, n),
+                  "gaps": host_steps.gaps(merged.host_step_ranges,
+                                          {a: v["host_count"] for a, v in plan.attempts.items()},
+                                          _ended(plan))},
+        "run": {"finished": plan.finished, "finished_step": plan.finished_step},
+        "epochs": _epochs(merged, plan, n, last),
         "domains": domains,
         "sources": sources,
         "integrity": {k: int(getattr(merged, k)) for k in (
@@ -131,7 +142,7 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "exposures_before_first_bad": (int(cum_exp[first_bad - 1]) if first_bad else
                                        0 if first_bad == 0 else None),
     }
-    report["findings"] = findings(report)
+    report["findings"] = findings(report, steps)
     report["verdict"] = verdict(report["findings"])
     tables = {
         "steps": steps,
@@ -139,6 +150,32 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "domains": pa.Table.from_pylist(domains) if domains else pa.table({}),
     }
     return report, tables
+
+
+def _ended(plan: Plan) -> dict[int, bool]:
+    """Attempts that are over: replaced by a later one, or the last of a finished run."""
+    last = max(plan.attempts, default=0)
+    return {a: a < last or plan.finished for a in plan.attempts}
+
+
+def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[str, Any]]:
+    """Per known epoch: its steps, the distinct train records seen in it, and, once the run has
+    left it behind, the records it skipped. An epoch is complete when a later one has started
+    and no host consumed it at the last step; the last epoch of a finished run is reported as
+    `final` (the run may have ended inside it by design)."""
+    out = []
+    seen = merged.records_by_epoch
+    known = sorted(merged.epoch_steps)
+    for e in known:
+        first, end = merged.epoch_steps[e]
+        later = any(x > e for x in known)
+        complete = later and last is not None and end < last
+        records = int(seen[e]) if e < len(seen) else 0
+        out.append({"epoch": e, "first_step": first, "last_step": end, "records": records,
+                    "complete": bool(complete), "final": plan.finished and not later,
+                    "skipped": n - records if complete or (plan.finished and not later)
+                    else None})
+    return out
 
 
 def _left_out(plan: Plan, merged: Partial) -> dict[str, Any]:

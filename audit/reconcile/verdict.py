@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from audit.core.exposure import Findings, independent_hosts
 
 
@@ -13,10 +15,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def findings(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report's findings, as report.json stores them."""
+def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
+    """The report's findings, as report.json stores them; `steps` is its steps table (the
+    per-step series the findings about step ranges read)."""
     out = Findings()
     add = out.add
+    r = {**r, "_steps": _StepSeries(steps)}
 
     cov, integ = r["coverage"], r["integrity"]
     n, total = cov["train_records"], cov["exposures"]
@@ -82,35 +86,153 @@ def _left_out_findings(cons: dict[str, Any], add: Callable[..., Any]) -> None:
 
 
 def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
+    """Causes, most specific first: what one host or one resume did (its own evidence in the
+    steps), then what the whole run's exposure looks like, then where unexplained repeats sit,
+    then what each epoch left out."""
+    cov = r["coverage"]
+    n, total = cov["train_records"], cov["exposures"]
+    if not n:
+        return
+    explained = _host_findings(r, add)
+    explained |= _resume_findings(r, add)
+    dups = cov["epoch_duplicates"]
+    off = total and (cov["excess_exposures"] or cov["missing_exposures"] or dups)
+    if off and not explained:
+        explained = _run_findings(r, add)
+    if dups and not explained:
+        explained = _concentration_findings(r, add)
+    if off and not explained:
+        explained = _plain_findings(r, add)
+    _epoch_findings(r, add, explained)
+
+
+def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """A host that handed the same batch at consecutive steps, or consumed nothing for a
+    stretch of steps while the others went on."""
+    hosts = r["hosts"]
+    found = False
+    by_host: dict[int, list[dict]] = {}
+    for x in hosts.get("repeated_batches", []):
+        by_host.setdefault(x["host"], []).append(x)
+    for host, spans in sorted(by_host.items()):
+        steps = sum(x["steps"] for x in spans)
+        where = ", ".join(_steps(x) for x in spans[:5]) + (" ..." if len(spans) > 5 else "")
+        add("FAIL", "repeated_batches",
+            f"host {host} handed the same batch again at {steps:,} step(s) ({where}): each of "
+            "those steps consumed exactly the records of the step before it, a stalled or "
+            "stuck input pipeline", host=host, steps=steps,
+            ranges=[[x["first_step"], x["last_step"]] for x in spans])
+        found = True
+    for g in hosts.get("gaps", []):
+        add("FAIL", "host_gap",
+            f"host {g['host']} consumed nothing at {_steps(g)} ({g['steps']:,} step(s)) while "
+            f"the other hosts of attempt {g['attempt']} did: its share of those steps' records "
+            "was never consumed (a host that stalled, died or was left out of the data)",
+            host=g["host"], first_step=g["first_step"], last_step=g["last_step"],
+            attempt=g["attempt"])
+        found = True
+    return found
+
+
+def _steps(x: dict[str, Any]) -> str:
+    a, b = x["first_step"], x["last_step"]
+    return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
+class _StepSeries:
+    """The steps table's within-epoch repeats, as arrays."""
+
+    def __init__(self, steps: Any) -> None:
+        if steps is None or not steps.num_rows or "epoch_repeats" not in steps.column_names:
+            self.step = self.repeats = np.zeros(0, np.int64)
+        else:
+            self.step = steps["step"].to_numpy()
+            self.repeats = steps["epoch_repeats"].to_numpy()
+
+    def between(self, lo: int, hi: int | None) -> int:
+        """Repeats at steps lo <= s < hi."""
+        keep = (self.step >= lo) & (True if hi is None else self.step < hi)
+        return int(self.repeats[keep].sum())
+
+
+def _repeats_between(r: dict[str, Any], lo: int, hi: int | None) -> int:
+    """Within-epoch repeats at steps lo <= s < hi."""
+    return r["_steps"].between(lo, hi)
+
+
+def _epoch_at(r: dict[str, Any], step: int) -> dict[str, Any] | None:
+    """The epoch in progress at `step` (the earliest one whose steps include it)."""
+    for e in r.get("epochs", []):
+        if e["first_step"] <= step <= e["last_step"]:
+            return e
+    return None
+
+
+def _resume_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """A resume on another host count is the cause of what follows it: repeats after it and
+    records its epoch skipped, counted from the ledger. A global batch that changed with it is
+    a consequence, reported beside it. A resume the ledger shows to be clean (nothing repeated,
+    its epoch complete with nothing skipped) is not flagged; one whose epoch is still going is
+    a warning until the epoch ends."""
+    found = False
+    restarts = [x for x in r["restarts"] if x["resumed_from_step"] is not None]
+    changes = {c["step"]: c for c in r.get("batch_changes", [])}
+    for i, rs in enumerate(restarts):
+        s, prev, now = rs["resumed_from_step"], rs.get("previous_host_count"), rs["host_count"]
+        nxt = restarts[i + 1]["resumed_from_step"] if i + 1 < len(restarts) else None
+        change = changes.get(s)
+        repeated = _repeats_between(r, s, nxt)
+        epoch = _epoch_at(r, s)
+        skipped = epoch["skipped"] if epoch is not None else None
+        if prev is not None and prev != now:
+            lost = ("its epoch is still going, so records it skips are not known yet"
+                    if skipped is None else f"{skipped:,} records of epoch {epoch['epoch']} "
+                    "skipped")
+            if repeated or skipped:
+                add("FAIL", "reshard_band",
+                    f"attempt {rs['attempt']} resumed at step {s} on {now} hosts (was {prev}): "
+                    "per-host loader states were restored on another topology; "
+                    f"{repeated:,} exposures repeated records already seen in their epoch, "
+                    f"{lost}", attempt=rs["attempt"], step=s, hosts=now, previous_hosts=prev,
+                    repeated=repeated, skipped=skipped)
+                found = True
+            elif skipped is None:
+                add("WARN", "resharded",
+                    f"attempt {rs['attempt']} resumed at step {s} on {now} hosts (was {prev}); "
+                    "nothing repeated so far, but a skipped band only shows when its epoch "
+                    "ends: check it with tally preflight", attempt=rs["attempt"], step=s,
+                    hosts=now, previous_hosts=prev)
+            else:
+                add("INFO", "resharded",
+                    f"attempt {rs['attempt']} resumed at step {s} on {now} hosts (was {prev}); "
+                    f"its epoch ({epoch['epoch']}) ended with every record seen once: the "
+                    "reshard was clean", attempt=rs["attempt"], step=s)
+            if change is not None:
+                add("FAIL" if found else "WARN", "batch_changed",
+                    f"with it, the global batch changed from {change['before']} to "
+                    f"{change['after']} rows at step {s} (a consequence of the new topology)",
+                    **change)
+        elif change is not None:
+            add("FAIL", "batch_changed",
+                f"the global batch changed from {change['before']} to {change['after']} rows "
+                f"at step {s}: a position recomputed as step x batch no longer names the next "
+                f"record ({repeated:,} exposures repeated records after it"
+                + ("" if skipped is None else f", {skipped:,} records of its epoch skipped")
+                + ")", **change, repeated=repeated, skipped=skipped)
+            found = True
+    return found
+
+
+def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """Patterns of the whole run's exposure: no sharding, sampling with replacement, files
+    never read, sampler padding, plain within-epoch repeats or an uneven spread."""
     cov, hosts = r["coverage"], r["hosts"]
     n, total, h = cov["train_records"], cov["exposures"], hosts["count"]
-    excess, missing = cov["excess_exposures"], cov["missing_exposures"]
-    for change in r.get("batch_changes", []):
-        add("FAIL", "batch_changed",
-            f"the global batch changed from {change['before']} to {change['after']} rows at "
-            f"step {change['step']}: records at the boundary were skipped or repeated "
-            f"({excess:,} extra, {missing:,} missing exposures so far)", **change)
-    if r.get("batch_changes"):
-        return
     dups = cov["epoch_duplicates"]
-    if not n or not total or (not excess and not missing and not dups):
-        for rs in r["restarts"]:
-            prev = rs.get("previous_host_count")
-            if rs["resumed_from_step"] is not None and prev not in (None, rs["host_count"]):
-                add("WARN", "resharded",
-                    f"the run resumed at step {rs['resumed_from_step']} on {rs['host_count']} "
-                    f"hosts (was {prev}); no record repeats yet, but a skipped band only shows "
-                    "as never-seen records when the epoch ends: check it with tally preflight",
-                    step=rs["resumed_from_step"])
-        return
-    first_bad = r["first_bad_step"]
-    where = f" from step {first_bad}" if first_bad is not None else ""
     seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
     unseen = cov["never_seen_fraction"]
     overlap = hosts["overlap_matrix"]
-    per = hosts["per_host"]
-    active = [p for p in per if p["exposures"]]
-    explained = False
+    active = [p for p in hosts["per_host"] if p["exposures"]]
 
     # Every host saw (almost) everything any host saw: no sharding at all.
     if len(active) > 1:
@@ -121,20 +243,20 @@ def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
                 f"each of {len(active)} hosts saw the same records ({min(off):,} of "
                 f"{max(diag):,} shared by every pair): no sharding — every record is seen "
                 f"{len(active)} times per epoch", hosts=len(active))
-            explained = True
-    # Exposure spread like independent draws per host.
-    if not explained and len(active) > 1:
+            return True
+    # Exposure spread like independent draws per host: the histogram matches the binomial
+    # model, and nearly every host shares records with some other one (with many hosts, most
+    # pairs share none: N/H^2 records each, but each host's records meet the others').
+    if len(active) > 1:
         exp = independent_hosts(total, n, len(active))
-        pairs = [overlap[a["host"]][b["host"]] > 0 for a in active for b in active
-                 if a is not b]
-        shared = sum(pairs) / len(pairs)
-        if shared >= 0.9 and abs(unseen - exp["never_seen"]) < 0.03 and unseen > 0.05:
-            who = ("every host overlaps every other" if shared == 1 else
-                   f"{_pct(shared)} of host pairs overlap")
+        sharing = sum(p["overlap_with_others"] > 0 for p in active) / len(active)
+        # ... and no host singled out: every host takes its share of the repeats.
+        if sharing >= 0.9 and unseen > 0.05 and abs(unseen - exp["never_seen"]) < 0.03 and \
+                abs(seen2 - exp["seen_2plus"]) < 0.05 and not _singled_out(r)[0]:
             msg = (f"exposure matches sampling with replacement: {_pct(unseen)} never seen vs "
                    f"{_pct(exp['never_seen'])} expected, {_pct(seen2)} seen 2+ vs "
-                   f"{_pct(exp['seen_2plus'])}; {who} — per-host shuffle seeds or double "
-                   "sharding")
+                   f"{_pct(exp['seen_2plus'])}; {_pct(sharing)} of {len(active)} hosts share "
+                   "records with another host — per-host shuffle seeds or double sharding")
             # A second slice reads disjoint records until every host has read 1/H^2 of the
             # corpus (N/H in all); independent seeds repeat far sooner (birthday bound).
             before, share = r.get("exposures_before_first_bad"), n / len(active)
@@ -143,46 +265,142 @@ def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
                 msg += (f"; no record repeated until the hosts had read 1/{len(active)} of the "
                         f"corpus (each 1/{len(active)}^2): the per-host slice was applied twice")
             add("FAIL", "with_replacement", msg, never_seen=unseen, expected=exp["never_seen"],
-                seen_2plus=seen2)
-            explained = True
-    # A resume on another host count, or with another global batch.
-    for rs in r["restarts"]:
-        if explained or rs["resumed_from_step"] is None:
-            continue
-        prev = rs.get("previous_host_count")
-        if prev is not None and prev != rs["host_count"] and first_bad is not None \
-                and first_bad >= rs["resumed_from_step"]:
-            add("FAIL", "reshard_band",
-                f"after the resume at step {rs['resumed_from_step']} on {rs['host_count']} hosts "
-                f"(was {prev}), {excess:,} exposures repeat records and {missing:,} are missing"
-                f"{where}: loader state restored on a different host count without an elastic "
-                "iterator", step=rs["resumed_from_step"])
-            explained = True
+                seen_2plus=seen2, hosts=len(active))
+            return True
     unread = [s for s in r["sources"] if s["never_seen"] == s["records"]]
-    if not explained and unread and len(unread) < len(r["sources"]):
+    if unread and len(unread) < len(r["sources"]):
         k = sum(s["records"] for s in unread)
         add("FAIL", "files_unread",
             f"{len(unread)} corpus file(s) were never read ({k:,} records: "
             + ", ".join(s["source"] for s in unread[:5])
             + "): file-level sharding with a file count not divisible by the host count",
             files=len(unread), records=k)
-        explained = True
+        return True
     epochs = max(1, -(-total // n))
     batch = r["consumption"].get("rows_per_step") or h
-    if not explained and dups and dups <= max(h, batch) * epochs:
+    if dups and dups <= max(h, batch) * epochs and \
+            cov["epoch_duplicate_records"] == dups:
         add("FAIL", "padding",
             f"{cov['epoch_duplicate_records']:,} records seen twice within an epoch "
             f"({dups:,} extra exposures over {epochs} epoch(s)), every other record once: the "
             f"sampler pads each epoch to a multiple of the host count ({h}) or of the global "
             f"batch ({batch})", duplicates=dups)
-        explained = True
-    if not explained and not excess and not missing:
+        return True
+    return False
+
+
+def _plain_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """What is wrong when no mechanism explains it: repeats within an epoch, or exposure
+    spread unevenly around the ideal."""
+    cov = r["coverage"]
+    excess, missing, dups = (cov["excess_exposures"], cov["missing_exposures"],
+                             cov["epoch_duplicates"])
+    first_bad = r["first_bad_step"]
+    where = f" from step {first_bad}" if first_bad is not None else ""
+    if dups and not excess and not missing:
         add("FAIL", "epoch_duplicates",
-            f"{dups:,} exposures repeat a record within the same epoch"
-            f"{where}", duplicates=dups)
-        explained = True
-    if not explained:
+            f"{dups:,} exposures repeat a record within the same epoch{where}", duplicates=dups)
+        return True
+    if excess or missing:
+        seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
         add("FAIL", "uneven_exposure",
             f"{excess:,} exposures beyond the ideal and {missing:,} below it{where}: "
-            f"{_pct(unseen)} never seen, {_pct(seen2)} seen 2+", excess=excess, missing=missing)
+            f"{_pct(cov['never_seen_fraction'])} never seen, {_pct(seen2)} seen 2+",
+            excess=excess, missing=missing)
+        return True
+    return False
 
+
+def _singled_out(r: dict[str, Any]) -> tuple[list[int], dict[int, float], float]:
+    """Hosts that took part in at least half of the records repeated within an epoch, and in
+    twice the share of the typical host, when they are a quarter of the hosts or fewer; with
+    every host's share and the typical (median) share."""
+    per = [p for p in r["hosts"]["per_host"] if p["exposures"]]
+    groups = r["coverage"]["epoch_duplicate_records"]
+    if groups < 10 or len(per) < 2:
+        return [], {}, 0.0
+    share = {p["host"]: p.get("epoch_duplicated_records", 0) / groups for p in per}
+    typical = float(np.median(list(share.values())))
+    named = sorted((h for h, s in share.items() if s >= 0.5 and s >= 2 * typical),
+                   key=lambda h: -share[h])
+    if len(named) > max(1, len(per) // 4):
+        named = []
+    return named, share, typical
+
+
+def _concentration_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """Where within-epoch repeats sit when a few hosts or one stretch of steps hold most of
+    them. A host is named when it took part in at least half of the records repeated within
+    an epoch and in twice the share of the typical host: its loader reads what the others also
+    read (its shard, seed or slice differs). Steps are named when 80% of the repeats fall in a
+    quarter of the run's steps or less."""
+    per = [p for p in r["hosts"]["per_host"] if p["exposures"]]
+    groups = r["coverage"]["epoch_duplicate_records"]
+    named, share, typical = _singled_out(r)
+    if named:
+        said = ", ".join(f"host {h} {_pct(share[h])}" for h in named)
+        add("FAIL", "repeats_on_hosts",
+            f"{len(named)} of {len(per)} hosts took part in most of the {groups:,} records "
+            f"repeated within an epoch ({said}; the typical host {_pct(typical)}): their "
+            "loaders read records the other hosts also read (a shard, seed or slice that "
+            "differs)", hosts=named, shares=[share[h] for h in named], typical=typical)
+    total = sum(p["epoch_repeats"] for p in per)
+    series = r["_steps"]
+    if total < 10 or not len(series.step):
+        return bool(named)
+    span = int(series.step[-1] - series.step[0] + 1)
+    # The shortest stretch of steps holding 80% of the repeats: two pointers over the steps
+    # that have any.
+    at = np.flatnonzero(series.repeats)
+    steps = list(zip(series.step[at].tolist(), series.repeats[at].tolist(), strict=True))
+    best = None
+    j = held = 0
+    for i in range(len(steps)):
+        while j < len(steps) and held < 0.8 * total:
+            held += steps[j][1]
+            j += 1
+        if held >= 0.8 * total:
+            width = steps[j - 1][0] - steps[i][0] + 1
+            if best is None or width < best[2]:
+                best = (steps[i][0], steps[j - 1][0], width, held)
+        held -= steps[i][1]
+    if best is not None and best[2] <= 0.25 * span:
+        add("FAIL", "repeats_in_steps",
+            f"{_pct(best[3] / total)} of the {total:,} within-epoch repeats fell in steps "
+            f"{best[0]}-{best[1]} ({best[2]:,} of the run's {span:,} steps): something changed "
+            "there (a resume, a loader reconfigured, a data source switched)",
+            first_step=best[0], last_step=best[1], share=best[3] / total)
+        return True
+    return bool(named)
+
+
+def _epoch_findings(r: dict[str, Any], add: Callable[..., Any], explained: bool) -> None:
+    """Records an epoch never reached. In an epoch the run has left behind, a loader that drops
+    each epoch's remainder leaves exactly N mod (global batch) out; other counts are skipped
+    records. The last epoch of a finished run may end early by design: said, not flagged."""
+    n = r["coverage"]["train_records"]
+    batch = r["consumption"].get("rows_per_step") or 0
+    remainder = n % batch if batch else None
+    done = [e for e in r.get("epochs", []) if e["complete"] and e["skipped"]]
+    if done and not explained:
+        if remainder and all(e["skipped"] == remainder for e in done):
+            add("WARN", "drop_remainder",
+                f"each of {len(done)} finished epoch(s) left out {remainder:,} records: {n:,} "
+                f"train records do not divide by the global batch of {batch}, and the loader "
+                "drops each epoch's remainder (drop_last samplers, batch drop_remainder); "
+                "different records each epoch", epochs=len(done), records=remainder)
+        else:
+            skipped = sum(e["skipped"] for e in done)
+            add("FAIL", "epoch_skipped",
+                f"{skipped:,} records were never consumed in epoch(s) the run has finished ("
+                + ", ".join(f"epoch {e['epoch']}: {e['skipped']:,}" for e in done[:5])
+                + "): the loader skipped them", records=skipped,
+                epochs=[e["epoch"] for e in done])
+    for e in r.get("epochs", []):
+        if e["final"] and e["skipped"]:
+            why = (f": {n:,} train records do not divide by the global batch of {batch}, and "
+                   "the run ended with the last full batch" if remainder and
+                   e["skipped"] == remainder else "")
+            add("INFO", "final_epoch_short",
+                f"the run finished in epoch {e['epoch']} with {e['skipped']:,} of its records "
+                f"never consumed{why}", epoch=e["epoch"], records=e["skipped"])

@@ -1,0 +1,155 @@
+"""What each host consumed, step by step: the evidence for causes that live on one host or in
+one stretch of steps.
+
+- A host whose input pipeline stalled and handed the same batch again: consecutive steps of that
+  host with the same multiset of record starts (and epochs). Each batch is reduced to an
+  order-independent signature (a sum of mixed keys, and a count), so files are compared step by
+  step without keeping their rows, and the steps where two files meet are compared by their edge
+  signatures.
+- A host that consumed nothing for a stretch of steps while the others did: its covered step
+  ranges against theirs.
+- Where each epoch starts and ends in steps, so that an epoch the run has left behind can be
+  counted as complete.
+
+Every function works on one input file's effective rows (numpy only) or on what the files sent,
+merged; nothing is per row in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from audit.core.exposure import starts
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
+        np.uint64(0x94D049BB133111EB))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64: a well-spread 64-bit value per key (sums of them make the signature)."""
+    z = x.astype(np.uint64) + _MIX[0]
+    z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+    return z ^ (z >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A file's first and last step of one host, with their batch signatures."""
+
+    host: int
+    first: int
+    first_sig: tuple[int, int]  # (signature, record starts)
+    last: int
+    last_sig: tuple[int, int]
+
+
+def _runs(values: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted unique integers as (first, last) runs of consecutive values."""
+    if not len(values):
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    firsts = np.r_[values[0], values[breaks + 1]]
+    lasts = np.r_[values[breaks], values[-1]]
+    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
+
+
+def per_file(cols: dict[str, np.ndarray], train_records: int) -> dict:
+    """One file's effective rows -> repeated-batch step ranges, edges, covered step ranges and
+    epoch step spans (the Partial fields of the same names)."""
+    step = cols["step"].astype(np.int64, copy=False)
+    host = cols["host"].astype(np.int64, copy=False)
+    attempt = cols["attempt"].astype(np.int64, copy=False)
+    out: dict = {"repeated_step_ranges": [], "host_step_edges": [], "host_step_ranges": [],
+                 "epoch_steps": {}}
+    # Steps each host consumed at all (any segment), per attempt.
+    triples = np.unique(np.stack([attempt, host, step], axis=1), axis=0)
+    for a, h in np.unique(triples[:, :2], axis=0):
+        mine = triples[(triples[:, 0] == a) & (triples[:, 1] == h), 2]
+        out["host_step_ranges"] += [(int(a), int(h), x, y) for x, y in _runs(mine)]
+    # Where each known epoch lies in steps.
+    epoch = cols["epoch"].astype(np.int64, copy=False)
+    known = epoch >= 0
+    if known.any():
+        e, inv = np.unique(epoch[known], return_inverse=True)
+        lo = np.full(len(e), np.iinfo(np.int64).max)
+        hi = np.full(len(e), np.iinfo(np.int64).min)
+        np.minimum.at(lo, inv, step[known])
+        np.maximum.at(hi, inv, step[known])
+        out["epoch_steps"] = {int(x): (int(a), int(b)) for x, a, b in zip(e, lo, hi,
+                                                                         strict=True)}
+    # Each host-step's batch as (signature, record starts).
+    st = starts(cols["offset"])
+    if not st.any():
+        return out
+    h, s = host[st], step[st]
+    sig = _mix(cols["record_key"][st].astype(np.uint64) * np.uint64(2**21)
+               + (epoch[st] + 1).astype(np.uint64))
+    order = np.lexsort((s, h))
+    h, s, sig = h[order], s[order], sig[order]
+    heads = np.flatnonzero(np.r_[True, (h[1:] != h[:-1]) | (s[1:] != s[:-1])])
+    gh, gs = h[heads], s[heads]
+    gsig = np.add.reduceat(sig, heads)
+    gcount = np.diff(np.r_[heads, len(s)])
+    same = ((gh[1:] == gh[:-1]) & (gs[1:] == gs[:-1] + 1) & (gsig[1:] == gsig[:-1])
+            & (gcount[1:] == gcount[:-1]) & (gcount[1:] < max(train_records, 1)))
+    for hh in np.unique(gh[1:][same]):
+        at = np.sort(gs[1:][same & (gh[1:] == hh)])
+        out["repeated_step_ranges"] += [(int(hh), a, b) for a, b in _runs(at)]
+    for hh in np.unique(gh):
+        idx = np.flatnonzero(gh == hh)
+        a, b = idx[0], idx[-1]
+        out["host_step_edges"].append(Edge(int(hh), int(gs[a]), (int(gsig[a]), int(gcount[a])),
+                                           int(gs[b]), (int(gsig[b]), int(gcount[b]))))
+    return out
+
+
+def repeated_batches(ranges: list[tuple[int, int, int]], edges: list[Edge],
+                     train_records: int) -> list[dict]:
+    """Per host, the stretches of steps whose batch repeats the step before it: the ranges the
+    files found inside themselves, joined with those where two files meet."""
+    found = list(ranges)
+    by_host: dict[int, list[Edge]] = {}
+    for e in edges:
+        by_host.setdefault(e.host, []).append(e)
+    for host, es in by_host.items():
+        es.sort(key=lambda e: e.first)
+        for a, b in zip(es, es[1:], strict=False):
+            if b.first == a.last + 1 and b.first_sig == a.last_sig and \
+                    0 < b.first_sig[1] < max(train_records, 1):
+                found.append((host, b.first, b.first))
+    out = []
+    for host in sorted({h for h, _, _ in found}):
+        steps = np.unique(np.concatenate([np.arange(a, b + 1) for h, a, b in found
+                                          if h == host]))
+        out += [{"host": host, "first_step": a, "last_step": b, "steps": b - a + 1}
+                for a, b in _runs(steps)]
+    return out
+
+
+def gaps(ranges: list[tuple[int, int, int, int]], host_counts: dict[int, int],
+         ended: dict[int, bool]) -> list[dict]:
+    """Stretches of steps of an attempt in which one of its hosts consumed nothing while the
+    others did. Within each attempt's span (its first to its last effective step), every host
+    of the attempt should hold every step. The tail of a span counts only for an attempt that
+    has ended (`ended[a]`: a later attempt replaced it, or the run finished): in a run still
+    going, hosts publish at their own pace and one lagging behind is no gap."""
+    out = []
+    for a in sorted({r[0] for r in ranges}):
+        mine_all = [r for r in ranges if r[0] == a]
+        first = min(r[2] for r in mine_all)
+        last = max(r[3] for r in mine_all)
+        for host in range(host_counts.get(a, 0)):
+            mine = sorted((x, y) for _, h, x, y in mine_all if h == host)
+            cursor, holes = first, []
+            for x, y in mine:
+                if x > cursor:
+                    holes.append((cursor, x - 1))
+                cursor = max(cursor, y + 1)
+            if cursor <= last and ended.get(a):
+                holes.append((cursor, last))
+            out += [{"attempt": a, "host": host, "first_step": x, "last_step": y,
+                     "steps": y - x + 1} for x, y in holes]
+    return out
