@@ -50,6 +50,16 @@ def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
                        "causes reconcile names as of step "
                        f"{findings['as_of_step']}: " + (", ".join(f["code"] for f in fails)
                                                          or "none")))
+        # Integrity against the manifest, with reconcile's own numbers (the same job).
+        integ, at = findings["integrity"], findings["as_of_step"]
+        checks += [
+            ("hash_mismatch", integ["hash_mismatches"], 0,
+             f"consumed records whose content hash differs from the manifest's (step {at})"),
+            ("unknown_keys", integ["unknown_keys"], 0,
+             f"consumed record keys the manifest does not hold (step {at})"),
+            ("heldout_leak", integ["heldout_consumed_records"], 0,
+             f"held-out records trained on (step {at})"),
+        ]
     return [{"name": name, "value": value, "threshold": limit,
              "firing": value is not None and value > limit, "what": what}
             for name, value, limit, what in checks if limit is not None]

@@ -106,6 +106,30 @@ class Service:
                 "ingest_lag_seconds": lag, "quarantined_files": self.live.quarantined(run_id),
                 "findings": live}
 
+    def newest_report(self, run_id: str) -> dict[str, Any]:
+        """The newest reconcile report of a run: under --reports, or the live one."""
+        if self.reports is None and self.findings is None:
+            raise Unavailable("no reports directory: start the service with --reports DIR "
+                              "(where `tally reconcile -o DIR` writes), or with --manifest so "
+                              "that it reconciles the run itself")
+        best = None
+        places = [] if self.reports is None else [self.reports / "report.json",
+                                                  *self.reports.glob("*/report.json")]
+        if self.findings is not None:
+            places.append(self.findings.work / run_id / "report.json")
+        for p in places:
+            try:
+                rep = json.loads(p.read_text())
+                mtime = p.stat().st_mtime
+            except (OSError, ValueError):
+                continue
+            if isinstance(rep, dict) and rep.get("run_id") == run_id and (
+                    best is None or mtime > best[0]):
+                best = (mtime, rep)
+        if best is None:
+            raise NotFound(f"no reconcile report for run {run_id!r} yet")
+        return best[1]
+
     def after_round(self) -> None:
         self.check_alerts()
         self.live.warm()
@@ -339,27 +363,17 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def run_report(run_id: RunId) -> dict[str, Any]:
         """The latest reconcile report (report.json) of this run: under --reports, or the live
         one the service keeps current (with --manifest and --spool)."""
-        if svc.reports is None and svc.findings is None:
-            raise Unavailable("no reports directory: start the service with --reports DIR "
-                              "(where `tally reconcile -o DIR` writes), or with --manifest so "
-                              "that it reconciles the run itself")
-        best = None
-        places = [] if svc.reports is None else [svc.reports / "report.json",
-                                                 *svc.reports.glob("*/report.json")]
-        if svc.findings is not None:
-            places.append(svc.findings.work / run_id / "report.json")
-        for p in places:
-            try:
-                rep = json.loads(p.read_text())
-                mtime = p.stat().st_mtime
-            except (OSError, ValueError):
-                continue
-            if isinstance(rep, dict) and rep.get("run_id") == run_id and (
-                    best is None or mtime > best[0]):
-                best = (mtime, rep)
-        if best is None:
-            raise NotFound(f"no reconcile report for run {run_id!r} yet")
-        return best[1]
+        return svc.newest_report(run_id)
+
+    @app.get("/v1/runs/{run_id}/loss", tags=["metrics"], responses=ERRORS)
+    def run_loss(run_id: RunId) -> dict[str, Any]:
+        """Training loss split by exposure: per window of steps, the mean loss of due
+        exposures and of repeated ones (beyond what a perfect loader allows), the held-out
+        loss at the milestones, and the test of whether repeats flattered the loss; from the
+        newest reconcile report of the run (per-segment losses in the spool)."""
+        rep = svc.newest_report(run_id)
+        return {"as_of_step": (rep.get("consumption") or {}).get("last_step"),
+                "generated_at": rep.get("generated_at"), **(rep.get("loss") or {})}
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["service"])
     def prometheus() -> PlainTextResponse:
@@ -412,6 +426,11 @@ def _prometheus(svc: Service) -> str:
         for a in s["alerts"]:
             add("tally_alert", "1 when the alert fires", int(a["firing"]), run=run_id,
                 alert=a["name"])
+        integ = (s.get("findings") or {}).get("integrity")
+        for key in ("hash_mismatches", "unknown_keys", "unknown_segments",
+                    "heldout_consumed_records", "heldout_exposures") if integ else ():
+            add("tally_integrity", "Integrity against the manifest, as the live reconcile "
+                "found it", integ[key], run=run_id, kind=key)
         for h in hs["per_host"]:
             lab = {"run": run_id, "host": h["host"]}
             add("tally_host_rows_ingested_total", "Segment rows in the ledger, per host",

@@ -59,9 +59,10 @@ class LiveFindings:
         """What the summary shows: the live verdict and findings, and as of when."""
         rep = self.report(run_id)
         if rep is None:
-            return {"verdict": None, "findings": [], "as_of_step": None, "generated_at": None}
+            return {"verdict": None, "findings": [], "integrity": None, "as_of_step": None,
+                    "generated_at": None}
         return {"verdict": rep["verdict"], "findings": rep["findings"],
-                "as_of_step": rep["consumption"]["last_step"],
+                "integrity": rep["integrity"], "as_of_step": rep["consumption"]["last_step"],
                 "generated_at": rep["generated_at"]}
 
     def _run(self) -> None:

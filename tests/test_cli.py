@@ -66,9 +66,15 @@ def test_demo_trains_two_four_host_runs_and_tells_them_apart(demo):
                for run in ("demo-ok", "demo-per-host-seed")}
     assert reports["demo-ok"]["verdict"] == "PASS"
     assert reports["demo-per-host-seed"]["verdict"] == "FAIL"
-    assert {x["code"] for x in reports["demo-per-host-seed"]["findings"]} >= {"with_replacement"}
+    assert {x["code"] for x in reports["demo-per-host-seed"]["findings"]} >= {
+        "with_replacement", "loss_flattered"}  # repeats scored lower than due exposures
+    assert "loss_flattered" not in {x["code"] for x in reports["demo-ok"]["findings"]}
     table = r.stdout[r.stdout.index("correct  per-host seeds"):]
     row = {line[:36].strip(): line[36:].split() for line in table.splitlines()[1:8]}
+    flattered = reports["demo-per-host-seed"]["loss"]["test"]
+    assert row["train loss, repeats vs due (nats)"] == ["-", "(no", "repeats)",
+                                                        f"{-flattered['difference']:+.3f}",
+                                                        "(z", f"{flattered['z']:.1f})"]
     for run, col in (("demo-ok", 0), ("demo-per-host-seed", 1)):
         c = reports[run]["coverage"]
         assert row["coverage"][col] == f"{100 * c['coverage']:.1f}%"

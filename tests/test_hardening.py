@@ -256,8 +256,9 @@ def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_p
     from tests.test_api_live import write_manifest
 
     spool = tmp_path / "spool"
-    for h in range(2):
-        write_steps(spool, "r", host=h, hosts=2, steps=range(20), n=150, seed=h, flush_every=5)
+    for h in range(2):  # host 0 also reads held-out record 155 and unknown key 400
+        write_steps(spool, "r", host=h, hosts=2, steps=range(20), n=150, seed=h, flush_every=5,
+                    outside={3: 155, 7: 400} if h == 0 else None)
     manifest = write_manifest(tmp_path / "m.parquet")
     with Ledger(tmp_path / "l.duckdb") as ledger, \
             Server(create_app(ledger, spool=spool, manifest=manifest, interval=0.05,
@@ -271,5 +272,16 @@ def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_p
         (alert,) = [a for a in live["alerts"] if a["name"] == "findings"]
         assert alert["firing"] and alert["value"] == sum(
             f["severity"] == "FAIL" for f in want["findings"])
+        # Integrity against the manifest, live, with reconcile's numbers.
+        alerts = {a["name"]: a for a in live["alerts"]}
+        integ = want["integrity"]
+        assert (alerts["heldout_leak"]["value"], alerts["unknown_keys"]["value"],
+                alerts["hash_mismatch"]["value"]) == (
+            integ["heldout_consumed_records"], integ["unknown_keys"], integ["hash_mismatches"])
+        assert (integ["heldout_consumed_records"], integ["unknown_keys"]) == (1, 1)
+        assert alerts["heldout_leak"]["firing"] and alerts["unknown_keys"]["firing"]
+        text = srv.get("/metrics").text
+        assert (f'tally_integrity{{run="r",kind="heldout_consumed_records"}} '
+                f'{integ["heldout_consumed_records"]}') in text
         report = srv.get("/v1/runs/r/report").json()  # the live report is served too
         assert report["findings"] == want["findings"]

@@ -67,12 +67,28 @@ def test_four_hosts_write_exactly_the_segments_each_step_consumed(corpus, tmp_pa
         got = ledger.query('SELECT host, step, "row", record_key, "offset", n_tokens, '
                            "content_hash FROM consumption")
         metrics = {m["name"] for m in ledger.query("SELECT DISTINCT name FROM metrics")}
-        hosts = {r["host"] for r in ledger.query("SELECT DISTINCT host FROM metrics")}
+        hosts = {r["host"] for r in ledger.query(
+            "SELECT DISTINCT host FROM metrics WHERE name <> 'tally/finished'")}
+        finished = {r["host"] for r in ledger.query(
+            "SELECT host FROM metrics WHERE name = 'tally/finished' AND step = 3")}
+        # Each segment carries its own training loss: weighted by the predictions inside
+        # it, the segments of all four hosts give back the step's mean loss the loop logged.
+        by_step = ledger.query("""
+            WITH s AS (SELECT step, sum(loss * (n_tokens - 1)) FILTER (WHERE n_tokens > 1)
+                                  / sum(n_tokens - 1) AS mean FROM consumption GROUP BY step)
+            SELECT s.step, s.mean, m.value FROM s JOIN metrics m USING (step)
+            WHERE m.name = 'train_loss' ORDER BY s.step""")
+        assert ledger.query("SELECT count(*) AS n FROM consumption WHERE loss IS NULL OR "
+                            "(n_tokens > 1 AND isnan(loss))")[0]["n"] == 0
+    assert [r["step"] for r in by_step] == [0, 1, 2, 3]
+    assert [r["mean"] for r in by_step] == pytest.approx([r["value"] for r in by_step],
+                                                         rel=1e-4)
     got_rows = [tuple(r.values()) for r in got]
     assert len(got_rows) == len(set(got_rows))  # one ledger row per consumed segment
     assert set(got_rows) == expected_rows(cfg, 4, range(4))
     assert {"train_loss", "heldout_loss"} <= metrics
     assert any(m.startswith("ppl/") for m in metrics) and hosts == {0}
+    assert finished == {0, 1, 2, 3}  # every host's writer finished at the last step
 
 
 def _host_pid(spool: Path, host: int) -> int | None:

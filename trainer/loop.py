@@ -60,7 +60,7 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
     source = TokenSource(cfg.corpus)
     loader = KeyedLoader(source, loader_config(cfg), host, host_count)
     model, params, opt_state, opt = init(cfg, jax.random.PRNGKey(cfg.seed), topo.replicated)
-    train_step = make_train_step(model, opt, topo.replicated)
+    train_step = make_train_step(model, opt, topo.replicated, topo.by_row)
     evaluate = jax.jit(lambda p, t, s: token_losses(p, model, t, s),
                        out_shardings=topo.replicated)
     held = (HeldOut.load(cfg.corpus, cfg.eval_records, cfg.seq_len, host_count)
@@ -120,10 +120,12 @@ def train(cfg: TrainConfig, *, host: int = 0, host_count: int = 1, resume: bool 
             if step == start:  # compile ahead of time, then start the hosts together
                 train_step = train_step.lower(params, opt_state, tokens, segments).compile()
                 barrier("tally-first-step")
-            params, opt_state, loss = train_step(params, opt_state, tokens, segments)
+            params, opt_state, loss, position_loss = train_step(params, opt_state, tokens,
+                                                                segments)
             if audit:
-                # Exactly the batch this step consumed, not what the loader read ahead.
-                writer.write_batch(step, batch)
+                # Exactly the batch this step consumed, not what the loader read ahead, with
+                # this host's rows' per-position losses (the writer's thread waits for them).
+                writer.write_batch(step, batch, loss=position_loss.addressable_data(0))
             pending.append((step, loss))
             result.step_ends.append(time.perf_counter())
             if len(pending) >= cfg.flush_every:

@@ -26,21 +26,31 @@ def predicted(seg: jax.Array) -> jax.Array:
     return (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
 
 
-def token_losses(params: Any, model: LM, tokens: jax.Array, seg: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
-    """Per row: summed next-token cross-entropy over positions whose target is in the same
-    segment, and the number of such positions."""
+def position_losses(params: Any, model: LM, tokens: jax.Array, seg: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Per position p < L - 1: the cross-entropy of predicting token p + 1 (0 where that
+    target is in another segment or padding), and whether it counts. [B, L - 1] each."""
     logits = model.apply(params, tokens[:, :-1], seg[:, :-1])
     targets = tokens[:, 1:] % model.cfg.vocab_size
     valid = predicted(seg)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(ce * valid, axis=1), jnp.sum(valid, axis=1)
+    return ce * valid, valid
 
 
-def loss_fn(params: Any, model: LM, tokens: jax.Array, seg: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy per predicted token of the whole (global) batch."""
-    sums, counts = token_losses(params, model, tokens, seg)
-    return jnp.sum(sums) / jnp.maximum(1, jnp.sum(counts))
+def token_losses(params: Any, model: LM, tokens: jax.Array, seg: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Per row: summed next-token cross-entropy over positions whose target is in the same
+    segment, and the number of such positions."""
+    ce, valid = position_losses(params, model, tokens, seg)
+    return jnp.sum(ce, axis=1), jnp.sum(valid, axis=1)
+
+
+def loss_fn(params: Any, model: LM, tokens: jax.Array, seg: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token cross-entropy per predicted token of the whole (global) batch, and the
+    per-position losses it averages (for the ledger: each segment's own loss)."""
+    ce, valid = position_losses(params, model, tokens, seg)
+    return jnp.sum(ce) / jnp.maximum(1, jnp.sum(valid)), ce
 
 
 def init(cfg: TrainConfig, rng: jax.Array, replicated: jax.sharding.Sharding | None = None
@@ -55,14 +65,16 @@ def init(cfg: TrainConfig, rng: jax.Array, replicated: jax.sharding.Sharding | N
 
 
 def make_train_step(model: LM, opt: optax.GradientTransformation,
-                    replicated: jax.sharding.Sharding):
+                    replicated: jax.sharding.Sharding, by_row: jax.sharding.Sharding):
     """One optimizer step on the global batch. With rows split across hosts, the mean loss
-    makes XLA all-reduce the gradients, so every host applies the same update."""
+    makes XLA all-reduce the gradients, so every host applies the same update. It also returns
+    the per-position losses, split by rows like the batch: each host keeps its own rows'."""
 
-    @partial(jax.jit, out_shardings=replicated)
+    @partial(jax.jit, out_shardings=(replicated, replicated, replicated, by_row))
     def train_step(params, opt_state, tokens, seg):
-        loss, grads = jax.value_and_grad(loss_fn)(params, model, tokens, seg)
+        (loss, ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model, tokens,
+                                                                        seg)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss, ce
 
     return train_step

@@ -20,6 +20,7 @@ class Column:
     arrow: pa.DataType
     sql: str  # the DuckDB type
     doc: str
+    required: bool = True  # optional columns may be absent from a file, null in the ledger
 
     @property
     def dtype(self) -> np.dtype:
@@ -41,6 +42,12 @@ SEGMENT_COLUMNS: tuple[Column, ...] = (
     Column("content_hash", pa.uint64(), "UBIGINT", "xxh3_64 of exactly these tokens"),
     Column("epoch", pa.int32(), "INTEGER", "epoch of the carried index; -1 when unknown"),
 )
+# Optional: a file may carry it or not (files written before it existed do not); the ledger
+# holds null where a file did not.
+SEGMENT_LOSS = Column("loss", pa.float32(), "REAL", "mean training loss over the tokens the "
+                      "segment's own tokens predict; NaN where none (a one-token segment)",
+                      required=False)
+SEGMENT_COLUMNS_ALL = SEGMENT_COLUMNS + (SEGMENT_LOSS,)
 METRIC_COLUMNS: tuple[Column, ...] = (
     Column("step", pa.int64(), "BIGINT", "training step the value belongs to"),
     Column("host", pa.int32(), "INTEGER", "host that logged it"),
@@ -67,8 +74,9 @@ def arrow_schema(columns: tuple[Column, ...]) -> pa.Schema:
 
 
 def sql_columns(columns: tuple[Column, ...]) -> str:
-    """`"name" TYPE NOT NULL, ...` for a CREATE TABLE."""
-    return ",\n    ".join(f"{c.quoted} {c.sql} NOT NULL" for c in columns)
+    """`"name" TYPE [NOT NULL], ...` for a CREATE TABLE."""
+    return ",\n    ".join(f"{c.quoted} {c.sql}{' NOT NULL' if c.required else ''}"
+                          for c in columns)
 
 
 def sql_select(columns: tuple[Column, ...]) -> str:
@@ -77,8 +85,9 @@ def sql_select(columns: tuple[Column, ...]) -> str:
 
 
 SEGMENT_SCHEMA = arrow_schema(SEGMENT_COLUMNS)
+SEGMENT_SCHEMA_WITH_LOSS = arrow_schema(SEGMENT_COLUMNS_ALL)
 METRIC_SCHEMA = arrow_schema(METRIC_COLUMNS)
-SEGMENT_DTYPES = {c.name: c.dtype for c in SEGMENT_COLUMNS}
+SEGMENT_DTYPES = {c.name: c.dtype for c in SEGMENT_COLUMNS_ALL}
 
 # ---- bounds of the contract -----------------------------------------------------------------
 # What a spool file may claim, checked before anything it holds reaches the ledger (files beyond

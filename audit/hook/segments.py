@@ -42,6 +42,7 @@ class Segments:
     n_tokens: np.ndarray
     content_hash: np.ndarray
     epoch: np.ndarray  # -1 when unknown
+    loss: np.ndarray | None = None  # float32 training loss per segment (optional)
 
     def __len__(self) -> int:
         return len(self.row)
@@ -56,6 +57,7 @@ class Segments:
         content_hash: np.ndarray,
         offset: np.ndarray | None = None,
         epoch: np.ndarray | None = None,
+        loss: np.ndarray | None = None,
     ) -> Segments:
         """Checked constructor: equal lengths, sane values, spool dtypes."""
         n = len(row)
@@ -74,7 +76,12 @@ class Segments:
                     raise ValueError(f"segments: column {name!r} has values below {low}"
                                      + (" (a segment holds at least one token)"
                                         if name == "n_tokens" else ""))
-        return cls(**cols)
+        if loss is not None:
+            loss = np.asarray(loss, np.float32)
+            if loss.shape != (n,):
+                raise ValueError(f"segments: column 'loss' has shape {loss.shape}, "
+                                 f"expected ({n},)")
+        return cls(**cols, loss=loss)
 
 
 def segments_from_batch(
@@ -85,8 +92,15 @@ def segments_from_batch(
     key: str = "key",
     position: str = "pos",
     segment_ids: str | None = None,
+    loss: np.ndarray | None = None,
 ) -> Segments:
     """The segments a batch holds, with each segment's hash over exactly its tokens.
+
+    `loss` (optional) is the training loss the step computed on this batch: per token, [B, L]
+    or [B, L - 1], the value at position p being the loss of predicting token p + 1 from it
+    (a causal language model's shifted targets), or per row, [B]. Each segment then carries
+    the mean loss over the predictions inside it (positions s .. s + n - 2: the record's own
+    next tokens; NaN for a one-token segment), or its row's loss.
 
     `records_per_epoch` (N) splits the carried index into `epoch = idx // N` and
     `record_key = idx % N`; without it the index is taken as the record key and epoch is -1.
@@ -143,4 +157,23 @@ def segments_from_batch(
         n_tokens=lengths,
         epoch=epoch,
         content_hash=hash_runs(flat_tokens, starts, lengths),
+        loss=None if loss is None else segment_loss(loss, n_rows, length, starts, lengths),
     )
+
+
+def segment_loss(loss: np.ndarray, n_rows: int, length: int, starts: np.ndarray,
+                 lengths: np.ndarray) -> np.ndarray:
+    """Each segment's mean loss (see `segments_from_batch`), from per-token or per-row loss."""
+    loss = np.asarray(loss, np.float64)
+    if loss.shape == (n_rows,):
+        return loss[starts // length].astype(np.float32)
+    if loss.shape == (n_rows, length - 1):
+        loss = np.concatenate([loss, np.zeros((n_rows, 1))], axis=1)
+    if loss.shape != (n_rows, length):
+        raise ValueError(f"loss has shape {loss.shape}; expected ({n_rows},), "
+                         f"({n_rows}, {length - 1}) or ({n_rows}, {length})")
+    cum = np.concatenate([[0.0], np.cumsum(loss.reshape(-1))])
+    predictions = lengths - 1
+    total = cum[starts + np.maximum(predictions, 0)] - cum[starts]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(predictions > 0, total / predictions, np.nan).astype(np.float32)

@@ -33,14 +33,17 @@ from audit.core.schema import (
     MAX_RECORD_KEY,
     MAX_STEP,
     METRIC_SCHEMA,
+    SEGMENT_LOSS,
     SEGMENT_SCHEMA,
+    SEGMENT_SCHEMA_WITH_LOSS,
 )
 from audit.hook.segments import MINIMUM
 
 FORMAT_VERSION = "1"
 WRITER_VERSION = "tally-writer/1"
 
-SCHEMAS = {"seg": SEGMENT_SCHEMA, "met": METRIC_SCHEMA}
+# The schemas a file of each kind may have (the segment loss column is optional).
+SCHEMAS = {"seg": (SEGMENT_SCHEMA, SEGMENT_SCHEMA_WITH_LOSS), "met": (METRIC_SCHEMA,)}
 
 # File metadata keys (all values are strings in Parquet's key-value metadata).
 META_KEYS = (
@@ -275,8 +278,9 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
             raise BadFile(f"unreadable Parquet footer (truncated or not Parquet): {exc}") from None
         expected = SCHEMAS[f.kind]
         found = pf.schema_arrow.remove_metadata()
-        if not found.equals(expected):
-            raise BadFile(f"schema mismatch: expected {_fmt(expected)}, found {_fmt(found)}")
+        if not any(found.equals(e) for e in expected):
+            raise BadFile(f"schema mismatch: expected {_fmt(expected[-1])}, found "
+                          f"{_fmt(found)}")
         meta = _meta(pf.schema_arrow.metadata)
         if meta["format_version"] != FORMAT_VERSION:
             raise BadFile(f"spool format version {meta['format_version']}, expected "
@@ -297,6 +301,10 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
     if table.num_rows != info["rows"] or table.num_rows == 0:
         raise BadFile(f"read {table.num_rows} rows, writer wrote {info['rows']}")
     _check_values(table, f.kind, info)
+    if f.kind == "seg" and SEGMENT_LOSS.name not in table.column_names:
+        # Every reader sees the same columns: a file without losses holds null ones.
+        table = table.append_column(SEGMENT_LOSS.name,
+                                    pa.nulls(table.num_rows, SEGMENT_LOSS.arrow))
     return table, info
 
 
@@ -400,7 +408,7 @@ def _fmt(schema: pa.Schema) -> str:
 
 def _check_values(table: pa.Table, kind: str, info: dict) -> None:
     for name in table.column_names:
-        if table[name].null_count:
+        if table[name].null_count and name != SEGMENT_LOSS.name:
             raise BadFile(f"column {name} has nulls")
     steps = pc.min_max(table["step"]).as_py()
     if (steps["min"], steps["max"]) != (info["first_step"], info["last_step"]):

@@ -26,13 +26,20 @@ import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from audit.core.errors import TallyError
-from audit.core.schema import MAX_RECORD_KEY, MAX_STEP, METRIC_SCHEMA, SEGMENT_SCHEMA
+from audit.core.schema import (
+    MAX_RECORD_KEY,
+    MAX_STEP,
+    METRIC_SCHEMA,
+    SEGMENT_SCHEMA,
+    SEGMENT_SCHEMA_WITH_LOSS,
+)
 from audit.hook import spool as sp
 from audit.hook.segments import FIELDS, Segments, segments_from_batch
 
@@ -136,13 +143,20 @@ class LedgerWriter:
         atexit.register(self._atexit)
 
     # ---- training-thread API -------------------------------------------------------------
-    def write_batch(self, step: int, batch: Mapping[str, np.ndarray], **layout: str) -> None:
-        """Record the batch consumed at `step` (Grain layout, see `audit.segments`).
+    def write_batch(self, step: int, batch: Mapping[str, np.ndarray], *,
+                    loss: Any = None, **layout: str) -> None:
+        """Record the batch consumed at `step` (Grain layout, see `audit.hook.segments`).
+
+        `loss` (optional): the step's training loss on this batch, per token ([B, L] or
+        [B, L - 1]) or per row ([B]); each segment then carries its mean (the `loss` column),
+        which is how reports tell whether repeated records flattered the training loss. It
+        may be a device array still being computed: the writer's thread waits for it, the
+        training thread does not.
 
         Only references are queued: the loop must not mutate the arrays afterwards (Grain and
         jax.device_get hand out fresh arrays each step).
         """
-        self._put(("batch", self._new_step(step), batch, layout))
+        self._put(("batch", self._new_step(step), batch, layout, loss))
 
     def write_segments(self, step: int, segments: Segments) -> None:
         """Record precomputed segments (hashes already known) consumed at `step`."""
@@ -264,8 +278,10 @@ class LedgerWriter:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "batch":
-            _, step, batch, layout = item
-            segs = segments_from_batch(batch, records_per_epoch=self.records_per_epoch, **layout)
+            _, step, batch, layout, loss = item
+            segs = segments_from_batch(batch, records_per_epoch=self.records_per_epoch,
+                                       loss=None if loss is None else np.asarray(loss),
+                                       **layout)
             self._add(step, segs)
         elif kind == "segments":
             self._add(item[1], item[2])
@@ -312,7 +328,12 @@ class LedgerWriter:
             "host": np.full(len(steps), self.host, dtype=np.int32),
             **{f: np.concatenate([getattr(s, f) for s in segs]) for f in FIELDS},
         }
-        table = pa.Table.from_pydict(cols, schema=SEGMENT_SCHEMA)
+        schema = SEGMENT_SCHEMA
+        if any(s.loss is not None for s in segs):  # NaN where a part of the step had none
+            cols["loss"] = np.concatenate([np.full(len(s), np.nan, np.float32)
+                                           if s.loss is None else s.loss for s in segs])
+            schema = SEGMENT_SCHEMA_WITH_LOSS
+        table = pa.Table.from_pydict(cols, schema=schema)
         return "seg", table, min(steps_of), max(steps_of)
 
     def _metric_table(self) -> tuple[str, pa.Table, int, int]:

@@ -25,7 +25,7 @@ from audit.core.schema import (
     LEDGER_PREFIX,
     LEDGER_SUFFIX,
     METRIC_COLUMNS,
-    SEGMENT_COLUMNS,
+    SEGMENT_COLUMNS_ALL,
     sql_columns,
 )
 
@@ -67,7 +67,7 @@ CREATE TABLE segments (                -- one row per ingested spool file
     ingested_at TIMESTAMP NOT NULL DEFAULT current_timestamp
 );
 CREATE TABLE consumption (
-    {sql_columns(LEDGER_PREFIX + SEGMENT_COLUMNS + LEDGER_SUFFIX)}
+    {sql_columns(LEDGER_PREFIX + SEGMENT_COLUMNS_ALL + LEDGER_SUFFIX)}
 );
 CREATE TABLE metrics (
     {sql_columns(LEDGER_PREFIX + METRIC_COLUMNS + LEDGER_SUFFIX)}

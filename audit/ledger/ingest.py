@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from tqdm import tqdm
 
 from audit.core.exposure import starts
-from audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS, sql_select
+from audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS_ALL, sql_select
 from audit.hook import spool as sp
 from audit.hook.spool import BadFile, read_checked
 from audit.ledger.aggregates import Aggregates, for_ledger
@@ -52,7 +52,7 @@ class IngestResult:
         return s
 
 
-_SEGMENT_SELECT, _METRIC_SELECT = sql_select(SEGMENT_COLUMNS), sql_select(METRIC_COLUMNS)
+_SEGMENT_SELECT, _METRIC_SELECT = sql_select(SEGMENT_COLUMNS_ALL), sql_select(METRIC_COLUMNS)
 BATCH_ROWS = 1_000_000  # rows per transaction (fewer when the backlog is shorter)
 BATCH_FILES = 64
 READ_AHEAD_BYTES = 64 << 20  # spool bytes read ahead of the transactions

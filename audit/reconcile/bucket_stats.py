@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from audit.reconcile.partials import EXAMPLES, Partial
+from audit.reconcile.partials import EXAMPLES, RANK_CAP, Partial
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
 # Per-record exposure: one row per manifest record (report's records/ table).
@@ -41,8 +41,8 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
 
 
-def compute(man: dict | None, c: dict[str, np.ndarray],
-            hosts: int) -> tuple[Partial, pa.Table | None]:
+def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
+            loss_window: int = 1) -> tuple[Partial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
     consumption rows (audit.reconcile.buckets). Returns the bucket's partial and its
     per-record table."""
@@ -83,7 +83,14 @@ def compute(man: dict | None, c: dict[str, np.ndarray],
     # highest rank per step (the driver finds the first step whose highest rank exceeds what a
     # perfect loader allows by then: the first bad step).
     ev = starts if every else starts & train[j]
-    key = np.sort((j[ev] << 32) | step[ev])
+    packed = (j[ev] << 32) | step[ev]
+    losses = c["loss"][ev] if "loss" in c else np.zeros(0, np.float32)
+    with_loss = bool(np.isfinite(losses).any())
+    if with_loss:  # the exposures' losses follow them into (record, step) order
+        order = np.argsort(packed, kind="stable")
+        key, losses = packed[order], losses[order]
+    else:
+        key = np.sort(packed)
     js, ss = key >> 32, key & 0xFFFFFFFF
     head = _groups(js)
     first_step = np.full(n, -1, dtype=np.int64)
@@ -93,6 +100,8 @@ def compute(man: dict | None, c: dict[str, np.ndarray],
     rank = np.arange(1, len(js) + 1) - np.maximum.accumulate(group_start)
     max_rank = np.zeros(int(ss.max()) + 1 if ss.size else 0, dtype=np.int64)
     np.maximum.at(max_rank, ss, rank)
+    if with_loss:
+        out.loss_by_rank = loss_by_rank(ss, rank, losses, loss_window)
 
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
@@ -171,6 +180,22 @@ def _host_sets(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
     return (seen_train.sum(axis=0).astype(np.int64),
             seen_train[n_train > 1].sum(axis=0).astype(np.int64),
             np.rint(hit.T @ hit).astype(np.int64), seen.sum(axis=1))
+
+
+def loss_by_rank(step: np.ndarray, rank: np.ndarray, loss: np.ndarray,
+                 window: int) -> np.ndarray:
+    """Training loss of exposures by (window of `window` steps, exposure rank): count, sum and
+    sum of squares, [windows, RANK_CAP, 3]; ranks from RANK_CAP on share the last cell."""
+    ok = np.isfinite(loss)
+    cell = (step[ok].astype(np.int64) // window) * RANK_CAP + np.minimum(rank[ok], RANK_CAP) - 1
+    if not len(cell):
+        return np.zeros((0, RANK_CAP, 3))
+    size = (int(cell.max()) // RANK_CAP + 1) * RANK_CAP
+    value = loss[ok].astype(np.float64)
+    out = np.stack([np.bincount(cell, minlength=size).astype(np.float64),
+                    np.bincount(cell, value, minlength=size),
+                    np.bincount(cell, value * value, minlength=size)], axis=-1)
+    return out.reshape(-1, RANK_CAP, 3)
 
 
 def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.ndarray,

@@ -33,7 +33,8 @@ from audit.core.schema import SEGMENT_DTYPES
 # in the overflow bucket), the host to int16, the step to int32, the offset to a start flag
 # (audit.core.exposure.starts); the other columns as the segment schema has them.
 COLUMNS = {"key": np.uint32, "step": np.int32, "host": np.int16, "start": np.bool_,
-           **{k: SEGMENT_DTYPES[k].type for k in ("n_tokens", "content_hash", "epoch")}}
+           **{k: SEGMENT_DTYPES[k].type for k in ("n_tokens", "content_hash", "epoch",
+                                                  "loss")}}
 WHOLE_KEY = np.int64
 
 
@@ -68,7 +69,7 @@ def write(cols: dict[str, np.ndarray], bucket_size: int, buckets: int,
     counts = np.bincount(bucket, minlength=buckets + 1)
     key, bucket = key[order], bucket[order]
     ordered = {"key": key - bucket * bucket_size, "start": starts(cols["offset"][order])}
-    for k in ("step", "host", "n_tokens", "content_hash", "epoch"):
+    for k in ("step", "host", "n_tokens", "content_hash", "epoch", "loss"):
         ordered[k] = np.asarray(cols[k])[order].astype(COLUMNS[k], copy=False)
     ends = np.cumsum(counts)
     refs, chunks, offset = [], [], 0

@@ -87,6 +87,45 @@ def _heatmap(m: list[list[int]], size=320) -> str:
     return "".join(out) + "</svg>"
 
 
+def _loss_chart(section: dict | None, w: int = 520, h: int = 240) -> str:
+    """Mean training loss per window: due exposures, repeated (excess) ones, and the held-out
+    loss at the milestones."""
+    if not section or not section.get("windows"):
+        return "<p>no per-segment training loss in this run's spool</p>"
+    series = {
+        "due": ([x["first_step"] for x in section["windows"] if x["due"]["mean_loss"] is not None],
+                [x["due"]["mean_loss"] for x in section["windows"]
+                 if x["due"]["mean_loss"] is not None], "#0969da"),
+        "repeated": ([x["first_step"] for x in section["windows"]
+                      if x["excess"]["mean_loss"] is not None],
+                     [x["excess"]["mean_loss"] for x in section["windows"]
+                      if x["excess"]["mean_loss"] is not None], "#cf222e"),
+        "held-out": ([m["step"] for m in section.get("milestones", [])],
+                     [m["heldout_loss"] for m in section.get("milestones", [])], "#1a7f37"),
+    }
+    ys = [y for _, v, _ in series.values() for y in v if y is not None and np.isfinite(y)]
+    xs = [x for k, _, _ in series.values() for x in k]
+    if not ys:
+        return "<p>no per-segment training loss in this run's spool</p>"
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-6)
+    px = lambda x: 40 + (x - x0) / (x1 - x0) * (w - 50)  # noqa: E731
+    py = lambda y: h - 25 - (y - y0) / (y1 - y0) * (h - 40)  # noqa: E731
+    out = [f'<svg width="{w}" height="{h}" role="img" data-series="loss">']
+    for i, (name, (sx, sy, color)) in enumerate(series.items()):
+        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(sx, sy, strict=True)
+                       if y is not None and np.isfinite(y))
+        if pts:
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" '
+                       f'points="{pts}" data-series="{name}"/>')
+        out.append(f'<text x="{40 + i * 90}" y="14" fill="{color}">{name}</text>')
+    out.append(f'<text x="4" y="{py(y1) + 4:.0f}">{y1:.2f}</text>'
+               f'<text x="4" y="{py(y0) + 4:.0f}">{y0:.2f}</text>'
+               f'<text x="40" y="{h - 6}">step {int(x0)}</text>'
+               f'<text x="{w - 90}" y="{h - 6}">step {int(x1)}</text>')
+    return "".join(out) + "</svg>"
+
+
 def render_html(r: dict, steps: pa.Table) -> str:
     c = r["coverage"]
     n = c["train_records"] or 1
@@ -135,6 +174,9 @@ if r['at_step'] is not None else ''}.</p>
 <div class="grid">
 <figure><figcaption>Cumulative coverage vs step (dashed: ideal)</figcaption>
 {_line_chart(xs, cov, ideal)}</figure>
+<figure><figcaption>Training loss per window: due exposures vs repeated ones (nats),
+held-out loss at the milestones</figcaption>
+{_loss_chart(r.get('loss'))}</figure>
 <figure><figcaption>Exposure histogram (records seen 0, 1, 2, 3+ times)</figcaption>
 {bars(list(exposure.HIST_BINS), {'actual': hist, 'ideal': ideal_hist})}</figure>
 <figure><figcaption>Host overlap (records seen by both hosts)</figcaption>

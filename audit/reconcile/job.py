@@ -185,7 +185,7 @@ class BucketStats(beam.DoFn):
         slices = list(grouped["consumption"])
         rows = buckets.read(slices, overflow=bucket == self.plan.buckets)
         out, records = bucket_stats.compute(manifest_bucket(self.plan, bucket), rows,
-                                            self.plan.hosts)
+                                            self.plan.hosts, self.plan.loss_window)
         out.slices_joined = len(slices)
         if records is not None:
             write_part(records, Path(self.parts, f"part-{bucket:06d}.parquet"))
@@ -356,7 +356,7 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
                          at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
                          left_out=inputs.left_out,
                          non_finite_losses=inputs.non_finite_losses,
-                         finished=inputs.finished)
+                         finished=inputs.finished, milestones=inputs.milestones)
         merged = run_reconcile(plan, work, runner)
         report, tables = rp.build(plan, merged)
         rp.write(report, tables, out)

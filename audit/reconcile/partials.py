@@ -16,6 +16,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 
 EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
+RANK_CAP = 16  # exposure ranks the loss is split by (16 and beyond share one)
 M = TypeVar("M", bound="Mergeable")
 
 
@@ -186,6 +187,8 @@ class Partial(Mergeable):
     epoch_repeats_by_host: np.ndarray = summed(_empty)
     epoch_duplicated_by_host: np.ndarray = summed(_empty)  # repeated records a host was in
     records_by_epoch: np.ndarray = summed(_empty)
+    # Training loss of exposures by (step window, rank): count, sum, sum of squares.
+    loss_by_rank: np.ndarray = summed(lambda: np.zeros((0, RANK_CAP, 3)))
     # name -> (records, tokens, exposures, tokens consumed, never seen)
     domain: dict[str, np.ndarray] = summed(dict)
     source: dict[str, np.ndarray] = summed(dict)  # name -> (records, never seen)

@@ -13,14 +13,14 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from audit.core.errors import TallyError
-from audit.core.exposure import effective, rolled_back_from
-from audit.core.schema import SEGMENT_COLUMNS, names, sql_select
+from audit.core.exposure import effective, effective_sql, rolled_back_from
+from audit.core.schema import SEGMENT_COLUMNS_ALL, names, sql_select
 from audit.hook import spool as sp
 from audit.ledger.database import Ledger
 from audit.ledger.queries import finished_hosts, non_finite_losses
 
 # What the job reads of each row: the segment columns, with the row's attempt.
-COLUMNS = ("attempt", *names(SEGMENT_COLUMNS))
+COLUMNS = ("attempt", *names(SEGMENT_COLUMNS_ALL))
 # Memory a bucket takes in its worker: per consumption row (its columns, sort keys, masks) and
 # per manifest record (its columns, per-record results, one byte per host).
 BYTES_PER_ROW, BYTES_PER_RECORD = 120, 160
@@ -30,6 +30,7 @@ BUCKETS_IN_FLIGHT = 4
 # (32 MiB), so that the allocator reuses heap memory instead of mapping, faulting in and
 # unmapping fresh pages for every temporary (measured: 30% of a bucket's time).
 BUCKET_ROWS = 2_500_000
+LOSS_WINDOWS = 256  # windows of steps the loss by exposure rank is split into
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Plan:
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), see Inputs
     non_finite_losses: dict[str, Any] = field(default_factory=dict)  # see Inputs
     finished: bool = False  # every host of the last attempt said it finished
+    loss_window: int = 1  # steps per window of the loss split by exposure rank
+    milestones: list[dict[str, Any]] = field(default_factory=list)  # see Inputs
     finished_step: int | None = None
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
@@ -77,6 +80,8 @@ class Inputs:
     non_finite_losses: dict[str, Any] = field(default_factory=lambda: {"count": 0,
                                                                         "first_step": None})
     finished: dict[tuple[int, int], int] = field(default_factory=dict)  # (attempt, host) -> step
+    # Held-out loss milestones with the train loss there: {"step", "heldout_loss", "train_loss"}
+    milestones: list[dict[str, Any]] = field(default_factory=list)
 
 
 def spool_inputs(spool: Path, run_id: str) -> Inputs:
@@ -123,30 +128,44 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
 
 
 def _metric_facts(files: list[sp.SpoolFile], cutoffs: dict[int, int | None]
-                  ) -> tuple[dict[str, Any], dict[tuple[int, int], int]]:
-    """From the run's metric files (effective steps only): NaN or infinite losses, and the
-    hosts that said they finished (audit.hook.spool.FINISHED)."""
-    def read(f: sp.SpoolFile) -> tuple[int, int | None, int | None]:
+                  ) -> tuple[dict[str, Any], dict[tuple[int, int], int], list[dict[str, Any]]]:
+    """From the run's metric files (effective steps only): NaN or infinite losses, the hosts
+    that said they finished (audit.hook.spool.FINISHED), and the held-out loss milestones."""
+    def read(f: sp.SpoolFile) -> tuple[int, int | None, int | None, list]:
         try:
             table, _ = sp.read_checked(f)
         except sp.BadFile:
-            return 0, None, None
+            return 0, None, None, []
         names = table["name"].to_pylist()
         loss = np.array([n.endswith("loss") or n.startswith("ppl/") for n in names], bool)
         steps, values = table["step"].to_numpy(), table["value"].to_numpy()
         kept = effective(steps, np.full(len(steps), f.attempt), cutoffs)
         bad = loss & ~np.isfinite(values) & kept
         done = np.array([n == sp.FINISHED for n in names], bool) & kept
+        losses = [(int(s), n, float(v)) for s, n, v, k in zip(steps, names, values, kept,
+                                                                strict=True)
+                  if k and n in ("heldout_loss", "train_loss")]
         return (int(bad.sum()), int(steps[bad].min()) if bad.any() else None,
-                int(steps[done].max()) if done.any() else None)
+                int(steps[done].max()) if done.any() else None, losses)
 
     with ThreadPoolExecutor(8) as pool:
         found = list(pool.map(read, files))
-    firsts = [s for _, s, _ in found if s is not None]
-    finished = {(f.attempt, f.host): step for f, (_, _, step) in zip(files, found, strict=True)
-                if step is not None}
-    return ({"count": sum(n for n, _, _ in found), "first_step": min(firsts, default=None)},
-            finished)
+    firsts = [s for _, s, _, _ in found if s is not None]
+    finished = {(f.attempt, f.host): step
+                for f, (_, _, step, _) in zip(files, found, strict=True) if step is not None}
+    return ({"count": sum(n for n, _, _, _ in found), "first_step": min(firsts, default=None)},
+            finished, milestones([row for *_, rows in found for row in rows]))
+
+
+def milestones(rows: list[tuple[int, str, float]]) -> list[dict[str, Any]]:
+    """(step, name, value) rows -> each step with a held-out loss, its mean over hosts and the
+    mean train loss logged at that step (None when none was)."""
+    sums: dict[tuple[int, str], list[float]] = {}
+    for step, name, value in rows:
+        sums.setdefault((step, name), []).append(value)
+    mean = {k: float(np.mean(v)) for k, v in sums.items()}
+    return [{"step": s, "heldout_loss": mean[(s, n)], "train_loss": mean.get((s, "train_loss"))}
+            for s, n in sorted(mean) if n == "heldout_loss"]
 
 
 def _repeats(f: sp.SpoolFile, first: int, last: int,
@@ -208,7 +227,7 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
         out = workdir / folder
         target = str(out).replace("'", "''")  # a path is no SQL parameter in COPY ... TO
         ledger.con.execute(f"""
-            COPY (SELECT attempt, {sql_select(SEGMENT_COLUMNS)}
+            COPY (SELECT attempt, {sql_select(SEGMENT_COLUMNS_ALL)}
                   FROM consumption WHERE run = {int(run[0]['run'])})
             TO '{target}' (FORMAT parquet, PER_THREAD_OUTPUT true, FILE_SIZE_BYTES '64MB')""")
         # Files of the run the ingester set aside, with its reason (paths under the spool).
@@ -219,11 +238,16 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
         try:
             non_finite = non_finite_losses(cur, int(run[0]["run"]))
             finished = finished_hosts(cur, int(run[0]["run"]))
+            losses = cur.execute(f"""
+                SELECT m.step, m.name, m.value FROM metrics m JOIN attempts a
+                USING (run, attempt) WHERE m.run = ? AND {effective_sql("m", "a")}
+                  AND m.name IN ('heldout_loss', 'train_loss')""",
+                                 [int(run[0]["run"])]).fetchall()
         finally:
             cur.close()
     files = [InputFile(str(p)) for p in sorted(out.glob("*.parquet"))]
     return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite,
-                  finished)
+                  finished, milestones(losses))
 
 
 def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) -> int:
@@ -241,7 +265,8 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
               bucket_records: int | None = None, memory_gb: float = 3.0,
               left_out: list[tuple[str, str]] | None = None,
               non_finite_losses: dict[str, Any] | None = None,
-              finished: dict[tuple[int, int], int] | None = None) -> Plan:
+              finished: dict[tuple[int, int], int] | None = None,
+              milestones: list[dict[str, Any]] | None = None) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers."""
     from pipeline.manifest_file import manifest_info, uniform_row_groups
@@ -265,6 +290,11 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
                 bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=left_out or [],
                 non_finite_losses=non_finite_losses or {"count": 0, "first_step": None})
     plan.finished, plan.finished_step = run_finished(attempts, finished or {})
+    plan.milestones = milestones or []
+    last = max([a["last_step"] for a in attempts.values()] + [0])
+    if at_step is not None:
+        last = min(last, at_step)
+    plan.loss_window = max(1, -(-(last + 1) // LOSS_WINDOWS))
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from audit.core import exposure
 from audit.core.exposure import Coverage, verdict
-from audit.reconcile import host_steps
+from audit.reconcile import host_steps, loss
 from audit.reconcile.html import render_html, step_or_none
 from audit.reconcile.partials import EXAMPLES, Partial
 from audit.reconcile.plan import Plan
@@ -138,6 +138,7 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
                      or r["rolled_back_from_step"] is not None],
         "batch_changes": _batch_changes(steps, plan),
         "metrics": {"non_finite_losses": plan.non_finite_losses},
+        "loss": _loss(merged, plan, exp_step, n, first_bad),
         "first_bad_step": first_bad,
         "exposures_before_first_bad": (int(cum_exp[first_bad - 1]) if first_bad else
                                        0 if first_bad == 0 else None),
@@ -150,6 +151,16 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "domains": pa.Table.from_pylist(domains) if domains else pa.table({}),
     }
     return report, tables
+
+
+def _loss(merged: Partial, plan: Plan, exposures_by_step: np.ndarray, n: int,
+          first_bad: int | None) -> dict[str, Any]:
+    """Training loss of due vs excess exposures per window, the held-out milestones, and the
+    test of whether repeats flattered the loss (audit.reconcile.loss)."""
+    windows = loss.split(merged.loss_by_rank, plan.loss_window, exposures_by_step, n)
+    return {"window_steps": plan.loss_window, "windows": loss.public(windows),
+            "milestones": plan.milestones, "test": loss.test(windows, first_bad),
+            "gap": loss.gap(plan.milestones, first_bad)}
 
 
 def _ended(plan: Plan) -> dict[int, bool]:

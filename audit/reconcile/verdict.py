@@ -61,9 +61,32 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
                 f"(first at step {rs['first_differing_step']}): the loader state was not "
                 "restored exactly", attempt=rs["attempt"], step=rs["first_differing_step"])
     _exposure_findings(r, add)
+    _loss_findings(r, add)
     if n and not total:
         add("WARN", "nothing_consumed", "no train record has been consumed yet")
     return out.to_list()
+
+
+def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
+    """Repeats flattered the training loss: exposures beyond the ideal scored measurably lower
+    than due ones in the same windows (audit.reconcile.loss: z >= 3). How train and held-out
+    loss moved between the milestones is said beside it, as context: within one run a widening
+    gap is also what ordinary generalization does, and the train loss logged at a milestone
+    is one step's, so it is no condition of the finding."""
+    section = r.get("loss") or {}
+    t, g = section.get("test"), section.get("gap")
+    if not t or t["z"] < t["threshold_z"]:
+        return
+    held = ("" if g is None else
+            f"; between steps {g['from_step']} and {g['to_step']} the train loss changed by "
+            f"{g['train_change']:+.3f} and the held-out loss by {g['heldout_change']:+.3f}")
+    add("WARN", "loss_flattered",
+        f"train loss on repeated records is {t['difference']:.3f} nats below first exposures "
+        f"since step {t['since_step']} (z = {t['z']:.1f} over {t['windows']} windows of "
+        f"{section['window_steps']} steps; {t['excess_exposures']:,} repeated and "
+        f"{t['due_exposures']:,} due exposures){held}: the training loss looks better than "
+        "the data warrants", difference=t["difference"], z=t["z"], since_step=t["since_step"],
+        widened_by=None if g is None else g["widened_by"])
 
 
 def _left_out_findings(cons: dict[str, Any], add: Callable[..., Any]) -> None:
