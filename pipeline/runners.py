@@ -95,6 +95,9 @@ def _dask_threads(address: str) -> int:
 
     try:
         with Client(address, set_as_default=False) as client:
+            if not client.nthreads():  # workers still starting (a compose stack coming up)
+                with contextlib.suppress(TimeoutError):
+                    client.wait_for_workers(1, timeout=30)
             return max(1, sum(client.nthreads().values()))
     except OSError as exc:
         raise TallyError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
