@@ -111,6 +111,65 @@ def test_dockerfile_copies_what_exists_and_runs_the_console_script():
     assert packages["project"]["scripts"]["tally"] == "audit.cli:main"
 
 
+def test_the_sdk_harness_image_is_beams_at_the_installed_version_with_tally():
+    import sys
+
+    import apache_beam
+
+    lines = (ROOT / "Dockerfile.sdk").read_text().splitlines()
+    (arg,) = [line for line in lines if line.startswith("ARG BEAM_VERSION=")]
+    assert arg.split("=", 1)[1] == apache_beam.__version__
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert f"FROM apache/beam_python{python}_sdk:${{BEAM_VERSION}}" in lines
+    copies = [shlex.split(line)[1:-1] for line in lines if line.startswith("COPY ")]
+    sources = [s for c in copies for s in c]
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in packages["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert pattern.rstrip("*") in sources
+    assert all((ROOT / s).exists() for s in sources)
+    assert any(line.startswith("RUN pip install") and '"apache-beam==${BEAM_VERSION}"' in line
+               for line in lines)
+    # Beam's boot loader stays the entry point: runners start it as the harness.
+    assert not any(line.startswith(("ENTRYPOINT", "CMD")) for line in lines)
+
+
+def test_cluster_runner_commands_run_the_work_on_the_cluster():
+    """README's reconcile commands for Flink, Spark and Dataflow put Tally's steps in the SDK
+    image (an EXTERNAL worker pool of it, or Dataflow's custom container), never in the
+    submitting process (LOOPBACK), and give the job-server jar as a local file."""
+    import apache_beam
+    from apache_beam.options.pipeline_options import (
+        FlinkRunnerOptions,
+        PipelineOptions,
+        PortableOptions,
+        SparkRunnerOptions,
+        WorkerOptions,
+    )
+
+    from tests.test_readme import blocks
+
+    runs = {}
+    for _, attrs, code in blocks():
+        for words in map(shlex.split, code.splitlines() if attrs == "cluster" else []):
+            if words[:2] == ["tally", "reconcile"]:
+                args = parse(words[1:])
+                runs[args.runner] = PipelineOptions(args.beam_args)
+    assert {"dask", "FlinkRunner", "SparkRunner", "DataflowRunner"} <= set(runs)
+    image = f"tally-beam-sdk:{apache_beam.__version__}"
+    jars = {"FlinkRunner": runs["FlinkRunner"].view_as(FlinkRunnerOptions).flink_job_server_jar,
+            "SparkRunner": runs["SparkRunner"].view_as(SparkRunnerOptions).spark_job_server_jar}
+    for runner in ("FlinkRunner", "SparkRunner"):
+        env = runs[runner].view_as(PortableOptions)
+        assert env.environment_type == "EXTERNAL" and env.environment_config, runner
+        assert jars[runner].startswith("/") and jars[runner].endswith(".jar"), runner
+    assert runs["DataflowRunner"].view_as(WorkerOptions).sdk_container_image.endswith(
+        "/" + image)
+    assert runs["DataflowRunner"].view_as(PortableOptions).environment_type is None
+    readme = (ROOT / "README.md").read_text()
+    assert f"docker build -f Dockerfile.sdk -t {image} ." in readme
+    assert f"{image} --worker_pool" in readme
+
+
 def test_rendezvous_rank_orders_addresses_numerically():
     addrs = ["10.0.0.10", "10.0.0.9", "10.0.0.2", "10.0.0.9"]
     assert host.rank("10.0.0.9", addrs) == (1, "10.0.0.2")
