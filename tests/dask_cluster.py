@@ -29,7 +29,7 @@ class DaskProcesses:
                  folder: str | Path | None = None) -> None:
         self.n_start = workers
         self._tmp = None if folder else tempfile.TemporaryDirectory(prefix="tally-dask-")
-        self.folder = Path(folder or self._tmp.name)
+        self.folder = Path(folder or self._tmp.name).resolve()
         self.env = {**os.environ, "PYTHONPATH": str(ROOT),
                     "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error", **(env or {})}
         self.scheduler: subprocess.Popen | None = None

@@ -32,9 +32,9 @@ def tally(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "tally"), *args]
 
 
-def run_tally(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def run_tally(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(tally(*args), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +76,19 @@ def same_report(got: Path, want: Path) -> None:
 
 def test_manifest_on_the_cluster_equals_fnapi(data, cluster, tmp_path):
     root = data["root"]
-    done = run_tally("manifest", str(root / "corpus"), "-o", str(tmp_path / "m.parquet"), "-q",
-                     "--runner", "dask", "--dask-address", cluster.address)
+    # Paths relative to the submitting process's directory, which the workers do not share.
+    done = run_tally("manifest", "corpus", "-o", str(tmp_path / "m.parquet"), "-q",
+                     "--runner", "dask", "--dask-address", cluster.address, cwd=root)
     assert done.returncode == 0, done.stderr
     want = manifest_info(root / "manifest.parquet")
     assert manifest_info(tmp_path / "m.parquet") == want
     assert pq.read_table(tmp_path / "m.parquet").equals(pq.read_table(root / "manifest.parquet"))
 
 
-def reconcile_args(root: Path, run: str, out: Path, address: str) -> list[str]:
-    return ["reconcile", "--spool", str(root / "spool"), "--manifest", str(root / "keys.parquet"),
-            "--run", run, "-o", str(out), "--memory-gb", SMALL_BUCKETS, "--runner", "dask",
-            "--dask-address", address]
+def reconcile_args(root: Path | str, run: str, out: Path | str, address: str) -> list[str]:
+    return ["reconcile", "--spool", str(Path(root, "spool")), "--manifest",
+            str(Path(root, "keys.parquet")), "--run", run, "-o", str(out), "--memory-gb",
+            SMALL_BUCKETS, "--runner", "dask", "--dask-address", address]
 
 
 def test_reconcile_on_the_cluster_equals_fnapi(data, cluster, tmp_path):
@@ -96,7 +97,8 @@ def test_reconcile_on_the_cluster_equals_fnapi(data, cluster, tmp_path):
         workers = {w["name"] for w in client.scheduler_info()["workers"].values()}
     assert workers == {"worker-0", "worker-1"}  # separate processes, started by the fixture
     for run in RUNS:
-        done = run_tally(*reconcile_args(root, run, tmp_path / run, cluster.address))
+        # Relative paths, as in the manifest test.
+        done = run_tally(*reconcile_args(".", run, tmp_path / run, cluster.address), cwd=root)
         assert done.returncode == 0, done.stderr
         same_report(tmp_path / run, root / f"fnapi-{run}")
 
