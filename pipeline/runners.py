@@ -89,7 +89,7 @@ def _dask_threads(address: str) -> int:
 
     The job's partition count is capped at twice this: the Dask runner turns each GroupByKey
     into a task shuffle of about P x P tasks for P partitions, which on a 2-worker cluster made
-    reconcile of 1M rows take 15.5 s with P = 20 (one per input file) and 1.7 s with P = 2
+    reconcile of 1M rows take 15.5 s with P = 20 (one per input file) and 3.0 s with P = 2
     (bench/RESULTS.md); two partitions per thread still balance uneven elements."""
     from distributed import Client
 
