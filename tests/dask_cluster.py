@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT
+ROOT = Path(__file__).resolve().parent.parent  # importable by the workers, as by this process
 
 
 class DaskProcesses:
