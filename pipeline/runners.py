@@ -109,8 +109,7 @@ def _run_on_dask(p: beam.Pipeline, address: str) -> None:
     Dask reschedules the tasks of a worker that dies and recomputes the results it held (up
     to `distributed.scheduler.allowed-failures` deaths per task, 3 by default); past that, or
     with no worker left for `distributed.scheduler.no-workers-timeout`, the job fails here and
-    the tasks still queued for it are cancelled, so nothing keeps writing for a job that
-    failed."""
+    its tasks not yet started are cancelled (a task already running still finishes)."""
     from distributed import CancelledError
     from distributed.scheduler import KilledWorker, NoValidWorkerError
 

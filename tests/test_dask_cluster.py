@@ -40,8 +40,8 @@ def run_tally(*args: str, cwd: Path, timeout: float = 180) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict:
     """A synthetic corpus and its manifest; a bigger manifest (five key buckets at the smallest
-    bucket size) and a spool of two runs with restarts and every kind of trouble
-    (tests/test_reconcile.py); the FnApiRunner manifest and reports of them."""
+    bucket size) and a spool of a run with restarts and every kind of trouble
+    (tests/test_reconcile.py); the FnApiRunner manifest and report of them."""
     root = tmp_path_factory.mktemp("dask-data")
     synth_corpus(root / "corpus", records=2000, seed=5, shards=3, length_scale=0.2)
     build_manifest(root / "corpus", root / "manifest.parquet", chunk_records=300)
