@@ -119,12 +119,13 @@ def build_manifest(corpus: str | Path, out: str | Path, *, runner: RunnerSpec | 
     """Run the manifest job over `corpus` and write `out` (Parquet) atomically."""
     runner = runner or RunnerSpec()
     t0 = time.perf_counter()
-    shards = list_shards(corpus)
+    # Absolute paths: workers of a cluster do not share this process's working directory.
+    shards = list_shards(Path(corpus).absolute())
     chunks = [(s, a, min(a + chunk_records, s.num_records))
               for s in shards for a in range(0, s.num_records, chunk_records)]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    parts = out.with_name(f".{out.name}.parts")
+    parts = out.absolute().with_name(f".{out.name}.parts")
     shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir()
     try:

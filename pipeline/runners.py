@@ -2,7 +2,8 @@
 
 - `direct` (default): FnApiRunner, in memory, or `multi_processing` with `workers` processes.
 - `dask`: Beam's DaskRunner on a dask.distributed cluster: the one at `dask_address`, or a
-  local cluster of `workers` processes started here and stopped afterwards.
+  local cluster of `workers` processes started here and stopped afterwards. A scheduler that
+  cannot be reached, or workers lost beyond what Dask reschedules, is a TallyError.
 - anything else (`DataflowRunner`, `FlinkRunner`, `SparkRunner`, ...): passed to Beam by name,
   configured through the standard pipeline options in `beam_args`.
 """
@@ -48,16 +49,12 @@ def pipeline(spec: RunnerSpec, *, partitions: int = 0) -> Iterator[beam.Pipeline
             from apache_beam.runners.dask.dask_runner import DaskRunner
 
             args += [f"--dask_client_address={address}"]
-            if partitions:
-                args += [f"--dask_npartitions={partitions}"]
+            sized = ("--dask_npartitions", "--dask_partition_size")  # the user's choice wins
+            if partitions and not any(a.startswith(sized) for a in args):
+                args += [f"--dask_npartitions={min(partitions, 2 * _dask_threads(address))}"]
             p = beam.Pipeline(runner=DaskRunner(), options=PipelineOptions(args))
             yield p
-            result = p.run()
-            result.wait_until_finish()
-            # The runner's client would otherwise retry the closed scheduler for 30 s.
-            client = getattr(result, "client", None)
-            if client is not None:
-                client.close()
+            _run_on_dask(p, address)
         return
     try:
         p = beam.Pipeline(runner=spec.name, options=PipelineOptions(args))
@@ -85,3 +82,60 @@ def _dask_cluster(spec: RunnerSpec) -> Iterator[str]:
         yield cluster.scheduler_address
     finally:
         cluster.close()
+
+
+def _dask_threads(address: str) -> int:
+    """The worker threads of the cluster at `address`; TallyError when it cannot be reached.
+
+    The job's partition count is capped at twice this: the Dask runner turns each GroupByKey
+    into a task shuffle of about P x P tasks for P partitions, which on a 2-worker cluster made
+    reconcile of 1M rows take 15.5 s with P = 20 (one per input file) and 3.0 s with P = 2
+    (bench/RESULTS.md); two partitions per thread still balance uneven elements."""
+    from distributed import Client
+
+    try:
+        with Client(address, set_as_default=False) as client:
+            if not client.nthreads():  # workers still starting (a compose stack coming up)
+                with contextlib.suppress(TimeoutError):
+                    client.wait_for_workers(1, timeout=30)
+            return max(1, sum(client.nthreads().values()))
+    except OSError as exc:
+        raise TallyError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
+
+
+def _run_on_dask(p: beam.Pipeline, address: str) -> None:
+    """Run `p` on the cluster and wait; a lost worker, scheduler or cluster is a TallyError.
+
+    Dask reschedules the tasks of a worker that dies and recomputes the results it held (up
+    to `distributed.scheduler.allowed-failures` deaths per task, 3 by default); past that, or
+    with no worker left for `distributed.scheduler.no-workers-timeout`, the job fails here and
+    its tasks not yet started are cancelled (a task already running still finishes)."""
+    from distributed import CancelledError
+    from distributed.scheduler import KilledWorker, NoValidWorkerError
+
+    try:
+        result = p.run()
+    except OSError as exc:
+        raise TallyError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
+    done = False
+    try:
+        result.wait_until_finish()
+        done = True
+    except KilledWorker as exc:
+        raise TallyError(
+            f"a Dask worker died while running the job ({exc.last_worker.address}), and "
+            f"{exc.allowed_failures + 1} death(s) of a worker running the same task are more "
+            "than the cluster allows (distributed.scheduler.allowed-failures); the job did "
+            "not finish") from None
+    except NoValidWorkerError as exc:
+        raise TallyError(f"no Dask worker was left to run the job (task {exc.args[0]!r} "
+                         f"waited {exc.args[-1]} s); the job did not finish") from None
+    except CancelledError as exc:
+        raise TallyError(f"the Dask cluster at {address} dropped the job ({exc}); the job did "
+                         "not finish") from None
+    finally:
+        if not done:
+            with contextlib.suppress(Exception):  # the scheduler may be gone: nothing to cancel
+                result.cancel()
+        # The runner's client would otherwise retry the closed scheduler for 30 s.
+        result.client.close()

@@ -55,3 +55,15 @@ def test_diff_benchmark_runs(tmp_path):
                           "--mode", "in_memory", "--dir", str(tmp_path / "d")])
     assert res["rows"] == 32000 and res["same"] and res["ratio"] > 0 and res["peak"] > 0
     assert not (tmp_path / "d").exists()  # cleaned up
+
+
+def test_dask_scaling_benchmark_runs(tmp_path):
+    from bench import dask_scaling
+
+    res = dask_scaling.main(["--rows", "16000", "--records", "5000", "--file-rows", "1000",
+                             "--workers", "2", "--repeats", "1", "--dir", str(tmp_path / "d")])
+    (run,) = res["runs"]
+    assert res["same"] and run["workers"] == 2 and run["ratio"] > 0 and run["tasks"] > 0
+    assert len(run["worker_cpu"]) == 2 and all(c > 0 for c in run["worker_cpu"])
+    assert res["work"]["files"] == 16 and sum(res["work"]["read_s"]) > 0
+    assert not (tmp_path / "d").exists()  # the data is removed

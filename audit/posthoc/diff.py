@@ -154,7 +154,8 @@ def diff(*, a: RunSource, b: RunSource, manifest: str | Path, out: str | Path,
 
     if not Path(manifest).exists():
         raise TallyError(f"no manifest at {manifest}")
-    out = Path(out)
+    # Absolute: workers elsewhere do not share this process's working directory.
+    out, manifest = Path(out).absolute(), Path(manifest).absolute()
     work = out / ".work"  # under the output, which workers elsewhere must reach too
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

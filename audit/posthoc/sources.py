@@ -34,7 +34,7 @@ def run_source(path: str | Path, run_id: str, what: str = "source") -> RunSource
     """The run `run_id` in `path`: a directory is a spool, a file a ledger."""
     if not re.match(RUN_ID_PATTERN, run_id):
         raise TallyError(f"{what}: {run_id!r} is not a run id (letters, digits, '.', '_', '-')")
-    p = Path(path)
+    p = Path(path).absolute()  # workers elsewhere do not share this process's directory
     if p.is_dir():
         return RunSource(p, run_id, "spool")
     if p.is_file():

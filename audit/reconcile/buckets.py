@@ -81,7 +81,9 @@ def write(cols: dict[str, np.ndarray], bucket_size: int, buckets: int,
             col = (key if overflow and k == "key" else ordered[k])[lo:hi]
             chunks.append(memoryview(np.ascontiguousarray(col, dtype=t)).cast("B"))
         offset += (hi - lo) * row_bytes(overflow)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # Per process: a worker the scheduler gave up on may still be writing when another worker
+    # redoes the task, and two writers of one temporary file could leave holes in it.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for i in range(0, len(chunks), _IOV_MAX):

@@ -338,7 +338,9 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         raise TallyError("give exactly one of --spool or --ledger")
     if not Path(manifest).exists():
         raise TallyError(f"no manifest at {manifest}")
-    out = Path(out)
+    # Absolute paths go to the workers: on a cluster they do not share this process's working
+    # directory (the paths must name the same files there: a shared file system).
+    out, manifest = Path(out).absolute(), Path(manifest).absolute()
     # Under the output folder, so that workers on other machines can reach it when the output
     # is on a shared file system; removed when the job is done.
     work = out / ".work"
@@ -348,7 +350,7 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         if spool is not None:
             if not Path(spool).is_dir():
                 raise TallyError(f"spool {spool} is not a directory")
-            inputs = spool_inputs(Path(spool), run_id)
+            inputs = spool_inputs(Path(spool).absolute(), run_id)
         else:
             inputs = ledger_inputs(Path(ledger), run_id, work)
         plan = make_plan(run_id=run_id, manifest=manifest, files=inputs.files,
