@@ -83,7 +83,7 @@ def write_steps(spool: Path, run_id: str, *, host: int, hosts: int, steps: range
             w.write_segments(step, Segments.build(
                 row=np.arange(per_step) // 2, record_key=keys, offset=offset,
                 n_tokens=rng.integers(1, 50, per_step), content_hash=content_hash_of(keys),
-                epoch=np.full(per_step, step // 10)))
+                epoch=np.full(per_step, step % 1000 // 10)))  # epochs stay small at any step
             w.log_metric(step, "train_loss", 5.0 - step * 0.01 + host * 0.001)
             if step % 10 == 9:
                 w.log_metric(step, "heldout_loss", 5.5 - step * 0.005)

@@ -66,7 +66,9 @@ def reference(a: tuple[str, str], b: tuple[str, str], manifest: str,
                                       default=None)
     out["steps"] = {s: (int(sh[0]), int(sh[1]), int(sh[2]), int(sh[3]),
                         *steps.get(s, (0,) * 6), identical[s]) for s, sh in shape.items()}
-    out["windows"] = compare(f"step // {int(window)}")
+    # Windows of `window` steps from the first step either run consumed.
+    first = one("SELECT least((SELECT min(step) FROM eff_a), (SELECT min(step) FROM eff_b))")[0]
+    out["windows"] = compare(f"(step - {int(first or 0)}) // {int(window)}")
     out["epochs"] = compare("epoch", "epoch >= 0")
 
     con.execute("""CREATE TEMP TABLE per_record AS

@@ -63,12 +63,13 @@ def oracle(cur, run_id: str, at: int | None = None) -> dict:
     return out
 
 
-def check(srv: Server, ledger: Ledger, run_id: str) -> None:
+def check(srv: Server, ledger: Ledger, run_id: str, base: int = 0) -> None:
+    """`base`: the run's first step (steps are int64: a run may start anywhere)."""
     cur = ledger.cursor()
     try:
         full = oracle(cur, run_id)
         last = full["steps"][-1][0]
-        for at in (None, 3, 19, 20, 27, 36, last):
+        for at in (None, *(base + s for s in (3, 19, 20, 27, 36)), last):
             want = oracle(cur, run_id, at) if at is not None else full
             got = srv.get(f"/v1/runs/{run_id}/coverage" + ("" if at is None else f"?step={at}"))
             assert got.status_code == 200, got.text
@@ -86,16 +87,17 @@ def check(srv: Server, ledger: Ledger, run_id: str) -> None:
         assert got == [tuple(map(int, r)) for r in full["steps"]]
         assert series["cumulative_unique"][-1] == sum(r[4] for r in full["steps"])
         # Bucketed over a sub-range: sums of the per-step rows, coverage from the start.
-        b = srv.get(f"/v1/runs/{run_id}/steps?start=5&end=33&bucket=7").json()
-        rows = [r for r in full["steps"] if 5 <= r[0] <= 33]
-        assert b["step"] == list(range(5, min(33, last) + 1, 7))
+        lo, hi = base + 5, base + 33
+        b = srv.get(f"/v1/runs/{run_id}/steps?start={lo}&end={hi}&bucket=7").json()
+        rows = [r for r in full["steps"] if lo <= r[0] <= hi]
+        assert b["step"] == list(range(lo, min(hi, last) + 1, 7))
         for i, s0 in enumerate(b["step"]):
             part = [r for r in rows if s0 <= r[0] < s0 + 7]
             assert b["exposures"][i] == sum(r[3] for r in part)
             assert b["new_unique"][i] == sum(r[4] for r in part)
             assert b["repeats"][i] == b["exposures"][i] - b["new_unique"][i]
             assert b["cumulative_unique"][i] == sum(r[4] for r in full["steps"]
-                                                    if r[0] < min(s0 + 7, 34))
+                                                    if r[0] < min(s0 + 7, hi + 1))
         h = srv.get(f"/v1/runs/{run_id}/hosts").json()
         got = [(p["host"], p["segments"], p["tokens"], p["exposures"], p["unique"],
                 p["overlap_with_others"]) for p in h["per_host"] if p["segments"]]
@@ -118,29 +120,37 @@ def check(srv: Server, ledger: Ledger, run_id: str) -> None:
         cur.close()
 
 
-def test_aggregate_endpoints_match_sql_over_effective_consumption(tmp_path):
+# Steps are int64 end to end: the same run from step 0, and from just below 2^32 (its steps
+# cross both 2^31 and 2^32, where an int32 or uint32 anywhere would wrap).
+@pytest.mark.parametrize("base", [0, 2**32 - 25])
+def test_aggregate_endpoints_match_sql_over_effective_consumption(tmp_path, base):
     spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
     common = {"n": N + 3, "flush_every": 4}  # keys N.. are outside the train universe
+
+    def steps(a: int, b: int) -> range:
+        return range(base + a, base + b)
+
     with Ledger(path) as ledger, Server(create_app(ledger, records=N)) as srv:
         for h in (0, 1):
-            write_steps(spool, "r", host=h, hosts=3, steps=range(30), seed=h, **common)
+            write_steps(spool, "r", host=h, hosts=3, steps=steps(0, 30), seed=h, **common)
         ingest(spool, ledger)
-        check(srv, ledger, "r")
+        check(srv, ledger, "r", base)
         # Attempt 1 resumes from step 20: attempt 0's rows at steps >= 20 leave the lineage.
         for h in (0, 1, 2):
-            write_steps(spool, "r", host=h, hosts=3, steps=range(20, 40), seed=10 + h,
-                        attempt=1, resumed=20, **common)
+            write_steps(spool, "r", host=h, hosts=3, steps=steps(20, 40), seed=10 + h,
+                        attempt=1, resumed=base + 20, **common)
         ingest(spool, ledger)
-        check(srv, ledger, "r")
+        check(srv, ledger, "r", base)
         # Host 2's files of attempt 0 arrive late: only their steps < 20 count.
-        write_steps(spool, "r", host=2, hosts=3, steps=range(30), seed=2, **common)
+        write_steps(spool, "r", host=2, hosts=3, steps=steps(0, 30), seed=2, **common)
         ingest(spool, ledger)
         # Attempt 2 resumes from 35: attempt 1's steps >= 35 roll back, attempt 0 keeps < 20.
         for h in (0, 1, 2):
-            write_steps(spool, "r", host=h, hosts=3, steps=range(35, 45), seed=20 + h,
-                        attempt=2, resumed=35, **common)
+            write_steps(spool, "r", host=h, hosts=3, steps=steps(35, 45), seed=20 + h,
+                        attempt=2, resumed=base + 35, **common)
         ingest(spool, ledger)
-        check(srv, ledger, "r")
+        check(srv, ledger, "r", base)
+        assert ledger.query("SELECT min(step) AS s FROM consumption")[0]["s"] == base
         rolled = ledger.query("SELECT count(*) AS n FROM rolled_back_consumption")[0]["n"]
         assert rolled > 0
         state = ledger._aggregates.runs[1]

@@ -28,10 +28,12 @@ def _manifest(path):
     return path
 
 
-def _run(spool, keys_of, *, repeat_bonus: float, epochs: int = 1, seed: int = 0):
+def _run(spool, keys_of, *, repeat_bonus: float, epochs: int = 1, seed: int = 0,
+         first: int = 0):
     """4 hosts x 2 rows a step; `keys_of(h, e)` is host h's order of records in epoch e. The
     loss falls with training, and an exposure of a record seen before scores `repeat_bonus`
-    lower. Held-out loss stays flat while the train loss the loop logs falls."""
+    lower. Held-out loss stays flat while the train loss the loop logs falls. Steps start at
+    `first`."""
     rng = np.random.default_rng(seed)
     steps = N // 8
     orders = {(h, e): keys_of(h, e) for h in range(4) for e in range(epochs)}
@@ -50,16 +52,16 @@ def _run(spool, keys_of, *, repeat_bonus: float, epochs: int = 1, seed: int = 0)
             for e in range(epochs):
                 order = orders[h, e]
                 for s in range(steps):
-                    step = e * steps + s
+                    step = first + e * steps + s
                     keys = order[2 * s: 2 * s + 2]
-                    loss = 5.0 - 0.004 * step + rng.normal(0, 0.3, 2)
+                    loss = 5.0 - 0.004 * (step - first) + rng.normal(0, 0.3, 2)
                     loss -= repeat_bonus * again[h, e, s]
                     w.write_segments(step, Segments.build(
                         row=np.arange(2), record_key=keys, n_tokens=np.full(2, 10),
                         content_hash=keys.astype(np.uint64), epoch=np.full(2, e), loss=loss))
-                    if h == 0 and step % 50 == 49:
+                    if h == 0 and (step - first) % 50 == 49:
                         w.log_metric(step, "heldout_loss", 5.0)
-                        w.log_metric(step, "train_loss", 5.0 - 0.004 * step - 0.2 * e)
+                        w.log_metric(step, "train_loss", 5.0 - 0.004 * (step - first) - 0.2 * e)
             w.finish()
 
 
@@ -67,8 +69,9 @@ def _per_host_seed(h, e):
     return np.random.default_rng(100 * e + h).permutation(N)[: N // 4]
 
 
-def test_repeats_that_score_lower_flatter_the_loss_and_are_found(tmp_path):
-    _run(tmp_path / "spool", _per_host_seed, repeat_bonus=0.4)
+@pytest.mark.parametrize("first", [0, 2**33])  # steps are int64: a run may start anywhere
+def test_repeats_that_score_lower_flatter_the_loss_and_are_found(tmp_path, first):
+    _run(tmp_path / "spool", _per_host_seed, repeat_bonus=0.4, first=first)
     r = reconcile(run_id="r", manifest=_manifest(tmp_path / "m.parquet"),
                   out=tmp_path / "rep", spool=tmp_path / "spool")
     (f,) = [f for f in r["findings"] if f["code"] == "loss_flattered"]
@@ -78,6 +81,7 @@ def test_repeats_that_score_lower_flatter_the_loss_and_are_found(tmp_path):
     assert "train loss on repeated records is 0.3" in f["message"] or \
         "train loss on repeated records is 0.4" in f["message"]
     windows = r["loss"]["windows"]
+    assert windows[0]["first_step"] == first and f["numbers"]["since_step"] >= first
     assert sum(w["excess"]["exposures"] for w in windows) == \
         r["coverage"]["epoch_duplicates"]  # one epoch: every repeat is beyond the ideal
     # The ledger holds the same losses, and a reconcile from it finds the same.

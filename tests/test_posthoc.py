@@ -95,6 +95,25 @@ def test_diff_agrees_with_sql_on_random_ledgers(random_ledger, tmp_path, at_step
     assert html.count("<svg") >= 4 and "http" not in html.replace("http-equiv", "")
 
 
+def test_diff_agrees_with_sql_at_int64_steps(tmp_path):
+    # Both runs from just below 2^33, B a few steps later: the steps cross 2^33, and any int32
+    # or uint32 on the way wraps.
+    rng = np.random.default_rng(13)
+    man = write_manifest(tmp_path / "m.parquet", 300, 20, rng)
+    random_run(tmp_path / "spool", man, 300, rng, run_id="r", first=2**33 - 9)
+    random_run(tmp_path / "spool", man, 300, rng, run_id="s", first=2**33 - 4)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        assert not ingest(tmp_path / "spool", ledger).quarantined
+    d = diff(a=run_source(tmp_path / "spool", "r"), b=run_source(tmp_path / "l.duckdb", "s"),
+             manifest=tmp_path / "m.parquet", out=tmp_path / "d", window=4, bucket_records=97)
+    want = agrees(d, tmp_path / "d", (tmp_path / "l.duckdb", "r"), (tmp_path / "l.duckdb", "s"),
+                  tmp_path / "m.parquet")
+    assert d["first_divergent_step"] == want["first_divergent_step"] == 2**33 - 9
+    assert d["a"]["first_step"] == 2**33 - 9 and d["b"]["first_step"] == 2**33 - 4
+    first_seen = pq.read_table(tmp_path / "d" / "records")["first_step_b"].to_numpy()
+    assert first_seen[first_seen >= 0].min() == 2**33 - 4
+
+
 def test_a_run_against_itself_from_spool_and_ledger_is_identical(random_ledger, tmp_path):
     tmp = random_ledger
     d = diff(a=run_source(tmp / "spool", "s"), b=run_source(tmp / "l.duckdb", "s"),

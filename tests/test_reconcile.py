@@ -8,13 +8,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from audit.core.errors import TallyError
 from audit.hook.segments import Segments
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
 from audit.reconcile import reconcile
-from audit.reconcile.partials import Spans
-from audit.reconcile.plan import make_plan
+from audit.reconcile.partials import MaxSpans, Spans
+from audit.reconcile.plan import MAX_RUN_STEPS, make_plan
 from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
 from pipeline.runners import RunnerSpec
 from tests.sql_reference import from_report, reference
@@ -77,11 +78,12 @@ def random_step(rng, man, n_train, rows=4):
     return Segments.build(**{k: np.array(v) for k, v in out.items()})
 
 
-def random_run(spool, man, n_train, rng, run_id="r"):
-    """Attempts with restarts (some on other host counts), exact and inexact replays."""
+def random_run(spool, man, n_train, rng, run_id="r", first=0):
+    """Attempts with restarts (some on other host counts), exact and inexact replays, from
+    step `first`."""
     man = {k: man[k].to_numpy() for k in ("record_key", "n_tokens", "content_hash")}
     attempts = int(rng.integers(1, 4))
-    start, history = 0, {}
+    start, history = first, {}
     for a in range(attempts):
         hosts = int(rng.integers(1, 5))
         steps = int(rng.integers(8, 20))
@@ -98,10 +100,10 @@ def random_run(spool, man, n_train, rng, run_id="r"):
                 w.write_segments(step, segs)
         for w in writers:
             w.close()
-        start = max(1, start + steps - int(rng.integers(1, 6)))
+        start = max(first + 1, start + steps - int(rng.integers(1, 6)))
 
 
-def _agree(tmp_path, seed, runner=None, at_step=None):
+def _agree(tmp_path, seed, runner=None, at_step=None, first=0):
     rng = np.random.default_rng(seed)
     n_train, n_heldout = int(rng.integers(200, 600)), 20
     # Odd seeds: row groups of 50 records, so that buckets are cut on row-group boundaries
@@ -109,7 +111,7 @@ def _agree(tmp_path, seed, runner=None, at_step=None):
     man = write_manifest(tmp_path / "m.parquet", n_train, n_heldout, rng,
                          row_group=50 if seed % 2 else None)
     spool = tmp_path / "spool"
-    random_run(spool, man, n_train, rng)
+    random_run(spool, man, n_train, rng, first=first)
     with Ledger(tmp_path / "l.duckdb") as ledger:
         assert not ingest(spool, ledger).quarantined
     want = reference(str(tmp_path / "l.duckdb"), str(tmp_path / "m.parquet"), "r", at_step)
@@ -143,6 +145,17 @@ def test_beam_on_fnapi_multi_processing_agrees_with_sql(tmp_path):
 
 def test_beam_agrees_with_sql_as_of_a_step(tmp_path):
     _agree(tmp_path, 5, at_step=9)
+
+
+def test_beam_agrees_with_sql_at_int64_steps(tmp_path):
+    # From just below 2^33: the steps cross it, and any int32 or uint32 on the way wraps.
+    first = 2**33 - 7
+    report = _agree(tmp_path, 5, first=first)
+    assert report["consumption"]["first_step"] == first
+    assert report["first_bad_step"] >= first  # records repeat: the oracle agreed on where
+    assert all(w["first_step"] >= first for w in report["loss"]["windows"])
+    (tmp_path / "at").mkdir()
+    _agree(tmp_path / "at", 6, at_step=first + 12, first=first)
 
 
 def test_beam_on_dask_agrees_with_sql(tmp_path):
@@ -190,16 +203,26 @@ def test_a_group_delivered_twice_with_different_values_is_refused(tmp_path):
         load_partials(tmp_path)
 
 
-def test_spans_merge_to_the_dense_sum_of_their_pieces():
+@pytest.mark.parametrize("base", [0, 2**33 + 5])  # steps are int64: series may start anywhere
+def test_spans_merge_to_the_dense_sum_of_their_pieces(base):
     rng = np.random.default_rng(0)
-    want, total = np.zeros(5000, np.int64), None
+    want, top, total, peak = np.zeros(5000, np.int64), np.zeros(5000, np.int64), None, None
     for _ in range(3 * Spans.MAX_PIECES):  # folds into one piece along the way
         lo, counts = int(rng.integers(3, 4000)), rng.integers(0, 9, int(rng.integers(1, 900)))
         want[lo:lo + len(counts)] += counts
-        total = Spans([(lo, counts)]) if total is None else total + Spans([(lo, counts)])
-    assert len(total.pieces) <= Spans.MAX_PIECES
-    got = total.dense()
-    assert np.array_equal(got, want[:len(got)]) and not want[len(got):].any()
+        top[lo:lo + len(counts)] = np.maximum(top[lo:lo + len(counts)], counts)
+        piece, high = Spans([(base + lo, counts)]), MaxSpans([(base + lo, counts)])
+        total = piece if total is None else total + piece
+        peak = high if peak is None else peak + high
+    assert len(total.pieces) <= Spans.MAX_PIECES and len(peak.pieces) <= Spans.MAX_PIECES
+    first, last = np.flatnonzero(want)[[0, -1]]
+    assert total.first() == base + first
+    assert np.array_equal(total.dense(), want[first:last + 1])
+    assert np.array_equal(total.dense(base, base + 4999), want)  # zero outside the pieces
+    assert np.array_equal(total.dense(base + 100, base + 200), want[100:201])
+    assert np.array_equal(peak.dense(base, base + 4999), top)
+    assert isinstance(peak, MaxSpans) and Spans().dense().size == 0
+    assert np.array_equal(Spans().dense(base, base + 2), np.zeros(3))  # nothing counted
 
 
 def test_buckets_follow_the_manifests_row_groups(tmp_path):
@@ -213,21 +236,41 @@ def test_buckets_follow_the_manifests_row_groups(tmp_path):
         assert (plan.bucket_size, plan.buckets) == (size, -(-1000 // size)), row_group
 
 
-@pytest.mark.parametrize("hosts", [1, 3, 8, 11, 16, 20])
+@pytest.mark.parametrize("hosts", [1, 3, 8, 11, 16, 20, 64, 128, 256, 1024])
 def test_host_sets_match_a_record_by_record_count(hosts):
-    from audit.reconcile.bucket_stats import _host_sets
+    from audit.reconcile.bucket_stats import PAIRS_UP_TO, _host_sets
 
     rng = np.random.default_rng(hosts)
     n = 300
     j, host = rng.integers(0, n, 900), rng.integers(0, hosts, 900)
+    # A few records on many hosts (the dense product's share), one on every host.
+    wide = [(r, h) for r, k in ((0, hosts), (1, min(hosts, PAIRS_UP_TO + 1)), (2, 40))
+            for h in rng.permutation(hosts)[:k]]
+    j = np.r_[j, [r for r, _ in wide]]
+    host = np.r_[host, [h for _, h in wide]]
     train = rng.random(n) < 0.9
-    sets = [set() for _ in range(n)]
-    for r, h in zip(j.tolist(), host.tolist(), strict=True):
-        sets[r].add(h)
+    train[:3] = True
+    seen = np.zeros((n, hosts), bool)  # the oracle: a dense record x host table
+    seen[j, host] = True
+    tr = seen[train].astype(np.int64)
     unique, others, overlap, n_hosts = _host_sets(j, host, n, hosts, train)
-    tr = [s for s, t in zip(sets, train, strict=True) if t]
-    assert unique.tolist() == [sum(h in s for s in tr) for h in range(hosts)]
-    assert others.tolist() == [sum(h in s and len(s) > 1 for s in tr) for h in range(hosts)]
-    assert overlap.tolist() == [[sum(a in s and b in s for s in tr) for b in range(hosts)]
-                                for a in range(hosts)]
-    assert n_hosts.tolist() == [len(s) for s in sets]
+    assert unique.tolist() == tr.sum(axis=0).tolist()
+    assert others.tolist() == tr[tr.sum(axis=1) > 1].sum(axis=0).tolist()
+    assert np.array_equal(overlap, tr.T @ tr)
+    assert n_hosts.tolist() == seen.sum(axis=1).tolist()
+    assert hosts == 1 or overlap[:, 0].sum() > unique[0]  # records shared with host 0 are here
+
+
+def test_a_run_spanning_more_than_max_run_steps_is_refused_in_one_line(tmp_path):
+    rng = np.random.default_rng(0)
+    man = write_manifest(tmp_path / "m.parquet", 100, 0, rng)
+    keys = {k: man[k].to_numpy() for k in ("record_key", "n_tokens", "content_hash")}
+    for host, step in ((0, 3), (1, 3 + MAX_RUN_STEPS)):  # 2^31 + 1 steps from first to last
+        with LedgerWriter(tmp_path / "spool", "r", host=host, host_count=2, fsync=False) as w:
+            w.write_segments(step, Segments.build(
+                row=np.zeros(1), record_key=keys["record_key"][:1],
+                n_tokens=keys["n_tokens"][:1], content_hash=keys["content_hash"][:1]))
+    with pytest.raises(TallyError, match=r"spans steps 3\.\.2147483651, 2,147,483,649 steps"):
+        reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "out",
+                  spool=tmp_path / "spool")
+    assert not (tmp_path / "out").exists()

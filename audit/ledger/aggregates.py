@@ -256,7 +256,7 @@ def _recompute(cur: duckdb.DuckDBPyConnection, run: int | None = None,
         m = runs == r
         rec = Records(
             np.asarray(res["record_key"], np.int64)[m], np.asarray(res["exposures"], np.int32)[m],
-            np.stack([np.asarray(res[c], np.int32)[m] for c in ("step1", "step2", "step3")],
+            np.stack([np.asarray(res[c], np.int64)[m] for c in ("step1", "step2", "step3")],
                      axis=1),
             np.asarray(res["hosts"], np.uint64)[m], np.asarray(res["epochs"], np.uint64)[m],
             np.asarray(res["epoch_exposures"], np.int32)[m])

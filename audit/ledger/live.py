@@ -139,7 +139,7 @@ class LiveLedger:
             out = {}
             for run in runs:
                 st = self.agg.runs.get(run)
-                out[run] = ((np.zeros(0, np.int32), np.zeros((0, 3), np.int32)) if st is None
+                out[run] = ((np.zeros(0, np.int32), np.zeros((0, 3), np.int64)) if st is None
                             else (st.exposures[: st.size].copy(),
                                   st.data["steps"][: st.size].copy()))
             return out

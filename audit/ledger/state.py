@@ -2,7 +2,7 @@
 run, so that each batch of files updates the aggregates by what it touches (audit.ledger.
 aggregates).
 
-One 40-byte row per record key: exposures (effective record starts), those whose epoch is
+One 48-byte row per record key: exposures (effective record starts), those whose epoch is
 known, the three earliest exposure steps, the set of hosts and the set of epochs. Keeping it as
 a DuckDB table was measured at ~0.1 s per 100k-row file for the join alone (10M records) and
 1.6 s with an indexed upsert; one packed numpy row per record costs one cache miss to read and
@@ -20,15 +20,14 @@ from audit.core.exposure import effective_before, starts
 
 HOST_BITS = 64  # host sets are uint64 masks: overlap is tracked for hosts 0..63
 EPOCH_BITS = 64  # epoch sets are masks of epoch % 64: exact for runs of fewer than 64 epochs
-NO_STEP = np.iinfo(np.int32).max
+NO_STEP = np.iinfo(np.int64).max  # steps are int64 end to end (audit.core.schema.MAX_STEP)
 
 # One record's state. Fields are aligned so that column views are plain strided arrays; the
-# whole row moves as one 40-byte item (np.take / np.put on a void view), which is what keeps
+# whole row moves as one 48-byte item (np.take / np.put on a void view), which is what keeps
 # the random-key gathers and scatters of a batch cheap.
 STATE = np.dtype([("exposures", "<i4"),  # effective record starts
                   ("epoch_exposures", "<i4"),  # exposures whose epoch is known
-                  ("steps", "<i4", (3,)),  # the three earliest exposure steps, NO_STEP if fewer
-                  ("padding", "<i4"),
+                  ("steps", "<i8", (3,)),  # the three earliest exposure steps, NO_STEP if fewer
                   ("hosts", "<u8"),  # mask of hosts < HOST_BITS
                   ("epochs", "<u8")])  # mask of epoch % EPOCH_BITS, known epochs only
 _ROW = np.dtype((np.void, STATE.itemsize))  # a whole row as one item
@@ -45,7 +44,7 @@ class Records:
 
     keys: np.ndarray  # int64, sorted, unique
     exposures: np.ndarray  # int32
-    steps: np.ndarray  # int32 [n, 3]: the three earliest exposure steps, NO_STEP when fewer
+    steps: np.ndarray  # int64 [n, 3]: the three earliest exposure steps, NO_STEP when fewer
     hosts: np.ndarray  # uint64 mask of hosts < HOST_BITS
     epochs: np.ndarray  # uint64 mask of epoch % EPOCH_BITS, known epochs only
     epoch_exposures: np.ndarray  # int32: exposures whose epoch is known
@@ -54,7 +53,7 @@ class Records:
     def empty(cls, keys: np.ndarray) -> Records:
         n = len(keys)
         return cls(np.asarray(keys, np.int64), np.zeros(n, np.int32),
-                   np.full((n, 3), NO_STEP, np.int32), np.zeros(n, np.uint64),
+                   np.full((n, 3), NO_STEP, np.int64), np.zeros(n, np.uint64),
                    np.zeros(n, np.uint64), np.zeros(n, np.int32))
 
     @classmethod
@@ -66,7 +65,6 @@ class Records:
 
     def rows(self) -> np.ndarray:
         rows = np.empty(len(self.keys), STATE)
-        rows["padding"] = 0
         for f in ("exposures", "epoch_exposures", "steps", "hosts", "epochs"):
             rows[f] = getattr(self, f)
         return rows

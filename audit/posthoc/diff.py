@@ -33,7 +33,7 @@ from audit.reconcile.job import (
     write_part,
 )
 from audit.reconcile.partials import Partial, merge_all
-from audit.reconcile.plan import Plan, bucket_records_for, make_plan
+from audit.reconcile.plan import MAX_RUN_STEPS, Plan, bucket_records_for, make_plan
 from pipeline.runners import RunnerSpec, pipeline
 
 WINDOWS = 20  # windows of steps when --window is not given: about this many over the runs
@@ -50,6 +50,11 @@ class DiffPlan:
     @property
     def layout(self) -> Plan:
         return self.runs["a"]
+
+    @property
+    def first_step(self) -> int:
+        """The first step either run consumed: the job's per-step series start here."""
+        return min(p.first_step for p in self.runs.values())
 
     @property
     def last_step(self) -> int:
@@ -82,7 +87,11 @@ def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Pa
     plan = DiffPlan(runs, sources, 1)
     if window is not None and window < 1:
         raise TallyError("--window must be >= 1 step")
-    plan.window = window or max(1, -(-(plan.last_step + 1) // WINDOWS))
+    span = plan.last_step - plan.first_step + 1
+    if span > MAX_RUN_STEPS:
+        raise TallyError(f"the runs span steps {plan.first_step}..{plan.last_step} together, "
+                         f"{span:,} steps: a diff may span at most {MAX_RUN_STEPS:,}")
+    plan.window = window or max(1, -(-max(span, 1) // WINDOWS))
     return plan
 
 
@@ -104,8 +113,11 @@ class CompareBucket(beam.DoFn):
         overflow = bucket == layout.buckets
         slices = {r: list(grouped[r]) for r in RUNS}
         rows = {r: buckets.read(slices[r], overflow=overflow) for r in RUNS}
+        first = self.plan.first_step
+        for r in RUNS:  # steps since the first step of either run: the series and windows
+            rows[r]["step"] -= first
         out, records = diff_bucket.compute(manifest_bucket(layout, bucket), rows,
-                                           bucket * layout.bucket_size, self.plan.window)
+                                           bucket * layout.bucket_size, self.plan.window, first)
         out.slices_joined = {r: len(slices[r]) for r in RUNS}
         if records is not None:
             write_part(records, Path(self.parts, f"part-{bucket:06d}.parquet"))

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
+from audit.core.arrays import distinct
 from audit.posthoc.multiset import compare_groups, dense_codes
 from audit.reconcile.bucket_stats import bincount
 from audit.reconcile.partials import EXAMPLES, Mergeable, Partial, merged_by, summed
@@ -102,27 +103,28 @@ def _starts(man: dict | None, c: dict[str, np.ndarray], base: int) -> dict[str, 
 
 
 def compute(man: dict | None, rows: dict[str, dict[str, np.ndarray]], base: int,
-            window: int) -> tuple[DiffPartial, pa.Table | None]:
+            window: int, first_step: int = 0) -> tuple[DiffPartial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `rows[r]`: run r's
-    effective rows in this bucket (audit.reconcile.buckets); `base`: the bucket's first key;
-    `window`: steps per window. Returns the bucket's partial and its per-record table."""
+    effective rows in this bucket (audit.reconcile.buckets), steps counted from `first_step`
+    (the first step of either run); `base`: the bucket's first key; `window`: steps per
+    window. Returns the bucket's partial and its per-record table."""
     st = {r: _starts(man, rows[r], base) for r in RUNS}
     n = 0 if man is None else len(man["record_key"])
     out = DiffPartial(rows_joined={r: len(rows[r]["step"]) for r in RUNS},
                       exposures={r: len(st[r]["step"]) for r in RUNS},
-                      unknown_keys={r: len(np.unique(st[r]["whole"][st[r]["row"] < 0]))
+                      unknown_keys={r: len(distinct(st[r]["whole"][st[r]["row"] < 0]))
                                     for r in RUNS},
                       unknown_exposures={r: int((st[r]["row"] < 0).sum()) for r in RUNS})
 
     # Group comparisons over every start: a key is its manifest row, or beyond the rows a
     # rank among the bucket's unknown keys (whole keys may not fit 32 bits).
     unknown = np.concatenate([st[r]["whole"][st[r]["row"] < 0] for r in RUNS])
-    _, distinct = dense_codes(unknown)
+    _, unknown_sorted = dense_codes(unknown)
     code = {}
     for r in RUNS:
         c = st[r]["row"].copy()
         out_of = c < 0
-        c[out_of] = n + np.searchsorted(distinct, st[r]["whole"][out_of])
+        c[out_of] = n + np.searchsorted(unknown_sorted, st[r]["whole"][out_of])
         code[r] = c
     a, b = st["a"], st["b"]
     out.steps = asdict(compare_groups(a["step"], code["a"], b["step"], code["b"]))
@@ -145,7 +147,7 @@ def compute(man: dict | None, rows: dict[str, dict[str, np.ndarray]], base: int,
         e[r] = _bincount(row, n)
         f = np.full(n, np.iinfo(np.int64).max, np.int64)
         np.minimum.at(f, row, step)
-        first[r] = np.where(e[r] > 0, f, -1)
+        first[r] = np.where(e[r] > 0, f, -1)  # since first_step (made absolute below)
         out.heldout_exposures[r] = int(e[r][~train].sum())
         out.heldout_records[r] = int((e[r][~train] > 0).sum())
         # Coverage of the train split: exposures per step, records first seen per step.
@@ -194,7 +196,7 @@ def compute(man: dict | None, rows: dict[str, dict[str, np.ndarray]], base: int,
         "split": _strings(man, "split"),
         "domain": _strings(man, "domain"),
         "exposures_a": ea, "exposures_b": eb, "difference": ea - eb,
-        "first_step_a": first["a"], "first_step_b": first["b"],
+        **{f"first_step_{r}": np.where(first[r] >= 0, first[r] + first_step, -1) for r in RUNS},
     }, schema=RECORDS_SCHEMA)
     return out, records
 

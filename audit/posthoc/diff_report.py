@@ -54,10 +54,12 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
     job's merged partials."""
     layout = plan.layout
     n = layout.train_records
-    n_steps = plan.last_step + 1
+    # Per-step series run from the first step either run consumed (steps are int64).
+    base, last = plan.first_step, plan.last_step
+    n_steps = max(0, last - base + 1)
     read = {r: m.read.get(r, Partial()) for r in RUNS}
-    seg = {r: _padded(read[r].step_segments.dense(), n_steps) for r in RUNS}
-    tok = {r: _padded(read[r].step_tokens.dense(), n_steps) for r in RUNS}
+    seg = {r: _padded(read[r].step_segments.dense(base, last), n_steps) for r in RUNS}
+    tok = {r: _padded(read[r].step_tokens.dense(base, last), n_steps) for r in RUNS}
     s = _groups(m.steps, n_steps)
 
     # ---- per step ----
@@ -75,7 +77,7 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
         ideal[r] = np.asarray(exposure.ideal_coverage(cum_exp, n)) if n else cov[r] * 0.0
     step_ids = np.arange(n_steps)
     steps = pa.table({
-        "step": step_ids[present],
+        "step": (base + step_ids)[present],
         **{f"segments_{r}": seg[r][present] for r in RUNS},
         **{f"tokens_{r}": tok[r][present] for r in RUNS},
         **{f"exposures_{r}": s[f"size_{r}"][present] for r in RUNS},
@@ -97,8 +99,8 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
     win_identical = np.bincount(win_of[identical], minlength=n_win)
     win_same = (win["l1"] == 0) & (win_present > 0)
     windows = pa.table({
-        "window": np.arange(n_win), "first_step": np.arange(n_win) * w,
-        "last_step": np.minimum(np.arange(n_win) * w + w - 1, n_steps - 1),
+        "window": np.arange(n_win), "first_step": base + np.arange(n_win) * w,
+        "last_step": base + np.minimum(np.arange(n_win) * w + w - 1, n_steps - 1),
         "steps_compared": win_present, "identical_steps": win_identical,
         **{f"exposures_{r}": win[f"size_{r}"] for r in RUNS},
         **{f"records_{r}": win[f"distinct_{r}"] for r in RUNS},
@@ -169,7 +171,8 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
         status = "same_data_other_order"
     else:
         status = "different"
-    first_div = _first(differ)
+    div_at = _first(differ)
+    first_div = None if div_at is None else base + div_at
     hist = sorted(m.difference_histogram.items())
     report: dict[str, Any] = {
         "diff_version": DIFF_VERSION,
@@ -188,7 +191,7 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
         "jaccard": {"mean": float(jac[present].mean()) if compared else None,
                     "min": float(jac[present].min()) if compared else None,
                     "at_first_divergent_step": None if first_div is None
-                    else float(jac[first_div])},
+                    else float(jac[div_at])},
         "records": {"compared": m.records, "only_a": m.only_a, "only_b": m.only_b,
                     "same": m.same, "more_often_a": m.more_a, "more_often_b": m.more_b,
                     "neither": m.records - m.only_a - m.only_b - m.same - m.more_a

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from audit.core.arrays import distinct
 from audit.core.errors import TallyError
 from audit.core.exposure import effective, effective_sql, rolled_back_from, start_sql, starts
 from audit.hook.spool import BadFile, read_checked
@@ -87,8 +88,8 @@ class ManifestHashes:
         """(document index, record key) for every record whose hash equals a document's, in
         document then key order. One vectorised pass over the manifest's hashes."""
         hashes = np.asarray(hashes, np.uint64)
-        distinct = np.unique(hashes)
-        keys = np.flatnonzero(pc.is_in(self.content_hash, value_set=pa.array(distinct))
+        distinct_hashes = distinct(hashes)
+        keys = np.flatnonzero(pc.is_in(self.content_hash, value_set=pa.array(distinct_hashes))
                               .to_numpy(zero_copy_only=False))
         by_hash = np.argsort(self.content_hash.to_numpy()[keys], kind="stable")
         keys = keys[by_hash]
@@ -216,7 +217,7 @@ def consumed_in_ledger(cur: duckdb.DuckDBPyConnection, run: int,
         return CONSUMED_SCHEMA.empty_table()
     # A name of this cursor's own (each thread of the service reads with its own cursor).
     name = f"tally_wanted_{threading.get_ident()}"
-    cur.register(name, pa.table({"k": pa.array(np.unique(keys), pa.int64())}))
+    cur.register(name, pa.table({"k": pa.array(distinct(keys), pa.int64())}))
     try:
         return cur.sql(f"""
             SELECT {_AGGREGATE} FROM (
@@ -239,7 +240,7 @@ def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
     found = spool_inputs(spool, run_id)
     files, attempts = found.files, found.attempts
     cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
-    wanted = pa.array(np.unique(keys), pa.int64())
+    wanted = pa.array(distinct(keys), pa.int64())
 
     def rows(f) -> pa.Table | str:
         try:
@@ -389,8 +390,8 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
                    "path": str(spool if spool is not None else ledger)},
         "documents": len(docs_),
         "unknown_record_keys": int((~docs_.known).sum()),
-        "matched": int(len(np.unique(doc))),
-        "matched_records": int(len(np.unique(key))),
+        "matched": int(len(distinct(doc))),
+        "matched_records": int(len(distinct(key))),
         **summarize(table, len(docs_), runs),
         "skipped_files": {r: s[:MAX_EXAMPLES] for r, s in skipped.items() if s},
     }

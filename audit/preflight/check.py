@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from audit.core.arrays import distinct
 from audit.core.errors import NotFound, TallyError
 from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger, one
@@ -301,7 +302,7 @@ def _plan_findings(plans, run: _Run, n: int, epoch: int, step: int, reached: boo
     numbers["consumed_in_epoch"] = int((consumed // n == epoch).sum())
     numbers["planned_in_epoch"] = int((idx // n == epoch).sum())
     again = np.isin(idx, consumed)
-    repeats = len(np.unique(idx[again]))
+    repeats = len(distinct(idx[again]))
     numbers["repeats"] = repeats
     if repeats:
         bad_steps.append(at[again])

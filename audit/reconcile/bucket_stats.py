@@ -1,9 +1,10 @@
 """Per-record exposure for one record-key bucket: partial aggregates and the per-record rows.
 
 Everything is vectorised over the bucket's rows: one sort of a packed int64 key
-(`(record << 32) | step`; a second, `(record << 32) | epoch`, only when epochs are too many to
-count in place), bincounts, and for the host overlap a histogram of each record's set of hosts
-(a matrix product beyond 16 hosts). No per-row Python objects.
+(`(record << 32) | steps since the bucket's first`; a second, `(record << 32) | epoch`, only
+when epochs are too many to count in place), bincounts, and for the host overlap a histogram
+of each record's set of hosts (beyond 16 hosts, each record's host pairs and a matrix product
+over the records on many hosts). No per-row Python objects.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from audit.reconcile.partials import EXAMPLES, RANK_CAP, Partial
+from audit.core.arrays import distinct
+from audit.reconcile.partials import EXAMPLES, RANK_CAP, MaxSpans, Partial, Spans
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
 # Per-record exposure: one row per manifest record (report's records/ table).
@@ -42,10 +44,10 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
 
 
 def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
-            loss_window: int = 1) -> tuple[Partial, pa.Table | None]:
+            loss_window: int = 1, run_first_step: int = 0) -> tuple[Partial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
-    consumption rows (audit.reconcile.buckets). Returns the bucket's partial and its
-    per-record table."""
+    consumption rows (audit.reconcile.buckets); `run_first_step`: the run's first step, where
+    the loss windows start. Returns the bucket's partial and its per-record table."""
     if man is None:  # the overflow bucket: whole keys, none in the manifest
         keys, known = c["key"], np.zeros(len(c["key"]), dtype=bool)
     else:  # keys as offsets from the bucket's first key: the manifest row within the bucket
@@ -54,7 +56,7 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
         known = j < n  # all but keys past the manifest's end, in its last bucket
         keys = j[~known] + man["record_key"][0]
     unknown = ~known
-    out = Partial(unknown_segments=int(unknown.sum()), unknown_keys=int(np.unique(keys).size),
+    out = Partial(unknown_segments=int(unknown.sum()), unknown_keys=int(distinct(keys).size),
                   unknown_examples=_examples(keys, c["step"][unknown], c["host"][unknown]))
     if man is None:
         return out, None
@@ -83,7 +85,11 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
     # highest rank per step (the driver finds the first step whose highest rank exceeds what a
     # perfect loader allows by then: the first bad step).
     ev = starts if every else starts & train[j]
-    packed = (j[ev] << 32) | step[ev]
+    # Steps are int64: the series of this bucket start at its first step (`lo`), and the sort
+    # key packs the record with the step relative to it (a run spans fewer than 2^31 steps:
+    # audit.reconcile.plan.MAX_RUN_STEPS).
+    lo = int(step.min()) if step.size else 0
+    packed = (j[ev] << 32) | (step[ev] - lo)
     losses = c["loss"][ev] if "loss" in c else np.zeros(0, np.float32)
     with_loss = bool(np.isfinite(losses).any())
     if with_loss:  # the exposures' losses follow them into (record, step) order
@@ -94,20 +100,21 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
     js, ss = key >> 32, key & 0xFFFFFFFF
     head = _groups(js)
     first_step = np.full(n, -1, dtype=np.int64)
-    first_step[js[head]] = ss[head]
+    first_step[js[head]] = ss[head] + lo
     group_start = np.zeros(len(js), dtype=np.int64)
     group_start[head] = head
     rank = np.arange(1, len(js) + 1) - np.maximum.accumulate(group_start)
     max_rank = np.zeros(int(ss.max()) + 1 if ss.size else 0, dtype=np.int64)
     np.maximum.at(max_rank, ss, rank)
     if with_loss:
-        out.loss_by_rank = loss_by_rank(ss, rank, losses, loss_window)
+        out.loss_by_rank = loss_by_rank(ss + (lo - run_first_step), rank, losses, loss_window)
 
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
     per_epoch, repeats_at, repeats_on, out.records_by_epoch, out.epoch_duplicated_by_host = \
-        _within_epoch(j[ep], c["epoch"][ep], c["step"][ep], c["host"][ep], hosts)
-    out.epoch_repeats_by_step, out.epoch_repeats_by_host = repeats_at, repeats_on
+        _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, c["host"][ep], hosts)
+    out.epoch_repeats_by_step = Spans([(lo, repeats_at)])
+    out.epoch_repeats_by_host = repeats_on
 
     e_train = of_train(exposures)
     out.train_exposures = int(e_train.sum())
@@ -121,9 +128,9 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
     out.heldout_exposures = int(exposures[~train].sum())
     out.overlap = overlap
     out.host_unique, out.host_overlap_with_others = unique, others
-    out.new_unique_by_step = bincount(ss[head])
-    out.train_exposures_by_step = bincount(ss)
-    out.max_rank_by_step = max_rank
+    out.new_unique_by_step = Spans([(lo, bincount(ss[head]))])
+    out.train_exposures_by_step = Spans([(lo, bincount(ss))])
+    out.max_rank_by_step = MaxSpans([(lo, max_rank)])
     out.hash_mismatch_examples = _examples(man["record_key"][j[mismatch]], c["step"][mismatch],
                                            c["host"][mismatch])
 
@@ -171,21 +178,61 @@ def _host_sets(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
         multi = np.bitwise_count(sets) > 1
         return (hist @ bits, (hist * multi) @ bits, bits.T @ (hist[:, None] * bits),
                 np.bitwise_count(code))
-    seen = np.zeros(n * hosts, dtype=bool)
-    seen[j * hosts + host] = True
-    seen = seen.reshape(n, hosts)
-    seen_train = seen[train]
-    n_train = seen_train.sum(axis=1)
-    hit = seen_train[n_train > 0].astype(np.float64)  # BLAS, and exact far beyond 2^32
-    return (seen_train.sum(axis=0).astype(np.int64),
-            seen_train[n_train > 1].sum(axis=0).astype(np.int64),
-            np.rint(hit.T @ hit).astype(np.int64), seen.sum(axis=1))
+    return _host_pairs(j, host, n, hosts, train)
+
+
+# Records seen by more hosts than this go through one dense product; the others through their
+# explicit host pairs (k^2 for a record on k hosts). A loader's faults leave most records on a
+# few hosts (sampling with replacement: about 1 + C / N on average), and a loader that shards
+# nothing puts every record on every host: the product is what that case needs.
+PAIRS_UP_TO = 16
+
+
+def _host_pairs(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
+                train: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`_host_sets` for any number of hosts, in memory proportional to the distinct (record,
+    host) pairs, not records x hosts: the pairs are sorted once, per-host counts are bincounts,
+    and the overlap matrix sums each record's host pairs (or, for the records on many hosts, a
+    matrix product over those records alone)."""
+    pair = distinct(j * hosts + host)  # distinct (record, host), by record then host
+    rec, hst = pair // hosts, pair % hosts
+    n_hosts = bincount(rec, n=n)
+    on_train = train[rec]
+    rec, hst = rec[on_train], hst[on_train]
+    k = n_hosts[rec]  # hosts of each pair's record
+    unique = bincount(hst, n=hosts)
+    others = bincount(hst[k > 1], n=hosts)
+    overlap = np.diag(unique).astype(np.int64)
+    few = (k > 1) & (k <= PAIRS_UP_TO)
+    if few.any():  # every ordered pair of distinct hosts of each such record
+        r, h, kk = rec[few], hst[few], k[few]
+        start = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])  # the record's first pair
+        first = np.repeat(start, np.diff(np.r_[start, len(r)]))
+        a = np.repeat(np.arange(len(r)), kk)
+        b = np.repeat(first, kk) + (np.arange(len(a)) - np.repeat(np.cumsum(kk) - kk, kk))
+        off = a != b
+        overlap += bincount(h[a[off]] * hosts + h[b[off]], n=hosts * hosts).reshape(hosts, hosts)
+    many = k > PAIRS_UP_TO
+    if many.any():  # records on many hosts: one product over them, in bounded chunks
+        r, h = rec[many], hst[many]
+        row = np.cumsum(np.r_[True, r[1:] != r[:-1]]) - 1  # pairs are sorted by record
+        step = max(1, 2**26 // (hosts * 4))  # records a chunk: 64 MB of float32
+        for lo in range(0, int(row[-1]) + 1, step):
+            a, b = np.searchsorted(row, [lo, lo + step])
+            m = np.zeros((min(step, int(row[-1]) + 1 - lo), hosts), np.float32)
+            m[row[a:b] - lo, h[a:b]] = 1.0
+            # float32 sums of 0/1 are exact below 2^24 records a chunk (it holds fewer)
+            prod = np.rint(m.T @ m).astype(np.int64)
+            np.fill_diagonal(prod, 0)
+            overlap += prod
+    return unique, others, overlap, n_hosts
 
 
 def loss_by_rank(step: np.ndarray, rank: np.ndarray, loss: np.ndarray,
                  window: int) -> np.ndarray:
-    """Training loss of exposures by (window of `window` steps, exposure rank): count, sum and
-    sum of squares, [windows, RANK_CAP, 3]; ranks from RANK_CAP on share the last cell."""
+    """Training loss of exposures by (window of `window` steps from the run's first step,
+    exposure rank): count, sum and sum of squares, [windows, RANK_CAP, 3]; ranks from RANK_CAP
+    on share the last cell. `step`: steps since the run's first step."""
     ok = np.isfinite(loss)
     cell = (step[ok].astype(np.int64) // window) * RANK_CAP + np.minimum(rank[ok], RANK_CAP) - 1
     if not len(cell):
@@ -215,7 +262,7 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
     again = ~head
     group = np.cumsum(head) - 1
     dup = counts[group] > 1  # rows of records repeated within their epoch
-    pairs = np.unique(group[dup] * hosts + hh[dup]) if dup.any() else np.zeros(0, np.int64)
+    pairs = distinct(group[dup] * hosts + hh[dup]) if dup.any() else np.zeros(0, np.int64)
     return (counts, bincount(step[order][again].astype(np.int64)),
             bincount(hh[again], n=hosts), bincount(ee[head].astype(np.int64)),
             bincount(pairs % hosts, n=hosts))

@@ -30,9 +30,10 @@ from audit.core.exposure import starts
 from audit.core.schema import SEGMENT_DTYPES
 
 # What a bucket needs of each row: the key narrowed to its offset in the bucket (uint32; int64
-# in the overflow bucket), the host to int16, the step to int32, the offset to a start flag
-# (audit.core.exposure.starts); the other columns as the segment schema has them.
-COLUMNS = {"key": np.uint32, "step": np.int32, "host": np.int16, "start": np.bool_,
+# in the overflow bucket), the host to uint16 (audit.core.schema.MAX_HOSTS), the offset to a
+# start flag (audit.core.exposure.starts); the other columns, the int64 step among them, as the
+# segment schema has them.
+COLUMNS = {"key": np.uint32, "step": np.int64, "host": np.uint16, "start": np.bool_,
            **{k: SEGMENT_DTYPES[k].type for k in ("n_tokens", "content_hash", "epoch",
                                                   "loss")}}
 WHOLE_KEY = np.int64

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from audit.core.arrays import distinct
 from audit.core.errors import TallyError
 from audit.core.exposure import effective, starts
 from audit.hook.spool import BadFile, read_checked
@@ -132,7 +133,7 @@ class ReadConsumption(beam.DoFn):
             mark[triples] = True
             rows = mark.reshape(-1, per_step).sum(axis=1)
         else:
-            rows = bucket_stats.bincount(np.unique(triples) // per_step)
+            rows = bucket_stats.bincount(distinct(triples) // per_step)
         n = self.plan.hosts
         if h1 == h0:  # one host (every spool file): its totals, no bincount
             by_host = [np.zeros(n, np.int64) for _ in range(3)]
@@ -185,7 +186,8 @@ class BucketStats(beam.DoFn):
         slices = list(grouped["consumption"])
         rows = buckets.read(slices, overflow=bucket == self.plan.buckets)
         out, records = bucket_stats.compute(manifest_bucket(self.plan, bucket), rows,
-                                            self.plan.hosts, self.plan.loss_window)
+                                            self.plan.hosts, self.plan.loss_window,
+                                            self.plan.first_step)
         out.slices_joined = len(slices)
         if records is not None:
             write_part(records, Path(self.parts, f"part-{bucket:06d}.parquet"))
@@ -345,7 +347,9 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
     # is on a shared file system; removed when the job is done.
     work = out / ".work"
     shutil.rmtree(work, ignore_errors=True)
+    made = not out.exists()  # a refused reconcile leaves no folder it made behind
     work.mkdir(parents=True)
+    done = False
     try:
         if spool is not None:
             if not Path(spool).is_dir():
@@ -363,6 +367,9 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
         report, tables = rp.build(plan, merged)
         rp.write(report, tables, out)
         publish_records(work, out / "records")
+        done = True
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if made and not done:
+            shutil.rmtree(out, ignore_errors=True)

@@ -35,8 +35,9 @@ def _mean_var(stats: np.ndarray) -> tuple[float, float, float]:
 
 
 def split(loss_by_rank: np.ndarray, window: int, exposures_by_step: np.ndarray,
-          n: int) -> list[dict[str, Any]]:
-    """Per window of steps: due and excess exposures' count and mean loss."""
+          n: int, first_step: int = 0) -> list[dict[str, Any]]:
+    """Per window of steps from the run's first step: due and excess exposures' count and mean
+    loss. `exposures_by_step` starts at `first_step`."""
     if not len(loss_by_rank) or not n:
         return []
     cum = np.cumsum(exposures_by_step)
@@ -53,7 +54,7 @@ def split(loss_by_rank: np.ndarray, window: int, exposures_by_step: np.ndarray,
         # Ranks past the cap share its cell: excess only when the cap itself is beyond.
         excess = loss_by_rank[w, min(allowed_last, ranks):].sum(axis=0) \
             if allowed_last < ranks else np.zeros(3)
-        out.append({"first_step": first, "last_step": last,
+        out.append({"first_step": first_step + first, "last_step": first_step + last,
                     "due": _summary(due), "excess": _summary(excess),
                     "_due": due, "_excess": excess})
     return out

@@ -21,30 +21,54 @@ M = TypeVar("M", bound="Mergeable")
 
 
 class Spans:
-    """Per-step counts kept as (first step, counts) pieces. One input file covers a few steps
-    of a run that may have a million: padding each file's counts to the run's length would make
-    merging cost files x steps."""
+    """Per-step counts kept as (first step, counts) pieces, summed where they meet. One input
+    file covers a few steps of a run that may have a million, and a bucket covers the steps its
+    records were consumed at, which may start anywhere (steps are int64): padding each piece
+    from step 0 would make merging cost files x steps, or worse."""
 
     MAX_PIECES = 256  # then fold them into one: merging costs about files / 256 x steps
 
     def __init__(self, pieces: list[tuple[int, np.ndarray]] | None = None) -> None:
-        self.pieces = pieces or []
+        self.pieces = [(int(p), c) for p, c in pieces or [] if len(c)]
 
     def __add__(self, other: Spans) -> Spans:
-        out = Spans(self.pieces + other.pieces)
+        out = type(self)(self.pieces + other.pieces)
         if len(out.pieces) > self.MAX_PIECES:
-            lo = min(p for p, _ in out.pieces)
-            out = Spans([(lo, out.dense(lo))])
+            lo = out.first()
+            out = type(self)([(lo, out.dense(lo))])
         return out
 
-    def dense(self, lo: int = 0) -> np.ndarray:
-        """The counts of steps lo, lo + 1, ... to the last step counted (no piece before lo)."""
-        if not self.pieces:
+    def first(self) -> int | None:
+        """The first step counted (None: none)."""
+        return min((p for p, _ in self.pieces), default=None)
+
+    @staticmethod
+    def _combine(into: np.ndarray, piece: np.ndarray) -> None:
+        into += piece
+
+    def dense(self, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+        """The counts of steps lo .. hi (default: the first and the last step counted), zero
+        where no piece counts."""
+        lo = self.first() if lo is None else lo
+        if lo is None:
             return np.zeros(0, np.int64)
-        out = np.zeros(max(p + len(c) for p, c in self.pieces) - lo, dtype=np.int64)
+        if hi is None:
+            hi = max((p + len(c) for p, c in self.pieces), default=lo) - 1
+        out = np.zeros(max(0, hi - lo + 1), dtype=np.int64)
         for p, c in self.pieces:
-            out[p - lo: p - lo + len(c)] += c
+            a, b = max(p, lo), min(p + len(c) - 1, hi)
+            if a <= b:
+                self._combine(out[a - lo: b - lo + 1], c[a - p: b - p + 1])
         return out
+
+
+class MaxSpans(Spans):
+    """Per-step series merged by their elementwise maximum (e.g. the highest exposure rank
+    reached at each step)."""
+
+    @staticmethod
+    def _combine(into: np.ndarray, piece: np.ndarray) -> None:
+        np.maximum(into, piece, out=into)
 
 
 # ---- merge rules -------------------------------------------------------------------------------
@@ -55,14 +79,6 @@ def padded_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     out = np.zeros(shape, dtype=np.result_type(a.dtype, b.dtype))
     out[tuple(slice(0, n) for n in a.shape)] += a
     out[tuple(slice(0, n) for n in b.shape)] += b
-    return out
-
-
-def padded_max(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Elementwise maximum of two 1-d series, the shorter padded with zeros."""
-    out = np.zeros(max(len(a), len(b)), dtype=np.int64)
-    out[: len(a)] = a
-    out[: len(b)] = np.maximum(out[: len(b)], b)
     return out
 
 
@@ -178,12 +194,12 @@ class Partial(Mergeable):
     overlap: np.ndarray = summed(lambda: np.zeros((0, 0), np.int64))  # host x host, train
     host_unique: np.ndarray = summed(_empty)
     host_overlap_with_others: np.ndarray = summed(_empty)
-    new_unique_by_step: np.ndarray = summed(_empty)
-    train_exposures_by_step: np.ndarray = summed(_empty)
-    max_rank_by_step: np.ndarray = merged_by(padded_max, factory=_empty)
+    new_unique_by_step: Spans = summed(Spans)
+    train_exposures_by_step: Spans = summed(Spans)
+    max_rank_by_step: MaxSpans = summed(MaxSpans)
     # Exposures beyond the first of a record in its epoch (epoch known), by step and by host;
     # distinct train records seen per epoch.
-    epoch_repeats_by_step: np.ndarray = summed(_empty)
+    epoch_repeats_by_step: Spans = summed(Spans)
     epoch_repeats_by_host: np.ndarray = summed(_empty)
     epoch_duplicated_by_host: np.ndarray = summed(_empty)  # repeated records a host was in
     records_by_epoch: np.ndarray = summed(_empty)

@@ -31,6 +31,10 @@ BUCKETS_IN_FLIGHT = 4
 # unmapping fresh pages for every temporary (measured: 30% of a bucket's time).
 BUCKET_ROWS = 2_500_000
 LOSS_WINDOWS = 256  # windows of steps the loss by exposure rank is split into
+# Steps are int64 and a run may start at any of them, but the job keeps per-step series from a
+# run's first step to its last: a run spans fewer than 2^31 steps (a million-step run spans
+# 2^20).
+MAX_RUN_STEPS = 2**31
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Plan:
     non_finite_losses: dict[str, Any] = field(default_factory=dict)  # see Inputs
     finished: bool = False  # every host of the last attempt said it finished
     loss_window: int = 1  # steps per window of the loss split by exposure rank
+    first_step: int = 0  # the run's first consumed step: per-step series and windows start here
     milestones: list[dict[str, Any]] = field(default_factory=list)  # see Inputs
     finished_step: int | None = None
     cutoffs: dict[int, int | None] = field(default_factory=dict)
@@ -107,8 +112,10 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
             first, last = int(md["tally.first_step"]), int(md["tally.last_step"])
             info = attempts.setdefault(f.attempt, {
                 "resumed_from_step": int(resumed) if resumed else None,
-                "host_count": int(md["tally.host_count"]), "last_step": -1})
+                "host_count": int(md["tally.host_count"]), "last_step": -1,
+                "first_step": first})
             info["last_step"] = max(info["last_step"], last)
+            info["first_step"] = min(info["first_step"], first)
             info["rows"] = info.get("rows", 0) + int(md["tally.rows"])
             fingerprint = fingerprint or md.get("tally.manifest_fingerprint") or None
         except Exception:
@@ -216,12 +223,13 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
         if not run:
             raise TallyError(f"run {run_id!r} is not in ledger {ledger_path}")
         rows = ledger.query("""
-            SELECT a.attempt, a.resumed_from_step, a.host_count, max(h.step) AS last_step,
-                   coalesce(sum(h.segments), 0) AS rows
+            SELECT a.attempt, a.resumed_from_step, a.host_count, min(h.step) AS first_step,
+                   max(h.step) AS last_step, coalesce(sum(h.segments), 0) AS rows
             FROM attempts a LEFT JOIN agg_steps h USING (run, attempt)
             WHERE a.run = ? GROUP BY ALL""", [run[0]["run"]])
         attempts = {r["attempt"]: {"resumed_from_step": r["resumed_from_step"],
                                    "host_count": r["host_count"],
+                                   "first_step": r["first_step"],
                                    "last_step": r["last_step"] if r["last_step"] is not None
                                    else -1, "rows": int(r["rows"])} for r in rows}
         out = workdir / folder
@@ -294,7 +302,13 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     last = max([a["last_step"] for a in attempts.values()] + [0])
     if at_step is not None:
         last = min(last, at_step)
-    plan.loss_window = max(1, -(-(last + 1) // LOSS_WINDOWS))
+    firsts = [a["first_step"] for a in attempts.values() if a.get("first_step") is not None]
+    plan.first_step = min(firsts, default=0)
+    span = last - plan.first_step + 1
+    if span > MAX_RUN_STEPS:
+        raise TallyError(f"run {run_id!r} spans steps {plan.first_step}..{last}, "
+                         f"{span:,} steps: a run may span at most {MAX_RUN_STEPS:,}")
+    plan.loss_window = max(1, -(-max(span, 1) // LOSS_WINDOWS))
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]

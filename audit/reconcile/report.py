@@ -16,7 +16,7 @@ from audit.core import exposure
 from audit.core.exposure import Coverage, verdict
 from audit.reconcile import host_steps, loss
 from audit.reconcile.html import render_html, step_or_none
-from audit.reconcile.partials import EXAMPLES, Partial
+from audit.reconcile.partials import EXAMPLES, Partial, Spans
 from audit.reconcile.plan import Plan
 from audit.reconcile.verdict import findings
 
@@ -37,23 +37,30 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
     counts = merged.exposure_counts
     coverage = Coverage.from_levels(n, total, counts).to_dict()
 
+    # Per-step series run from the run's first step to its last (steps are int64 and need not
+    # start at 0; plan.MAX_RUN_STEPS bounds the span).
     last = merged.last_step
-    n_steps = 0 if last is None else last + 1
-    seg = _series(merged.step_segments.dense(), n_steps)
-    exp_step = _series(merged.train_exposures_by_step, n_steps)
-    new = _series(merged.new_unique_by_step, n_steps)
+    base = plan.first_step if merged.first_step is None else merged.first_step
+    n_steps = 0 if last is None else last - base + 1
+
+    def series(s: Spans) -> np.ndarray:
+        return s.dense(base, last) if n_steps else np.zeros(0, np.int64)
+
+    seg = series(merged.step_segments)
+    exp_step = series(merged.train_exposures_by_step)
+    new = series(merged.new_unique_by_step)
     cum_exp = np.cumsum(exp_step)
     cum_unique = np.cumsum(new)
     present = seg > 0
     steps = pa.table({
-        "step": np.arange(n_steps)[present],
+        "step": (base + np.arange(n_steps, dtype=np.int64))[present],
         "segments": seg[present],
-        "tokens": _series(merged.step_tokens.dense(), n_steps)[present],
-        "rows": _series(merged.step_rows.dense(), n_steps)[present],
+        "tokens": series(merged.step_tokens)[present],
+        "rows": series(merged.step_rows)[present],
         "exposures": exp_step[present],
         "new_unique": new[present],
         "repeats": (exp_step - new)[present],
-        "epoch_repeats": _series(merged.epoch_repeats_by_step, n_steps)[present],
+        "epoch_repeats": series(merged.epoch_repeats_by_step)[present],
         "cumulative_unique": cum_unique[present],
         "coverage": (cum_unique / n if n else cum_unique * 0.0)[present],
         "ideal_coverage": np.asarray(exposure.ideal_coverage(cum_exp, n))[present],
@@ -99,7 +106,8 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
             "first_differing_step": merged.first_differing_step.get(a)})
         prev_hosts = info["host_count"]
 
-    first_bad = exposure.first_bad_step(merged.max_rank_by_step, exp_step, n)
+    bad_at = exposure.first_bad_step(series(merged.max_rank_by_step), exp_step, n)
+    first_bad = None if bad_at is None else base + bad_at
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -140,8 +148,8 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "metrics": {"non_finite_losses": plan.non_finite_losses},
         "loss": _loss(merged, plan, exp_step, n, first_bad),
         "first_bad_step": first_bad,
-        "exposures_before_first_bad": (int(cum_exp[first_bad - 1]) if first_bad else
-                                       0 if first_bad == 0 else None),
+        "exposures_before_first_bad": (int(cum_exp[bad_at - 1]) if bad_at else
+                                       0 if bad_at == 0 else None),
     }
     report["findings"] = findings(report, steps)
     report["verdict"] = verdict(report["findings"])
@@ -157,7 +165,8 @@ def _loss(merged: Partial, plan: Plan, exposures_by_step: np.ndarray, n: int,
           first_bad: int | None) -> dict[str, Any]:
     """Training loss of due vs excess exposures per window, the held-out milestones, and the
     test of whether repeats flattered the loss (audit.reconcile.loss)."""
-    windows = loss.split(merged.loss_by_rank, plan.loss_window, exposures_by_step, n)
+    windows = loss.split(merged.loss_by_rank, plan.loss_window, exposures_by_step, n,
+                         plan.first_step)
     return {"window_steps": plan.loss_window, "windows": loss.public(windows),
             "milestones": plan.milestones, "test": loss.test(windows, first_bad),
             "gap": loss.gap(plan.milestones, first_bad)}
