@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Iterator
-from importlib import metadata
 from typing import Any
 
 from prometheus_client.core import (
@@ -21,15 +20,10 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from audit.extras import version
+
 INTEGRITY = ("hash_mismatches", "unknown_keys", "unknown_segments", "heldout_consumed_records",
              "heldout_exposures")
-
-
-def version() -> str:
-    try:
-        return metadata.version("tally")
-    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        return "unknown"
 
 
 class TallyCollector(Collector):

@@ -23,8 +23,6 @@ from pydantic import BaseModel, Field
 
 from api import errors, models
 from audit.core.errors import NotFound, TallyError, Unavailable
-from audit.preflight import load_checkpoint_meta, record_verdict, run_preflight
-from pipeline.shadow import Cancelled
 
 MAX_HORIZON = 2000  # steps per request: ~2 s per host on one core (bench/RESULTS.md)
 
@@ -82,6 +80,11 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
         if svc.manifest is None:
             raise Unavailable("the pre-flight check needs the manifest: start the service "
                               "with --manifest")
+        try:  # the loader's packages: a service installed with the api extra alone has none
+            from pipeline.shadow import Cancelled
+        except ModuleNotFoundError as exc:
+            raise Unavailable(f"the pre-flight check needs the train extra ({exc.name} is not "
+                              "installed): pip install 'tally[train]'") from None
         with svc.live.read(run_id) as snap:  # 404 for an unknown run
             roots = checkpoint_roots(svc, snap.run, snap.cur)
         if not roots:
@@ -148,6 +151,9 @@ def _check(svc: Any, run_id: str, body: PreflightRequest,
     """The check and its record (in a worker thread). Checkpoint errors are answered without
     the file system's own words: which paths exist, or what a directory holds, is not the
     client's to learn."""
+    from audit.preflight import load_checkpoint_meta, record_verdict, run_preflight
+    from pipeline.shadow import Cancelled
+
     try:
         meta = load_checkpoint_meta(Path(body.checkpoint))
     except NotFound:
