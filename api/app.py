@@ -276,7 +276,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     docs.install(app)  # /docs and /redoc, offline
     errors.install(app)
     scrape = registry(svc)
-    ERRORS = errors.responses(*(401, 404, 409, 422) if token is not None else (404, 409, 422))
+    auth = (401,) if token is not None else ()  # documented where they can occur
+    ERRORS = errors.responses(*auth, 404, 409, 422)
 
     if token is not None:
         app.add_middleware(BearerToken, token=token)
@@ -288,7 +289,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def dashboard() -> HTMLResponse:
         return HTMLResponse(DASHBOARD.read_text())
 
-    @app.get("/healthz", tags=["service"], response_model=models.Health)
+    @app.get("/healthz", tags=["service"], response_model=models.Health,
+             responses=errors.responses(*auth))
     def healthz() -> Response:
         """Liveness, and how the ingester is doing."""
         loop = svc.loop
@@ -310,7 +312,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                             "pending": svc.webhook.pending}})
 
     @app.get("/v1/runs", tags=["runs"], response_model=list[models.RunListItem],
-             responses={**ERRORS, 200: NEXT_PAGE})
+             responses={**errors.responses(*auth, 422), 200: NEXT_PAGE})
     def list_runs(request: Request, limit: RunsLimit = 100,
                   cursor: RunCursor = None) -> Response:
         """The runs in the ledger, in run-id order, with their size and latest step; a page
@@ -424,11 +426,13 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         return _json({"as_of_step": (rep.get("consumption") or {}).get("last_step"),
                       "generated_at": rep.get("generated_at"), **(rep.get("loss") or {})})
 
-    @app.get("/metrics", tags=["service"], response_class=Response, responses={200: {
-        "description": "Prometheus text format, or OpenMetrics when the scraper asks for it",
-        "content": {"text/plain": {"schema": {"type": "string"}, "example":
-                                   '# TYPE tally_coverage_ratio gauge\n'
-                                   'tally_coverage_ratio{run="exp1"} 0.9067\n'}}}})
+    scrape_example = '# TYPE tally_coverage_ratio gauge\ntally_coverage_ratio{run="exp1"} 0.9067\n'
+
+    @app.get("/metrics", tags=["service"], response_class=Response, responses={
+        **errors.responses(*auth),
+        200: {"description": "Prometheus text format, or OpenMetrics when the scraper asks",
+              "content": {"text/plain": {"schema": {"type": "string"},
+                                         "example": scrape_example}}}})
     def prometheus(request: Request) -> Response:
         """Coverage and duplicate ratios, ingest lag, rows ingested, alerts, per-host series
         and `tally_build_info`, for Prometheus (api/metrics.py)."""

@@ -207,6 +207,7 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
         proc.terminate()
         out = proc.communicate(timeout=30)[0]
     assert f"http://127.0.0.1:{port}/" in out
+    assert "serve: loading the state of" in out  # the start's progress
 
 
 def _chromium() -> str | None:
