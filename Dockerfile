@@ -7,7 +7,7 @@ COPY audit ./audit
 COPY pipeline ./pipeline
 COPY trainer ./trainer
 COPY api ./api
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir '.[all]'
 WORKDIR /data
 ENTRYPOINT ["tally"]
 CMD ["--help"]

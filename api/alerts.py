@@ -70,25 +70,86 @@ def status(alerts: list[dict[str, Any]]) -> str:
 
 
 class Webhook:
-    """POSTs a JSON body to `url` when a run's set of firing alerts changes."""
+    """POSTs a JSON body to `url` when a run's set of firing alerts changes, from a thread of
+    its own: the ingest thread only records the change. A body that fails is tried again with
+    backoff (`first_retry` seconds, doubling up to `max_retry`) until the receiver takes one:
+    each try tells the change since the last delivered state, so a firing alert whose send
+    failed is sent again, and changes made meanwhile are folded into the next try."""
 
-    def __init__(self, url: str | None, timeout: float = 5.0) -> None:
+    def __init__(self, url: str | None, timeout: float = 5.0, first_retry: float = 1.0,
+                 max_retry: float = 60.0) -> None:
         self.url, self.timeout = url, timeout
-        self._firing: dict[str, frozenset[str]] = {}
-        self._lock = threading.Lock()
+        self.first_retry, self.max_retry = first_retry, max_retry
+        self._firing: dict[str, frozenset[str]] = {}  # run -> firing now
+        self._alerts: dict[str, list[dict[str, Any]]] = {}  # run -> the alerts, newest
+        self._told: dict[str, frozenset[str]] = {}  # run -> firing as last delivered
+        self._changed = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
         self.sent = 0
         self.failures = 0
 
+    @property
+    def pending(self) -> int:
+        """Runs whose latest change is not delivered yet."""
+        with self._changed:
+            return sum(self._firing[r] != self._told.get(r, frozenset())
+                       for r in self._firing) if self.url else 0
+
     def update(self, run_id: str, alerts: list[dict[str, Any]]) -> None:
         now = frozenset(a["name"] for a in alerts if a["firing"])
-        with self._lock:
-            before = self._firing.get(run_id, frozenset())
-            self._firing[run_id] = now
-        if self.url is None or now == before:
-            return
-        body = {"run_id": run_id, "status": "alert" if now else "ok",
+        with self._changed:
+            moved = now != self._firing.get(run_id, frozenset())
+            self._firing[run_id], self._alerts[run_id] = now, alerts
+            # Wake the sender only for a change: an undelivered state waits out its backoff.
+            if self.url is None or not moved or now == self._told.get(run_id, frozenset()):
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._deliver, name="tally-webhook",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._changed:
+            self._stop = True
+            self._changed.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _deliver(self) -> None:
+        delay = self.first_retry
+        while True:
+            with self._changed:
+                due = [r for r in self._firing if self._firing[r] != self._told.get(r, frozenset())]
+                if self._stop:
+                    return
+                if not due:
+                    self._changed.wait()
+                    continue
+                bodies = [(r, self._firing[r], self._body(r)) for r in due]
+            failed = False
+            for run_id, firing, body in bodies:
+                if self._post(body):
+                    with self._changed:
+                        self._told[run_id] = firing
+                else:
+                    failed = True
+            if not failed:
+                delay = self.first_retry
+                continue
+            with self._changed:  # back off; a stop or a newer change is taken on waking
+                if not self._stop:
+                    self._changed.wait(delay)
+            delay = min(self.max_retry, delay * 2)
+
+    def _body(self, run_id: str) -> dict[str, Any]:
+        now, before = self._firing[run_id], self._told.get(run_id, frozenset())
+        return {"run_id": run_id, "status": "alert" if now else "ok",
                 "started": sorted(now - before), "resolved": sorted(before - now),
-                "alerts": alerts}
+                "alerts": self._alerts[run_id]}
+
+    def _post(self, body: dict[str, Any]) -> bool:
         req = urllib.request.Request(self.url, data=json.dumps(body, default=str).encode(),
                                      headers={"Content-Type": "application/json"},
                                      method="POST")
@@ -96,6 +157,8 @@ class Webhook:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 resp.read()
             self.sent += 1
-        except Exception as exc:  # a webhook down must not stop ingest; it is logged and counted
+            return True
+        except Exception as exc:  # a receiver down must not stop the service: logged, retried
             self.failures += 1
-            log.warning("alert webhook %s failed: %s", self.url, exc)
+            log.warning("alert webhook %s failed (will retry): %s", self.url, exc)
+            return False

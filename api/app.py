@@ -18,10 +18,12 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from api import docs, errors, models
 from api.alerts import Thresholds, Webhook, evaluate, status
 from api.findings import LiveFindings
+from api.metrics import exposition, registry
 from api.posthoc_routes import add_routes as add_posthoc_routes
 from api.preflight_routes import add_routes as add_preflight_routes
 from audit.core.errors import NotFound, TallyError, Unavailable
@@ -41,8 +43,31 @@ Step = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 Bucket = Annotated[int | None, Query(ge=1, le=MAX_STEP, description="steps per bucket")]
 Points = Annotated[int, Query(ge=1, le=q.MAX_POINTS,
                               description="about this many buckets when bucket is not given")]
-ERRORS = {404: {"description": "unknown run, host or record"},
-          409: {"description": "needs something the service was not given (a manifest)"}}
+RecordCursor = Annotated[str | None, Query(
+    pattern=q.RECORD_CURSOR, description="where the previous page ended: its `next_cursor` "
+                                         "(the Link header's rel=next URL carries it too)")]
+RunCursor = Annotated[str | None, Query(pattern=RUN_ID_PATTERN,
+                                        description="the runs after this run id (the previous "
+                                                    "page's Link header, rel=next, names it)")]
+ERRORS = errors.responses(404, 409, 422)
+# Pages: an array answer says where the next page starts in a Link header (RFC 8288, as
+# GitHub's API does); an object answer also in its `next_cursor`.
+NEXT_PAGE = {"headers": {"Link": {"description": '`<URL>; rel="next"` while more pages follow',
+                                  "schema": {"type": "string"}}}}
+
+
+def page_limit(default: int, most: int) -> Any:
+    return Annotated[int, Query(ge=1, le=most, description=f"rows per page (default {default})")]
+
+
+RunsLimit = page_limit(100, 1000)
+RecordLimit = page_limit(1000, 10_000)
+
+
+def _next_page_link(request: Request, cursor: str | None) -> dict[str, str]:
+    if cursor is None:
+        return {}
+    return {"Link": f'<{request.url.include_query_params(cursor=cursor)}>; rel="next"'}
 
 
 class Service:
@@ -181,8 +206,8 @@ class BearerToken:
             given = request.query_params.get("token", "")
         if hmac.compare_digest(given.encode(), self.token):
             return await self.app(scope, receive, send)
-        response = JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+        response = errors.problem(401, "missing or wrong bearer token",
+                                  headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
 
@@ -238,13 +263,21 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 svc.findings.stop()
             if svc.loop is not None:
                 svc.loop.stop()
+            svc.webhook.close()
             sys.setswitchinterval(switch)
 
     app = FastAPI(title="Tally live API", version="1",
                   description="What a training run has consumed, while it runs: coverage and "
-                              "duplication per step and per host, record lookups, alerts.",
-                  lifespan=lifespan, default_response_class=FiniteJSONResponse)
+                              "duplication per step and per host, record lookups, alerts. "
+                              "Every error answers in one shape (`Problem`).",
+                  lifespan=lifespan, default_response_class=FiniteJSONResponse,
+                  docs_url=None, redoc_url=None)
     app.state.service = svc
+    docs.install(app)  # /docs and /redoc, offline
+    errors.install(app)
+    scrape = registry(svc)
+    auth = (401,) if token is not None else ()  # documented where they can occur
+    ERRORS = errors.responses(*auth, 404, 409, 422)
 
     if token is not None:
         app.add_middleware(BearerToken, token=token)
@@ -252,26 +285,19 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     add_preflight_routes(app, svc, RunId, ERRORS)
     add_posthoc_routes(app, svc, RunId, Points, ERRORS)
 
-    @app.exception_handler(NotFound)
-    async def not_found(request: Request, exc: NotFound):
-        return JSONResponse({"detail": str(exc)}, status_code=404)
-
-    @app.exception_handler(Unavailable)
-    async def unavailable(request: Request, exc: Unavailable):
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def dashboard() -> HTMLResponse:
         return HTMLResponse(DASHBOARD.read_text())
 
-    @app.get("/healthz", tags=["service"])
-    def healthz() -> dict[str, Any]:
+    @app.get("/healthz", tags=["service"], response_model=models.Health,
+             responses=errors.responses(*auth))
+    def healthz() -> Response:
         """Liveness, and how the ingester is doing."""
         loop = svc.loop
         files = svc.live.files_in_ledger()
         overran = loop is not None and loop.overran() is not None
         ok = loop is None or (loop.alive and loop.last_error is None and not overran)
-        return {"status": "ok" if ok else "degraded", "ledger": str(ledger.path),
+        return _json({"status": "ok" if ok else "degraded", "ledger": str(ledger.path),
                 "files_in_ledger": files, "ingesting": loop is not None,
                 "quarantined_files": svc.live.quarantine_counts(),
                 "ingest": None if loop is None else {
@@ -282,165 +308,140 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 "universe": {"train_records": svc.live.uni.n, "source": svc.live.uni.source},
                 "thresholds": svc.thresholds.as_dict(),
                 "webhook": {"configured": svc.webhook.url is not None,
-                            "sent": svc.webhook.sent, "failures": svc.webhook.failures}}
+                            "sent": svc.webhook.sent, "failures": svc.webhook.failures,
+                            "pending": svc.webhook.pending}})
 
-    @app.get("/v1/runs", tags=["runs"])
-    def list_runs() -> list[dict[str, Any]]:
-        """Every run in the ledger with its size and latest step."""
-        return svc.json(("runs",), None, lambda snap: q.runs(snap.cur))
+    @app.get("/v1/runs", tags=["runs"], response_model=list[models.RunListItem],
+             responses={**errors.responses(*auth, 422), 200: NEXT_PAGE})
+    def list_runs(request: Request, limit: RunsLimit = 100,
+                  cursor: RunCursor = None) -> Response:
+        """The runs in the ledger, in run-id order, with their size and latest step; a page
+        of `limit` at a time (the Link header names the next page)."""
+        found = svc.live.answer(("runs", limit, cursor), None,
+                                lambda snap: q.runs(snap.cur, limit + 1, cursor))
+        page = found[:limit]
+        return _json(page, _next_page_link(request, page[-1]["run_id"]
+                                           if len(found) > limit else None))
 
-    @app.get("/v1/runs/{run_id}", tags=["runs"], responses=ERRORS)
-    def run_summary(run_id: RunId) -> dict[str, Any]:
+    @app.get("/v1/runs/{run_id}", tags=["runs"], responses=ERRORS,
+             response_model=models.RunSummary)
+    def run_summary(run_id: RunId) -> Response:
         """Coverage, duplicates, hosts, restarts and the alert status of one run."""
-        return svc.summary(run_id)
+        return _json(svc.summary(run_id))
 
-    @app.get("/v1/runs/{run_id}/coverage", tags=["coverage"], responses=ERRORS)
-    def run_coverage(run_id: RunId, step: Step = None) -> dict[str, Any]:
+    @app.get("/v1/runs/{run_id}/coverage", tags=["coverage"], responses=ERRORS,
+             response_model=models.CoverageAnswer)
+    def run_coverage(run_id: RunId, step: Step = None) -> Response:
         """Coverage, exposure histogram (0, 1, 2, 3+) and the ideal, as of a step (default:
         the latest)."""
         return svc.json(("coverage", run_id, step), run_id, lambda snap: q.coverage(
             snap.cur, snap.run, snap.uni, step, snap.outside), outside=True)
 
-    @app.get("/v1/runs/{run_id}/steps", tags=["coverage"], responses=ERRORS)
+    @app.get("/v1/runs/{run_id}/steps", tags=["coverage"], responses=ERRORS,
+             response_model=models.Steps)
     def run_steps(run_id: RunId, start: Step = None, end: Step = None, bucket: Bucket = None,
-                  points: Points = 500) -> dict[str, Any]:
+                  points: Points = 500) -> Response:
         """Per step, bucketed: consumed, new unique, repeats, cumulative coverage, ideal."""
         return svc.json(("steps", run_id, start, end, bucket, points), run_id,
                         lambda snap: q.steps(snap.cur, snap.run, snap.uni, start, end, bucket,
                                              points))
 
-    @app.get("/v1/runs/{run_id}/hosts", tags=["hosts"], responses=ERRORS)
-    def run_hosts(run_id: RunId) -> dict[str, Any]:
+    @app.get("/v1/runs/{run_id}/hosts", tags=["hosts"], responses=ERRORS,
+             response_model=models.Hosts)
+    def run_hosts(run_id: RunId) -> Response:
         """Per-host stats and the host x host overlap matrix."""
         return svc.json(("hosts.json", run_id), run_id,
                         lambda snap: q.hosts(snap.cur, snap.run))
 
-    @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"], responses=ERRORS)
+    @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"], responses=ERRORS,
+             response_model=models.HostSteps)
     def run_host_steps(run_id: RunId, host: Annotated[int, PathParam(ge=0, le=2**31 - 1)],
                        start: Step = None, end: Step = None, bucket: Bucket = None,
-                       points: Points = 500) -> dict[str, Any]:
+                       points: Points = 500) -> Response:
         """One host's per-step series, bucketed."""
         return svc.json(("host_steps", run_id, host, start, end, bucket, points), run_id,
                         lambda snap: q.host_steps(snap.cur, snap.run, host, start, end, bucket,
                                                   points))
 
-    @app.get("/v1/runs/{run_id}/records/{record_key}", tags=["records"], responses=ERRORS)
-    def run_record(run_id: RunId,
-                   record_key: Annotated[int, PathParam(ge=0, le=2**63 - 1)]) -> dict[str, Any]:
-        """Every consumption of one record: step, host, attempt, epoch, rolled back or not."""
+    @app.get("/v1/runs/{run_id}/records/{record_key}", tags=["records"],
+             responses={**ERRORS, 200: NEXT_PAGE}, response_model=models.RecordLookup)
+    def run_record(request: Request, run_id: RunId,
+                   record_key: Annotated[int, PathParam(ge=0, le=2**63 - 1)],
+                   limit: RecordLimit = 1000, cursor: RecordCursor = None) -> Response:
+        """Every consumption of one record: step, host, attempt, epoch, rolled back or not; a
+        page of `limit` at a time."""
         with svc.live.read(run_id) as snap:
-            return q.record(snap.cur, snap.run, record_key=record_key)
+            found = q.record(snap.cur, snap.run, record_key=record_key, limit=limit,
+                             cursor=cursor)
+        return _json(found, _next_page_link(request, found["next_cursor"]))
 
-    @app.get("/v1/runs/{run_id}/records", tags=["records"], responses=ERRORS)
+    @app.get("/v1/runs/{run_id}/records", tags=["records"],
+             responses={**ERRORS, 200: NEXT_PAGE}, response_model=models.RecordLookup)
     def run_record_by_hash(
-            run_id: RunId,
+            request: Request, run_id: RunId,
             content_hash: Annotated[str, Query(pattern=r"^(0x[0-9a-fA-F]{1,16}|[0-9]{1,20})$",
                                                description="xxh3_64, decimal or 0x-hex")],
-    ) -> dict[str, Any]:
-        """Every consumption of the records with this content hash."""
+            limit: RecordLimit = 1000, cursor: RecordCursor = None) -> Response:
+        """Every consumption of the records with this content hash; a page of `limit` at a
+        time."""
         h = int(content_hash, 0) if content_hash.startswith("0x") else int(content_hash)
         with svc.live.read(run_id) as snap:
             if h >= 2**64:  # a well-formed number, but no xxh3_64 value: no record has it
                 raise NotFound(f"no record has content hash {content_hash} (xxh3_64 values "
                                  "are below 2**64)")
-            return q.record(snap.cur, snap.run, content_hash=h)
+            found = q.record(snap.cur, snap.run, content_hash=h, limit=limit, cursor=cursor)
+        return _json(found, _next_page_link(request, found["next_cursor"]))
 
-    @app.get("/v1/runs/{run_id}/domains", tags=["coverage"], responses=ERRORS)
-    def run_domains(run_id: RunId) -> list[dict[str, Any]]:
+    @app.get("/v1/runs/{run_id}/domains", tags=["coverage"], responses=ERRORS,
+             response_model=list[models.DomainShare])
+    def run_domains(run_id: RunId) -> Response:
         """Per domain (from the manifest): planned vs actual share of exposures, coverage."""
         if svc.manifest is None:
             raise Unavailable("per-domain exposure needs the manifest: start the service "
                               "with --manifest")
-        return q.domains(svc.live.record_exposures(run_id), svc.manifest)
+        return _json(q.domains(svc.live.record_exposures(run_id), svc.manifest))
 
-    @app.get("/v1/runs/{run_id}/metrics", tags=["metrics"], responses=ERRORS)
-    def run_metrics(run_id: RunId, points: Points = 500) -> dict[str, Any]:
+    @app.get("/v1/runs/{run_id}/metrics", tags=["metrics"], responses=ERRORS,
+             response_model=models.Metrics)
+    def run_metrics(run_id: RunId, points: Points = 500) -> Response:
         """Milestones (held-out loss, per-domain perplexity) against train loss."""
         return svc.json(("metrics", run_id, points), run_id,
                         lambda snap: q.metrics(snap.cur, snap.run, points))
 
-    @app.get("/v1/runs/{run_id}/report", tags=["runs"], responses=ERRORS)
-    def run_report(run_id: RunId) -> dict[str, Any]:
+    @app.get("/v1/runs/{run_id}/report", tags=["runs"], responses=ERRORS,
+             response_model=models.Report)
+    def run_report(run_id: RunId) -> Response:
         """The latest reconcile report (report.json) of this run: under --reports, or the live
         one the service keeps current (with --manifest and --spool)."""
-        return svc.newest_report(run_id)
+        return _json(svc.newest_report(run_id))
 
-    @app.get("/v1/runs/{run_id}/loss", tags=["metrics"], responses=ERRORS)
-    def run_loss(run_id: RunId) -> dict[str, Any]:
+    @app.get("/v1/runs/{run_id}/loss", tags=["metrics"], responses=ERRORS,
+             response_model=models.LossAnswer)
+    def run_loss(run_id: RunId) -> Response:
         """Training loss split by exposure: per window of steps, the mean loss of due
         exposures and of repeated ones (beyond what a perfect loader allows), the held-out
         loss at the milestones, and the test of whether repeats flattered the loss; from the
         newest reconcile report of the run (per-segment losses in the spool)."""
         rep = svc.newest_report(run_id)
-        return {"as_of_step": (rep.get("consumption") or {}).get("last_step"),
-                "generated_at": rep.get("generated_at"), **(rep.get("loss") or {})}
+        return _json({"as_of_step": (rep.get("consumption") or {}).get("last_step"),
+                      "generated_at": rep.get("generated_at"), **(rep.get("loss") or {})})
 
-    @app.get("/metrics", response_class=PlainTextResponse, tags=["service"])
-    def prometheus() -> PlainTextResponse:
-        """Prometheus text format: coverage, duplicate fractions, ingest lag, rows, per host."""
-        return PlainTextResponse(_prometheus(svc),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    scrape_example = '# TYPE tally_coverage_ratio gauge\ntally_coverage_ratio{run="exp1"} 0.9067\n'
+
+    @app.get("/metrics", tags=["service"], response_class=Response, responses={
+        **errors.responses(*auth),
+        200: {"description": "Prometheus text format, or OpenMetrics when the scraper asks",
+              "content": {"text/plain": {"schema": {"type": "string"},
+                                         "example": scrape_example}}}})
+    def prometheus(request: Request) -> Response:
+        """Coverage and duplicate ratios, ingest lag, rows ingested, alerts, per-host series
+        and `tally_build_info`, for Prometheus (api/metrics.py)."""
+        body, content_type = exposition(scrape, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     return app
 
 
-def _prometheus(svc: Service) -> str:
-    out: dict[str, tuple[str, list[str]]] = {}
-
-    def add(name: str, help_: str, value: float | None, **labels: Any) -> None:
-        if value is None:
-            return
-        lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        out.setdefault(name, (help_, []))[1].append(
-            f"{name}{{{lab}}} {float(value):.10g}" if lab else f"{name} {float(value):.10g}")
-
-    lag = svc.loop.lag_seconds() if svc.loop is not None else 0.0
-    add("tally_ingest_lag_seconds", "Age of the oldest spool file waiting for ingest", lag)
-    if svc.loop is not None:
-        add("tally_ingest_rounds_total", "Ingest rounds of this process", svc.loop.rounds)
-        add("tally_quarantined_files_total", "Files quarantined by this process",
-            svc.loop.quarantined)
-    for run_id in svc.live.run_ids():
-        s, hs = svc.summary(run_id), svc.live.hosts(run_id)
-        host_rows = svc.live.host_rows(run_id)
-        c = s["coverage"]
-        add("tally_coverage", "Share of train records seen at least once", c["coverage"],
-            run=run_id)
-        add("tally_ideal_coverage", "Coverage a perfect loader would have now",
-            c.get("ideal", {}).get("coverage"), run=run_id)
-        add("tally_exposures", "Effective record exposures", c["exposures"], run=run_id)
-        add("tally_records_seen", "Distinct records seen", s["records_seen"], run=run_id)
-        ex = max(1, s["exposures"])
-        add("tally_repeat_fraction", "Share of exposures that repeat a record already seen",
-            (s["exposures"] - s["records_seen"]) / ex, run=run_id)
-        add("tally_epoch_duplicate_fraction",
-            "Share of exposures that repeat a record within one epoch",
-            s["epoch_duplicates"] / ex, run=run_id)
-        add("tally_epoch_duplicates", "Exposures beyond the first of a record in one epoch",
-            s["epoch_duplicates"], run=run_id)
-        add("tally_multi_host_records", "Records seen by two or more hosts",
-            s["multi_host_records"], run=run_id)
-        add("tally_rows_ingested_total", "Segment rows in the ledger", s["rows_ingested"],
-            run=run_id)
-        add("tally_last_step", "Latest effective step", s["last_step"], run=run_id)
-        for a in s["alerts"]:
-            add("tally_alert", "1 when the alert fires", int(a["firing"]), run=run_id,
-                alert=a["name"])
-        integ = (s.get("findings") or {}).get("integrity")
-        for key in ("hash_mismatches", "unknown_keys", "unknown_segments",
-                    "heldout_consumed_records", "heldout_exposures") if integ else ():
-            add("tally_integrity", "Integrity against the manifest, as the live reconcile "
-                "found it", integ[key], run=run_id, kind=key)
-        for h in hs["per_host"]:
-            lab = {"run": run_id, "host": h["host"]}
-            add("tally_host_rows_ingested_total", "Segment rows in the ledger, per host",
-                host_rows.get(h["host"], 0), **lab)
-            add("tally_host_exposures", "Effective exposures per host", h["exposures"], **lab)
-            add("tally_host_unique_records", "Distinct records per host", h["unique"], **lab)
-            add("tally_host_shared_records", "Records a host saw that another host saw too",
-                h["overlap_with_others"], **lab)
-            add("tally_host_last_step", "Latest effective step per host", h["last_step"], **lab)
-    lines = []
-    for name, (help_, samples) in out.items():
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", *samples]
-    return "\n".join(lines) + "\n"
+def _json(value: Any, headers: dict[str, str] | None = None) -> Response:
+    """An answer as it was computed: encoded once, never filtered through its model."""
+    return Response(_encode(value), media_type="application/json", headers=headers)

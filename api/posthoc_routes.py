@@ -15,6 +15,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from api import models
 from audit.core.errors import Unavailable
 from audit.hook.spool import RUN_ID_PATTERN
 from audit.ledger import queries as q
@@ -36,9 +37,9 @@ class ExposureRequest(BaseModel):
 
 def add_routes(app: FastAPI, svc: Any, run_id_type: Any, points_type: Any,
                errors: dict) -> None:
-    @app.get("/v1/diff", tags=["runs"], responses=errors)
+    @app.get("/v1/diff", tags=["runs"], responses=errors, response_model=models.Diff)
     def runs_diff(a: DiffRun, b: DiffRun, points: points_type = 500,
-                  window: Window = None) -> dict[str, Any]:
+                  window: Window = None) -> Response:
         """Two runs of this ledger side by side, as `tally diff` compares them: identical
         steps, the first divergent step, per-step Jaccard similarity, records seen by one run
         only or more often, the histogram of exposure differences, both coverage curves."""
@@ -55,8 +56,9 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, points_type: Any,
                                locked=svc.live.record_states((run_a, run_b)))
         return Response(body, media_type="application/json")
 
-    @app.post("/v1/runs/{run_id}/exposure", tags=["records"], responses=errors)
-    def run_exposure(run_id: run_id_type, body: ExposureRequest) -> dict[str, Any]:
+    @app.post("/v1/runs/{run_id}/exposure", tags=["records"], responses=errors,
+              response_model=models.ExposureAnswer)
+    def run_exposure(run_id: run_id_type, body: ExposureRequest) -> Any:
         """Which of these documents did the run consume? Each content hash matched to every
         manifest record with it (exact duplicates included), with the run's exposures of
         them: how often, first and last step, hosts, epochs."""
@@ -71,6 +73,6 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, points_type: Any,
         with svc.live.read(run_id) as snap:
             out = answers.exposure(snap.cur, snap.run, run_id, hashes, known, index)
         for res, text, ok in zip(out["results"], body.content_hashes, known, strict=True):
-            if not ok:
+            if not ok:  # a number beyond 64 bits, which no record has: echoed as given
                 res["content_hash"] = text
-        return out
+        return JSONResponse(jsonable_encoder(out))

@@ -15,15 +15,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from api import errors, models
 from audit.core.errors import NotFound, TallyError, Unavailable
-from audit.preflight import load_checkpoint_meta, record_verdict, run_preflight
-from pipeline.shadow import Cancelled
 
 MAX_HORIZON = 2000  # steps per request: ~2 s per host on one core (bench/RESULTS.md)
 
@@ -62,21 +61,30 @@ def _inside(path: str, roots: list[str]) -> bool:
     return any(os.path.commonpath([real, root]) == root for root in roots)
 
 
-def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
+def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> None:
+    cursor_type = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="the verdicts "
+                                              "older than this id (the previous page's Link "
+                                              "header, rel=next, names it)")]
+
     @app.post("/v1/runs/{run_id}/preflight", tags=["preflight"],
-              responses={**errors,
-                         403: {"description": "the checkpoint lies outside the checkpoint "
-                                              "directories this service may read"},
-                         404: {"description": "unknown run, or no checkpoint at that path"},
-                         422: {"description": "bad request or unusable checkpoint"},
-                         503: {"description": "the check ran out of its time box"}})
+              response_model=models.PreflightAnswer,
+              responses={**responses, **errors.responses(403, 503),
+                         404: {**responses[404],
+                               "description": "unknown run, or no checkpoint at that path"},
+                         422: {**responses[422],
+                               "description": "bad request or unusable checkpoint"}})
     async def preflight(run_id: run_id_type, body: PreflightRequest,
-                        request: Request) -> dict[str, Any]:
+                        request: Request) -> Any:
         """Run the pre-flight check for resuming `run_id` from a checkpoint on `hosts` hosts;
         the verdict (safe, unsafe or unknown, with findings) is recorded in the ledger."""
         if svc.manifest is None:
             raise Unavailable("the pre-flight check needs the manifest: start the service "
                               "with --manifest")
+        try:  # the loader's packages: a service installed with the api extra alone has none
+            from pipeline.shadow import Cancelled
+        except ModuleNotFoundError as exc:
+            raise Unavailable(f"the pre-flight check needs the train extra ({exc.name} is not "
+                              "installed): pip install 'tally[train]'") from None
         with svc.live.read(run_id) as snap:  # 404 for an unknown run
             roots = checkpoint_roots(svc, snap.run, snap.cur)
         if not roots:
@@ -97,30 +105,45 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, errors: dict) -> None:
                     break
                 if await request.is_disconnected() or time.monotonic() > deadline:
                     cancel.set()
-            return await work
+            result = await work
+            return result if isinstance(result, Response) else JSONResponse(result)
         except Cancelled:
-            return JSONResponse({"detail": f"the pre-flight check ran past its time box of "
-                                           f"{svc.preflight_seconds:.0f} s and was stopped; "
-                                           "give a shorter horizon"}, status_code=503)
+            return errors.problem(503, f"the pre-flight check ran past its time box of "
+                                       f"{svc.preflight_seconds:.0f} s and was stopped; give a "
+                                       "shorter horizon")
         finally:
             cancel.set()
 
-    @app.get("/v1/runs/{run_id}/preflight", tags=["preflight"], responses=errors)
-    def preflight_history(run_id: run_id_type) -> list[dict[str, Any]]:
-        """Every pre-flight verdict recorded for this run, newest first."""
+    @app.get("/v1/runs/{run_id}/preflight", tags=["preflight"],
+             response_model=list[models.PreflightRecord],
+             responses={**responses, 200: {"headers": {"Link": {
+                 "description": '`<URL>; rel="next"` while more pages follow',
+                 "schema": {"type": "string"}}}}})
+    def preflight_history(request: Request, run_id: run_id_type,
+                          limit: Annotated[int, Query(ge=1, le=1000, description="verdicts "
+                                                      "per page (default 100)")] = 100,
+                          cursor: cursor_type = None) -> Response:
+        """The pre-flight verdicts recorded for this run, newest first, a page of `limit` at
+        a time (the Link header names the next page)."""
         with svc.live.read(run_id) as snap:
             rows = snap.cur.execute(
                 "SELECT id, checked_at, checkpoint_step, old_hosts, new_hosts, status, forced, "
-                "requested_by, headline FROM preflight_verdicts WHERE run_id = ? "
-                "ORDER BY id DESC", [run_id]).fetchall()
+                "requested_by, headline FROM preflight_verdicts WHERE run_id = $run AND "
+                "($before IS NULL OR id < $before) ORDER BY id DESC LIMIT $limit",
+                {"run": run_id, "before": cursor, "limit": limit + 1}).fetchall()
         keys = ("id", "checked_at", "checkpoint_step", "old_hosts", "new_hosts", "status",
                 "forced", "requested_by", "headline")
-        return [{**dict(zip(keys, r, strict=True)), "checked_at": r[1].isoformat()}
-                for r in rows]
+        page = [{**dict(zip(keys, r, strict=True)), "checked_at": r[1].isoformat()}
+                for r in rows[:limit]]
+        headers = {}
+        if len(rows) > limit:
+            nxt = request.url.include_query_params(cursor=page[-1]["id"])
+            headers["Link"] = f'<{nxt}>; rel="next"'
+        return JSONResponse(page, headers=headers)
 
     @app.exception_handler(Forbidden)
     async def forbidden(request: Request, exc: Forbidden):
-        return JSONResponse({"detail": str(exc)}, status_code=403)
+        return errors.problem(403, str(exc))
 
 
 def _check(svc: Any, run_id: str, body: PreflightRequest,
@@ -128,13 +151,16 @@ def _check(svc: Any, run_id: str, body: PreflightRequest,
     """The check and its record (in a worker thread). Checkpoint errors are answered without
     the file system's own words: which paths exist, or what a directory holds, is not the
     client's to learn."""
+    from audit.preflight import load_checkpoint_meta, record_verdict, run_preflight
+    from pipeline.shadow import Cancelled
+
     try:
         meta = load_checkpoint_meta(Path(body.checkpoint))
     except NotFound:
         raise NotFound("no checkpoint at that path") from None
     except TallyError:
-        return JSONResponse({"detail": "the checkpoint cannot be read as a Tally checkpoint "
-                                       "(not one, or damaged)"}, status_code=422)
+        return errors.problem(422, "the checkpoint cannot be read as a Tally checkpoint (not "
+                                   "one, or damaged)")
     try:
         verdict = run_preflight(svc.ledger, run_id, svc.manifest.path, meta, body.hosts,
                                 global_batch=body.global_batch, horizon=body.horizon,
@@ -142,7 +168,7 @@ def _check(svc: Any, run_id: str, body: PreflightRequest,
     except Cancelled:
         raise
     except TallyError as exc:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+        return errors.problem(422, str(exc))
     vid = record_verdict(svc.ledger, verdict, forced=body.forced and not verdict.ok,
                          requested_by=body.requested_by)
     return {"id": vid, "exit_code": verdict.exit_code, **verdict.to_dict()}

@@ -37,6 +37,8 @@ _PUBLIC = {
     "run_preflight": "audit.preflight.check",
     "record_verdict": "audit.preflight.check",
     "PreflightVerdict": "audit.preflight.verdict",
+    "load_report": "audit.reconcile.load",
+    "Report": "audit.reconcile.load",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from audit.core.errors import TallyError
@@ -26,10 +27,19 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         raise TallyError("--batch-rows must be >= 1")
     with Ledger(args.ledger) as ledger:
         result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows)
+    if args.json:
+        _print_json({"files": result.files, "rows": result.rows, "already": result.already,
+                     "seconds": round(result.seconds, 3),
+                     "quarantined": [{"path": p, "reason": r} for p, r in result.quarantined]})
+        return 0
     for rel, reason in result.quarantined:
         print(f"quarantined {rel}: {reason}", file=sys.stderr)
     print(result.summary())
     return 0
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, indent=2, default=str))
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
@@ -77,7 +87,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from trainer.evaluate import compare
 
-    out = compare(args.a, args.b, corpus=args.corpus, records=args.records)
+    out = compare(args.a, args.b, corpus=args.corpus, records=args.records,
+                  progress=not args.quiet)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -101,6 +112,9 @@ def _cmd_synth(args: argparse.Namespace) -> int:
                         heldout_fraction=args.heldout_fraction,
                         duplicate_fraction=args.duplicate_fraction, max_len=args.max_len,
                         length_scale=args.length_scale)
+    if args.json:
+        _print_json(desc)
+        return 0
     print(f"corpus {args.out}: {desc['records']:,} records ({desc['train_records']:,} train, "
           f"{desc['heldout_records']:,} held out, {desc['duplicates']:,} exact duplicates), "
           f"{desc['tokens']:,} tokens; train records per domain: "
@@ -113,6 +127,11 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
 
     summary = build_manifest(args.corpus, args.output, runner=_runner(args),
                              chunk_records=args.chunk_records, progress=not args.quiet)
+    if args.json:
+        _print_json({"path": str(summary.path), "records": summary.records,
+                     "train_records": summary.train_records, "tokens": summary.tokens,
+                     "fingerprint": summary.fingerprint, "seconds": round(summary.seconds, 3)})
+        return 0
     print(summary.line())
     return 0
 
@@ -123,8 +142,15 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
     report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
                        spool=args.spool, ledger=args.ledger, at_step=args.at_step,
-                       runner=_runner(args), memory_gb=args.memory_gb)
-    print(summary(report, Path(args.output)))
+                       runner=_runner(args), memory_gb=args.memory_gb,
+                       progress=not args.quiet)
+    out = Path(args.output)
+    if args.json:
+        _print_json({k: report.get(k) for k in ("run_id", "verdict", "findings", "coverage",
+                                                "first_bad_step")}
+                    | {"report": str(out / "report.json"), "html": str(out / "report.html")})
+    else:
+        print(summary(report, out))
     return 0 if report["verdict"] != "FAIL" or not args.strict else 1
 
 
@@ -136,7 +162,13 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     d = diff(a=parse_run_source(args.a, "--a"), b=parse_run_source(args.b, "--b"),
              manifest=args.manifest, out=args.output, at_step=args.at_step, window=args.window,
              runner=_runner(args), memory_gb=args.memory_gb)
-    print(summary(d, Path(args.output)))
+    out = Path(args.output)
+    if args.json:
+        _print_json({k: d.get(k) for k in ("status", "verdict", "findings", "steps_compared",
+                                           "identical_steps", "first_divergent_step")}
+                    | {"diff": str(out / "diff.json"), "html": str(out / "diff.html")})
+    else:
+        print(summary(d, out))
     return 1 if args.strict and d["status"] != "identical" else 0
 
 
@@ -145,7 +177,10 @@ def _cmd_exposure(args: argparse.Namespace) -> int:
 
     result = exposure(manifest=args.manifest, docs=args.docs, runs=args.run, out=args.output,
                       spool=args.spool, ledger=args.ledger)
-    print(summary(result, Path(args.output)))
+    if args.json:
+        _print_json(result)
+    else:
+        print(summary(result, Path(args.output)))
     return 0
 
 
@@ -170,11 +205,12 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
                    help="exit 1 unless the runs are identical")
     s.add_argument("--memory-gb", type=float, default=3.0,
                    help="memory budget for the record-key buckets (default 3)")
+    _quiet_json(s)
     _add_runner_args(s)
     s.epilog = ("examples:\n"
                 "  tally diff --manifest m.parquet -o diff --a spool:exp1 --b ledger.duckdb:exp2\n"
                 "  tally diff --manifest m.parquet -o diff --a spool-jax:run --b "
-                "spool-torch:run --strict --runner dask --workers 2\n\n" + s.epilog)
+                "spool-torch:run --strict --runner dask --workers 2 -q --json\n\n" + s.epilog)
     s.set_defaults(func=_cmd_diff)
 
     s = sub.add_parser(
@@ -199,6 +235,7 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
                    help="the documents: a corpus directory in Tally's formats, or a Parquet "
                         "file with a content_hash, record_key or tokens column")
     s.add_argument("-o", "--output", required=True, help="output directory")
+    _quiet_json(s)
     s.set_defaults(func=_cmd_exposure)
 
 
@@ -220,16 +257,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_settings(spool=args.spool, manifest=args.manifest, records=args.records,
                    reports=args.reports, checkpoints=args.checkpoints)
     _check_port(args.host, args.port)
+    from pipeline.progress import Progress
+
     with Ledger(args.ledger) as ledger:
-        app = create_app(ledger, spool=args.spool, manifest=args.manifest, records=args.records,
-                         reports=args.reports, token=token, thresholds=th,
-                         webhook=args.webhook, interval=args.interval,
-                         checkpoints=args.checkpoints, preflight_seconds=args.preflight_seconds,
-                         max_round_seconds=args.max_round_seconds,
-                         findings_every=args.findings_every)
+        with Progress("serve", not args.quiet) as bar:
+            # The per-record state is loaded from the ledger first (seconds for millions of
+            # records), before the first request.
+            bar.stage(f"loading the state of {args.ledger}")
+            app = create_app(ledger, spool=args.spool, manifest=args.manifest,
+                             records=args.records, reports=args.reports, token=token,
+                             thresholds=th, webhook=args.webhook, interval=args.interval,
+                             checkpoints=args.checkpoints,
+                             preflight_seconds=args.preflight_seconds,
+                             max_round_seconds=args.max_round_seconds,
+                             findings_every=args.findings_every)
         print(f"tally serve: http://{args.host}:{args.port}/ (ledger {args.ledger}"
               + (f", ingesting {args.spool}" if args.spool else "") + ")", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port,
+                    log_level="error" if args.quiet else args.log_level)
     return 0
 
 
@@ -264,7 +309,7 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
             cfg = loader_config(TrainConfig.load(args.config))
         call = dict(run_id=args.run, manifest=args.manifest, checkpoint=args.checkpoint,
                     new_hosts=args.hosts, loader_config=cfg, global_batch=args.global_batch,
-                    horizon=args.horizon, workers=args.workers)
+                    horizon=args.horizon, workers=args.workers, progress=not args.quiet)
         if args.record:
             if not Path(args.ledger).is_file():
                 raise TallyError(f"no ledger at {args.ledger}")
@@ -307,24 +352,56 @@ def _runner(args: argparse.Namespace):
                       dask_address=args.dask_address, beam_args=args.beam_args)
 
 
+EXIT_CODES = """exit status:
+  0    done (preflight: safe to resume)
+  1    a check failed: reconcile --strict with a FAIL verdict, diff --strict with runs that
+       differ, preflight unsafe; train: the status of the host that failed
+  2    bad input or a missing extra, said in one line on stderr (tally: error: ...);
+       preflight: cannot tell
+  130  interrupted (Ctrl-C); nothing half made is left behind"""
+
+
+def _examples(p: argparse.ArgumentParser, *lines: str) -> None:
+    """An example or two at the top of the command's epilog (kept as written)."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "examples:\n" + "\n".join(f"  {x}" for x in lines) + (
+        f"\n\n{p.epilog}" if p.epilog else "")
+
+
+def _quiet_json(p: argparse.ArgumentParser, quiet: str | None = "no progress, no worker logs",
+                json_: str | None = "machine-readable output") -> None:
+    if quiet:
+        p.add_argument("-q", "--quiet", action="store_true", help=quiet)
+    if json_:
+        p.add_argument("--json", action="store_true", help=json_)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tally", description=__doc__)
+    p = argparse.ArgumentParser(prog="tally", description=__doc__, epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from audit.extras import version
+
+    p.add_argument("--version", action="version", version=f"tally {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("ingest", help="ingest new spool files into a ledger, exactly once")
     s.add_argument("spool", help="spool directory the training hosts write to")
     s.add_argument("--ledger", required=True, help="DuckDB ledger file (created if missing)")
-    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _quiet_json(s, quiet="no progress bar")
     s.add_argument("--batch-rows", type=int, default=1_000_000,
                    help="rows per transaction (files are never split; default 1,000,000)")
+    _examples(s, "tally ingest spool --ledger ledger.duckdb",
+              "tally ingest /data/spool --ledger /data/ledger.duckdb -q --json")
     s.set_defaults(func=_cmd_ingest)
 
     s = sub.add_parser("ledger", help="show runs, attempts, hosts, step ranges and row counts")
     s.add_argument("path", help="DuckDB ledger file")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    _quiet_json(s, quiet=None)
+    _examples(s, "tally ledger ledger.duckdb", "tally ledger ledger.duckdb --json")
     s.set_defaults(func=_cmd_ledger)
 
     s = sub.add_parser("corpus", help="corpus tools")
+    _examples(s, "tally corpus synth corpus --records 1200")
     corpus = s.add_subparsers(dest="corpus_command", required=True)
     s = corpus.add_parser("synth", help="write a realistic synthetic corpus (ArrayRecord)")
     s.add_argument("out", help="output directory")
@@ -337,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-len", type=int, default=8192, help="longest document, tokens")
     s.add_argument("--length-scale", type=float, default=1.0,
                    help="scale every domain's median document length")
+    _quiet_json(s, quiet=None)
+    _examples(s, "tally corpus synth corpus --records 1200 --length-scale 0.2 --max-len 512",
+              "tally corpus synth /data/corpus --records 1000000 --seed 7 --json")
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser("manifest", help="Beam job: the corpus manifest with its fingerprint")
@@ -344,8 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, help="manifest Parquet file to write")
     s.add_argument("--chunk-records", type=int, default=20_000,
                    help="records per pipeline element (default 20000)")
-    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _quiet_json(s)
     _add_runner_args(s)
+    _examples(s, "tally manifest corpus -o manifest.parquet",
+              "tally manifest /data/corpus -o /data/manifest.parquet --runner dask --workers 4 "
+              "-q --json")
     s.set_defaults(func=_cmd_manifest)
 
     s = sub.add_parser("reconcile", help="Beam job: a run's consumption vs the manifest, "
@@ -361,7 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-gb", type=float, default=3.0,
                    help="memory budget: sizes the record-key buckets so that the buckets "
                         "in memory at once stay within it (default 3)")
+    _quiet_json(s)
     _add_runner_args(s)
+    _examples(s, "tally reconcile --spool spool --manifest manifest.parquet --run exp1 -o report",
+              "tally reconcile --ledger ledger.duckdb --manifest manifest.parquet --run exp1 -o "
+              "report --at-step 20 --strict -q --json")
     s.set_defaults(func=_cmd_reconcile)
 
     s = sub.add_parser("train", help="train on the keyed loader, audited: H host processes, "
@@ -374,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume on another host count even if the pre-flight check fails "
                         "(recorded in the ledger)")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    _examples(s, "tally train --config train.json --hosts 2 steps=12",
+              "tally train --config train.json --hosts 2 --resume steps=16")
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("compare", help="mean token-level KL divergence between two "
@@ -382,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("b", help="checkpoint directory (latest step) or one step's directory")
     s.add_argument("--corpus", help="corpus for the held-out inputs (default: A's config)")
     s.add_argument("--records", type=int, help="held-out records (default: A's eval_records)")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    _quiet_json(s, quiet="no progress")
+    _examples(s, "tally compare ckpt/6 ckpt/12", "tally compare ckpt-a ckpt-b --records 64 --json")
     s.set_defaults(func=_cmd_compare)
 
     s = sub.add_parser("serve", help="live API and dashboard; ingests the spool as it grows")
@@ -420,6 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-round-seconds", type=float, default=60.0,
                    help="an ingest round longer than this turns /healthz degraded (default 60)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    _quiet_json(s, quiet="no progress while starting, uvicorn's errors only", json_=None)
+    _examples(s, "tally serve --ledger ledger.duckdb --spool spool --manifest manifest.parquet",
+              "tally serve --ledger ledger.duckdb --spool spool --records 1176 --host 0.0.0.0 "
+              "--token $TALLY_API_TOKEN --webhook http://alerts.internal/hook")
     s.set_defaults(func=_cmd_serve)
 
     s = sub.add_parser("preflight", help="before resuming on another topology: shadow-run the "
@@ -441,7 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                "per core for large plans)")
     s.add_argument("--record", action="store_true",
                    help="record the verdict in the ledger (opens it for writing)")
-    s.add_argument("--json", action="store_true", help="machine-readable verdict")
+    _quiet_json(s, json_="machine-readable verdict")
+    _examples(s, "tally preflight --run exp1 --ledger ledger.duckdb --manifest manifest.parquet "
+                 "--checkpoint ckpt --hosts 1",
+              "tally preflight --run exp1 --ledger ledger.duckdb --manifest manifest.parquet "
+              "--checkpoint ckpt/6 --hosts 4 --global-batch 32 --record -q --json")
     s.set_defaults(func=_cmd_preflight)
 
     _add_posthoc_parsers(sub)
@@ -451,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--records", type=int, default=2000, help="corpus size (default 2000)")
     s.add_argument("--keep-serving", action="store_true",
                    help="keep the API service and its dashboard up until Ctrl-C")
+    _examples(s, "tally demo", "tally demo --out /tmp/tally-demo --records 640 --keep-serving")
     s.set_defaults(func=_cmd_demo)
     return p
 
@@ -478,20 +577,61 @@ _CHILD = "TALLY_SUPERVISED"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from audit import extras
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     # Beam logs optional-dependency warnings at import; they are noise on a terminal.
     logging.getLogger().setLevel(logging.ERROR)
+    try:
+        extras.check(args.command)
+    except extras.MissingExtra as exc:
+        print(f"tally: error: {exc}", file=sys.stderr)
+        return 2
     if args.command in SUPERVISED and not os.environ.get(_CHILD):
         return _supervise(argv, args)
     try:
-        return args.func(args)
+        with _workers_quiet(getattr(args, "quiet", False)):
+            return args.func(args)
     except TallyError as exc:
         print(f"tally: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        need = extras.missing(args.command, exc)
+        if need is None:
+            raise
+        print(f"tally: error: {need}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tally: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _workers_quiet(quiet: bool) -> Iterator[None]:
+    """With -q, what worker processes print on stderr is dropped (Beam's SDK workers log 40
+    INFO lines for a `--mode multi_processing` reconcile, and each says "apitools not found"),
+    while Tally's own lines still reach the terminal: the processes this one starts inherit
+    file descriptor 2, which points at /dev/null meanwhile; sys.stderr writes to the real one."""
+    if not quiet:
+        yield
+        return
+    sys.stderr.flush()
+    real = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    before = sys.stderr
+    sys.stderr = open(os.dup(real), "w", buffering=1, encoding=before.encoding,  # noqa: SIM115
+                      errors="backslashreplace")
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = before
+        os.dup2(real, 2)
+        os.close(real)
 
 
 def _supervise(argv: list[str], args: argparse.Namespace) -> int:

@@ -44,9 +44,10 @@ def job_work(spool: Path, manifest: Path, memory_gb: float) -> dict:
     from audit.reconcile.job import BucketStats, ReadConsumption
     from audit.reconcile.plan import make_plan, spool_inputs
 
-    got = spool_inputs(spool, "bench")
-    plan = make_plan(run_id="bench", manifest=manifest, files=got.files, attempts=got.attempts,
-                     run_fingerprint=got.fingerprint, at_step=None, memory_gb=memory_gb)
+    inputs = spool_inputs(spool, "bench")
+    plan = make_plan(run_id="bench", manifest=manifest, files=inputs.files,
+                     attempts=inputs.attempts, run_fingerprint=inputs.fingerprint, at_step=None,
+                     memory_gb=memory_gb)
     with tempfile.TemporaryDirectory(dir=spool.parent) as work:
         read, slices = ReadConsumption(plan, f"{work}/buckets"), {}
         per_file = []

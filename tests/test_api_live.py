@@ -95,6 +95,8 @@ def test_live_ingest_every_endpoint_exactly_once(tmp_path):
             h = int(content_hash_of(np.array([key["k"]]))[0])
             by_hash = srv.get(f"/v1/runs/r/records?content_hash={h:#x}").json()
             assert by_hash["segments"] == rec["segments"]
+            # A 64-bit hash as 0x and 16 hex digits: exact in JavaScript too.
+            assert {x["content_hash"] for x in rec["segments"]} == {f"{h:#018x}"}
 
             m = srv.get("/v1/runs/r/metrics").json()
             assert [x["step"] for x in m["milestones"]] == [9, 19, 29, 39]
@@ -106,9 +108,9 @@ def test_live_ingest_every_endpoint_exactly_once(tmp_path):
             assert hs["bucket"] == 4 and len(hs["step"]) == 10
 
             text = srv.get("/metrics").text
-            assert re.search(r'^tally_coverage\{run="r"\} 0\.\d+$', text, re.M)
-            assert 'tally_host_rows_ingested_total{run="r",host="1"}' in text
-            assert 'tally_alert{run="r",alert="ingest_lag"} 0' in text
+            assert re.search(r'^tally_coverage_ratio\{run="r"\} 0\.\d+$', text, re.M)
+            assert 'tally_host_rows_ingested_total{host="1",run="r"}' in text
+            assert 'tally_alert{alert="ingest_lag",run="r"} 0.0' in text
             assert srv.get("/healthz").json()["status"] == "ok"
 
             # Bad input: 404 with a message, 422 for bad parameters.
@@ -163,7 +165,7 @@ def test_alerts_post_to_a_webhook(tmp_path):
             assert body["started"] == ["epoch_duplicates"]
             s = srv.get("/v1/runs/w").json()
             assert s["status"] == "alert" and s["epoch_duplicates"] > 0
-            assert 'tally_alert{run="w",alert="epoch_duplicates"} 1' in srv.get("/metrics").text
+            assert 'tally_alert{alert="epoch_duplicates",run="w"} 1.0' in srv.get("/metrics").text
     finally:
         hook.shutdown()
 
@@ -205,6 +207,7 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
         proc.terminate()
         out = proc.communicate(timeout=30)[0]
     assert f"http://127.0.0.1:{port}/" in out
+    assert "serve: loading the state of" in out  # the start's progress
 
 
 def _chromium() -> str | None:

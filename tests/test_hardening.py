@@ -281,7 +281,7 @@ def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_p
         assert (integ["heldout_consumed_records"], integ["unknown_keys"]) == (1, 1)
         assert alerts["heldout_leak"]["firing"] and alerts["unknown_keys"]["firing"]
         text = srv.get("/metrics").text
-        assert (f'tally_integrity{{run="r",kind="heldout_consumed_records"}} '
-                f'{integ["heldout_consumed_records"]}') in text
+        assert (f'tally_integrity{{kind="heldout_consumed_records",run="r"}} '
+                f'{float(integ["heldout_consumed_records"])}') in text
         report = srv.get("/v1/runs/r/report").json()  # the live report is served too
         assert report["findings"] == want["findings"]

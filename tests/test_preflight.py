@@ -183,7 +183,11 @@ def test_cli_exit_codes_json_and_recorded_verdicts(corpus, tmp_path, capsys, in_
     base = ["preflight", "--run", "r", "--ledger", str(tmp_path / "ledger.duckdb"),
             "--manifest", str(manifest), "--checkpoint", str(ckpt)]
     assert main(base + ["--hosts", "4"]) == 0
-    assert "SAFE to resume step 40 on 4 host(s)" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "SAFE to resume step 40 on 4 host(s)" in said.out
+    assert "preflight r: shadow run of the loader on 4 host(s)" in said.err  # its progress
+    assert main(base + ["--hosts", "4", "-q"]) == 0
+    assert capsys.readouterr().err == ""
     assert main(base + ["--hosts", "8", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["status"] == "unsafe" and out["numbers"]["skipped"] == 640

@@ -20,7 +20,7 @@ from audit.cli import parse
 from tests.conftest import ROOT
 
 BLOCK = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```$", re.M | re.S)
-SETUP = ("python3.11 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/tally demo",
+SETUP = ("python3.11 -m venv .venv && .venv/bin/pip install -e '.[all]' && .venv/bin/tally demo",
          "python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest -q")
 
 

@@ -98,7 +98,7 @@ def test_resume_from_checkpoint_replays_exactly_as_a_new_attempt(corpus, tmp_pat
               resume=True)
 
 
-def test_compare_reports_kl_between_checkpoints(corpus, tmp_path):
+def test_compare_reports_kl_between_checkpoints(corpus, tmp_path, capsys):
     from trainer.evaluate import compare
 
     ckpt = tmp_path / "ckpt"
@@ -106,7 +106,8 @@ def test_compare_reports_kl_between_checkpoints(corpus, tmp_path):
                       checkpoint_dir=str(ckpt), checkpoint_every=5, eval_records=16))
     same = compare(ckpt / "10", ckpt)  # the directory means its latest step: the final, 10
     assert (same["step_a"], same["step_b"], same["mean_kl"]) == (10, 10, pytest.approx(0, abs=1e-6))
-    apart = compare(ckpt / "5", ckpt / "10")
+    apart = compare(ckpt / "5", ckpt / "10", progress=True)
     assert apart["mean_kl"] > 0.01 and apart["tokens"] > 100
+    assert "compare: evaluating both models on 16 held-out records" in capsys.readouterr().err
     with pytest.raises(TallyError, match="does not exist"):
         compare(tmp_path / "nope", ckpt)

@@ -17,6 +17,7 @@ import numpy as np
 
 from audit.core.errors import TallyError
 from pipeline.corpus import CorpusError, TokenSource
+from pipeline.progress import Progress
 from trainer.model import LM
 from trainer.step import predicted
 
@@ -65,10 +66,18 @@ def mean_kl(logits_a: jax.Array, logits_b: jax.Array, valid: jax.Array) -> jax.A
 
 
 def compare(ckpt_a: str | Path, ckpt_b: str | Path, *, corpus: str | None = None,
-            records: int | None = None) -> dict[str, Any]:
-    """Mean token-level KL divergence KL(A || B) on the same held-out inputs."""
+            records: int | None = None, progress: bool = False) -> dict[str, Any]:
+    """Mean token-level KL divergence KL(A || B) on the same held-out inputs; `progress`
+    shows the stages on stderr."""
+    with Progress("compare", progress) as bar:
+        return _compare(ckpt_a, ckpt_b, corpus, records, bar)
+
+
+def _compare(ckpt_a: str | Path, ckpt_b: str | Path, corpus: str | None, records: int | None,
+             bar: Progress) -> dict[str, Any]:
     from trainer import checkpoint
 
+    bar.stage("loading the checkpoints")
     (cfg_a, params_a, step_a), (cfg_b, params_b, step_b) = (
         checkpoint.load_params(ckpt_a), checkpoint.load_params(ckpt_b))
     if cfg_a.vocab_size != cfg_b.vocab_size:
@@ -77,6 +86,7 @@ def compare(ckpt_a: str | Path, ckpt_b: str | Path, *, corpus: str | None = None
     seq_len = min(cfg_a.seq_len, cfg_b.seq_len)
     held = HeldOut.load(corpus or cfg_a.corpus, records or cfg_a.eval_records, seq_len)
     tokens, seg = jnp.asarray(held.tokens[:, :-1]), jnp.asarray(held.segments[:, :-1])
+    bar.stage(f"evaluating both models on {len(held.domains)} held-out records")
     logits_a = LM(cfg_a).apply(params_a, tokens, seg)
     logits_b = LM(cfg_b).apply(params_b, tokens, seg)
     valid = np.asarray(predicted(held.segments))

@@ -18,7 +18,7 @@ import numpy as np
 
 from audit.core import exposure
 from audit.core.errors import NotFound, Unavailable
-from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql, starts
+from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql
 from audit.hook.spool import FINISHED
 from audit.ledger.database import one
 from audit.ledger.state import HOST_BITS, Records
@@ -26,6 +26,8 @@ from audit.ledger.state import HOST_BITS, Records
 EFFECTIVE = effective_sql("s", "a")  # over agg_steps s JOIN attempts a
 MAX_POINTS = 5000
 __all__ = ["NotFound", "Unavailable"]  # the errors the answers raise, for the routes
+# A page of a record lookup ends at a consumption: its place in the order, as a cursor.
+RECORD_CURSOR = r"^[0-9]{1,19}(\.[0-9]{1,19}){6}$"
 
 
 @dataclass
@@ -43,7 +45,9 @@ def run_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> int:
     return row[0]
 
 
-def runs(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+def runs(cur: duckdb.DuckDBPyConnection, limit: int | None = None,
+         after: str | None = None) -> list[dict[str, Any]]:
+    """The runs in run-id order: `limit` of them after the run id `after` (a page), or all."""
     rows = cur.execute(f"""
         SELECT r.run_id, r.manifest_fingerprint,
                (SELECT count(*) FROM attempts x WHERE x.run = r.run) AS attempts,
@@ -51,7 +55,9 @@ def runs(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
                (SELECT max(s.step) FROM agg_steps s JOIN attempts a USING (run, attempt)
                 WHERE s.run = r.run AND {EFFECTIVE}) AS last_step,
                coalesce(g.records, 0), coalesce(g.exposures, 0)
-        FROM runs r LEFT JOIN agg_runs g USING (run) ORDER BY r.run_id""").fetchall()
+        FROM runs r LEFT JOIN agg_runs g USING (run)
+        WHERE $after IS NULL OR r.run_id > $after ORDER BY r.run_id LIMIT $limit""",
+                       {"after": after, "limit": limit}).fetchall()
     names = ["run_id", "manifest_fingerprint", "attempts", "host_count", "last_step",
              "records_seen", "exposures"]
     return [dict(zip(names, r, strict=True)) for r in rows]
@@ -215,32 +221,51 @@ def host_steps(cur: duckdb.DuckDBPyConnection, run: int, host: int, start: int |
 
 _RECORD_COLS = ("record_key", "step", "host", "attempt", "epoch", "row", "offset", "n_tokens",
                 "content_hash", "rolled_back")
+# A consumption's place in a record lookup; rowid breaks the tie of a record packed twice into
+# one row at the same offset (consumption is append-only, so rowid never changes).
+_RECORD_ORDER = 'c.record_key, c.step, c.host, c.attempt, c."row", c."offset", c.rowid'
 
 
 def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None = None,
-           content_hash: int | None = None, limit: int = 10_000) -> dict[str, Any]:
-    """Every segment of one record (by key) or of the records with one content hash."""
+           content_hash: int | None = None, limit: int = 1000,
+           cursor: str | None = None) -> dict[str, Any]:
+    """Every consumption of one record (by key) or of the records with one content hash, a
+    page of `limit` at a time after `cursor` (RECORD_CURSOR: the `next_cursor` of the page
+    before); the totals count every page. Content hashes are returned as 0x-hex strings (a
+    JavaScript number cannot hold 64 bits)."""
     col, val = ("record_key", record_key) if record_key is not None else \
         ("content_hash", content_hash)
-    rows = cur.execute(f"""
-        SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset", c.n_tokens,
-               c.content_hash,
-               coalesce({rolled_back_sql("c", "a")}, false) AS rolled_back
-        FROM consumption c JOIN attempts a USING (run, attempt)
-        WHERE c.run = ? AND c.{col} = ?
-        ORDER BY c.record_key, c.step, c.host, c.attempt, c."row", c."offset" LIMIT ?""",
-                       [run, val, limit + 1]).fetchall()
-    if not rows:
+    after = None if cursor is None else [int(v) for v in cursor.split(".")]
+    rolled = f'coalesce({rolled_back_sql("c", "a")}, false)'
+    where = f"c.run = $run AND c.{col} = $val"
+    totals = cur.execute(f"""
+        SELECT count(*), list(DISTINCT c.record_key ORDER BY c.record_key),
+               histogram(c.epoch) FILTER (WHERE NOT {rolled} AND {start_sql("c")})
+        FROM consumption c JOIN attempts a USING (run, attempt) WHERE {where}""",
+                         {"run": run, "val": val}).fetchall()[0]
+    if not totals[0]:
         what = f"record key {record_key}" if record_key is not None else \
             f"content hash {content_hash:#018x}"
         raise NotFound(f"{what} was never consumed in this run")
-    segs = [dict(zip(_RECORD_COLS, r, strict=True)) for r in rows[:limit]]
-    keys = sorted({s["record_key"] for s in segs})
-    eff = [s for s in segs if not s["rolled_back"] and starts(s["offset"])]
-    return {"record_keys": keys, "exposures": len(eff),
-            "exposures_by_epoch": {str(e): sum(1 for s in eff if s["epoch"] == e)
-                                   for e in sorted({s["epoch"] for s in eff})},
-            "truncated": len(rows) > limit, "segments": segs}
+    params = {"run": run, "val": val, "limit": limit + 1}
+    if after is not None:
+        params.update({f"p{i}": v for i, v in enumerate(after)})
+        where += f" AND ({_RECORD_ORDER}) > ({', '.join(f'$p{i}' for i in range(7))})"
+    rows = cur.execute(f"""
+        SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset", c.n_tokens,
+               c.content_hash, {rolled}, c.rowid
+        FROM consumption c JOIN attempts a USING (run, attempt)
+        WHERE {where} ORDER BY {_RECORD_ORDER} LIMIT $limit""", params).fetchall()
+    page = rows[:limit]
+    segs = [{**dict(zip(_RECORD_COLS, r[:-1], strict=True)), "content_hash": f"{r[8]:#018x}"}
+            for r in page]
+    by_epoch = totals[2] or {}
+    last = page[-1] if page else None
+    return {"record_keys": totals[1], "exposures": sum(by_epoch.values()),
+            "exposures_by_epoch": {str(e): int(by_epoch[e]) for e in sorted(by_epoch)},
+            "segments_total": int(totals[0]), "segments": segs,
+            "next_cursor": ".".join(str(last[i]) for i in (0, 1, 2, 3, 5, 6, 10))
+            if len(rows) > limit else None}
 
 
 def metrics(cur: duckdb.DuckDBPyConnection, run: int, points: int = 500) -> dict[str, Any]:

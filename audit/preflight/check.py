@@ -36,6 +36,7 @@ from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger, one
 from audit.preflight.verdict import PreflightVerdict
 from pipeline.loader import KeyedLoader, LoaderConfig, compatibility, explain, state_for_host
+from pipeline.progress import Progress
 from pipeline.shadow import Cancelled, ShadowSource, default_workers, shadow_run
 
 DEFAULT_MAX_HORIZON = 1000
@@ -133,12 +134,13 @@ def run_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str | Path
                   checkpoint: dict[str, Any] | str | Path, new_hosts: int,
                   loader_config: LoaderConfig | None = None, *, global_batch: int | None = None,
                   horizon: int | None = None, workers: int | None = None,
-                  cancel: threading.Event | None = None) -> PreflightVerdict:
+                  cancel: threading.Event | None = None, progress: bool = False
+                  ) -> PreflightVerdict:
     """Shadow-run the loader on `new_hosts` from `checkpoint` (a directory, or its meta dict)
     and check the plan against the ledger. `loader_config` is the new topology's loader config
     (default: the checkpointed one); `global_batch` overrides its batch; `horizon` fixes the
     steps to plan (default: to the end of the current epoch, at most 1000); setting `cancel`
-    stops the shadow run (Cancelled)."""
+    stops the shadow run (Cancelled); `progress` shows the stages on stderr."""
     t0 = time.perf_counter()
     if new_hosts < 1:
         raise TallyError(f"--hosts must be at least 1, got {new_hosts}")
@@ -152,12 +154,13 @@ def run_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str | Path
     cfg = loader_config or _saved_config(state0, where)
     if global_batch is not None:
         cfg = dataclasses.replace(cfg, global_batch=global_batch)
-    if isinstance(ledger, Ledger):
-        return _check(ledger, run_id, source, step, loaders, cfg, new_hosts, horizon, workers,
-                      t0, cancel)
-    with Ledger(_existing(ledger), read_only=True) as opened:
-        return _check(opened, run_id, source, step, loaders, cfg, new_hosts, horizon, workers,
-                      t0, cancel)
+    with Progress(f"preflight {run_id}", progress) as bar:
+        if isinstance(ledger, Ledger):
+            return _check(ledger, run_id, source, step, loaders, cfg, new_hosts, horizon,
+                          workers, t0, cancel, bar)
+        with Ledger(_existing(ledger), read_only=True) as opened:
+            return _check(opened, run_id, source, step, loaders, cfg, new_hosts, horizon,
+                          workers, t0, cancel, bar)
 
 
 def _existing(path: str | Path) -> Path:
@@ -175,7 +178,10 @@ def _saved_config(state: dict[str, Any], where: str) -> LoaderConfig:
 
 def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders: dict,
            cfg: LoaderConfig, new_hosts: int, horizon: int | None, workers: int | None,
-           t0: float, cancel: threading.Event | None = None) -> PreflightVerdict:
+           t0: float, cancel: threading.Event | None = None,
+           bar: Progress | None = None) -> PreflightVerdict:
+    bar = bar or Progress("", enabled=False)
+    bar.stage("reading the ledger")
     state0 = loaders["0"]
     old_hosts = state0["host_count"]
     n = len(source)
@@ -251,6 +257,7 @@ def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders
         states = [state_for_host(loaders, h) for h in range(new_hosts)]
         if workers is None:
             workers = default_workers(new_hosts, steps, cfg.global_batch // new_hosts)
+        bar.stage(f"shadow run of the loader on {new_hosts} host(s), up to {steps} steps")
         try:
             plans, steps = shadow_run(source, cfg, new_hosts, states, steps=steps,
                                       until_epoch=epoch, to_epoch_end=horizon is None,
@@ -264,6 +271,7 @@ def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders
             return done()
         reached = all(p.passed is not None and p.passed <= steps for p in plans)
         numbers.update(horizon_steps=steps, reached_epoch_end=reached, workers=workers)
+        bar.stage("checking the plan against the ledger")
         _plan_findings(plans, run, n, epoch, step, reached, numbers, add)
         return done()
     finally:

@@ -38,6 +38,7 @@ from audit.reconcile import bucket_stats, buckets, host_steps
 from audit.reconcile.partials import Partial, Spans, merge_all
 from audit.reconcile.plan import COLUMNS, InputFile, Plan, ledger_inputs, make_plan, spool_inputs
 from pipeline.corpus import read_rows
+from pipeline.progress import Progress
 from pipeline.runners import RunnerSpec, pipeline
 
 Columns = dict[str, np.ndarray]
@@ -330,12 +331,12 @@ def publish_records(work: Path, out: Path, schema: pa.Schema = bucket_stats.RECO
 def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
               spool: str | Path | None = None, ledger: str | Path | None = None,
               at_step: int | None = None, runner: RunnerSpec | None = None,
-              bucket_records: int | None = None, memory_gb: float = 3.0) -> dict:
+              bucket_records: int | None = None, memory_gb: float = 3.0,
+              progress: bool = False) -> dict:
     """Inputs -> plan -> Beam job -> report files in `out`; returns the report.
 
-    `memory_gb` bounds the memory of the buckets in flight (see `make_plan`)."""
-    from audit.reconcile import report as rp
-
+    `memory_gb` bounds the memory of the buckets in flight (see `make_plan`); `progress`
+    shows the stages on stderr, the job's by the key buckets done."""
     if (spool is None) == (ledger is None):
         raise TallyError("give exactly one of --spool or --ledger")
     if not Path(manifest).exists():
@@ -349,8 +350,20 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
     shutil.rmtree(work, ignore_errors=True)
     made = not out.exists()  # a refused reconcile leaves no folder it made behind
     work.mkdir(parents=True)
+    with Progress(f"reconcile {run_id}", progress) as bar:
+        return _reconcile(run_id, manifest, out, work, made, spool, ledger, at_step, runner,
+                          bucket_records, memory_gb, bar)
+
+
+def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
+               spool: str | Path | None, ledger: str | Path | None, at_step: int | None,
+               runner: RunnerSpec | None, bucket_records: int | None, memory_gb: float,
+               bar: Progress) -> dict:
+    from audit.reconcile import report as rp
+
     done = False
     try:
+        bar.stage("reading the inputs")
         if spool is not None:
             if not Path(spool).is_dir():
                 raise TallyError(f"spool {spool} is not a directory")
@@ -363,7 +376,11 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
                          left_out=inputs.left_out,
                          non_finite_losses=inputs.non_finite_losses,
                          finished=inputs.finished, milestones=inputs.milestones)
+        parts = work / "records"
+        bar.stage("key buckets", total=plan.buckets + 1,
+                  count=lambda: sum(1 for _ in parts.glob("part-*.parquet")))
         merged = run_reconcile(plan, work, runner)
+        bar.stage("writing the report")
         report, tables = rp.build(plan, merged)
         rp.write(report, tables, out)
         publish_records(work, out / "records")

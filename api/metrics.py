@@ -1,0 +1,142 @@
+"""`/metrics`: the service's numbers for Prometheus, through prometheus_client.
+
+A custom collector reads the live answers at scrape time (prometheus_client's pattern for
+numbers kept elsewhere), so nothing is updated twice. Counts that only grow are counters (their
+names end `_total`); numbers that can go down (a resumed attempt rolls steps back) are gauges;
+shares are named `_ratio`; `tally_build_info` says which Tally answers."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from audit.extras import version
+
+INTEGRITY = ("hash_mismatches", "unknown_keys", "unknown_segments", "heldout_consumed_records",
+             "heldout_exposures")
+
+
+class TallyCollector(Collector):
+    def __init__(self, svc: Any) -> None:
+        self.svc = svc
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.svc
+        yield InfoMetricFamily("tally_build", "The Tally that serves these numbers",
+                               value={"version": version(),
+                                      "python": platform.python_version()})
+        yield GaugeMetricFamily("tally_ingest_lag_seconds",
+                                "Age of the oldest spool file waiting for ingest",
+                                value=svc.loop.lag_seconds() if svc.loop is not None else 0.0)
+        if svc.loop is not None:
+            yield CounterMetricFamily("tally_ingest_rounds", "Ingest rounds of this process",
+                                      value=svc.loop.rounds)
+            yield CounterMetricFamily("tally_quarantined_files",
+                                      "Files quarantined by this process",
+                                      value=svc.loop.quarantined)
+        if svc.webhook.url is not None:
+            yield CounterMetricFamily("tally_webhook_sent", "Alert bodies the webhook took",
+                                      value=svc.webhook.sent)
+            yield CounterMetricFamily("tally_webhook_failures",
+                                      "Failed webhook tries (each is retried)",
+                                      value=svc.webhook.failures)
+        yield from self._runs()
+
+    def _runs(self) -> Iterator[Metric]:
+        svc = self.svc
+        run, host = ["run"], ["run", "host"]
+        m = {
+            "coverage": GaugeMetricFamily("tally_coverage_ratio",
+                                          "Share of train records seen at least once",
+                                          labels=run),
+            "ideal": GaugeMetricFamily("tally_ideal_coverage_ratio",
+                                       "Coverage a perfect loader would have now", labels=run),
+            "exposures": GaugeMetricFamily("tally_exposures", "Effective record exposures",
+                                           labels=run),
+            "seen": GaugeMetricFamily("tally_records_seen", "Distinct records seen", labels=run),
+            "repeat": GaugeMetricFamily(
+                "tally_repeat_ratio", "Share of exposures that repeat a record already seen",
+                labels=run),
+            "dup_ratio": GaugeMetricFamily(
+                "tally_epoch_duplicate_ratio",
+                "Share of exposures that repeat a record within one epoch", labels=run),
+            "dups": GaugeMetricFamily("tally_epoch_duplicates",
+                                      "Exposures beyond the first of a record in one epoch",
+                                      labels=run),
+            "multi": GaugeMetricFamily("tally_multi_host_records",
+                                       "Records seen by two or more hosts", labels=run),
+            "rows": CounterMetricFamily("tally_rows_ingested", "Segment rows in the ledger",
+                                        labels=run),
+            "last": GaugeMetricFamily("tally_last_step", "Latest effective step", labels=run),
+            "alert": GaugeMetricFamily("tally_alert", "1 when the alert fires",
+                                       labels=["run", "alert"]),
+            "integrity": GaugeMetricFamily(
+                "tally_integrity", "Integrity against the manifest, as the live reconcile "
+                "found it", labels=["run", "kind"]),
+            "h_rows": CounterMetricFamily("tally_host_rows_ingested",
+                                          "Segment rows in the ledger, per host", labels=host),
+            "h_exp": GaugeMetricFamily("tally_host_exposures", "Effective exposures per host",
+                                       labels=host),
+            "h_unique": GaugeMetricFamily("tally_host_unique_records",
+                                          "Distinct records per host", labels=host),
+            "h_shared": GaugeMetricFamily("tally_host_shared_records",
+                                          "Records a host saw that another host saw too",
+                                          labels=host),
+            "h_last": GaugeMetricFamily("tally_host_last_step",
+                                        "Latest effective step per host", labels=host),
+        }
+
+        def add(key: str, labels: list[str], value: float | None) -> None:
+            if value is not None:
+                m[key].add_metric(labels, value)
+
+        for run_id in svc.live.run_ids():
+            s, hs = svc.summary(run_id), svc.live.hosts(run_id)
+            host_rows = svc.live.host_rows(run_id)
+            c, ex = s["coverage"], max(1, s["exposures"])
+            add("coverage", [run_id], c["coverage"])
+            add("ideal", [run_id], (c.get("ideal") or {}).get("coverage"))
+            add("exposures", [run_id], c["exposures"])
+            add("seen", [run_id], s["records_seen"])
+            add("repeat", [run_id], (s["exposures"] - s["records_seen"]) / ex)
+            add("dup_ratio", [run_id], s["epoch_duplicates"] / ex)
+            add("dups", [run_id], s["epoch_duplicates"])
+            add("multi", [run_id], s["multi_host_records"])
+            add("rows", [run_id], s["rows_ingested"])
+            add("last", [run_id], s["last_step"])
+            for a in s["alerts"]:
+                add("alert", [run_id, a["name"]], int(a["firing"]))
+            integ = (s.get("findings") or {}).get("integrity")
+            for kind in INTEGRITY if integ else ():
+                add("integrity", [run_id, kind], integ[kind])
+            for h in hs["per_host"]:
+                lab = [run_id, str(h["host"])]
+                add("h_rows", lab, host_rows.get(h["host"], 0))
+                add("h_exp", lab, h["exposures"])
+                add("h_unique", lab, h["unique"])
+                add("h_shared", lab, h["overlap_with_others"])
+                add("h_last", lab, h["last_step"])
+        yield from (family for family in m.values() if family.samples)
+
+
+def registry(svc: Any) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(TallyCollector(svc))
+    return reg
+
+
+def exposition(reg: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """The scrape body and its content type: OpenMetrics when the scraper asks for it (as
+    Prometheus does), else the text format."""
+    encode, content_type = choose_encoder(accept or "")
+    return encode(reg), content_type

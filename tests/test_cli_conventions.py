@@ -1,0 +1,142 @@
+"""The command line's conventions, run as real processes: --version, examples and exit codes in
+the help, -q and --json, progress on stderr, -q silencing Beam's worker processes, the report
+loaded for a notebook, and the lean base install (a fresh virtual environment) whose commands
+say which extra they miss."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from audit.cli import build_parser
+from audit.hook.writer import LedgerWriter
+from tests.conftest import ROOT, unpacked_batch
+
+QUIET_AND_JSON = {"ingest", "manifest", "reconcile", "diff", "exposure", "compare", "preflight"}
+
+
+def tally(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300, env={"PYTHONPATH": str(ROOT),
+                                                                 "PATH": "/usr/bin:/bin"})
+
+
+def _commands(parser) -> dict:
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    out = {}
+    for name, p in sub.choices.items():
+        out[name] = p
+        out.update({f"{name} {k}": v for k, v in _commands(p).items()} if any(
+            a.__class__.__name__ == "_SubParsersAction" for a in p._actions) else {})
+    return out
+
+
+def test_version_examples_exit_codes_quiet_and_json_in_the_help():
+    r = tally("--version")
+    assert r.returncode == 0 and r.stdout.startswith("tally 0.")
+    top = tally("--help").stdout
+    for code in ("0 ", "1 ", "2 ", "130 "):
+        assert f"\n  {code}" in top, top
+    for name, p in _commands(build_parser()).items():
+        text = p.format_help()
+        assert "examples:\n  tally " + name.split()[0] in text, name
+        flags = {o for a in p._actions for o in a.option_strings}
+        if name in QUIET_AND_JSON:
+            assert {"-q", "--json"} <= flags, name
+    assert "-q" in {o for a in _commands(build_parser())["serve"]._actions
+                    for o in a.option_strings}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("small")
+    assert tally("corpus", "synth", "corpus", "--records", "300", "--length-scale", "0.1",
+                 "--max-len", "128", cwd=tmp).returncode == 0
+    assert tally("manifest", "corpus", "-o", "m.parquet", "-q", cwd=tmp).returncode == 0
+    for h in range(2):
+        with LedgerWriter(tmp / "spool", "r", host=h, host_count=2) as w:
+            for s in range(10):
+                w.write_batch(s, unpacked_batch(s, host=h, hosts=2, n_records=290))
+    return tmp
+
+
+def test_progress_on_stderr_and_quiet_json_with_beam_workers_silenced(small):
+    r = tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
+              "rep", cwd=small)
+    assert r.returncode == 0 and r.stdout.startswith("run r: PASS"), r.stderr
+    assert "reconcile r: key buckets" in r.stderr and "/2 [" in r.stderr
+    # Worker processes print 40 lines of INFO (and "apitools not found") without -q.
+    r = tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
+              "rep-q", "--mode", "multi_processing", "-q", "--json", cwd=small)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    got = json.loads(r.stdout)
+    assert got["verdict"] == "PASS" and got["report"] == str(Path("rep-q") / "report.json")
+    # An error still says its one line under -q.
+    r = tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "nope", "-o",
+              "rep-n", "-q", cwd=small)
+    assert r.returncode == 2 and r.stderr.startswith("tally: error: no segment files")
+
+
+def test_load_report_gives_typed_objects_and_arrow_tables(small):
+    import audit
+
+    if not (small / "rep" / "report.json").exists():
+        assert tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r",
+                     "-o", "rep", "-q", cwd=small).returncode == 0
+    rep = audit.load_report(small / "rep")
+    data = json.loads((small / "rep" / "report.json").read_text())
+    assert (rep.run_id, rep.verdict) == ("r", data["verdict"])
+    assert rep.coverage.to_dict().items() <= data["coverage"].items()
+    assert [f.code for f in rep.findings] == [f["code"] for f in data["findings"]]
+    assert rep.steps.num_rows == 10 and rep.hosts.num_rows == 2
+    assert rep.records.num_rows == 300 and "exposures" in rep.records.column_names
+    assert rep.findings_table().num_rows == len(rep.findings)
+    with pytest.raises(audit.TallyError, match="no report.json"):
+        audit.load_report(small)
+
+
+def test_the_lean_base_install_writes_and_ingests_and_names_missing_extras(tmp_path):
+    """A fresh virtual environment with the base install only (pip reuses its wheel cache;
+    about 30 s here, --no-compile)."""
+    venv = tmp_path / "lean"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                          "install", "-q", "--no-compile", "-e", str(ROOT)],
+                         capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    py, exe = str(venv / "bin" / "python"), str(venv / "bin" / "tally")
+    heavy = subprocess.run([py, "-c", "import importlib.util as u; print([m for m in ("
+                            "'apache_beam', 'jax', 'flax', 'grain', 'fastapi', 'dask', 'torch')"
+                            " if u.find_spec(m)])"], capture_output=True, text=True)
+    assert heavy.stdout.strip() == "[]", heavy.stdout + heavy.stderr
+    # A PyTorch-style host: the writer, then ingest and the ledger.
+    host = subprocess.run([py, "-c", """
+import numpy as np
+from audit import LedgerWriter
+with LedgerWriter("spool", "torch-run", host=0, host_count=1, records_per_epoch=100) as w:
+    for s in range(3):
+        w.write_batch(s, {"tokens": np.ones((4, 8), np.int32), "key": np.arange(4) + 4 * s,
+                          "tokens_segment_ids": np.ones((4, 8), np.int32)})
+    w.finish()
+"""], cwd=tmp_path, capture_output=True, text=True)
+    assert host.returncode == 0, host.stderr
+    run = lambda *a: subprocess.run([exe, *a], cwd=tmp_path, capture_output=True,  # noqa: E731
+                                    text=True, timeout=120)
+    r = run("ingest", "spool", "--ledger", "l.duckdb", "-q", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["files"] == 2, r.stderr
+    assert "attempt 0: fresh start, 1 host(s), 12 segments" in run("ledger", "l.duckdb").stdout
+    for args, extra in ((["serve", "--ledger", "l.duckdb"], "api"),
+                        (["reconcile", "--spool", "spool", "--manifest", "m", "--run", "r",
+                          "-o", "o"], "beam"),
+                        (["train"], "train"), (["compare", "a", "b"], "train"),
+                        (["preflight", "--run", "r", "--ledger", "l.duckdb", "--manifest", "m",
+                          "--checkpoint", "c", "--hosts", "1"], "train"),
+                        (["demo"], "all")):
+        r = run(*args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (args, r.stderr)
+        assert r.stderr.startswith(f"tally: error: 'tally {args[0]}' needs the {extra} extra")
+        assert f"pip install 'tally[{extra}]'" in r.stderr
