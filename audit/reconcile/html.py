@@ -384,13 +384,15 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
                            f'style="fill:{ink};font-size:{min(11, cell / 3.2):.0f}px">'
                            f'{_fmt_count(v)}</text>')
     step = max(1, math.ceil(len(hosts) / 16))
+    font = 9 if hosts[-1] >= 100 and cell * step < 26 else 11  # three digits in a narrow cell
     for a, h in enumerate(hosts):
         if a % step:
             continue
         pos = (a + .5) * cell
         out.append(f'<text x="{left - 4}" y="{top_pad + pos + 4:.1f}" text-anchor="end" '
                    f'class="host-label">{h}</text><text x="{left + pos:.1f}" '
-                   f'y="{top_pad - 6}" text-anchor="middle" class="host-label">{h}</text>')
+                   f'y="{top_pad - 6}" text-anchor="middle" class="host-label" '
+                   f'style="font-size:{font}px">{h}</text>')
     # The colour scale: from none shared to the most any pair shared.
     sx, sy, sh = left + size + 18, top_pad, size
     out.append('<defs><linearGradient id="shared-scale" x1="0" y1="1" x2="0" y2="0">'
