@@ -10,6 +10,7 @@ import contextlib
 import hmac
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ from audit.ledger.live import LiveLedger, Snap
 from pipeline.manifest_file import ManifestDomains
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
+PAGES = re.compile(r"/|/runs/[^/]+/report\.html")  # what a browser opens by URL
 MAX_STEP = 2**62
 SWITCH_INTERVAL = 0.0005  # seconds; see lifespan()
 
@@ -133,6 +135,11 @@ class Service:
 
     def newest_report(self, run_id: str) -> dict[str, Any]:
         """The newest reconcile report of a run: under --reports, or the live one."""
+        return self.newest_report_file(run_id)[1]
+
+    def newest_report_file(self, run_id: str) -> tuple[Path, dict[str, Any]]:
+        """The newest report.json of a run (its path, read) and what it says; its report.html
+        lies beside it."""
         if self.reports is None and self.findings is None:
             raise Unavailable("no reports directory: start the service with --reports DIR "
                               "(where `tally reconcile -o DIR` writes), or with --manifest so "
@@ -150,10 +157,10 @@ class Service:
                 continue
             if isinstance(rep, dict) and rep.get("run_id") == run_id and (
                     best is None or mtime > best[0]):
-                best = (mtime, rep)
+                best = (mtime, p, rep)
         if best is None:
             raise NotFound(f"no reconcile report for run {run_id!r} yet")
-        return best[1]
+        return best[1], best[2]
 
     def after_round(self) -> None:
         self.check_alerts()
@@ -188,8 +195,9 @@ def _encode(value: Any) -> bytes:
 
 
 class BearerToken:
-    """Every request needs `Authorization: Bearer <token>`; a query token opens the dashboard
-    page only, which a browser opens by URL (its own requests then send the header). Tokens
+    """Every request needs `Authorization: Bearer <token>`; a query token opens the pages only
+    (the dashboard, a run's report.html), which a browser opens by URL (the dashboard's own
+    requests then send the header). Tokens
     are compared in constant time. A plain ASGI middleware: it leaves the request's receive
     channel alone, so a handler still learns when its client goes away."""
 
@@ -202,7 +210,7 @@ class BearerToken:
         request = Request(scope)
         got = request.headers.get("authorization", "")
         given = got[7:] if got.lower().startswith("bearer ") else ""
-        if not given and scope["path"] == "/" and scope["method"] == "GET":
+        if not given and scope["method"] == "GET" and PAGES.fullmatch(scope["path"]):
             given = request.query_params.get("token", "")
         if hmac.compare_digest(given.encode(), self.token):
             return await self.app(scope, receive, send)
@@ -288,6 +296,16 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def dashboard() -> HTMLResponse:
         return HTMLResponse(DASHBOARD.read_text())
+
+    @app.get("/runs/{run_id}/report.html", response_class=HTMLResponse,
+             include_in_schema=False)
+    def report_page(run_id: RunId) -> HTMLResponse:
+        """The newest report.html of a run (beside its newest report.json)."""
+        path, _ = svc.newest_report_file(run_id)
+        try:
+            return HTMLResponse(path.with_name("report.html").read_text())
+        except OSError as exc:
+            raise NotFound(f"run {run_id!r} has a report.json without a report.html") from exc
 
     @app.get("/healthz", tags=["service"], response_model=models.Health,
              responses=errors.responses(*auth))

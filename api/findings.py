@@ -60,9 +60,10 @@ class LiveFindings:
         rep = self.report(run_id)
         if rep is None:
             return {"verdict": None, "findings": [], "integrity": None, "as_of_step": None,
-                    "generated_at": None}
+                    "first_bad_step": None, "generated_at": None}
         return {"verdict": rep["verdict"], "findings": rep["findings"],
                 "integrity": rep["integrity"], "as_of_step": rep["consumption"]["last_step"],
+                "first_bad_step": rep.get("first_bad_step"),
                 "generated_at": rep["generated_at"]}
 
     def _run(self) -> None:

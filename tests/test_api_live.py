@@ -197,6 +197,9 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
         assert poll(lambda: httpx.get(url + "/v1/runs/t", headers=auth, timeout=5)
                     .status_code == 200)
         assert httpx.get(url + "/?token=s3cret", timeout=5).status_code == 200
+        # A run's report.html is a page too (409 here: no reports to serve), not a 401.
+        assert httpx.get(url + "/runs/t/report.html?token=s3cret", timeout=5).status_code == 409
+        assert httpx.get(url + "/runs/t/report.html", timeout=5).status_code == 401
         # A query token opens the dashboard page only: never the API, never a POST.
         for path in ("/v1/runs?token=s3cret", "/v1/runs/t?token=s3cret",
                      "/metrics?token=s3cret"):
@@ -228,7 +231,7 @@ def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
                 [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
-                 "--virtual-time-budget=10000", "--dump-dom", srv.url + "/"],
+                 "--virtual-time-budget=10000", "--dump-dom", srv.url + "/?run=d"],
                 capture_output=True, text=True, timeout=120)
     dom = out.stdout
     assert "data-updated" in dom, (dom[-2000:], out.stderr[-2000:])
@@ -242,7 +245,7 @@ def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
     bars = re.findall(r'data-series="actual" data-bin="([^"]+)" data-value="(\d+)"', dom)
     assert [b for b, _ in bars] == ["0", "1", "2", "3+"] and sum(int(v) for _, v in bars) == N
     cells = re.findall(r'class="cell" data-value="(\d+)"', dom)
-    assert len(cells) == 9 and all(int(v) > 0 for v in cells)  # 3 x 3, every pair overlaps
+    assert len(cells) == 6 and all(int(v) > 0 for v in cells)  # 3 x 2: every pair overlaps
 
 
 def test_coverage_universe_from_writer_metadata_and_cached_answers(tmp_path):

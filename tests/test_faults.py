@@ -223,6 +223,11 @@ def test_a_host_that_hands_the_same_batch_again_is_named_with_its_steps(corpus, 
     assert "host 2 handed the same batch again at 10 step(s) (steps 50-59)" in \
         fails[0]["message"]
     assert r["hosts"]["per_host"][2]["epoch_repeats"] == 10 * 8
+    # Its evidence: the host, and its steps around the stall in the API's host series.
+    assert fails[0]["evidence"] == {
+        "steps": [{"step": 50, "last_step": 59,
+                   "api": "/v1/runs/r/hosts/2/steps?start=49&end=60&bucket=1"}],
+        "hosts": [{"host": 2, "api": "/v1/runs/r/hosts/2/steps"}]}
 
 
 def test_a_host_that_consumes_nothing_for_a_while_is_named_with_its_steps(corpus, tmp_path):
@@ -237,6 +242,10 @@ def test_a_host_that_consumes_nothing_for_a_while_is_named_with_its_steps(corpus
     r = _reconcile(root, tmp_path / "spool", "gap")
     (gap,) = [f for f in r["findings"] if f["code"] == "host_gap"]
     assert gap["numbers"] == {"host": 1, "first_step": 30, "last_step": 39, "attempt": 0}
+    assert gap["evidence"]["hosts"] == [{"host": 1, "api": "/v1/runs/r/hosts/1/steps"}]
+    assert gap["evidence"]["steps"] == [{"step": 30, "last_step": 39,
+                                         "api": "/v1/runs/r/hosts/1/steps?start=29&end=40"
+                                                "&bucket=1"}]
     assert r["run"] == {"finished": True, "finished_step": 99}
 
 
@@ -253,6 +262,14 @@ def test_one_misconfigured_host_is_named_by_the_repeats_it_takes_part_in(corpus,
     assert "with_replacement" not in codes, r["findings"]
     (f,) = [f for f in r["findings"] if f["code"] == "repeats_on_hosts"]
     assert f["numbers"]["hosts"] == [3] and f["numbers"]["shares"][0] > 0.95
+    # Evidence: the host named, the steps and the records repeated most, each with its API.
+    ev = f["evidence"]
+    assert [h["host"] for h in ev["hosts"]] == [3]
+    steps = pq.read_table(root / "onehost" / "steps.parquet").to_pydict()
+    most = max(steps["epoch_repeats"])
+    assert ev["steps"][0]["repeats"] == most and len(ev["steps"]) == 5
+    assert all(x["record_key"] >= 0 and x["epoch_repeats"] >= 1 and
+               any(s["host"] == 3 for s in x["seen"]) for x in ev["records"])
 
 
 def test_a_clean_elastic_reshard_is_settled_once_its_epoch_ends(corpus, tmp_path):

@@ -183,6 +183,24 @@ def test_report_files(tmp_path):
     assert "<svg" in html and "http" not in html.replace("http-equiv", "")
     codes = {f["code"] for f in report["findings"]}
     assert {"unknown_keys", "hash_mismatch", "heldout_leak"} <= codes
+    # Each integrity finding's evidence: records from its examples, where they were seen, and
+    # the steps and hosts they name most, each with the API path that shows it.
+    for code, kind in (("unknown_keys", "unknown"), ("hash_mismatch", "hash_mismatch"),
+                       ("heldout_leak", "heldout")):
+        (f,) = [f for f in report["findings"] if f["code"] == code]
+        rows = report["examples"][kind]
+        ev = f["evidence"]
+        assert [x["record_key"] for x in ev["records"]] == list(
+            dict.fromkeys(x["record_key"] for x in rows))[:5]
+        for x in ev["records"]:
+            assert x["api"] == f"/v1/runs/r/records/{x['record_key']}"
+            assert x["seen"] == [{"step": y["step"], "host": y["host"]} for y in rows
+                                 if y["record_key"] == x["record_key"]]
+        assert sum(s["examples"] for s in ev["steps"]) <= len(rows)
+        assert ev["hosts"][0]["examples"] == max(
+            sum(y["host"] == h for y in rows) for h in {y["host"] for y in rows})
+    held = {x["record_key"] for x in report["examples"]["heldout"]}
+    assert held and all(k >= report["coverage"]["train_records"] for k in held)
 
 
 def test_a_group_delivered_twice_with_different_values_is_refused(tmp_path):

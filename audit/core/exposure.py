@@ -213,21 +213,29 @@ class Finding:
     code: str
     message: str
     numbers: dict[str, Any] = field(default_factory=dict)
+    # What it points at, when the check can name it: {"steps": [...], "hosts": [...],
+    # "records": [...]}, a few of each, each item with the API path that shows it
+    # (audit.reconcile.evidence). None: nothing to point at.
+    evidence: dict[str, list[dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
             raise ValueError(f"finding severity {self.severity!r} is not one of {SEVERITIES}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"severity": self.severity, "code": self.code, "message": self.message,
-                "numbers": self.numbers}
+        out = {"severity": self.severity, "code": self.code, "message": self.message,
+               "numbers": self.numbers}
+        if self.evidence is not None:
+            out["evidence"] = self.evidence
+        return out
 
 
 class Findings(list):
     """Findings in the order they were found."""
 
-    def add(self, severity: str, code: str, message: str, **numbers: Any) -> Finding:
-        f = Finding(severity, code, message, numbers)
+    def add(self, severity: str, code: str, message: str, *,
+            evidence: dict[str, list[dict[str, Any]]] | None = None, **numbers: Any) -> Finding:
+        f = Finding(severity, code, message, numbers, evidence)
         self.append(f)
         return f
 

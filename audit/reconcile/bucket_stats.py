@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from audit.core.arrays import distinct
-from audit.reconcile.partials import EXAMPLES, RANK_CAP, MaxSpans, Partial, Spans
+from audit.reconcile.partials import EVIDENCE, EXAMPLES, RANK_CAP, SEEN, MaxSpans, Partial, Spans
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
 # Per-record exposure: one row per manifest record (report's records/ table).
@@ -111,8 +111,8 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
 
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
-    per_epoch, repeats_at, repeats_on, out.records_by_epoch, out.epoch_duplicated_by_host = \
-        _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, c["host"][ep], hosts)
+    (per_epoch, repeats_at, repeats_on, out.records_by_epoch, out.epoch_duplicated_by_host,
+     repeats_of) = _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, c["host"][ep], hosts, n)
     out.epoch_repeats_by_step = Spans([(lo, repeats_at)])
     out.epoch_repeats_by_host = repeats_on
 
@@ -133,6 +133,14 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
     out.max_rank_by_step = MaxSpans([(lo, max_rank)])
     out.hash_mismatch_examples = _examples(man["record_key"][j[mismatch]], c["step"][mismatch],
                                            c["host"][mismatch])
+    if not every:
+        held = starts & ~train[j]
+        out.heldout_examples = _examples(man["record_key"][j[held]], c["step"][held],
+                                         c["host"][held])
+    out.never_seen_examples = man["record_key"][
+        np.flatnonzero(train & (exposures == 0))[:EVIDENCE]].tolist()
+    out.most_repeated = _most_repeated(man["record_key"], j, c, exposures, repeats_of,
+                                       n_hosts, train)
 
     weights = {"tokens": of_train(man["n_tokens"]), "exposures": e_train,
                "consumed": of_train(tokens), "never_seen": e_train == 0}
@@ -157,6 +165,35 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
         "hash_mismatches": bincount(j[mismatch], n=n),
     }, schema=RECORDS_SCHEMA)
     return out, records
+
+
+def _most_repeated(record_key: np.ndarray, j: np.ndarray, c: dict[str, np.ndarray],
+                   exposures: np.ndarray, epoch_repeats: np.ndarray, n_hosts: np.ndarray,
+                   train: np.ndarray) -> list[dict]:
+    """The bucket's EVIDENCE train records repeated most within their epochs, then exposed
+    most (ties: the lower key), each with its first SEEN exposures (step, host, epoch). One
+    partition over the bucket's records, then work for those few only."""
+    score = epoch_repeats * (int(exposures.max(initial=0)) + 1) + exposures
+    cand = np.flatnonzero(train & ((epoch_repeats > 0) | (exposures > 1)))
+    if not cand.size:
+        return []
+    sc = score[cand]
+    if cand.size > EVIDENCE:  # the EVIDENCE best: those above the cut, then the cut's lowest keys
+        cut = np.partition(sc, cand.size - EVIDENCE)[cand.size - EVIDENCE]
+        cand = np.r_[cand[sc > cut], cand[sc == cut][:EVIDENCE]]
+        sc = score[cand]
+    top = cand[np.lexsort((cand, -sc))][:EVIDENCE]
+    rows = np.flatnonzero(c["start"] & np.isin(j, top))
+    rows = rows[np.lexsort((c["host"][rows], c["step"][rows], j[rows]))]
+    out = []
+    for r in top.tolist():
+        mine = rows[j[rows] == r][:SEEN]
+        out.append({"record_key": int(record_key[r]), "exposures": int(exposures[r]),
+                    "epoch_repeats": int(epoch_repeats[r]), "hosts": int(n_hosts[r]),
+                    "seen": [{"step": int(s), "host": int(h), "epoch": int(e)} for s, h, e in
+                             zip(c["step"][mine], c["host"][mine], c["epoch"][mine],
+                                 strict=True)]})
+    return out
 
 
 def _host_sets(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
@@ -246,14 +283,16 @@ def loss_by_rank(step: np.ndarray, rank: np.ndarray, loss: np.ndarray,
 
 
 def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.ndarray,
-                  hosts: int) -> tuple[np.ndarray, ...]:
+                  hosts: int, n: int) -> tuple[np.ndarray, ...]:
     """From train start events with known epochs: how often each (record, epoch) occurs (those
     that occur), the within-epoch repeats (every occurrence after the first, in step order) by
-    step and by host, the distinct records seen per epoch, and per host the records repeated
-    within an epoch that it took part in (once per record and epoch)."""
+    step and by host, the distinct records seen per epoch, per host the records repeated
+    within an epoch that it took part in (once per record and epoch), and per record (of n)
+    its within-epoch repeats."""
     if not j.size:
         empty = np.zeros(0, np.int64)
-        return empty, empty, np.zeros(hosts, np.int64), empty, np.zeros(hosts, np.int64)
+        return (empty, empty, np.zeros(hosts, np.int64), empty, np.zeros(hosts, np.int64),
+                np.zeros(n, np.int64))
     order = np.lexsort((step, epoch, j))
     jj, ee, hh = j[order], epoch[order], host[order].astype(np.int64)
     head = np.r_[True, (jj[1:] != jj[:-1]) | (ee[1:] != ee[:-1])]
@@ -265,7 +304,7 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
     pairs = distinct(group[dup] * hosts + hh[dup]) if dup.any() else np.zeros(0, np.int64)
     return (counts, bincount(step[order][again].astype(np.int64)),
             bincount(hh[again], n=hosts), bincount(ee[head].astype(np.int64)),
-            bincount(pairs % hosts, n=hosts))
+            bincount(pairs % hosts, n=hosts), bincount(jj[again].astype(np.int64), n=n))
 
 
 def _strings(man: dict, col: str) -> pa.Array:

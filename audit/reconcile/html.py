@@ -1,200 +1,645 @@
-"""report.html: one self-contained page with the verdict, the findings and plots (inline SVG,
-no script, nothing fetched)."""
+"""report.html: one self-contained page with the verdict, the findings and their evidence, and
+plots that show the fault (inline SVG, no script, nothing fetched).
+
+Every chart has axis titles with units and a legend in its series' colours, and a colour means
+one thing on every chart (PALETTE, shared with the live dashboard): blue what the run consumed
+as it should, red what it consumed beyond the ideal (and the first bad step), grey the ideal
+or the plan. Evidence links point at the live API (`tally serve`), which also serves this page
+at /runs/{run}/report.html.
+"""
 
 from __future__ import annotations
 
 import html
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pyarrow as pa
 
 from audit.core import exposure
 
+# One meaning per colour, on every chart here and on the dashboard (api/dashboard.html holds
+# the same values; a test checks they agree).
+PALETTE = {
+    "actual": "#0969da",  # consumed as it should be: coverage, first exposures, due exposures
+    "earlier": "#54aeff",  # seen again in a later epoch: due again
+    "repeat": "#cf222e",  # beyond the ideal: within-epoch repeats, excess, first bad step
+    "ideal": "#6e7781",  # what a perfect loader gives, or the plan
+    "heldout": "#1a7f37",  # held-out loss
+    "shared": "#8250df",  # records two hosts both saw
+}
+MAX_HEATMAP_HOSTS = 16  # beyond this, the hosts sharing the most records; all in the table
+MAX_BARS = 280  # per-step bars: steps are binned beyond this
+MAX_POINTS = 600  # per polyline: keeps the file small for long runs
+
 
 def step_or_none(s: int | None) -> str:
     return "none" if s is None else str(s)
 
 
-CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
-h1{font-size:1.5em}.PASS{color:#1a7f37}.FAIL{color:#cf222e}.WARN{color:#9a6700}
+CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#1f2328;max-width:1200px}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em}.PASS{color:#1a7f37}.FAIL{color:#cf222e}
+.WARN{color:#9a6700}.INFO,.UNKNOWN{color:#57606a}
+.badge{display:inline-block;padding:0 6px;border-radius:4px;color:#fff;font-weight:600;
+font-size:12px}.badge.FAIL{background:#cf222e}.badge.WARN{background:#bf8700}
+.badge.PASS{background:#1a7f37}.badge.INFO,.badge.UNKNOWN{background:#6e7781}
 table{border-collapse:collapse;margin:.5em 0}td,th{padding:2px 8px;border-bottom:1px solid #ddd;
 text-align:right}th:first-child,td:first-child{text-align:left}.grid{display:flex;flex-wrap:wrap;
-gap:24px}figure{margin:0}figcaption{font-weight:600;margin-bottom:4px}svg text{font-size:11px}"""
+gap:24px}figure{margin:0}figcaption{font-weight:600;margin-bottom:4px;max-width:560px}
+svg text{font-size:11px}svg{background:#fff}.findings li{margin:.4em 0}
+.evidence{color:#57606a;font-size:13px;margin:.2em 0 0 1em}.evidence a{color:#0969da}
+.facts{display:flex;flex-wrap:wrap;gap:6px 24px;margin:.5em 0}.facts b{font-size:1.1em}"""
 
 
-def _line_chart(xs, ys, ideal, w=520, h=240) -> str:
-    if len(xs) == 0:
+def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
+    """About n round tick values (1, 2, 2.5 or 5 times a power of ten) from lo to hi."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return [0.0]
+    if hi <= lo:
+        hi = lo + 1
+    raw = (hi - lo) / max(1, n)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
+    if integer:
+        step = max(1.0, round(step))
+    first = math.ceil(lo / step - 1e-9) * step
+    return [round(first + i * step, 12) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def decimals(ticks: Sequence[float]) -> int:
+    """The fewest decimals that write every tick exactly (0.5 -> 1, 0.25 -> 2, 5 -> 0)."""
+    return next((d for d in range(6) if all(abs(round(t, d) - t) < 1e-9 for t in ticks)), 6)
+
+
+def _round_up(hi: float, integer: bool = False) -> float:
+    """The smallest round tick at or above hi (the top of an axis starting at 0)."""
+    ticks = nice_ticks(0, max(hi, 1e-12), 4, integer)
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1
+    return ticks[-1] if ticks[-1] >= hi else ticks[-1] + step
+
+
+def _fmt_count(v: float) -> str:
+    if v >= 10_000:
+        return f"{v / 1000:,.0f}k"
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.1f}"
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+class Chart:
+    """One SVG chart: a plot area with x and y scales, axes with titles, a legend above it."""
+
+    def __init__(self, x0: float, x1: float, y0: float, y1: float, *, name: str,
+                 w: int = 560, h: int = 270, left: int = 58, right: int = 14, top: int = 36,
+                 bottom: int = 40) -> None:
+        self.x0, self.x1 = x0, x1 if x1 > x0 else x0 + 1
+        self.y0, self.y1 = y0, y1 if y1 > y0 else y0 + 1
+        self.w, self.h, self.left, self.right, self.top, self.bottom = (w, h, left, right, top,
+                                                                        bottom)
+        self.name = name
+        self.body: list[str] = []
+
+    def px(self, x: float) -> float:
+        return self.left + (x - self.x0) / (self.x1 - self.x0) * (self.w - self.left - self.right)
+
+    def py(self, y: float) -> float:
+        return self.h - self.bottom - (y - self.y0) / (self.y1 - self.y0) * (
+            self.h - self.top - self.bottom)
+
+    def axes(self, xtitle: str, ytitle: str, *, xticks: Sequence[float] | None = None,
+             yticks: Sequence[float] | None = None, xfmt: Callable[[float], str] = _fmt_count,
+             yfmt: Callable[[float], str] = _fmt_count, xlabels: Sequence[str] | None = None
+             ) -> None:
+        """Grid lines and tick labels on both axes, and each axis's title with its unit.
+        `xlabels`: category names centred on their slots instead of x ticks."""
+        b, lft, r = self.h - self.bottom, self.left, self.w - self.right
+        out = [f'<g class="axes" data-x-title="{_e(xtitle)}" data-y-title="{_e(ytitle)}">']
+        for v in yticks if yticks is not None else nice_ticks(self.y0, self.y1, 4):
+            y = self.py(v)
+            out.append(f'<line x1="{lft}" x2="{r}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eaeef2"/>'
+                       f'<text x="{lft - 4}" y="{y + 4:.1f}" text-anchor="end" class="tick">'
+                       f'{_e(yfmt(v))}</text>')
+        if xlabels is not None:
+            slot = (r - lft) / max(1, len(xlabels))
+            for i, lab in enumerate(xlabels):
+                out.append(f'<text x="{lft + (i + .5) * slot:.1f}" y="{b + 14}" '
+                           f'text-anchor="middle" class="tick">{_e(lab)}</text>')
+        else:
+            for v in xticks if xticks is not None else nice_ticks(self.x0, self.x1, 6, True):
+                x = self.px(v)
+                out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{b}" y2="{b + 4}" '
+                           f'stroke="#8c959f"/><text x="{x:.1f}" y="{b + 15}" '
+                           f'text-anchor="middle" class="tick">{_e(xfmt(v))}</text>')
+        out.append(f'<line x1="{lft}" x2="{r}" y1="{b}" y2="{b}" stroke="#8c959f"/>'
+                   f'<line x1="{lft}" x2="{lft}" y1="{self.top}" y2="{b}" stroke="#8c959f"/>'
+                   f'<text x="{(lft + r) / 2:.1f}" y="{self.h - 6}" text-anchor="middle" '
+                   f'class="axis-title">{_e(xtitle)}</text>'
+                   f'<text transform="translate(12 {(self.top + b) / 2:.1f}) rotate(-90)" '
+                   f'text-anchor="middle" class="axis-title">{_e(ytitle)}</text></g>')
+        self.body.insert(0, "".join(out))
+
+    def legend(self, items: Sequence[tuple[str, str, str]]) -> None:
+        """(name, colour, kind: line | dash | box) in a row above the plot; the text takes the
+        series' colour."""
+        x, out = self.left, ['<g class="legend">']
+        for name, color, kind in items:
+            if kind == "box":
+                out.append(f'<rect x="{x}" y="8" width="12" height="10" fill="{color}"/>')
+            else:
+                dash = ' stroke-dasharray="4 3"' if kind == "dash" else ""
+                out.append(f'<line x1="{x}" x2="{x + 14}" y1="13" y2="13" stroke="{color}" '
+                           f'stroke-width="2"{dash}/>')
+            out.append(f'<text x="{x + 18}" y="17" fill="{color}" style="fill:{color}" '
+                       f'data-series="{_e(name)}">{_e(name)}</text>')
+            x += 30 + 6.5 * len(name)
+        self.body.append("".join(out) + "</g>")
+
+    def marker(self, x: float | None, label: str, kind: str) -> None:
+        """A vertical line at x (a step), labelled, in the repeat colour."""
+        if x is None or not self.x0 <= x <= self.x1:
+            return
+        c, xx = PALETTE["repeat"], self.px(x)
+        anchor = "end" if xx > self.w * 0.7 else "start"
+        dx = -4 if anchor == "end" else 4
+        tw = 6.2 * len(label) + 6
+        bx = xx + dx - (tw if anchor == "end" else 0) - (0 if anchor == "end" else 3)
+        self.body.append(
+            f'<g data-marker="{kind}" data-step="{x}"><line x1="{xx:.1f}" x2="{xx:.1f}" '
+            f'y1="{self.top - 4}" y2="{self.h - self.bottom}" stroke="{c}" stroke-width="1.5" '
+            f'stroke-dasharray="5 3"/><rect x="{bx:.1f}" y="{self.top - 2}" width="{tw:.1f}" '
+            f'height="14" fill="#fff" fill-opacity="0.85"/><text x="{xx + dx:.1f}" '
+            f'y="{self.top + 8}" text-anchor="{anchor}" fill="{c}" style="fill:{c}">'
+            f'{_e(label)}</text></g>')
+
+    def polyline(self, xs: np.ndarray, ys: np.ndarray, color: str, series: str,
+                 dash: bool = False, width: float = 2) -> None:
+        ok = np.isfinite(ys)
+        xs, ys = np.asarray(xs)[ok], np.asarray(ys)[ok]
+        if len(xs) > MAX_POINTS:
+            idx = np.linspace(0, len(xs) - 1, MAX_POINTS).astype(int)
+            xs, ys = xs[idx], ys[idx]
+        pts = " ".join(f"{self.px(x):.1f},{self.py(y):.1f}" for x, y in zip(xs, ys, strict=True))
+        d = ' stroke-dasharray="5 4"' if dash else ""
+        self.body.append(f'<polyline fill="none" stroke="{color}" stroke-width="{width}"{d} '
+                         f'points="{pts}" data-series="{_e(series)}" '
+                         f'data-points="{len(xs)}"/>')
+
+    def svg(self) -> str:
+        return (f'<svg width="{self.w}" height="{self.h}" role="img" '
+                f'data-chart="{self.name}">' + "".join(self.body) + "</svg>")
+
+
+# ---- charts ------------------------------------------------------------------------------
+
+def per_step_chart(steps: pa.Table, first_bad: int | None) -> str:
+    """Exposures per step, stacked: records seen for the first time, records due again in a
+    later epoch, and records repeated within their epoch (beyond the ideal); the first bad step
+    marked. Long runs are binned, each bar summing its steps."""
+    if not steps.num_rows:
         return "<p>no steps yet</p>"
-    if len(xs) > 600:  # keep the file small: plot an evenly thinned series
-        idx = np.linspace(0, len(xs) - 1, 600).astype(int)
-        xs, ys, ideal = xs[idx], ys[idx], ideal[idx]
-    x0, x1 = float(xs.min()), float(max(xs.max(), xs.min() + 1))
-    px = lambda x: 40 + (x - x0) / (x1 - x0) * (w - 50)  # noqa: E731
-    py = lambda y: h - 25 - y * (h - 40)  # noqa: E731
-    pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True))
-    ipts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ideal, strict=True))
-    ticks = "".join(f'<text x="4" y="{py(v) + 4:.0f}">{int(v * 100)}%</text>'
-                    f'<line x1="40" x2="{w - 10}" y1="{py(v):.1f}" y2="{py(v):.1f}" '
-                    f'stroke="#eee"/>' for v in (0, .25, .5, .75, 1))
-    return (f'<svg width="{w}" height="{h}" role="img" data-series="coverage">{ticks}'
-            f'<polyline fill="none" stroke="#0969da" stroke-width="2" points="{pts}"/>'
-            f'<polyline fill="none" stroke="#555" stroke-dasharray="4 3" points="{ipts}"/>'
-            f'<text x="40" y="{h - 6}">step {int(x0)}</text>'
-            f'<text x="{w - 90}" y="{h - 6}">step {int(x1)}</text>'
-            f'<text x="{w - 200}" y="14" fill="#0969da">coverage</text>'
-            f'<text x="{w - 120}" y="14" fill="#999">ideal</text></svg>')
+    s = steps["step"].to_numpy()
+    new = steps["new_unique"].to_numpy()
+    within = steps["epoch_repeats"].to_numpy()
+    earlier = np.maximum(0, steps["repeats"].to_numpy() - within)
+    lo, hi = int(s.min()), int(s.max())
+    per = max(1, -(-(hi - lo + 1) // MAX_BARS))  # steps per bar
+    b = (s - lo) // per
+    nb = int(b.max()) + 1
+    parts = [("first exposure", new, PALETTE["actual"], "new"),
+             ("seen in an earlier epoch", earlier, PALETTE["earlier"], "earlier"),
+             ("repeated within its epoch", within, PALETTE["repeat"], "within_epoch")]
+    sums = [np.bincount(b, weights=v, minlength=nb).astype(np.int64) for _, v, _, _ in parts]
+    total = sum(sums)
+    unit = "step" if per == 1 else f"{per} steps"
+    c = Chart(lo, lo + nb * per, 0, _round_up(1.15 * float(total.max()), True),  # room for
+              name="per-step")  # the marker's label above the bars
+    c.axes("step", f"exposures per {unit}", xticks=nice_ticks(lo, lo + nb * per, 6, True),
+           yticks=nice_ticks(0, c.y1, 4, True))
+    width = max(0.6, c.px(lo + per) - c.px(lo) - (0.4 if per == 1 else 0))
+    base = np.zeros(nb, np.int64)
+    for (name, _, color, series), v in zip(parts, sums, strict=True):
+        rects = []
+        for i in np.flatnonzero(v):
+            y_top, y_base = c.py(base[i] + v[i]), c.py(base[i])
+            height = max(2.0, y_base - y_top)  # a single repeat still shows
+            rects.append(f'<rect x="{c.px(lo + i * per):.1f}" y="{y_base - height:.1f}" '
+                         f'width="{width:.2f}" height="{height:.1f}" data-step="{lo + i * per}" '
+                         f'data-value="{v[i]}"><title>step {lo + i * per}'
+                         f'{"" if per == 1 else f"-{lo + i * per + per - 1}"}: {v[i]:,} {name}'
+                         f'</title></rect>')
+        base += v
+        c.body.append(f'<g fill="{color}" data-series="{series}">{"".join(rects)}</g>')
+    c.legend([(name, color, "box") for name, _, color, _ in parts])
+    c.marker(first_bad, f"first bad step {first_bad}", "first-bad-step")
+    return c.svg()
 
 
-def bars(labels, series: dict[str, list[float]], w=520, h=240) -> str:
-    colors = ["#0969da", "#bf8700", "#8250df"]
-    top = max([max(v) for v in series.values() if v] + [1e-9])
-    group = (w - 50) / max(1, len(labels))
-    bw = group * 0.8 / max(1, len(series))
-    out = [f'<svg width="{w}" height="{h}" role="img" data-series="bars">']
-    for si, (name, vals) in enumerate(series.items()):
+def coverage_chart(steps: pa.Table, first_bad: int | None) -> str:
+    """Cumulative coverage against the ideal, the gap between them shaded."""
+    if not steps.num_rows:
+        return "<p>no steps yet</p>"
+    xs = steps["step"].to_numpy()
+    cov = steps["coverage"].to_numpy()
+    ideal = steps["ideal_coverage"].to_numpy()
+    if len(xs) > MAX_POINTS:
+        idx = np.linspace(0, len(xs) - 1, MAX_POINTS).astype(int)
+        xs, cov, ideal = xs[idx], cov[idx], ideal[idx]
+    c = Chart(float(xs.min()), float(xs.max()), 0, 1, name="coverage")
+    c.axes("step", "coverage (% of train records)", yticks=[0, .25, .5, .75, 1],
+           yfmt=lambda v: f"{v * 100:.0f}%")
+    if (ideal - cov > 1e-9).any():
+        pts = [f"{c.px(x):.1f},{c.py(y):.1f}" for x, y in zip(xs, ideal, strict=True)]
+        pts += [f"{c.px(x):.1f},{c.py(y):.1f}" for x, y in zip(xs[::-1], cov[::-1],
+                                                              strict=True)]
+        c.body.append(f'<polygon points="{" ".join(pts)}" fill="{PALETTE["repeat"]}" '
+                      'fill-opacity="0.15" data-series="behind ideal"/>')
+    c.polyline(xs, ideal, PALETTE["ideal"], "ideal", dash=True, width=2.5)
+    c.polyline(xs, cov, PALETTE["actual"], "coverage", width=2)
+    c.legend([("coverage", PALETTE["actual"], "line"), ("ideal", PALETTE["ideal"], "dash"),
+              ("behind the ideal", PALETTE["repeat"], "box")])
+    c.marker(first_bad, f"first bad step {first_bad}", "first-bad-step")
+    return c.svg()
+
+
+def bars(labels: Sequence[Any], series: dict[str, list[float]], w: int = 560, h: int = 270, *,
+         counts: dict[str, list[int]] | None = None, colors: dict[str, str] | None = None,
+         bar_colors: dict[str, list[str]] | None = None, xtitle: str = "",
+         ytitle: str = "share (%)", name: str = "bars") -> str:
+    """Grouped bars of shares (0..1), each labelled with its value (and its count, given
+    `counts`); a bar above zero is at least 2 px tall, so a 0.3% bar shows. `bar_colors`
+    colours single bars of a series (bars beyond the ideal in the repeat colour)."""
+    default = [PALETTE["actual"], "#bf8700", PALETTE["shared"]]  # series without a meaning
+    colors = {k: (colors or {}).get(k, default[i % 3]) for i, k in enumerate(series)}
+    top = _round_up(max([max(v) for v in series.values() if v] + [1e-9]))
+    c = Chart(0, max(1, len(labels)), 0, top, name=name, w=w, h=h, top=46)
+    c.axes(xtitle, ytitle, yticks=nice_ticks(0, top, 4), yfmt=lambda v: f"{100 * v:.4g}%",
+           xlabels=[str(x) for x in labels])
+    slot = (c.w - c.left - c.right) / max(1, len(labels))
+    bw = slot * 0.8 / max(1, len(series))
+    for si, (sname, vals) in enumerate(series.items()):
+        out = []
         for i, v in enumerate(vals):
-            bh = v / top * (h - 50)
-            x = 40 + i * group + si * bw
-            out.append(f'<rect x="{x:.1f}" y="{h - 25 - bh:.1f}" width="{bw:.1f}" '
-                       f'height="{bh:.1f}" fill="{colors[si % 3]}"><title>{html.escape(name)} '
-                       f'{labels[i]}: {100 * v:.1f}%</title></rect>'
-                       f'<text x="{x + 2:.1f}" y="{h - 28 - bh:.1f}">{100 * v:.0f}%</text>')
-        out.append(f'<text x="{40 + si * 110}" y="14" fill="{colors[si % 3]}">'
-                   f'{html.escape(name)}</text>')
-    for i, lab in enumerate(labels):
-        out.append(f'<text x="{40 + i * group:.1f}" y="{h - 8}">{html.escape(str(lab))}</text>')
+            color = (bar_colors or {}).get(sname, [None] * len(vals))[i] or colors[sname]
+            x = c.left + i * slot + slot * 0.1 + si * bw
+            bh = 0.0 if v <= 0 else max(2.0, c.py(0) - c.py(v))
+            y = c.py(0) - bh
+            n = None if counts is None or sname not in counts else counts[sname][i]
+            label = f"{100 * v:.1f}%" if n is None else f"{n:,}"
+            if si and v <= 0:  # the first series says its zeros; the others' go unsaid
+                out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw - 2:.1f}" height="0" '
+                           f'fill="{color}" data-series="{_e(sname)}" '
+                           f'data-bin="{_e(labels[i])}" data-value="{0 if n is not None else v}"/>')
+                continue
+            out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw - 2:.1f}" height="{bh:.1f}" '
+                       f'fill="{color}" data-series="{_e(sname)}" data-bin="{_e(labels[i])}" '
+                       f'data-value="{n if n is not None else v}"><title>{_e(sname)} '
+                       f'{_e(labels[i])}: {100 * v:.2f}%'
+                       f'{"" if n is None else f" ({n:,} records)"}</title></rect>'
+                       f'<text x="{x + (bw - 2) / 2:.1f}" '
+                       f'y="{y - (15 if n is not None else 3):.1f}" text-anchor="middle" '
+                       f'class="bar-label" fill="{color}" '
+                       f'style="fill:{color}">{label}</text>')
+            if n is not None:
+                out.append(f'<text x="{x + (bw - 2) / 2:.1f}" y="{y - 3:.1f}" '
+                           f'text-anchor="middle" class="bar-label" fill="{color}" '
+                           f'style="fill:{color}">{100 * v:.1f}%</text>')
+        c.body.append("".join(out))
+    items = [(k, colors[k], "box") for k in series]
+    if bar_colors:
+        items.append(("off the ideal", PALETTE["repeat"], "box"))
+    c.legend(items)
+    return c.svg()
+
+
+def histogram_chart(cov: dict[str, Any]) -> str:
+    """Records seen 0, 1, 2, 3+ times against the ideal; counts on the bars, and the actual
+    bars beyond the ideal (or short of it) in the repeat colour."""
+    n = cov["train_records"] or 1
+    hist = [cov["histogram"][b] for b in exposure.HIST_BINS]
+    lo, hi = cov["ideal"]["min"], cov["ideal"]["max"]
+    ideal = [0] * 4
+    if cov["exposures"]:
+        at_hi = cov["exposures"] - lo * n  # records at the ceiling
+        for level, count in ((lo, n - at_hi), (hi, at_hi)):
+            ideal[min(level, 3)] += count
+    else:
+        ideal[0] = n
+    off = [PALETTE["repeat"] if (hist[i] and (i > hi or i < lo) and not (i == 3 and hi >= 3))
+           else None for i in range(4)]
+    return bars([f"{b}" for b in exposure.HIST_BINS],
+                {"actual": [x / n for x in hist], "ideal": [x / n for x in ideal]},
+                counts={"actual": hist, "ideal": ideal},
+                colors={"actual": PALETTE["actual"], "ideal": PALETTE["ideal"]},
+                bar_colors={"actual": off} if any(off) else None,
+                xtitle="times a record was seen", ytitle="records (% of train records)",
+                name="histogram")
+
+
+def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
+                  max_hosts: int = MAX_HEATMAP_HOSTS) -> str:
+    """Records each pair of hosts both saw, without the diagonal (a host with itself), with
+    host labels, counts in the cells and a colour scale. Beyond `max_hosts` hosts, the ones
+    sharing the most records with others (every host is in the Hosts table)."""
+    k = len(matrix)
+    if not k:
+        return "<p>no hosts</p>"
+    arr = np.asarray(matrix, dtype=np.int64)
+    hosts = list(range(k))
+    if k > max_hosts:
+        shared = {p["host"]: p["overlap_with_others"] for p in per_host}
+        hosts = sorted(sorted(hosts, key=lambda h: (-shared.get(h, 0), h))[:max_hosts])
+    sub = arr[np.ix_(hosts, hosts)]
+    off = ~np.eye(len(hosts), dtype=bool)
+    top = int(sub[off].max()) if off.any() else 0
+    size = 340
+    cell = size / len(hosts)
+    left, top_pad = 44, 26
+    out = [f'<svg width="{left + size + 90}" height="{top_pad + size + 62}" role="img" '
+           f'data-chart="overlap" data-hosts-shown="{len(hosts)}" data-hosts="{k}">']
+    text_cells = cell >= 18
+    for a, i in enumerate(hosts):
+        for b, j in enumerate(hosts):
+            x, y = left + b * cell, top_pad + a * cell
+            if i == j:
+                out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{cell:.1f}" '
+                           f'height="{cell:.1f}" fill="#f6f8fa" class="self"><title>host {i} '
+                           f'itself: {int(arr[i, i]):,} records</title></rect>')
+                continue
+            v = int(arr[i, j])
+            t = 0.0 if top == 0 else v / top
+            alpha = 0 if v == 0 else 0.08 + 0.92 * t  # none shared: a blank cell
+            out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{cell:.1f}" height="{cell:.1f}" '
+                       f'fill="{PALETTE["shared"]}" fill-opacity="{alpha:.3f}" '
+                       f'stroke="#fff" class="cell" data-value="{v}" data-hosts="{i},{j}">'
+                       f'<title>hosts {i} and {j}: {v:,} records both saw</title></rect>')
+            if text_cells:
+                ink = "#fff" if t > 0.55 else "#1f2328"
+                out.append(f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" '
+                           f'text-anchor="middle" class="count" fill="{ink}" '
+                           f'style="fill:{ink};font-size:{min(11, cell / 3.2):.0f}px">'
+                           f'{_fmt_count(v)}</text>')
+    step = max(1, math.ceil(len(hosts) / 16))
+    font = 9 if hosts[-1] >= 100 and cell * step < 26 else 11  # three digits in a narrow cell
+    for a, h in enumerate(hosts):
+        if a % step:
+            continue
+        pos = (a + .5) * cell
+        out.append(f'<text x="{left - 4}" y="{top_pad + pos + 4:.1f}" text-anchor="end" '
+                   f'class="host-label">{h}</text><text x="{left + pos:.1f}" '
+                   f'y="{top_pad - 6}" text-anchor="middle" class="host-label" '
+                   f'style="font-size:{font}px">{h}</text>')
+    # The colour scale: from none shared to the most any pair shared.
+    sx, sy, sh = left + size + 18, top_pad, size
+    out.append('<defs><linearGradient id="shared-scale" x1="0" y1="1" x2="0" y2="0">'
+               f'<stop offset="0" stop-color="{PALETTE["shared"]}" stop-opacity="0.08"/>'
+               f'<stop offset="1" stop-color="{PALETTE["shared"]}" stop-opacity="1"/>'
+               '</linearGradient></defs>'
+               f'<rect x="{sx}" y="{sy}" width="12" height="{sh}" fill="url(#shared-scale)" '
+               f'class="scale" data-max="{top}"/>'
+               f'<text x="{sx + 16}" y="{sy + 9}" class="scale-label">{_fmt_count(top)}</text>'
+               f'<text x="{sx + 16}" y="{sy + sh}" class="scale-label">0</text>'
+               f'<text x="{left + size / 2:.1f}" y="{top_pad + size + 18}" text-anchor="middle"'
+               ' class="axis-title">host (column), host (row): records both saw</text>')
+    notes = (["no record was seen by two hosts"] if top == 0 else []) + (
+        [f"{len(hosts)} of {k} hosts: those sharing the most records with others"]
+        if len(hosts) < k else [])
+    for i, note in enumerate(notes):
+        out.append(f'<text x="{left + size / 2:.1f}" y="{top_pad + size + 34 + 14 * i}" '
+                   f'text-anchor="middle" class="note">{note}</text>')
     return "".join(out) + "</svg>"
 
 
-def _heatmap(m: list[list[int]], size=320) -> str:
-    h = len(m)
-    if not h:
-        return ""
-    arr = np.asarray(m, dtype=np.float64)
-    diag = np.maximum(np.diag(arr), 1)
-    norm = arr / np.sqrt(np.outer(diag, diag))  # share of records two hosts both saw
-    cell = size / h
-    out = [f'<svg width="{size + 40}" height="{size + 40}" role="img" data-series="overlap">']
-    for i in range(h):
-        for j in range(h):
-            v = float(norm[i, j])
-            shade = int(255 - 200 * min(1.0, v))
-            out.append(f'<rect x="{30 + j * cell:.1f}" y="{10 + i * cell:.1f}" '
-                       f'width="{cell:.1f}" height="{cell:.1f}" '
-                       f'fill="rgb({shade},{shade},255)"><title>hosts {i} and {j}: '
-                       f'{int(arr[i, j]):,} records</title></rect>')
-    out.append(f'<text x="30" y="{size + 30}">host 0 .. {h - 1}; darker = more shared</text>')
-    return "".join(out) + "</svg>"
-
-
-def _loss_chart(section: dict | None, w: int = 520, h: int = 240) -> str:
+def loss_chart(section: dict | None, first_bad: int | None) -> str:
     """Mean training loss per window: due exposures, repeated (excess) ones, and the held-out
     loss at the milestones."""
     if not section or not section.get("windows"):
         return "<p>no per-segment training loss in this run's spool</p>"
-    series = {
-        "due": ([x["first_step"] for x in section["windows"] if x["due"]["mean_loss"] is not None],
-                [x["due"]["mean_loss"] for x in section["windows"]
-                 if x["due"]["mean_loss"] is not None], "#0969da"),
-        "repeated": ([x["first_step"] for x in section["windows"]
-                      if x["excess"]["mean_loss"] is not None],
-                     [x["excess"]["mean_loss"] for x in section["windows"]
-                      if x["excess"]["mean_loss"] is not None], "#cf222e"),
-        "held-out": ([m["step"] for m in section.get("milestones", [])],
-                     [m["heldout_loss"] for m in section.get("milestones", [])], "#1a7f37"),
-    }
-    ys = [y for _, v, _ in series.values() for y in v if y is not None and np.isfinite(y)]
-    xs = [x for k, _, _ in series.values() for x in k]
+    ws = section["windows"]
+    series = [
+        ("due exposures", [x["first_step"] for x in ws if x["due"]["mean_loss"] is not None],
+         [x["due"]["mean_loss"] for x in ws if x["due"]["mean_loss"] is not None],
+         PALETTE["actual"], "due"),
+        ("repeated exposures", [x["first_step"] for x in ws
+                                if x["excess"]["mean_loss"] is not None],
+         [x["excess"]["mean_loss"] for x in ws if x["excess"]["mean_loss"] is not None],
+         PALETTE["repeat"], "repeated"),
+        ("held-out", [m["step"] for m in section.get("milestones", [])],
+         [m["heldout_loss"] for m in section.get("milestones", [])], PALETTE["heldout"],
+         "held-out"),
+    ]
+    ys = [y for _, _, v, _, _ in series for y in v if y is not None and np.isfinite(y)]
+    xs = [x for _, k, _, _, _ in series for x in k]
     if not ys:
         return "<p>no per-segment training loss in this run's spool</p>"
-    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
-    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-6)
-    px = lambda x: 40 + (x - x0) / (x1 - x0) * (w - 50)  # noqa: E731
-    py = lambda y: h - 25 - (y - y0) / (y1 - y0) * (h - 40)  # noqa: E731
-    out = [f'<svg width="{w}" height="{h}" role="img" data-series="loss">']
-    for i, (name, (sx, sy, color)) in enumerate(series.items()):
-        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(sx, sy, strict=True)
-                       if y is not None and np.isfinite(y))
-        if pts:
-            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" '
-                       f'points="{pts}" data-series="{name}"/>')
-        out.append(f'<text x="{40 + i * 90}" y="14" fill="{color}">{name}</text>')
-    out.append(f'<text x="4" y="{py(y1) + 4:.0f}">{y1:.2f}</text>'
-               f'<text x="4" y="{py(y0) + 4:.0f}">{y0:.2f}</text>'
-               f'<text x="40" y="{h - 6}">step {int(x0)}</text>'
-               f'<text x="{w - 90}" y="{h - 6}">step {int(x1)}</text>')
-    return "".join(out) + "</svg>"
+    ticks = nice_ticks(min(ys), max(ys), 5)
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1
+    y0 = ticks[0] - step if ticks[0] > min(ys) else ticks[0]  # round values at both ends
+    y1 = ticks[-1] + step if ticks[-1] < max(ys) else ticks[-1]
+    ticks = nice_ticks(y0, y1, 5)
+    c = Chart(min(xs), max(xs), y0, y1, name="loss")
+    digits = decimals(ticks)
+    c.axes("step", "mean training loss (nats)", yticks=ticks, yfmt=lambda v: f"{v:.{digits}f}")
+    for _, sx, sy, color, key in series:
+        if sx:
+            c.polyline(np.asarray(sx, float),
+                       np.asarray([np.nan if y is None else y for y in sy], float), color, key)
+    c.legend([(name, color, "line") for name, _, _, color, _ in series])
+    c.marker(first_bad, f"first bad step {first_bad}", "first-bad-step")
+    return c.svg()
 
+
+def domain_chart(doms: list[dict[str, Any]]) -> str:
+    if not doms:
+        return "<p>no domains</p>"
+    return bars([d["domain"] for d in doms],
+                {"planned": [d["planned_share"] for d in doms],
+                 "actual": [d["actual_share"] for d in doms]},
+                colors={"planned": PALETTE["ideal"], "actual": PALETTE["actual"]},
+                xtitle="domain", ytitle="share of exposures (%)", name="domains")
+
+
+# ---- tables and findings -----------------------------------------------------------------
+
+def table(title: str, rows: list[dict[str, Any]], cols: list[tuple[str, str]],
+          section: str, note: str = "") -> str:
+    """A titled table, or nothing at all when it has no rows."""
+    if not rows:
+        return ""
+    head = "".join(f"<th>{_e(t)}</th>" for _, t in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(k))}</td>" for k, _ in cols) + "</tr>"
+                   for r in rows)
+    return (f'<section id="{section}"><h2>{_e(title)}</h2>{note}'
+            f"<table><tr>{head}</tr>{body}</table></section>")
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "&ndash;"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return _e(v)
+
+
+def _link(item: dict[str, Any], text: str) -> str:
+    return f'<a href="{_e(item["api"])}">{_e(text)}</a>' if item.get("api") else _e(text)
+
+
+def evidence_html(ev: dict[str, list[dict[str, Any]]] | None) -> str:
+    """A finding's evidence: its steps, hosts and records, each linking to the API."""
+    if not ev:
+        return ""
+    parts = []
+    if ev.get("steps"):
+        items = []
+        for s in ev["steps"]:
+            span = f"{s['step']}" + (f"-{s['last_step']}" if "last_step" in s else "")
+            extra = (f" ({s['repeats']:,} repeats)" if "repeats" in s else
+                     f" ({s['examples']} examples)" if "examples" in s else "")
+            items.append(_link(s, span) + extra)
+        parts.append('<div data-evidence="steps"><b>steps</b> ' + ", ".join(items) + "</div>")
+    if ev.get("hosts"):
+        items = []
+        for h in ev["hosts"]:
+            extra = (f" ({h['repeats']:,} repeats, in {h['repeated_records']:,} repeated "
+                     "records)" if "repeats" in h else
+                     f" ({h['examples']} examples)" if "examples" in h else "")
+            items.append(_link(h, f"{h['host']}") + extra)
+        parts.append('<div data-evidence="hosts"><b>hosts</b> ' + ", ".join(items) + "</div>")
+    if ev.get("records"):
+        items = []
+        for x in ev["records"]:
+            if x.get("exposures") == 0:
+                extra = " (never consumed)"
+            elif "exposures" in x:
+                seen = ", ".join(f"{s['step']}/h{s['host']}" for s in x.get("seen", [])[:4])
+                extra = (f" ({x['exposures']}&times;, {x.get('epoch_repeats', 0)} within its "
+                         f"epoch, on {x.get('hosts', '?')} hosts: step/host {seen}"
+                         + (" &hellip;" if len(x.get("seen", [])) > 4 else "") + ")")
+            else:
+                extra = " (" + ", ".join(f"step {s['step']} host {s['host']}"
+                                         for s in x.get("seen", [])[:3]) + ")"
+            items.append(_link(x, f"{x['record_key']}") + extra)
+        parts.append('<div data-evidence="records"><b>records</b> ' + "; ".join(items)
+                     + "</div>")
+    return '<div class="evidence">' + "".join(parts) + "</div>"
+
+
+def findings_html(found: list[dict[str, Any]]) -> str:
+    if not found:
+        return ('<ul class="findings"><li>No findings: every train record was seen as often '
+                "as a perfect loader would.</li></ul>")
+    items = "".join(
+        f'<li class="finding" data-code="{_e(f["code"])}" data-severity="{_e(f["severity"])}">'
+        f'<span class="badge {_e(f["severity"])}">{_e(f["severity"])}</span> '
+        f'<code>{_e(f["code"])}</code> {_e(f["message"])}{evidence_html(f.get("evidence"))}'
+        "</li>" for f in found)
+    return f'<ul class="findings">{items}</ul>'
+
+
+# ---- the page ----------------------------------------------------------------------------
 
 def render_html(r: dict, steps: pa.Table) -> str:
     c = r["coverage"]
-    n = c["train_records"] or 1
-    xs = steps["step"].to_numpy() if steps.num_rows else np.zeros(0)
-    cov = steps["coverage"].to_numpy() if steps.num_rows else np.zeros(0)
-    ideal = steps["ideal_coverage"].to_numpy() if steps.num_rows else np.zeros(0)
-    hist = [c["histogram"][b] / n for b in exposure.HIST_BINS]
+    first_bad = r["first_bad_step"]
     lo, hi = c["ideal"]["min"], c["ideal"]["max"]
-    ideal_hist = [0.0] * 4
-    if c["exposures"]:
-        n_hi = c["exposures"] - lo * n  # records at the ceiling
-        for level, count in ((lo, n - n_hi), (hi, n_hi)):
-            ideal_hist[min(level, 3)] += count / n
-    else:
-        ideal_hist[0] = 1.0
+    frac = c["histogram_fraction"]
     doms = r["domains"]
-    rows = "".join(
-        f"<tr><td>{html.escape(d['domain'])}</td><td>{d['records']:,}</td>"
-        f"<td>{100 * d['planned_share']:.1f}%</td><td>{100 * d['actual_share']:.1f}%</td>"
-        f"<td>{100 * d['planned_token_share']:.1f}%</td>"
-        f"<td>{100 * d['actual_token_share']:.1f}%</td><td>{d['never_seen']:,}</td></tr>"
-        for d in doms)
-    hosts = "".join(
-        f"<tr><td>{p['host']}</td><td>{p['exposures']:,}</td><td>{p['unique']:,}</td>"
-        f"<td>{p['overlap_with_others']:,}</td><td>{p['tokens']:,}</td></tr>"
-        for p in r["hosts"]["per_host"])
-    finds = "".join(f"<li><b class='{f['severity']}'>{f['severity']}</b> "
-                    f"{html.escape(f['message'])}</li>" for f in r["findings"]) \
-        or "<li>No findings: every train record was seen as often as a perfect loader would.</li>"
-    restarts = "".join(
-        f"<tr><td>{x['attempt']}</td><td>{x['resumed_from_step']}</td><td>{x['host_count']}</td>"
-        f"<td>{x['rolled_back_from_step']}</td><td>{x['rolled_back_steps']}</td>"
-        f"<td>{x['replayed_steps']}</td><td>{x['exact']}</td></tr>" for x in r["restarts"])
+    per_host = r["hosts"]["per_host"]
     integ = r["integrity"]
+    run = r.get("run") or {}
+    state = ("finished" + (f" at step {run['finished_step']}" if run.get("finished_step")
+                           is not None else "") if run.get("finished") else "running")
+    api = f"/v1/runs/{quote(r['run_id'], safe='')}"
+    facts = [
+        ("coverage", f"{100 * c['coverage']:.1f}%", f"ideal {100 * c['ideal']['coverage']:.1f}%"),
+        ("never seen", f"{c['never_seen']:,}", f"{100 * frac['0']:.1f}%"),
+        ("seen 2+", f"{c['histogram']['2'] + c['histogram']['3+']:,}",
+         f"{100 * (frac['2'] + frac['3+']):.1f}%"),
+        ("exposures", f"{c['exposures']:,}", f"ideal {lo}..{hi} per record"),
+        ("excess / missing", f"{c['excess_exposures']:,} / {c['missing_exposures']:,}", ""),
+        ("within-epoch repeats", f"{c['epoch_duplicates']:,}", ""),
+        ("first bad step", step_or_none(first_bad), ""),
+        ("run", state, f"last step {step_or_none(r['consumption']['last_step'])}"),
+    ]
+    facts_html = "".join(f'<div data-fact="{_e(k)}">{_e(k)}: <b>{_e(v)}</b> '
+                         f'<small>{_e(note)}</small></div>' for k, v, note in facts)
+    epochs = [{**e, "steps": f"{e['first_step']}-{e['last_step']}"}
+              for e in r.get("epochs", [])]
+    restarts = r["restarts"]
+    rb = r["hosts"].get("repeated_batches", [])
+    gaps = r["hosts"].get("gaps", [])
+    hosts_note = ("" if len(per_host) <= 64 else
+                  f"<p>{len(per_host):,} hosts, sorted by within-epoch repeats.</p>")
+    host_rows = sorted(per_host, key=lambda p: (-p.get("epoch_repeats", 0), p["host"])) \
+        if len(per_host) > 64 else per_host
+    host_rows = [{**p, "host": p["host"]} for p in host_rows]
     return f"""<!doctype html><html><head><meta charset="utf-8">
-<title>Tally report: {html.escape(r['run_id'])}</title><style>{CSS}</style></head><body>
-<h1>Run {html.escape(r['run_id'])}: <span class="{r['verdict']}">{r['verdict']}</span></h1>
-<p>Coverage <b>{100 * c['coverage']:.1f}%</b> of {c['train_records']:,} train records;
-never seen {100 * c['histogram_fraction']['0']:.1f}%, seen 2+
-{100 * (c['histogram_fraction']['2'] + c['histogram_fraction']['3+']):.1f}%;
-{c['exposures']:,} exposures (ideal {lo}..{hi} per record); excess {c['excess_exposures']:,},
-missing {c['missing_exposures']:,}; first bad step {step_or_none(r['first_bad_step'])}.
-Manifest {html.escape(r['manifest']['fingerprint'])}{' as of step ' + str(r['at_step'])
-if r['at_step'] is not None else ''}.</p>
-<ul>{finds}</ul>
+<title>Tally report: {_e(r['run_id'])} {r['verdict']}</title><style>{CSS}</style></head><body>
+<h1>Run {_e(r['run_id'])}: <span class="verdict {r['verdict']}" data-verdict="{r['verdict']}">
+{r['verdict']}</span></h1>
+<div class="facts">{facts_html}</div>
+<p><small>Manifest {_e(r['manifest']['fingerprint'])}{' as of step ' + str(r['at_step'])
+if r['at_step'] is not None else ''}. Links open the live API (<code>tally serve</code>:
+<a href="{api}">{api}</a>).</small></p>
+<h2>Findings</h2>
+{findings_html(r['findings'])}
 <div class="grid">
-<figure><figcaption>Cumulative coverage vs step (dashed: ideal)</figcaption>
-{_line_chart(xs, cov, ideal)}</figure>
-<figure><figcaption>Training loss per window: due exposures vs repeated ones (nats),
-held-out loss at the milestones</figcaption>
-{_loss_chart(r.get('loss'))}</figure>
-<figure><figcaption>Exposure histogram (records seen 0, 1, 2, 3+ times)</figcaption>
-{bars(list(exposure.HIST_BINS), {'actual': hist, 'ideal': ideal_hist})}</figure>
-<figure><figcaption>Host overlap (records seen by both hosts)</figcaption>
-{_heatmap(r['hosts']['overlap_matrix'])}</figure>
+<figure><figcaption>Exposures per step: first exposures, records due again in a later epoch,
+and records repeated within their epoch</figcaption>
+{per_step_chart(steps, first_bad)}</figure>
+<figure><figcaption>Cumulative coverage vs step, against the ideal</figcaption>
+{coverage_chart(steps, first_bad)}</figure>
+<figure><figcaption>Exposure histogram: records by the times they were seen, against the
+ideal</figcaption>
+{histogram_chart(c)}</figure>
+<figure><figcaption>Host overlap: records each pair of hosts both saw</figcaption>
+{heatmap_chart(r['hosts']['overlap_matrix'], per_host)}</figure>
+<figure><figcaption>Training loss per window: due exposures vs repeated ones, and held-out loss
+at the milestones</figcaption>
+{loss_chart(r.get('loss'), first_bad)}</figure>
 <figure><figcaption>Per domain: planned vs actual share of exposures</figcaption>
-{bars([d['domain'] for d in doms], {'planned': [d['planned_share'] for d in doms],
-                                     'actual': [d['actual_share'] for d in doms]})}</figure>
+{domain_chart(doms)}</figure>
 </div>
-<h2>Domains</h2><table><tr><th>domain</th><th>records</th><th>planned</th><th>actual</th>
-<th>planned tokens</th><th>actual tokens</th><th>never seen</th></tr>{rows}</table>
-<h2>Hosts</h2><table><tr><th>host</th><th>exposures</th><th>unique</th>
-<th>shared with others</th><th>tokens</th></tr>{hosts}</table>
-<h2>Restarts</h2><table><tr><th>attempt</th><th>resumed from</th><th>hosts</th>
-<th>rolled back from</th><th>rolled-back steps</th><th>replayed</th><th>exact</th></tr>
-{restarts}</table>
-<h2>Integrity</h2><p>unknown keys {integ['unknown_keys']:,}; content-hash mismatches
-{integ['hash_mismatches']:,} of {integ['hash_checked']:,} checked
+{table("Repeated batches", rb, [("host", "host"), ("first_step", "first step"),
+                                ("last_step", "last step"), ("steps", "steps")],
+       "repeated-batches", "<p>Steps at which a host handed over exactly the batch of the step "
+       "before.</p>")}
+{table("Host gaps", gaps, [("host", "host"), ("attempt", "attempt"),
+                           ("first_step", "first step"), ("last_step", "last step"),
+                           ("steps", "steps")], "gaps",
+       "<p>Steps at which a host consumed nothing while the others did.</p>")}
+{table("Epochs", epochs, [("epoch", "epoch"), ("steps", "steps"), ("records", "records seen"),
+                          ("complete", "complete"), ("final", "last of a finished run"),
+                          ("skipped", "records skipped")], "epochs")}
+{table("Restarts", restarts, [("attempt", "attempt"), ("resumed_from_step", "resumed from"),
+                              ("host_count", "hosts"), ("rolled_back_from_step",
+                                                        "rolled back from"),
+                              ("rolled_back_steps", "rolled-back steps"),
+                              ("replayed_steps", "replayed"), ("exact", "exact")], "restarts")}
+{table("Hosts", host_rows, [("host", "host"), ("exposures", "exposures"),
+                            ("unique", "unique records"),
+                            ("overlap_with_others", "shared with others"),
+                            ("epoch_repeats", "within-epoch repeats"), ("tokens", "tokens")],
+       "hosts", hosts_note)}
+{table("Domains", [{**d, **{k: f"{100 * d[k]:.1f}%" for k in (
+    "planned_share", "actual_share", "planned_token_share", "actual_token_share")}}
+                   for d in doms], [("domain", "domain"), ("records", "records"),
+                         ("planned_share", "planned"), ("actual_share", "actual"),
+                         ("planned_token_share", "planned tokens"),
+                         ("actual_token_share", "actual tokens"),
+                         ("never_seen", "never seen")], "domains")}
+<section id="integrity"><h2>Integrity</h2><p>unknown keys {integ['unknown_keys']:,};
+content-hash mismatches {integ['hash_mismatches']:,} of {integ['hash_checked']:,} checked
 ({integ['hash_unverifiable']:,} partial segments not checkable); held-out records consumed
-{integ['heldout_consumed_records']:,}.</p>
+{integ['heldout_consumed_records']:,}.</p></section>
 <p><small>Tally report v{r['report_version']}, generated {r['generated_at']}.</small></p>
 </body></html>"""

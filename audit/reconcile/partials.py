@@ -16,6 +16,8 @@ from typing import Any, Self, TypeVar
 import numpy as np
 
 EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
+EVIDENCE = 5  # records kept as a finding's evidence (the most repeated, never seen)
+SEEN = 8  # exposures listed per evidence record (step, host, epoch)
 RANK_CAP = 16  # exposure ranks the loss is split by (16 and beyond share one)
 M = TypeVar("M", bound="Mergeable")
 
@@ -110,6 +112,18 @@ def examples(a: list, b: list) -> list:
     return (a + b)[:EXAMPLES]
 
 
+def most_repeated(a: list[dict], b: list[dict]) -> list[dict]:
+    """The EVIDENCE records repeated most within their epochs, then exposed most, of both
+    (ties by key: the same whatever the order of merging)."""
+    return sorted(a + b, key=lambda x: (-x["epoch_repeats"], -x["exposures"],
+                                        x["record_key"]))[:EVIDENCE]
+
+
+def lowest(a: list[int], b: list[int]) -> list[int]:
+    """The EVIDENCE lowest keys of both."""
+    return sorted(a + b)[:EVIDENCE]
+
+
 def joined(a: list, b: list) -> list:
     """All of both (lists bounded by the number of input files)."""
     return a + b
@@ -182,6 +196,11 @@ class Partial(Mergeable):
     unknown_keys: int = summed()
     unknown_examples: list[dict] = merged_by(examples, factory=list)
     hash_mismatch_examples: list[dict] = merged_by(examples, factory=list)
+    heldout_examples: list[dict] = merged_by(examples, factory=list)
+    # Evidence for the findings: the train records repeated most (with where they were
+    # seen), and train records never seen (lowest keys).
+    most_repeated: list[dict] = merged_by(most_repeated, factory=list)
+    never_seen_examples: list[int] = merged_by(lowest, factory=list)
     train_exposures: int = summed()
     epoch_duplicates: int = summed()
     epoch_duplicate_records: int = summed()

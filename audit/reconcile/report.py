@@ -141,7 +141,13 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
             "unknown_keys", "unknown_segments", "hash_checked", "hash_mismatches",
             "hash_unverifiable", "heldout_consumed_records", "heldout_exposures")},
         "examples": {"unknown": merged.unknown_examples,
-                     "hash_mismatch": merged.hash_mismatch_examples},
+                     "hash_mismatch": merged.hash_mismatch_examples,
+                     "heldout": merged.heldout_examples,
+                     # Evidence: train records repeated within an epoch or seen beyond the
+                     # ideal, most first, with where they were seen; records never seen.
+                     "most_repeated": [x for x in merged.most_repeated if x["epoch_repeats"]
+                                       or x["exposures"] > coverage["ideal"]["max"]],
+                     "never_seen": merged.never_seen_examples},
         "restarts": [r for r in restarts if r["resumed_from_step"] is not None
                      or r["rolled_back_from_step"] is not None],
         "batch_changes": _batch_changes(steps, plan),

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from audit.core.exposure import Findings, independent_hosts
+from audit.reconcile import evidence
 
 
 def _pct(x: float) -> str:
@@ -64,7 +65,7 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
     _loss_findings(r, add)
     if n and not total:
         add("WARN", "nothing_consumed", "no train record has been consumed yet")
-    return out.to_list()
+    return [f.to_dict() for f in evidence.attach(out, r, steps)]
 
 
 def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
