@@ -329,7 +329,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                    record_key: Annotated[int, PathParam(ge=0, le=2**63 - 1)]) -> dict[str, Any]:
         """Every consumption of one record: step, host, attempt, epoch, rolled back or not."""
         with svc.live.read(run_id) as snap:
-            return q.record(snap.cur, snap.run, record_key=record_key)
+            return q.record(snap.cur, snap.run, record_key=record_key, index=svc.live.lookup)
 
     @app.get("/v1/runs/{run_id}/records", tags=["records"], responses=ERRORS)
     def run_record_by_hash(
@@ -343,7 +343,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
             if h >= 2**64:  # a well-formed number, but no xxh3_64 value: no record has it
                 raise NotFound(f"no record has content hash {content_hash} (xxh3_64 values "
                                  "are below 2**64)")
-            return q.record(snap.cur, snap.run, content_hash=h)
+            return q.record(snap.cur, snap.run, content_hash=h, index=svc.live.lookup)
 
     @app.get("/v1/runs/{run_id}/domains", tags=["coverage"], responses=ERRORS)
     def run_domains(run_id: RunId) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from audit.core.errors import NotFound, Unavailable
 from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql, starts
 from audit.hook.spool import FINISHED
 from audit.ledger.database import one
+from audit.ledger.lookup import LookupIndex
 from audit.ledger.state import HOST_BITS, Records
 
 EFFECTIVE = effective_sql("s", "a")  # over agg_steps s JOIN attempts a
@@ -218,18 +219,32 @@ _RECORD_COLS = ("record_key", "step", "host", "attempt", "epoch", "row", "offset
 
 
 def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None = None,
-           content_hash: int | None = None, limit: int = 10_000) -> dict[str, Any]:
-    """Every segment of one record (by key) or of the records with one content hash."""
-    col, val = ("record_key", record_key) if record_key is not None else \
-        ("content_hash", content_hash)
-    rows = cur.execute(f"""
+           content_hash: int | None = None, limit: int = 10_000,
+           index: LookupIndex | None = None) -> dict[str, Any]:
+    """Every segment of one record (by key) or of the records with one content hash. With the
+    ledger's lookup `index`, only the files it names are read, and those it does not cover yet;
+    without it, `consumption` is scanned."""
+    kind, col, val = ("key", "record_key", record_key) if record_key is not None else \
+        ("hash", "content_hash", content_hash)
+    select = f"""
         SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset", c.n_tokens,
                c.content_hash,
                coalesce({rolled_back_sql("c", "a")}, false) AS rolled_back
         FROM consumption c JOIN attempts a USING (run, attempt)
-        WHERE c.run = ? AND c.{col} = ?
-        ORDER BY c.record_key, c.step, c.host, c.attempt, c."row", c."offset" LIMIT ?""",
-                       [run, val, limit + 1]).fetchall()
+        WHERE c.run = ? AND c.{col} = ?"""
+    if index is None:
+        sql, params = select, [run, val]
+    else:
+        files, upto = index.files_for(kind, val)
+        # Literal file ids and a literal bound: DuckDB prunes row groups by their min/max then
+        # (a list parameter was measured at p99 104 ms against 13 ms for the literal list).
+        parts = [f"{select} AND c.file_id > {int(upto)}"]
+        if files:
+            parts.insert(0, f"{select} AND c.file_id IN ({', '.join(map(str, files))})")
+        sql, params = " UNION ALL ".join(parts), [run, val] * len(parts)
+    rows = cur.execute(f"""SELECT * FROM ({sql})
+        ORDER BY record_key, step, host, attempt, "row", "offset" LIMIT ?""",
+                       [*params, limit + 1]).fetchall()
     if not rows:
         what = f"record key {record_key}" if record_key is not None else \
             f"content hash {content_hash:#018x}"
