@@ -390,7 +390,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         page of `limit` at a time."""
         with svc.live.read(run_id) as snap:
             found = q.record(snap.cur, snap.run, record_key=record_key, limit=limit,
-                             cursor=cursor)
+                             cursor=cursor, index=svc.live.lookup)
         return _json(found, _next_page_link(request, found["next_cursor"]))
 
     @app.get("/v1/runs/{run_id}/records", tags=["records"],
@@ -407,7 +407,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
             if h >= 2**64:  # a well-formed number, but no xxh3_64 value: no record has it
                 raise NotFound(f"no record has content hash {content_hash} (xxh3_64 values "
                                  "are below 2**64)")
-            found = q.record(snap.cur, snap.run, content_hash=h, limit=limit, cursor=cursor)
+            found = q.record(snap.cur, snap.run, content_hash=h, limit=limit, cursor=cursor,
+                             index=svc.live.lookup)
         return _json(found, _next_page_link(request, found["next_cursor"]))
 
     @app.get("/v1/runs/{run_id}/domains", tags=["coverage"], responses=ERRORS,

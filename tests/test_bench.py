@@ -67,3 +67,13 @@ def test_dask_scaling_benchmark_runs(tmp_path):
     assert len(run["worker_cpu"]) == 2 and all(c > 0 for c in run["worker_cpu"])
     assert res["work"]["files"] == 16 and sum(res["work"]["read_s"]) > 0
     assert not (tmp_path / "d").exists()  # the data is removed
+
+
+def test_lookup_latency_benchmark_runs(tmp_path):
+    from bench import lookup_latency
+
+    res = lookup_latency.main(["--rows", "20000", "--records", "3000", "--hosts", "2",
+                               "--batch", "100", "--lookups", "5", "--dir", str(tmp_path / "l")])
+    assert res["rows"] >= 20000 and res["runs"] >= 1 and res["index_bytes"] == 2 * 12 * res["rows"]
+    assert res["key"]["index_p99"] > 0 and res["hash"]["scan_p99"] > 0 and res["build_s"] > 0
+    assert not (tmp_path / "l").exists()  # the benchmark removes its data

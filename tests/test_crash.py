@@ -11,11 +11,14 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
+from audit.core.errors import NotFound
 from audit.hook import spool as sp
 from audit.hook.segments import Segments
 from audit.hook.writer import LedgerWriter
+from audit.ledger import queries as q
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
+from audit.ledger.lookup import LookupIndex
 from tests.conftest import ROOT, popen_py
 
 ROWS = 256
@@ -94,7 +97,7 @@ def test_sigkill_mid_ingest_never_counts_twice_nor_half(tmp_path):
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
     total = _big_spool(spool)
     rnd = random.Random(2)
-    partial = []
+    partial, covered = [], []
     for _ in range(4):
         child = popen_py(INGEST, str(spool), str(path))
         # Some batches (3 files each) in, then a kill at a random moment of the next ones.
@@ -114,7 +117,20 @@ def test_sigkill_mid_ingest_never_counts_twice_nor_half(tmp_path):
             # and the aggregates count exactly those files.
             assert rows == in_files == agg and applied == files
             partial.append(files)
+            # The record lookup index the killed process was writing: what it kept answers as
+            # a scan does (audit.ledger.lookup).
+            cur = ledger.cursor()
+            index = LookupIndex.open(ledger.path, cur)
+            covered.append(index.coverage.upto)
+            for key in range(0, 10**6, 99_991):
+                try:
+                    want = q.record(cur, 1, record_key=key)
+                except NotFound:
+                    continue
+                assert q.record(cur, 1, record_key=key, index=index) == want
+            cur.close()
     assert any(0 < f < 120 for f in partial), partial  # some kill did land mid-ingest
+    assert any(covered), covered  # and the index had runs to check
 
     with Ledger(path) as ledger:
         ingest(spool, ledger)

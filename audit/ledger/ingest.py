@@ -12,6 +12,7 @@ files still ingest. A quarantined file is tried again only if it changes on disk
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -30,9 +31,12 @@ from audit.core.exposure import starts
 from audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS_ALL, sql_select
 from audit.hook import spool as sp
 from audit.hook.spool import BadFile, read_checked
+from audit.ledger import lookup
 from audit.ledger.aggregates import Aggregates, for_ledger
 from audit.ledger.database import Ledger
 from audit.ledger.state import Starts
+
+log = logging.getLogger("tally.ingest")
 
 
 @dataclass
@@ -128,11 +132,22 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
                 rows += read[0].num_rows
                 if rows >= batch_rows or len(batch) >= BATCH_FILES:
                     _ingest_batch(ledger, cur, agg, pool, batch, result)
+                    _index(ledger, cur)
                     batch, rows = [], 0
             _ingest_batch(ledger, cur, agg, pool, batch, result)
+            _index(ledger, cur)
         bar.close()
     finally:
         cur.close()
+
+
+def _index(ledger: Ledger, cur) -> None:
+    """The record lookup index catches up with the committed files. It only speeds lookups up
+    (files it does not cover are scanned), so a failure here is logged, never raised."""
+    try:
+        lookup.for_ledger(ledger).catch_up(cur)
+    except Exception as exc:  # noqa: BLE001 (a disk full, a damaged run: lookups scan instead)
+        log.warning("lookup index not updated: %s: %s", type(exc).__name__, exc)
 
 
 def _read(item: sp.SpoolFile | sp.Stray

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from audit.core.errors import TallyError
+from audit.ledger import lookup
 from audit.ledger import queries as q
 from audit.ledger.aggregates import Aggregates, for_ledger
 from audit.ledger.database import Ledger, one
@@ -52,6 +53,7 @@ class LiveLedger:
     def __init__(self, ledger: Ledger, uni: q.Universe) -> None:
         self.ledger = ledger
         for_ledger(ledger)  # load the per-record state now, before the first request
+        self.lookup = lookup.for_ledger(ledger)  # the record lookup index (audit.ledger.lookup)
         self.uni = uni
         self._local = threading.local()
         self._cursor_lock = threading.Lock()

@@ -21,6 +21,7 @@ from audit.core.errors import NotFound, Unavailable
 from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql
 from audit.hook.spool import FINISHED
 from audit.ledger.database import one
+from audit.ledger.lookup import LookupIndex
 from audit.ledger.state import HOST_BITS, Records
 
 EFFECTIVE = effective_sql("s", "a")  # over agg_steps s JOIN attempts a
@@ -223,39 +224,49 @@ _RECORD_COLS = ("record_key", "step", "host", "attempt", "epoch", "row", "offset
                 "content_hash", "rolled_back")
 # A consumption's place in a record lookup; rowid breaks the tie of a record packed twice into
 # one row at the same offset (consumption is append-only, so rowid never changes).
-_RECORD_ORDER = 'c.record_key, c.step, c.host, c.attempt, c."row", c."offset", c.rowid'
+_RECORD_ORDER = 'record_key, step, host, attempt, "row", "offset", rid'
 
 
 def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None = None,
-           content_hash: int | None = None, limit: int = 1000,
-           cursor: str | None = None) -> dict[str, Any]:
+           content_hash: int | None = None, limit: int = 1000, cursor: str | None = None,
+           index: LookupIndex | None = None) -> dict[str, Any]:
     """Every consumption of one record (by key) or of the records with one content hash, a
     page of `limit` at a time after `cursor` (RECORD_CURSOR: the `next_cursor` of the page
     before); the totals count every page. Content hashes are returned as 0x-hex strings (a
-    JavaScript number cannot hold 64 bits)."""
-    col, val = ("record_key", record_key) if record_key is not None else \
-        ("content_hash", content_hash)
-    after = None if cursor is None else [int(v) for v in cursor.split(".")]
-    rolled = f'coalesce({rolled_back_sql("c", "a")}, false)'
-    where = f"c.run = $run AND c.{col} = $val"
+    JavaScript number cannot hold 64 bits). With the ledger's lookup `index`, only the files
+    it names are read, and those it does not cover yet; without it, `consumption` is scanned."""
+    kind, col, val = ("key", "record_key", record_key) if record_key is not None else \
+        ("hash", "content_hash", content_hash)
+    rows_of = f"""
+        SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset", c.n_tokens,
+               c.content_hash, coalesce({rolled_back_sql("c", "a")}, false) AS rolled_back,
+               {start_sql("c")} AS is_start, c.rowid AS rid
+        FROM consumption c JOIN attempts a USING (run, attempt)
+        WHERE c.run = $run AND c.{col} = $val"""
+    if index is not None:
+        files, upto = index.files_for(kind, val)
+        # Literal file ids and a literal bound: DuckDB prunes row groups by their min/max then
+        # (a list parameter was measured at p99 104 ms against 13 ms for the literal list).
+        parts = [f"{rows_of} AND c.file_id > {int(upto)}"]
+        if files:
+            parts.insert(0, f"{rows_of} AND c.file_id IN ({', '.join(map(str, files))})")
+        rows_of = " UNION ALL ".join(parts)
     totals = cur.execute(f"""
-        SELECT count(*), list(DISTINCT c.record_key ORDER BY c.record_key),
-               histogram(c.epoch) FILTER (WHERE NOT {rolled} AND {start_sql("c")})
-        FROM consumption c JOIN attempts a USING (run, attempt) WHERE {where}""",
-                         {"run": run, "val": val}).fetchall()[0]
+        SELECT count(*), list(DISTINCT record_key ORDER BY record_key),
+               histogram(epoch) FILTER (WHERE NOT rolled_back AND is_start)
+        FROM ({rows_of})""", {"run": run, "val": val}).fetchall()[0]
     if not totals[0]:
         what = f"record key {record_key}" if record_key is not None else \
             f"content hash {content_hash:#018x}"
         raise NotFound(f"{what} was never consumed in this run")
     params = {"run": run, "val": val, "limit": limit + 1}
-    if after is not None:
-        params.update({f"p{i}": v for i, v in enumerate(after)})
-        where += f" AND ({_RECORD_ORDER}) > ({', '.join(f'$p{i}' for i in range(7))})"
+    after = ""
+    if cursor is not None:
+        params.update({f"p{i}": int(v) for i, v in enumerate(cursor.split("."))})
+        after = f"WHERE ({_RECORD_ORDER}) > ({', '.join(f'$p{i}' for i in range(7))})"
     rows = cur.execute(f"""
-        SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset", c.n_tokens,
-               c.content_hash, {rolled}, c.rowid
-        FROM consumption c JOIN attempts a USING (run, attempt)
-        WHERE {where} ORDER BY {_RECORD_ORDER} LIMIT $limit""", params).fetchall()
+        SELECT * EXCLUDE (is_start) FROM ({rows_of}) {after}
+        ORDER BY {_RECORD_ORDER} LIMIT $limit""", params).fetchall()
     page = rows[:limit]
     segs = [{**dict(zip(_RECORD_COLS, r[:-1], strict=True)), "content_hash": f"{r[8]:#018x}"}
             for r in page]

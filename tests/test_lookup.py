@@ -1,0 +1,158 @@
+"""The record lookup index (audit.ledger.lookup) against a scan of `consumption`: the same answer
+for every key and content hash, whatever the index holds (nothing, part, damaged runs, runs of
+another ledger), and merged runs that stay few."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from audit.core.errors import NotFound
+from audit.ledger import lookup
+from audit.ledger import queries as q
+from audit.ledger.database import Ledger
+from audit.ledger.ingest import ingest
+from audit.ledger.lookup import LookupIndex
+from tests.api_helpers import write_steps
+
+N = 400
+
+
+def _stage(spool, stage: int) -> None:
+    """Two runs; run r restarts twice (rows of rolled-back attempts stay in the ledger, marked),
+    keys beyond N now and then, duplicates (write_steps samples with replacement)."""
+    common = {"n": N + 5, "per_step": 16, "flush_every": 3}
+    for h in (0, 1):
+        if stage == 0:
+            write_steps(spool, "r", host=h, hosts=2, steps=range(0, 30), seed=h, **common)
+            write_steps(spool, "s", host=h, hosts=2, steps=range(0, 20), seed=50 + h, **common)
+        else:
+            first, last = ((20, 40), (35, 50))[stage - 1]
+            write_steps(spool, "r", host=h, hosts=2, steps=range(first, last),
+                        seed=10 * stage + h, attempt=stage, resumed=first, **common)
+
+
+def _spool(spool) -> None:
+    for stage in range(3):
+        _stage(spool, stage)
+
+
+def _answers(ledger: Ledger, index: LookupIndex | None) -> dict:
+    cur = ledger.cursor()
+    try:
+        out = {}
+        hashes = [h for (h,) in cur.execute(
+            "SELECT DISTINCT content_hash FROM consumption ORDER BY 1 LIMIT 60").fetchall()]
+        for run in (1, 2):
+            for key in [*range(0, N + 8, 7), 10**12]:
+                try:
+                    out[run, "key", key] = q.record(cur, run, record_key=key, index=index)
+                except NotFound as exc:
+                    out[run, "key", key] = str(exc)
+            for h in [*hashes, 12345]:
+                try:
+                    out[run, "hash", h] = q.record(cur, run, content_hash=h, index=index)
+                except NotFound as exc:
+                    out[run, "hash", h] = str(exc)
+        return out
+    finally:
+        cur.close()
+
+
+def _check(path, rolled: bool = True) -> LookupIndex:
+    """Open the index beside the ledger (as a new process would) and compare with a scan."""
+    with Ledger(path) as ledger:
+        cur = ledger.cursor()
+        index = LookupIndex.open(ledger.path, cur)
+        cur.close()
+        want, got = _answers(ledger, None), _answers(ledger, index)
+        assert got == want
+        assert sum(isinstance(v, dict) for v in want.values()) > 50  # lookups that found rows
+        assert rolled == any(isinstance(v, dict) and any(s["rolled_back"] for s in v["segments"])
+                             for v in want.values())
+        return index
+
+
+def test_index_answers_as_a_scan_does_as_it_grows_and_when_behind(tmp_path):
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    for stage in range(3):
+        _stage(spool, stage)
+        with Ledger(path) as ledger:
+            ingest(spool, ledger, batch_rows=200)  # many small batches: many runs to merge
+            index = lookup.for_ledger(ledger)
+            top = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
+            assert index.coverage.upto == top
+        index = _check(path, rolled=stage > 0)
+        assert index.coverage.upto == top
+        # Few runs (a log-structured merge), tiling the file ids from the first.
+        for runs in index.coverage.runs.values():
+            assert runs[0].lo == 0
+            assert all(a.hi == b.lo for a, b in zip(runs[:-1], runs[1:], strict=True))
+            assert len(runs) <= 8
+    # An index behind the ledger (its newest runs lost): the rest is scanned, same answers.
+    newest = max(p for p in (path.parent / "l.duckdb.lookup").iterdir())
+    newest.unlink()
+    index = _check(path)
+    assert 0 < index.coverage.upto < top
+    # And the next ingest catches it up.
+    with Ledger(path) as ledger:
+        ingest(spool, ledger)
+        assert lookup.for_ledger(ledger).coverage.upto == top
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign", "temporary"])
+def test_a_damaged_or_foreign_index_is_dropped_never_believed(tmp_path, damage):
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    _spool(spool)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=300)
+    runs = sorted((path.parent / "l.duckdb.lookup").iterdir())
+    assert runs
+    victim = runs[len(runs) // 2]
+    if damage == "truncated":
+        with open(victim, "r+b") as f:
+            f.truncate(victim.stat().st_size - 5)
+    elif damage == "garbage":
+        victim.write_bytes(b"\0" * victim.stat().st_size)
+    elif damage == "temporary":  # what a writer killed mid-write leaves
+        (victim.parent / f".{victim.name}.123.tmp").write_bytes(b"half")
+    else:  # the index of another ledger at this path: same names, other contents
+        other = tmp_path / "other"
+        write_steps(other / "spool", "r", host=0, hosts=1, steps=range(0, 60), seed=99,
+                    n=N, per_step=16, flush_every=3)
+        with Ledger(other / "l.duckdb") as ledger:
+            ingest(other / "spool", ledger, batch_rows=300)
+        shutil.rmtree(path.parent / "l.duckdb.lookup")
+        shutil.copytree(other / "l.duckdb.lookup", path.parent / "l.duckdb.lookup")
+    index = _check(path)  # same answers as a scan whatever it kept
+    if damage != "temporary":
+        assert index.coverage.upto < max(int(p.name.split("-")[2][:12]) for p in runs)
+    assert not [p for p in (path.parent / "l.duckdb.lookup").iterdir()
+                if p.name.startswith(".")]
+    with Ledger(path) as ledger:  # the next ingest indexes what was dropped
+        ingest(spool, ledger)
+        assert lookup.for_ledger(ledger).coverage.upto == \
+            ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
+    _check(path)
+
+
+def test_a_merge_killed_before_it_removed_its_inputs_counts_nothing_twice(tmp_path):
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    _spool(spool)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=200)
+    d = path.parent / "l.duckdb.lookup"
+    (first,) = [p for p in d.iterdir() if p.name.startswith("key-000000000000-")]
+    run = lookup._read_run(first)
+    # The merge's inputs as they were: the merged run split in two, both kept beside it.
+    ids = np.unique(np.asarray(run.file_ids))
+    mid = int(ids[len(ids) // 2])
+    assert 0 < mid < run.hi
+    for lo, hi, sel in ((0, mid, run.file_ids <= mid), (mid, run.hi, run.file_ids > mid)):
+        order = np.argsort(np.asarray(run.values)[sel], kind="stable")
+        lookup._write_run(d, "key", lo, hi, 0, np.asarray(run.values)[sel][order],
+                          np.asarray(run.file_ids)[sel][order])
+    index = _check(path)
+    assert [r.hi for r in index.coverage.runs["key"]][0] == run.hi  # the widest was kept
