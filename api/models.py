@@ -113,6 +113,9 @@ class Finding(BaseModel):
     code: str = Field(examples=["with_replacement"])
     message: str
     numbers: dict[str, Any]
+    evidence: dict[str, list[dict[str, Any]]] | None = Field(
+        default=None, description="what the finding points at, where a check can name it: "
+        "steps, hosts and records, a few of each, each with the API path that shows it")
 
 
 class LiveFindings(Strict):
@@ -122,6 +125,8 @@ class LiveFindings(Strict):
     findings: list[Finding]
     integrity: dict[str, Any] | None = Field(description="integrity against the manifest")
     as_of_step: int | None
+    first_bad_step: int | None = Field(description="the first step at which some record had "
+                                       "been exposed more often than a perfect loader allows")
     generated_at: str | None
 
 

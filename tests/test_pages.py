@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from api.app import create_app
+from api.models import LiveFindings
+from audit import load_report
 from audit.hook.segments import Segments
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
@@ -77,11 +79,9 @@ def _write_run(spool: Path, run_id: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def service(tmp_path_factory):
     """A service over both runs' spool, each run reconciled by the service itself (its live
-    findings, whose report.html it serves), and one browser."""
-    if chromium() is None:
-        pytest.skip("needs chromium")
+    findings, whose report.html it serves)."""
     root = tmp_path_factory.mktemp("pages")
     spool = root / "spool"
     for run_id in RUNS:
@@ -96,8 +96,17 @@ def site(tmp_path_factory):
             assert done, "the service never reconciled both runs"
             reports = {r: json.loads((root / "ledger.duckdb.findings" / r / "report.json")
                                      .read_text()) for r in RUNS}
-            with Browser() as browser:
-                yield srv, browser, reports, root
+            yield srv, reports, root
+
+
+@pytest.fixture(scope="module")
+def site(service):
+    """The service and one browser."""
+    if chromium() is None:
+        pytest.skip("needs chromium")
+    srv, reports, root = service
+    with Browser() as browser:
+        yield srv, browser, reports, root
 
 
 def _shot(page, name: str) -> None:
@@ -193,6 +202,9 @@ def test_run_list_is_the_home_and_links_each_run(site):
         assert cells[7] == str(STEPS - 1)
         assert cells[8] == f"{100 * reports[run_id]['coverage']['coverage']:.1f}%"
     assert by["good"]["verdict"] == "PASS" and by["bad"]["verdict"] == "FAIL"
+    # The list is paged (Link: rel="next"); the page reads every page.
+    assert page.eval("getAll('/v1/runs?limit=1').then((r) => r.map((x) => x.run_id))") == \
+        ["bad", "good"]
     # One click away: the run view.
     page.eval("document.querySelector('tr[data-run=\"bad\"] a.run').click()")
     page.wait("location.search === '?run=bad' && document.body.dataset.updated && "
@@ -356,11 +368,11 @@ def test_ticks_are_round():
     assert nice_ticks(0, 74, 6, integer=True) == [0, 20, 40, 60]
 
 
-def test_evidence_is_what_the_ledger_says(site):
+def test_evidence_is_what_the_ledger_says(service):
     """The bad run's evidence, computed by the reconcile job in its buckets, against the live
     API's own answers from the ledger: each record's exposures and where they were seen, the
     steps with the most within-epoch repeats, the hosts with the most."""
-    srv, _, reports, root = site
+    srv, reports, root = service
     rep = reports["bad"]
     (f,) = [f for f in rep["findings"] if f["code"] == "with_replacement"]
     ev = f["evidence"]
@@ -386,3 +398,21 @@ def test_evidence_is_what_the_ledger_says(site):
     assert [h["repeats"] for h in ev["hosts"]] == sorted(per_host.values(), reverse=True)
     for h in ev["hosts"]:
         assert srv.get(h["api"]).status_code == 200
+
+
+def test_live_findings_and_loaded_reports_keep_their_evidence(service):
+    """What the summary serves is what its OpenAPI model says (first bad step, evidence), and a
+    report loaded in a notebook keeps each finding's evidence."""
+    srv, reports, root = service
+    found = srv.get("/v1/runs/bad").json()["findings"]
+    LiveFindings.model_validate(found)  # extra fields are refused: the schema names them all
+    assert found["first_bad_step"] == reports["bad"]["first_bad_step"] is not None
+    assert [f.get("evidence") for f in found["findings"]] == \
+        [f.get("evidence") for f in reports["bad"]["findings"]]
+    loaded = load_report(root / "ledger.duckdb.findings" / "bad")
+    assert [f.evidence for f in loaded.findings] == \
+        [f.get("evidence") for f in reports["bad"]["findings"]]
+    assert any(f.evidence for f in loaded.findings)
+    table = loaded.findings_table().to_pylist()
+    assert [json.loads(r["evidence"]) if r["evidence"] else None for r in table] == \
+        [f.evidence for f in loaded.findings]

@@ -41,12 +41,15 @@ class Report:
         return self.data["run_id"]
 
     def findings_table(self) -> pa.Table:
-        """The findings as a table (numbers as JSON text), for a notebook's display."""
+        """The findings as a table (numbers and evidence as JSON text), for a notebook's display."""
         return pa.Table.from_pylist(
             [{"severity": f.severity, "code": f.code, "message": f.message,
-              "numbers": json.dumps(f.numbers, default=str)} for f in self.findings],
+              "numbers": json.dumps(f.numbers, default=str),
+              "evidence": None if f.evidence is None else json.dumps(f.evidence)}
+             for f in self.findings],
             schema=pa.schema([("severity", pa.string()), ("code", pa.string()),
-                              ("message", pa.string()), ("numbers", pa.string())]))
+                              ("message", pa.string()), ("numbers", pa.string()),
+                              ("evidence", pa.string())]))
 
 
 def load_report(path: str | Path) -> Report:
@@ -65,8 +68,8 @@ def load_report(path: str | Path) -> Report:
     records = out / "records"
     tables["records"] = ds.dataset(records, format="parquet").to_table() \
         if records.is_dir() else pa.table({})
-    findings = [Finding(f["severity"], f["code"], f["message"], f.get("numbers") or {})
-                for f in data.get("findings", [])]
+    findings = [Finding(f["severity"], f["code"], f["message"], f.get("numbers") or {},
+                        f.get("evidence")) for f in data.get("findings", [])]
     return Report(out, data, data["verdict"], findings, _coverage(data["coverage"]),
                   tables=tables, **tables)
 
