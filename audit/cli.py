@@ -24,12 +24,26 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         raise TallyError(f"spool {spool} is not a directory")
     if args.batch_rows < 1:
         raise TallyError("--batch-rows must be >= 1")
+    _log_to_stderr(logging.WARNING if args.quiet else logging.INFO)
     with Ledger(args.ledger) as ledger:
-        result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows)
+        result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows,
+                        final=True)
     for rel, reason in result.quarantined:
         print(f"quarantined {rel}: {reason}", file=sys.stderr)
     print(result.summary())
     return 0
+
+
+def _log_to_stderr(level: int) -> None:
+    """Tally's own log lines (`tally: ...` on stderr) for the long-running commands: why a
+    per-record state was rebuilt, quarantined files, snapshots written."""
+    log = logging.getLogger("tally")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tally: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
@@ -220,6 +234,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_settings(spool=args.spool, manifest=args.manifest, records=args.records,
                    reports=args.reports, checkpoints=args.checkpoints)
     _check_port(args.host, args.port)
+    _log_to_stderr(getattr(logging, args.log_level.upper(), logging.WARNING))
     with Ledger(args.ledger) as ledger:
         app = create_app(ledger, spool=args.spool, manifest=args.manifest, records=args.records,
                          reports=args.reports, token=token, thresholds=th,
