@@ -240,7 +240,10 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 svc.loop.stop()
             # A clean stop leaves the per-record state's snapshot current enough for a restart
             # in seconds (audit.ledger.snapshot); a kill leaves the last one, which catches up.
-            svc.live.agg.save(ledger, final=True)
+            # A state dropped meanwhile (invalidated) is not reloaded only to be saved.
+            agg = getattr(ledger, "_aggregates", None)
+            if agg is not None:
+                agg.save(ledger, final=True)
             sys.setswitchinterval(switch)
 
     app = FastAPI(title="Tally live API", version="1",

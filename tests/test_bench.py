@@ -67,3 +67,14 @@ def test_dask_scaling_benchmark_runs(tmp_path):
     assert len(run["worker_cpu"]) == 2 and all(c > 0 for c in run["worker_cpu"])
     assert res["work"]["files"] == 16 and sum(res["work"]["read_s"]) > 0
     assert not (tmp_path / "d").exists()  # the data is removed
+
+
+def test_restart_benchmark_runs(tmp_path):
+    from bench import restart
+
+    res = restart.main(["--rows", "20000", "--records", "5000", "--hosts", "2", "--batch", "100",
+                        "--flush-every", "10", "--behind-rows", "2000",
+                        "--dir", str(tmp_path / "d")])
+    assert res["rows"] == 20000 and res["behind_rows"] == 2000 and res["snapshot_bytes"] > 0
+    assert res["ratio"] > 0 and res["restore_load"] is not None and res["catch_up_load"] >= 0
+    assert not (tmp_path / "d").exists()  # the data is removed

@@ -112,7 +112,7 @@ class Aggregates:
                 for run, why in rebuild.items():
                     if use_snapshots:
                         log.warning("run %s: per-record state rebuilt from the ledger (%s) in "
-                                    "%.1f s", names[run], why, seconds)
+                                    "%.2f s", names[run], why, seconds)
             for run in counts:
                 agg._state(run)  # a run with no exposure yet has a state (and a snapshot) too
             applied = dict(cur.execute("SELECT run, seg_files FROM agg_runs").fetchall())

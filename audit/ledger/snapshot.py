@@ -52,7 +52,8 @@ MAX_HEADER = 1 << 20
 # When a snapshot pays (Snapshots.due), each overridable by the environment:
 # - a run with none (its state was just rebuilt, which costs far more than the write): now;
 # - else when this many consumption rows arrived since the last one: catching them up at the
-#   next start costs ~0.5 s a million (bench/restart.py), so a restart stays within seconds;
+#   next start costs about 1 s a million rows on the loaded 2-core box (bench/restart.py:
+#   2.0M rows in 2.0 s), so a restart stays within seconds;
 SNAPSHOT_ROWS = 5_000_000
 # - and no sooner than this after the last write, nor sooner than WRITE_SHARE times that
 #   write's duration: writing holds ingest (never readers) for its duration, so snapshots take
