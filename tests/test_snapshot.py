@@ -156,6 +156,26 @@ def test_an_unusable_snapshot_is_ignored_with_one_line_and_rebuilt(tmp_path, cap
     assert len(said) == 1 and "restored from its snapshot" in said[0], said
 
 
+def test_a_service_that_rebuilt_its_state_snapshots_it_while_it_runs(tmp_path, caplog):
+    """Nothing new in the spool: the ingester's idle round still writes the snapshot of a
+    state just rebuilt (a kill later would otherwise rebuild it again), without new rows."""
+    spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
+    publish(spool, STAGES[:3])
+    with Ledger(path) as ledger:
+        ingest(spool, ledger)
+    snapshots = tmp_path / "ledger.duckdb.state"
+    shutil.rmtree(snapshots)
+    with Ledger(path) as ledger, Server(create_app(ledger, spool=spool, records=N,
+                                                   interval=0.05)) as srv:
+        assert poll(lambda: (snapshots / "run-1.state").exists(), timeout=30)
+        check(srv, ledger, "r")
+        files = ledger.query("SELECT count(*) AS n FROM segments")[0]["n"]
+    with Ledger(path) as ledger:  # the service ingested nothing: the same files
+        assert ledger.query("SELECT count(*) AS n FROM segments")[0]["n"] == files
+    agg, said = loaded(path, caplog)
+    assert len(said) == 1 and "restored from its snapshot" in said[0], said
+
+
 def test_a_ledger_made_before_ledger_ids_gets_one_and_snapshots(tmp_path, caplog):
     """Ledgers made before ledgers had an id (same schema version) open as before and get
     one; a read-only opening does not need it."""
