@@ -271,6 +271,12 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 svc.findings.stop()
             if svc.loop is not None:
                 svc.loop.stop()
+            # A clean stop leaves the per-record state's snapshot current enough for a restart
+            # in seconds (audit.ledger.snapshot); a kill leaves the last one, which catches up.
+            # A state dropped meanwhile (invalidated) is not reloaded only to be saved.
+            agg = getattr(ledger, "_aggregates", None)
+            if agg is not None:
+                agg.save(ledger, final=True)
             svc.webhook.close()
             sys.setswitchinterval(switch)
 

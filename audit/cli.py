@@ -25,8 +25,10 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         raise TallyError(f"spool {spool} is not a directory")
     if args.batch_rows < 1:
         raise TallyError("--batch-rows must be >= 1")
+    _log_to_stderr(logging.WARNING if args.quiet else logging.INFO)
     with Ledger(args.ledger) as ledger:
-        result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows)
+        result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows,
+                        final=True)
     if args.json:
         _print_json({"files": result.files, "rows": result.rows, "already": result.already,
                      "seconds": round(result.seconds, 3),
@@ -40,6 +42,18 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 
 def _print_json(value: object) -> None:
     print(json.dumps(value, indent=2, default=str))
+
+
+def _log_to_stderr(level: int) -> None:
+    """Tally's own log lines (`tally: ...` on stderr) for the long-running commands: why a
+    per-record state was rebuilt, quarantined files, snapshots written."""
+    log = logging.getLogger("tally")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tally: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
@@ -259,6 +273,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
     from pipeline.progress import Progress
 
+    _log_to_stderr(getattr(logging, args.log_level.upper(), logging.WARNING))
     with Ledger(args.ledger) as ledger:
         with Progress("serve", not args.quiet) as bar:
             # The per-record state is loaded from the ledger first (seconds for millions of

@@ -77,3 +77,14 @@ def test_lookup_latency_benchmark_runs(tmp_path):
     assert res["rows"] >= 20000 and res["runs"] >= 1 and res["index_bytes"] == 2 * 12 * res["rows"]
     assert res["key"]["index_p99"] > 0 and res["hash"]["scan_p99"] > 0 and res["build_s"] > 0
     assert not (tmp_path / "l").exists()  # the benchmark removes its data
+
+
+def test_restart_benchmark_runs(tmp_path):
+    from bench import restart
+
+    res = restart.main(["--rows", "20000", "--records", "5000", "--hosts", "2", "--batch", "100",
+                        "--flush-every", "10", "--behind-rows", "2000",
+                        "--dir", str(tmp_path / "d")])
+    assert res["rows"] == 20000 and res["behind_rows"] == 2000 and res["snapshot_bytes"] > 0
+    assert res["ratio"] > 0 and res["restore_load"] is not None and res["catch_up_load"] >= 0
+    assert not (tmp_path / "d").exists()  # the data is removed

@@ -25,8 +25,10 @@ ingester holds it across each COMMIT and the state update that goes with it
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import duckdb
@@ -35,6 +37,7 @@ import pyarrow as pa
 
 from audit.core.exposure import start_sql
 from audit.ledger.database import Ledger
+from audit.ledger.snapshot import Applied, Invalid, Snapshots, lowered_cuts
 from audit.ledger.state import (
     EPOCH_BITS,
     HOST_BITS,
@@ -45,6 +48,9 @@ from audit.ledger.state import (
     Starts,
     group,
 )
+
+log = logging.getLogger("tally.state")
+CATCH_UP_ROWS = 8_000_000  # consumption rows read at a time when a snapshot catches up
 
 
 @dataclass
@@ -72,19 +78,43 @@ class Aggregates:
         self.ingesting = threading.Lock()  # held by audit.ledger.ingest for a whole call
         self._pending: list[tuple[int, Records]] = []
         self.max_state_bytes = max_state_bytes or default_max_state_bytes()
+        self.snapshots: Snapshots | None = None  # set by load() for a ledger on disk
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
-    def load(cls, ledger: Ledger) -> Aggregates:
-        """Per-record state from the ledger; agg tables rebuilt for runs whose tables do not
-        cover every ingested segment file (a ledger filled before the tables existed)."""
+    def load(cls, ledger: Ledger, *, use_snapshots: bool = True) -> Aggregates:
+        """Per-record state from the ledger: each run's from its snapshot (audit.ledger.
+        snapshot) caught up with the files ingested after it, or rebuilt from
+        `effective_consumption` where there is no usable snapshot (why, logged once per run).
+        Agg tables rebuilt for runs whose tables do not cover every ingested segment file (a
+        ledger filled before the tables existed)."""
         agg = cls()
+        agg.snapshots = Snapshots(ledger.path, ledger.ledger_id)
         cur = ledger.cursor()
         try:
-            for run, rec in _recompute(cur).items():
-                agg._state(run).put(rec)
             counts = dict(cur.execute("""
                 SELECT run, count(*) FROM segments WHERE kind = 'seg' GROUP BY ALL""").fetchall())
+            names = dict(cur.execute("SELECT run, run_id FROM runs").fetchall())
+            rebuild: dict[int, str] = {}
+            for run in sorted(counts):
+                try:
+                    if not use_snapshots:
+                        raise Invalid("snapshots not used")
+                    agg._restore(cur, run, names[run])
+                except Invalid as why:
+                    rebuild[run] = str(why)
+            if rebuild:
+                t0 = time.monotonic()
+                every = set(rebuild) == set(counts)  # the plain scan when all runs rebuild
+                for run, rec in _recompute(cur, None if every else list(rebuild)).items():
+                    agg._state(run).put(rec)
+                seconds = time.monotonic() - t0
+                for run, why in rebuild.items():
+                    if use_snapshots:
+                        log.warning("run %s: per-record state rebuilt from the ledger (%s) in "
+                                    "%.2f s", names[run], why, seconds)
+            for run in counts:
+                agg._state(run)  # a run with no exposure yet has a state (and a snapshot) too
             applied = dict(cur.execute("SELECT run, seg_files FROM agg_runs").fetchall())
             for run, n in counts.items():
                 if applied.get(run) != n:
@@ -92,6 +122,86 @@ class Aggregates:
         finally:
             cur.close()
         return agg
+
+    def _restore(self, cur: duckdb.DuckDBPyConnection, run: int, run_id: str) -> None:
+        """The run's state from its snapshot, caught up with the ledger (Invalid: no usable
+        snapshot)."""
+        t0 = time.monotonic()
+        snap = self.snapshots.open(cur, run, run_id, STATE)
+        st = self.runs[run] = RunState.over(snap.rows, snap.top)
+        try:
+            rows = self._catch_up(cur, run, snap.applied)
+        except BaseException:
+            del self.runs[run]
+            raise
+        self.snapshots.restored(run, snap.applied)
+        log.info("run %s: per-record state restored from its snapshot (%s records) and %s rows "
+                 "ingested after it in %.2f s", run_id, f"{st.size:,}", f"{rows:,}",
+                 time.monotonic() - t0)
+
+    def _catch_up(self, cur: duckdb.DuckDBPyConnection, run: int, since: Applied) -> int:
+        """Apply to the run's state what the ledger holds beyond `since` (what a snapshot
+        covers): the record starts of later segment files, as increments (`group`, `merged`),
+        and records whose rows left the lineage since, recomputed. Returns the rows read."""
+        st = self.runs[run]
+        files = cur.execute("""SELECT file_id, n_rows FROM segments
+            WHERE run = ? AND kind = 'seg' AND file_id > ? ORDER BY file_id""",
+                            [run, since.max_file_id]).fetchnumpy()
+        ids, sizes = np.asarray(files["file_id"], np.int64), np.asarray(files["n_rows"], np.int64)
+        # File id ranges of about CATCH_UP_ROWS rows each bound the memory of a long catch-up;
+        # consumption is in file id order, so each range reads few row groups.
+        cuts = np.searchsorted(np.cumsum(sizes), np.arange(1, 1 + sizes.sum() // CATCH_UP_ROWS)
+                               * CATCH_UP_ROWS)
+        for part in np.split(ids, np.unique(np.minimum(cuts + 1, len(ids)))):
+            if not len(part):
+                continue
+            got = cur.execute(f"""SELECT record_key, step, epoch, host FROM effective_consumption
+                WHERE run = ? AND file_id BETWEEN ? AND ? AND {start_sql()}""",
+                              [run, int(part[0]), int(part[-1])]).fetchnumpy()
+            hosts = np.asarray(got["host"], np.int64)
+            order = np.argsort(hosts, kind="stable")
+            keys, steps, epochs, hosts = (np.asarray(got["record_key"], np.int64)[order],
+                                          np.asarray(got["step"], np.int64)[order],
+                                          np.asarray(got["epoch"], np.int64)[order],
+                                          hosts[order])
+            edges = np.flatnonzero(np.r_[True, hosts[1:] != hosts[:-1], True])
+            inc = group([Starts(keys[a:b], steps[a:b], epochs[a:b], int(hosts[a]))
+                         for a, b in zip(edges[:-1], edges[1:], strict=True)])
+            st.put(st.get(inc.keys).merged(inc))
+        lowered = lowered_cuts(since.lineage, self.cuts(cur, run))
+        if lowered:
+            keys = _rolled_back_keys(cur, run, lowered)
+            if len(keys):
+                new = Records.empty(keys)
+                found = _recompute(cur, [run], keys).get(run)
+                if found is not None:
+                    new.set(np.searchsorted(new.keys, found.keys), found)
+                st.put(new)
+        return int(sizes.sum())
+
+    # ---- snapshots -------------------------------------------------------------------------
+    def save(self, ledger: Ledger, *, final: bool = False) -> None:
+        """Write the snapshots that are due (audit.ledger.snapshot.Snapshots.due); `final` on a
+        clean end of the process. Waits for the ingest under way."""
+        with self.ingesting:
+            self.save_locked(ledger, final=final)
+
+    def save_locked(self, ledger: Ledger, *, final: bool = False) -> None:
+        """`save` for a caller that holds `ingesting`: the state cannot change meanwhile, so
+        the rows are written from where they are (no copy). Readers go on throughout: they
+        never write the state, and `lock` is not taken."""
+        if self.snapshots is None or getattr(ledger, "_aggregates", None) is not self:
+            return  # dropped (invalidate): the ledger's next user reloads it
+        cur = ledger.cursor()
+        try:
+            names = dict(cur.execute("SELECT run, run_id FROM runs").fetchall())
+            for run, st in list(self.runs.items()):
+                applied = self.snapshots.due(cur, run, final=final)
+                if applied is not None:
+                    rows = min(st.size, st.top + 1)
+                    self.snapshots.write(run, names[run], st.data[:rows], st.top, applied)
+        finally:
+            cur.close()
 
     def _state(self, run: int) -> RunState:
         return self.runs.setdefault(run, RunState())
@@ -124,24 +234,14 @@ class Aggregates:
                 before: dict[int, int | None]) -> None:
         """Take out of the per-record state the rows that a new attempt just rolled back.
         Call it before the batch inserts any row: the recomputation reads `consumption`."""
-        lowered = []
-        for attempt, cut in self.cuts(cur, run).items():
-            old = before.get(attempt)
-            if attempt in before and cut is not None and (old is None or cut < old):
-                lowered.append((attempt, cut, old))
+        lowered = lowered_cuts(before, self.cuts(cur, run))
         if not lowered:
             return
-        clauses = " OR ".join("(attempt = ? AND step >= ?" + (" AND step < ?)" if old is not None
-                                                              else ")")
-                              for _, _, old in lowered)
-        params = [run] + [x for a, cut, old in lowered
-                          for x in ((a, cut) if old is None else (a, cut, old))]
-        keys = cur.execute(f"""SELECT DISTINCT record_key FROM consumption
-            WHERE run = ? AND {start_sql()} AND ({clauses})""", params).fetchnumpy()["record_key"]
+        keys = _rolled_back_keys(cur, run, lowered)
         if not len(keys):
             return
-        new = Records.empty(np.sort(np.asarray(keys, np.int64)))
-        found = _recompute(cur, run, new.keys).get(run)
+        new = Records.empty(keys)
+        found = _recompute(cur, [run], new.keys).get(run)
         if found is not None:
             new.set(np.searchsorted(new.keys, found.keys), found)
         write_deltas(cur, run, deltas(self.get(run, new.keys), new), seg_files=0)
@@ -228,13 +328,30 @@ def for_ledger(ledger: Ledger) -> Aggregates:
     return agg
 
 
-def _recompute(cur: duckdb.DuckDBPyConnection, run: int | None = None,
+def _rolled_back_keys(cur: duckdb.DuckDBPyConnection, run: int,
+                      lowered: list[tuple[int, int, int | None]]) -> np.ndarray:
+    """The record keys (sorted) with starts at steps that just left the lineage: attempt a's
+    steps from its new cut up to its old one (`snapshot.lowered_cuts`)."""
+    clauses = " OR ".join("(attempt = ? AND step >= ?" + (" AND step < ?)" if old is not None
+                                                          else ")")
+                          for _, _, old in lowered)
+    params = [run] + [x for a, cut, old in lowered
+                      for x in ((a, cut) if old is None else (a, cut, old))]
+    keys = cur.execute(f"""SELECT DISTINCT record_key FROM consumption
+        WHERE run = ? AND {start_sql()} AND ({clauses})""", params).fetchnumpy()["record_key"]
+    return np.sort(np.asarray(keys, np.int64))
+
+
+def _recompute(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = None,
                keys: np.ndarray | None = None) -> dict[int, Records]:
-    """Per-record state straight from `effective_consumption` (all runs, or some keys of one)."""
+    """Per-record state straight from `effective_consumption`: all runs, some runs, or some
+    keys of one run."""
     where, params = "", []
-    if run is not None:
-        where = "AND run = ? AND record_key IN (SELECT k FROM recompute_keys)"
-        params = [run]
+    if runs is not None:
+        where = "AND run IN (SELECT unnest(?))"
+        params = [[int(r) for r in runs]]
+    if keys is not None:
+        where += " AND record_key IN (SELECT k FROM recompute_keys)"
         cur.register("recompute_keys", pa.table({"k": keys}))
     res = cur.execute(f"""
         SELECT run, record_key, exposures,
@@ -248,7 +365,7 @@ def _recompute(cur: duckdb.DuckDBPyConnection, run: int | None = None,
                      count(*) FILTER (WHERE epoch >= 0) AS epoch_exposures
               FROM effective_consumption WHERE {start_sql()} {where} GROUP BY ALL)
         ORDER BY run, record_key""", params).fetchnumpy()
-    if run is not None:
+    if keys is not None:
         cur.unregister("recompute_keys")
     out = {}
     runs = np.asarray(res["run"])

@@ -14,6 +14,7 @@ from audit.core.schema.
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,7 @@ class Ledger:
 
     def __init__(self, path: str | os.PathLike, *, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.ledger_id: str | None = None
         if read_only and not self.path.exists():
             raise TallyError(f"no ledger at {self.path}")
         try:
@@ -193,8 +195,10 @@ class Ledger:
                 raise TallyError(f"{self.path} is an empty DuckDB file, not a Tally ledger")
             self.con.execute("BEGIN")
             self.con.execute(_DDL)
-            self.con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+            self.con.execute("INSERT INTO meta VALUES ('schema_version', ?), ('ledger_id', ?)",
+                             [str(SCHEMA_VERSION), uuid.uuid4().hex])
             self.con.execute("COMMIT")
+            self.ledger_id = self._ledger_id()
             return
         if "meta" not in tables:
             raise TallyError(f"{self.path} is a DuckDB file but not a Tally ledger (no meta table)")
@@ -205,6 +209,19 @@ class Ledger:
                 f"ledger {self.path} has schema version {found}; this Tally reads version "
                 f"{SCHEMA_VERSION}. Re-ingest the spool into a new ledger file."
             )
+        self.ledger_id = self._ledger_id()
+        if self.ledger_id is None and not read_only:
+            # A ledger made before ledgers had an id (same schema version: an extra meta row
+            # changes nothing for a reader that does not know it).
+            self.con.execute("INSERT INTO meta VALUES ('ledger_id', ?) ON CONFLICT DO NOTHING",
+                             [uuid.uuid4().hex])
+            self.ledger_id = self._ledger_id()
+
+    def _ledger_id(self) -> str | None:
+        """The ledger's random id (`meta`), which its state snapshots carry
+        (audit.ledger.snapshot); None in a read-only ledger made before ledgers had one."""
+        row = one(self.con, "SELECT value FROM meta WHERE key = 'ledger_id'")
+        return None if row is None else row[0]
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A cursor for one thread (DuckDB connections are not shared across threads)."""

@@ -85,17 +85,21 @@ class _Rejected(Exception):
 
 def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
            batch_rows: int = BATCH_ROWS,
-           listing: list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]] | None = None
-           ) -> IngestResult:
-    """Ingest every new published file under `spool` into `ledger`, exactly once.
+           listing: list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]] | None = None,
+           final: bool = False) -> IngestResult:
+    """Ingest every new published file under `spool` into `ledger`, exactly once, then write
+    the state snapshots that are due (audit.ledger.snapshot).
 
     `listing`: the spool's entries with their stat, when the caller has just scanned it (the
-    live service); files among them already in the ledger are skipped all the same."""
+    live service); files among them already in the ledger are skipped all the same.
+    `final`: the process's last ingest (`tally ingest`): a snapshot due is written now rather
+    than after its interval."""
     t0 = time.perf_counter()
     result = IngestResult()
     agg = for_ledger(ledger)  # the aggregates' per-record state, loaded once per process
     with agg.ingesting:  # one ingest at a time per process: each sees the last one's files
         _ingest(Path(spool), ledger, agg, progress, batch_rows, listing, result)
+        agg.save_locked(ledger, final=final)
     result.seconds = time.perf_counter() - t0
     return result
 

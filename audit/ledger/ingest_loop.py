@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from audit.hook import spool as sp
+from audit.ledger.aggregates import for_ledger
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
 
@@ -139,6 +140,8 @@ class IngestLoop:
             self.quarantined += len(res.quarantined)
             for rel, reason in res.quarantined:
                 log.warning("quarantined %s: %s", rel, reason)
+        else:  # nothing new; a state rebuilt at start still gets its snapshot (ingest writes
+            for_ledger(self.ledger).save(self.ledger)  # them after each round otherwise)
         self._oldest_pending = None
         self.rounds += 1
         self.last_round_at = time.time()

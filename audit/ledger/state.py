@@ -189,6 +189,14 @@ class RunState:
         self.data = np.zeros(0, STATE)
         self.top = -1  # an upper bound of the keys ever put (it never goes down)
 
+    @classmethod
+    def over(cls, rows: np.ndarray, top: int) -> RunState:
+        """A state over existing rows (a snapshot's mapping, audit.ledger.snapshot): they are
+        neither copied nor read until used."""
+        st = cls()
+        st.data, st.size, st.top = rows, len(rows), top
+        return st
+
     def reserve(self, need: int) -> None:
         """Room for keys below `need` (MemoryError if it cannot be had)."""
         self._grow(need)
@@ -199,6 +207,11 @@ class RunState:
         cap = max(need, self.size + self.size // 8, 1024)  # geometric, without doubling memory
         if not self.size:
             self.data = np.zeros(cap, STATE)
+        elif not self.data.flags.owndata:
+            # Rows mapped from a snapshot cannot grow in place: one copy, once per process.
+            data = np.zeros(cap, STATE)
+            data[: self.size] = self.data
+            self.data = data
         else:
             # realloc (mremap for large arrays): the rows already there are neither copied nor
             # faulted in again; the tail is zeroed. No view of `data` outlives a reader's hold
