@@ -170,7 +170,8 @@ def test_a_worker_killed_mid_job_recovers_or_fails_cleanly(data, tmp_path, allow
     root, run, out = data["root"], RUNS[0], tmp_path / "report"
     env = {"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": str(allowed_failures)}
     with DaskProcesses(2, env=env, folder=tmp_path / "dask") as cluster:
-        job = subprocess.Popen(tally(*reconcile_args(root, run, out, cluster.address)),
+        # -q: no progress lines, so that stderr is the error line alone
+        job = subprocess.Popen(tally(*reconcile_args(root, run, out, cluster.address), "-q"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
