@@ -19,9 +19,12 @@ def test_api_latency_benchmark_runs(tmp_path):
 
     res = api_latency.main(["--rows", "20000", "--records", "5000", "--hosts", "2", "--batch",
                             "100", "--flush-every", "10", "--requests", "3", "--ref-repeats", "1",
-                            "--live-rows-per-s", "2000", "--dir", str(tmp_path)])
+                            "--live-rows-per-s", "2000", "--clients", "2", "--dir",
+                            str(tmp_path)])
     assert res["rows"] >= 20000 and res["ratios"]["coverage"] > 0
-    assert set(res["p99"]) >= {"summary", "coverage", "hosts", "steps_full_range"}
+    assert set(res["p99"]) >= {"summary", "coverage", "hosts", "steps_full_range",
+                               "record_by_key"}
+    assert set(res["p99_concurrent"]) == set(res["p99"])  # every endpoint, clients at once
 
 def test_preflight_benchmark_runs(tmp_path):
     # Two worker processes: the spawned pool must plan exactly what one process plans.
