@@ -375,7 +375,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def run_hosts(run_id: RunId) -> Response:
         """Per-host stats and the host x host overlap matrix."""
         return svc.json(("hosts.json", run_id), run_id,
-                        lambda snap: q.hosts(snap.cur, snap.run))
+                        lambda snap: q.hosts(snap.cur, snap.run, svc.live.host_sets(snap)))
 
     @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"], responses=ERRORS,
              response_model=models.HostSteps)

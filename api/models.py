@@ -248,8 +248,8 @@ class HostStats(Strict):
     exposures: int
     first_step: int | None
     last_step: int | None
-    unique: int | None = Field(description="null beyond the tracked hosts")
-    overlap_with_others: int | None
+    unique: int = Field(description="distinct records the host saw (exact at any host count)")
+    overlap_with_others: int = Field(description="of those, records another host saw too")
 
 
 class Hosts(Strict):
@@ -264,7 +264,8 @@ class Hosts(Strict):
         "overlap_matrix": [[102, 68], [68, 102]], "overlap_pairs": 68})
 
     count: int
-    overlap_tracked_hosts: int
+    overlap_tracked_hosts: int = Field(description="hosts whose overlap is counted: all of them "
+                                                   "(kept for clients of the 64-host limit)")
     per_host: list[HostStats]
     overlap_matrix: list[list[int]] = Field(description="records both hosts saw; the "
                                                         "diagonal: records the host saw")

@@ -66,9 +66,10 @@ def content_hash_of(keys: np.ndarray) -> np.ndarray:
 
 def write_steps(spool: Path, run_id: str, *, host: int, hosts: int, steps: range, n: int,
                 seed: int, attempt: int = 0, resumed: int | None = None, per_step: int = 8,
-                outside: dict[int, int] | None = None, **kw) -> int:
+                outside: dict[int, int] | None = None, metrics: bool = True, **kw) -> int:
     """Steps of random keys (with replacement, so duplicates) through the real writer; every
-    fourth segment continues the previous record (offset > 0). Returns rows written."""
+    fourth segment continues the previous record (offset > 0); losses too unless `metrics` is
+    false (a file fewer per flush). Returns rows written."""
     rng = np.random.default_rng(seed)
     rows = 0
     with LedgerWriter(spool, run_id, host=host, host_count=hosts, attempt=attempt,
@@ -84,6 +85,9 @@ def write_steps(spool: Path, run_id: str, *, host: int, hosts: int, steps: range
                 row=np.arange(per_step) // 2, record_key=keys, offset=offset,
                 n_tokens=rng.integers(1, 50, per_step), content_hash=content_hash_of(keys),
                 epoch=np.full(per_step, step % 1000 // 10)))  # epochs stay small at any step
+            if not metrics:
+                rows += per_step
+                continue
             w.log_metric(step, "train_loss", 5.0 - step * 0.01 + host * 0.001)
             if step % 10 == 9:
                 w.log_metric(step, "heldout_loss", 5.5 - step * 0.005)

@@ -4,10 +4,13 @@ arriving late, three hosts, duplicates, continuation segments and keys outside t
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from api.app import create_app
+from audit.core.arrays import PAIRS_UP_TO
 from audit.ledger.aggregates import Aggregates
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
@@ -225,3 +228,79 @@ def test_grouping_packed_and_wide_keys_agree():
             assert got.exposures[i] == len(steps) and got.steps[i].tolist() == first3
             assert (int(got.hosts[i]), int(got.epochs[i]), got.epoch_exposures[i]) == (
                 hosts, epochs, ee)
+
+
+def _many_hosts_check(srv: Server, ledger: Ledger, hosts: int) -> dict:
+    """/hosts and the summary's records on 2+ hosts against the SQL definitions."""
+    cur = ledger.cursor()
+    try:
+        full = oracle(cur, "m")
+    finally:
+        cur.close()
+    h = srv.get("/v1/runs/m/hosts").json()
+    assert (h["count"], h["overlap_tracked_hosts"], len(h["per_host"])) == (hosts,) * 3
+    got = [(p["host"], p["segments"], p["tokens"], p["exposures"], p["unique"],
+            p["overlap_with_others"]) for p in h["per_host"] if p["segments"]]
+    assert got == [tuple(map(int, r)) for r in full["hosts"]]
+    m = np.array(h["overlap_matrix"])
+    assert m.shape == (hosts, hosts)
+    assert {(int(a), int(b)): int(m[a, b]) for a, b in zip(*np.nonzero(m), strict=True)} == \
+        full["pairs"]
+    assert h["overlap_pairs"] == (m.sum() - np.trace(m)) // 2
+    s = srv.get("/v1/runs/m").json()
+    assert s["multi_host_records"] == full["multi_host_records"] > 0
+    return h
+
+
+# Any host count up to 1,024: the per-record state's host masks track hosts 0..63 (the agg
+# tables answer up to 64 hosts); beyond, /hosts and the summary count from the ledger on demand.
+# Few records per host; `n` keys so that records sit on a few hosts each (explicit pairs) or on
+# many (the dense product): 1,024 hosts x 40 starts over 600 keys puts ~65 hosts on a record.
+@pytest.mark.parametrize(("hosts", "n"), [(64, 100), (128, 2000), (256, 300), (1024, 600)])
+def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
+    from audit.ledger import queries as q
+
+    spool = tmp_path / "spool"
+    # Two epochs, 53 and 54 (write_steps: epoch = step // 10): a mask of epochs above 2^53 as a
+    # float64 would lose bits. Attempt 1 resumes some hosts from step 539, rolling back every
+    # host's steps >= 539 of attempt 0 (their records' state is recomputed from the ledger).
+    for host in range(hosts):
+        write_steps(spool, "m", host=host, hosts=hosts, steps=range(530, 544), seed=host, n=n,
+                    per_step=4, flush_every=14, metrics=False)  # one file a host
+    for host in (0, 1, hosts // 2, hosts - 1):
+        write_steps(spool, "m", host=host, hosts=hosts, steps=range(539, 546), seed=5000 + host,
+                    n=n, per_step=4, flush_every=7, attempt=1, resumed=539, metrics=False)
+    with Ledger(tmp_path / "ledger.duckdb") as ledger, \
+            Server(create_app(ledger, records=n)) as srv:
+        assert ingest(spool, ledger).quarantined == []
+        h = _many_hosts_check(srv, ledger, hosts)
+        cur = ledger.cursor()
+        try:
+            cur.execute("BEGIN TRANSACTION")
+            sets = q.host_sets(cur, 1, hosts)  # the on-demand pass, whatever the host count
+            cur.execute("ROLLBACK")
+        finally:
+            cur.close()
+        assert sets.overlap.tolist() == h["overlap_matrix"]  # agrees with the agg tables too
+        assert sets.shared.tolist() == [p["overlap_with_others"] for p in h["per_host"]]
+        # Records on a few hosts each (their host pairs summed) at 128 hosts, on many (the
+        # dense product) at the other counts.
+        most = ledger.query("""SELECT max(k) AS k FROM (SELECT count(DISTINCT host) AS k
+            FROM effective_consumption WHERE "offset" = 0 GROUP BY record_key)""")[0]["k"]
+        assert (most > PAIRS_UP_TO) == (hosts != 128), most
+        # The per-record state the ingest built equals one rebuilt from the ledger.
+        state = ledger._aggregates.runs[1]
+        again = Aggregates.load(ledger, use_snapshots=False).runs[1]
+        keys = np.arange(max(state.size, again.size))
+        mine, theirs = state.get(keys), again.get(keys)
+        for name in ("exposures", "steps", "hosts", "epochs", "epoch_exposures"):
+            assert np.array_equal(getattr(mine, name), getattr(theirs, name)), name
+        if hosts == 256:
+            # /metrics stays readable: per-host series (one a host and family), no host pairs.
+            text = srv.get("/metrics").text
+            samples = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+            per_host = [ln for ln in samples if 'host="' in ln]
+            assert len(per_host) == 5 * hosts and len(samples) < 5 * hosts + 50
+            unique = {int(re.search(r'host="(\d+)"', ln).group(1)): float(ln.split()[-1])
+                      for ln in per_host if ln.startswith("tally_host_unique_records")}
+            assert unique == {p["host"]: p["unique"] for p in h["per_host"]}

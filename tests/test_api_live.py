@@ -248,6 +248,34 @@ def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
     assert len(cells) == 6 and all(int(v) > 0 for v in cells)  # 3 x 2: every pair overlaps
 
 
+@pytest.mark.skipif(_chromium() is None, reason="needs chromium (CI installs it)")
+def test_dashboard_heatmap_of_256_hosts_shows_those_sharing_most(tmp_path):
+    """Beyond 64 hosts every host's shared records are numbers, so the heatmap's 16 hosts are
+    the 16 that share the most, wherever they are (before, hosts 64.. had none to rank by)."""
+    spool = tmp_path / "spool"
+    for h in range(256):
+        write_steps(spool, "w", host=h, hosts=256, steps=range(3), n=2000, seed=h,
+                    flush_every=3, metrics=False)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        ingest(spool, ledger)
+        with Server(create_app(ledger, records=2000)) as srv, \
+                tempfile.TemporaryDirectory() as profile:
+            per_host = srv.get("/v1/runs/w/hosts").json()["per_host"]
+            out = subprocess.run(
+                [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+                 "--virtual-time-budget=10000", "--dump-dom", srv.url + "/?run=w"],
+                capture_output=True, text=True, timeout=120)
+    dom = out.stdout
+    svg = re.search(r'<svg[^>]*data-chart="overlap"[^>]*>', dom)
+    assert svg, (dom[-2000:], out.stderr[-2000:])
+    assert 'data-hosts-shown="16"' in svg.group(0) and 'data-hosts="256"' in svg.group(0)
+    shown = sorted({int(a) for a in re.findall(r'data-hosts="(\d+),\d+"', dom)})
+    rank = sorted(per_host, key=lambda p: (-p["overlap_with_others"], p["host"]))
+    assert shown == sorted(p["host"] for p in rank[:16]) and max(shown) >= 64, shown
+
+
 def test_coverage_universe_from_writer_metadata_and_cached_answers(tmp_path):
     """Without a manifest or --records, coverage is over the records_per_epoch the run's
     writers recorded; answers cached between ingests change when an ingest lands."""

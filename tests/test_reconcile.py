@@ -256,7 +256,8 @@ def test_buckets_follow_the_manifests_row_groups(tmp_path):
 
 @pytest.mark.parametrize("hosts", [1, 3, 8, 11, 16, 20, 64, 128, 256, 1024])
 def test_host_sets_match_a_record_by_record_count(hosts):
-    from audit.reconcile.bucket_stats import PAIRS_UP_TO, _host_sets
+    from audit.core.arrays import PAIRS_UP_TO
+    from audit.reconcile.bucket_stats import _host_sets
 
     rng = np.random.default_rng(hosts)
     n = 300

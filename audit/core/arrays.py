@@ -16,3 +16,50 @@ def distinct(values: np.ndarray) -> np.ndarray:
     if out.size:
         out = out[np.r_[True, out[1:] != out[:-1]]]
     return out
+
+
+# Records seen by more hosts than this go through one dense product; the others through their
+# explicit host pairs (k^2 for a record on k hosts). A loader's faults leave most records on a
+# few hosts (sampling with replacement: about 1 + C / N on average), and a loader that shards
+# nothing puts every record on every host: the product is what that case needs.
+PAIRS_UP_TO = 16
+
+
+def host_overlap(rec: np.ndarray, host: np.ndarray, k: np.ndarray,
+                 hosts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From distinct (record, host) pairs grouped by record (`rec` sorted), `k` the number of
+    hosts of each pair's record: per host, the records it saw and those another host saw too,
+    and the host x host overlap matrix (records both saw; the diagonal: records the host saw).
+
+    Memory is proportional to the pairs, not records x hosts: per-host counts are bincounts,
+    and the matrix sums each record's ordered host pairs (or, for the records on many hosts,
+    one matrix product over those records alone, in bounded chunks). The counts add up over
+    disjoint sets of records, so a caller may feed the pairs a slice of records at a time."""
+    rec, host, k = (np.asarray(a, np.int64) for a in (rec, host, k))
+    unique = np.bincount(host, minlength=hosts).astype(np.int64)
+    others = np.bincount(host[k > 1], minlength=hosts).astype(np.int64)
+    overlap = np.diag(unique)
+    few = (k > 1) & (k <= PAIRS_UP_TO)
+    if few.any():  # every ordered pair of distinct hosts of each such record
+        r, h, kk = rec[few], host[few], k[few]
+        start = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])  # the record's first pair
+        first = np.repeat(start, np.diff(np.r_[start, len(r)]))
+        a = np.repeat(np.arange(len(r)), kk)
+        b = np.repeat(first, kk) + (np.arange(len(a)) - np.repeat(np.cumsum(kk) - kk, kk))
+        off = a != b
+        overlap += np.bincount(h[a[off]] * hosts + h[b[off]],
+                               minlength=hosts * hosts).reshape(hosts, hosts)
+    many = k > PAIRS_UP_TO
+    if many.any():  # records on many hosts: one product over them, in bounded chunks
+        r, h = rec[many], host[many]
+        row = np.cumsum(np.r_[True, r[1:] != r[:-1]]) - 1  # pairs are grouped by record
+        step = max(1, 2**26 // (hosts * 4))  # records a chunk: 64 MB of float32
+        for lo in range(0, int(row[-1]) + 1, step):
+            a, b = np.searchsorted(row, [lo, lo + step])
+            m = np.zeros((min(step, int(row[-1]) + 1 - lo), hosts), np.float32)
+            m[row[a:b] - lo, h[a:b]] = 1.0
+            # float32 sums of 0/1 are exact below 2^24 records a chunk (it holds fewer)
+            prod = np.rint(m.T @ m).astype(np.int64)
+            np.fill_diagonal(prod, 0)
+            overlap += prod
+    return unique, others, overlap

@@ -358,9 +358,13 @@ def _recompute(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = None,
                coalesce(earliest[1], {NO_STEP}) AS step1, coalesce(earliest[2], {NO_STEP}) AS step2,
                coalesce(earliest[3], {NO_STEP}) AS step3, hosts, epochs, epoch_exposures
         FROM (SELECT run, record_key, count(*) AS exposures, min(step, 3) AS earliest,
-                     bit_or(CASE WHEN host < {HOST_BITS} THEN 1::UBIGINT << host
+                     -- The shift counts are cast to UBIGINT: UBIGINT << INTEGER is a HUGEINT,
+                     -- which reaches numpy as float64 and loses every bit below 2^(top - 52)
+                     -- of a mask with hosts (epochs) 53..63 in it.
+                     bit_or(CASE WHEN host < {HOST_BITS} THEN 1::UBIGINT << host::UBIGINT
                             ELSE 0::UBIGINT END) AS hosts,
-                     bit_or(CASE WHEN epoch >= 0 THEN 1::UBIGINT << (epoch % {EPOCH_BITS})
+                     bit_or(CASE WHEN epoch >= 0
+                            THEN 1::UBIGINT << (epoch % {EPOCH_BITS})::UBIGINT
                             ELSE 0::UBIGINT END) AS epochs,
                      count(*) FILTER (WHERE epoch >= 0) AS epoch_exposures
               FROM effective_consumption WHERE {start_sql()} {where} GROUP BY ALL)

@@ -29,7 +29,7 @@ from audit.ledger import lookup
 from audit.ledger import queries as q
 from audit.ledger.aggregates import Aggregates, for_ledger
 from audit.ledger.database import Ledger, one
-from audit.ledger.state import Records
+from audit.ledger.state import HOST_BITS, Records
 
 
 @dataclass
@@ -61,6 +61,8 @@ class LiveLedger:
         self._answers_lock = threading.Lock()
         self._hot: OrderedDict[tuple, tuple] = OrderedDict()
         self._warm_gen = -1
+        self._host_sets: OrderedDict[tuple, q.HostSets] = OrderedDict()
+        self._host_sets_lock = threading.Lock()
 
     @property
     def agg(self) -> Aggregates:
@@ -195,12 +197,38 @@ class LiveLedger:
     def facts(self, run_id: str) -> dict[str, Any]:
         """A run's totals and coverage (what the summary and alerts need)."""
         def compute(snap: Snap) -> dict[str, Any]:
-            return {"totals": q.totals(snap.cur, snap.run),
+            totals = q.totals(snap.cur, snap.run)
+            sets = self.host_sets(snap)
+            if sets is not None:  # beyond the hosts the agg tables track
+                totals["multi_host_records"] = sets.multi_host_records
+            return {"totals": totals,
                     "coverage": q.coverage(snap.cur, snap.run, snap.uni, None, snap.outside)}
         return self.answer(("facts", run_id), run_id, compute, outside=True)
 
     def hosts(self, run_id: str) -> dict[str, Any]:
-        return self.answer(("hosts", run_id), run_id, lambda snap: q.hosts(snap.cur, snap.run))
+        return self.answer(("hosts", run_id), run_id,
+                           lambda snap: q.hosts(snap.cur, snap.run, self.host_sets(snap)))
+
+    HOST_SETS = 8  # runs' host sets kept
+
+    def host_sets(self, snap: Snap) -> q.HostSets | None:
+        """For a run on more hosts than the per-record state tracks (HOST_BITS): its hosts'
+        record sets as of the snapshot (`queries.host_sets`, one pass over the run's rows),
+        computed once per version of that run's data and shared by /hosts, the summary and
+        /metrics; one computation at a time. None for the other runs (the agg tables answer)."""
+        h = q.host_count(snap.cur, snap.run)
+        if h <= HOST_BITS:
+            return None
+        version = q.run_data_version(snap.cur, snap.run)
+        key = (snap.run, h, version[0], version[1], tuple(version[2] or ()))
+        with self._host_sets_lock:
+            hit = self._host_sets.get(key)
+            if hit is None:
+                hit = self._host_sets[key] = q.host_sets(snap.cur, snap.run, h)
+                while len(self._host_sets) > self.HOST_SETS:
+                    self._host_sets.popitem(last=False)
+            self._host_sets.move_to_end(key)
+            return hit
 
     def host_rows(self, run_id: str) -> dict[int, int]:
         return self.answer(("host_rows", run_id), run_id, lambda snap: dict(snap.cur.execute(

@@ -17,6 +17,7 @@ import duckdb
 import numpy as np
 
 from audit.core import exposure
+from audit.core.arrays import host_overlap
 from audit.core.errors import NotFound, Unavailable
 from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql
 from audit.hook.spool import FINISHED
@@ -166,45 +167,109 @@ def steps(cur: duckdb.DuckDBPyConnection, run: int, uni: Universe, start: int | 
     }
 
 
-def _host_count(cur, run: int) -> int:
+def hosts(cur: duckdb.DuckDBPyConnection, run: int,
+          sets: HostSets | None = None) -> dict[str, Any]:
+    """Per host (effective rows): segments, tokens, exposures, steps, unique records, records
+    shared with another host; and the host x host overlap matrix. Exact at any host count: up
+    to HOST_BITS hosts from the agg tables (the per-record host masks keep them), beyond from
+    the ledger on demand (`host_sets`; `sets`: that answer for this snapshot, if at hand)."""
+    h = host_count(cur, run)
+    per = {r[0]: r[1:] for r in cur.execute(f"""
+        SELECT s.host, sum(s.segments), sum(s.tokens), sum(s.exposures), min(s.step), max(s.step)
+        FROM agg_steps s JOIN attempts a USING (run, attempt)
+        WHERE s.run = ? AND {EFFECTIVE} GROUP BY s.host""", [run]).fetchall()}
+    if h > HOST_BITS:
+        sets = sets if sets is not None else host_sets(cur, run, h)
+        matrix, shared = sets.overlap, sets.shared
+    else:
+        matrix, shared = np.zeros((h, h), np.int64), np.zeros(h, np.int64)
+        for a, b, c in cur.execute("SELECT a, b, records FROM agg_host_pairs WHERE run = ? "
+                                   "AND records <> 0", [run]).fetchall():
+            matrix[a, b] = c
+        for i, c in cur.execute("SELECT host, shared FROM agg_hosts WHERE run = ?",
+                                [run]).fetchall():
+            shared[i] = c
+    out = []
+    for i in range(h):
+        seg, tok, ex, first, last = per.get(i, (0, 0, 0, None, None))
+        out.append({"host": i, "segments": int(seg), "tokens": int(tok), "exposures": int(ex),
+                    "first_step": first, "last_step": last, "unique": int(matrix[i, i]),
+                    "overlap_with_others": int(shared[i])})
+    off = matrix.sum() - np.trace(matrix)
+    return {"count": h, "overlap_tracked_hosts": h, "per_host": out,
+            "overlap_matrix": matrix.tolist(), "overlap_pairs": int(off // 2)}
+
+
+@dataclass
+class HostSets:
+    """What the hosts' record sets give, exactly, at any host count."""
+
+    overlap: np.ndarray  # [hosts, hosts]: records both saw; the diagonal: records the host saw
+    shared: np.ndarray  # per host: records it saw that another host saw too
+    multi_host_records: int  # records seen by two or more hosts
+
+
+HOST_SETS_BATCH = 4_000_000  # distinct (record, host) pairs handled at a time
+
+
+def host_sets(cur: duckdb.DuckDBPyConnection, run: int, hosts: int) -> HostSets:
+    """The hosts' record sets from the ledger, for runs on more hosts than the per-record state
+    tracks (HOST_BITS): one DuckDB pass over the run's effective record starts for its distinct
+    (record, host) pairs, in record order, then numpy a batch of whole records at a time
+    (audit.core.arrays.host_overlap), so memory stays bounded by the batch and the matrix.
+    Its cost grows with the run's rows (bench/host_sets.py)."""
+    reader = cur.sql(f"""
+        SELECT DISTINCT c.record_key, c.host FROM consumption c JOIN attempts a USING (run, attempt)
+        WHERE c.run = $run AND {start_sql("c")} AND {effective_sql("c", "a")}
+        ORDER BY c.record_key""", params={"run": run}).to_arrow_reader(HOST_SETS_BATCH)
+    overlap = np.zeros((hosts, hosts), np.int64)
+    shared = np.zeros(hosts, np.int64)
+    multi = 0
+    carry_k, carry_h = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    done = False
+    while not done:
+        try:
+            batch = reader.read_next_batch()
+            keys = np.r_[carry_k, batch.column(0).to_numpy()]
+            hs = np.r_[carry_h, batch.column(1).to_numpy()]
+            cut = int(np.searchsorted(keys, keys[-1])) if len(keys) else 0
+            # the last record may go on in the next batch
+            carry_k, carry_h, keys, hs = keys[cut:], hs[cut:], keys[:cut], hs[:cut]
+        except StopIteration:
+            keys, hs, done = carry_k, carry_h, True
+        if not len(keys):
+            continue
+        start = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        count = np.diff(np.r_[start, len(keys)])
+        _, others, pairs = host_overlap(np.repeat(np.arange(len(start)), count), hs,
+                                             np.repeat(count, count), hosts)
+        overlap += pairs
+        shared += others
+        multi += int((count > 1).sum())
+    return HostSets(overlap, shared, multi)
+
+
+def host_count(cur: duckdb.DuckDBPyConnection, run: int) -> int:
+    """The run's hosts: the most any attempt declared, or beyond, the highest host seen + 1."""
     hc = one(cur, "SELECT max(host_count) FROM attempts WHERE run = ?", [run])[0] or 0
     top = one(cur, "SELECT max(host) FROM agg_steps WHERE run = ?", [run])[0]
     return max(hc, 0 if top is None else top + 1)
 
 
-def hosts(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
-    """Per host (effective rows): segments, tokens, exposures, steps, unique records, records
-    shared with another host; and the host x host overlap matrix (hosts < HOST_BITS)."""
-    h = _host_count(cur, run)
-    per = {r[0]: r[1:] for r in cur.execute(f"""
-        SELECT s.host, sum(s.segments), sum(s.tokens), sum(s.exposures), min(s.step), max(s.step)
-        FROM agg_steps s JOIN attempts a USING (run, attempt)
-        WHERE s.run = ? AND {EFFECTIVE} GROUP BY s.host""", [run]).fetchall()}
-    shared = dict(cur.execute("SELECT host, shared FROM agg_hosts WHERE run = ?",
-                              [run]).fetchall())
-    tracked = min(h, HOST_BITS)
-    matrix = np.zeros((tracked, tracked), np.int64)
-    for a, b, c in cur.execute("SELECT a, b, records FROM agg_host_pairs WHERE run = ? "
-                               "AND records <> 0", [run]).fetchall():
-        if a < tracked and b < tracked:
-            matrix[a, b] = c
-    out = []
-    for i in range(h):
-        seg, tok, ex, first, last = per.get(i, (0, 0, 0, None, None))
-        out.append({"host": i, "segments": int(seg), "tokens": int(tok), "exposures": int(ex),
-                    "first_step": first, "last_step": last,
-                    "unique": int(matrix[i, i]) if i < tracked else None,
-                    "overlap_with_others": int(shared.get(i, 0)) if i < tracked else None})
-    off = matrix.sum() - np.trace(matrix)
-    return {"count": h, "overlap_tracked_hosts": tracked, "per_host": out,
-            "overlap_matrix": matrix.tolist(), "overlap_pairs": int(off // 2)}
+def run_data_version(cur: duckdb.DuckDBPyConnection, run: int) -> tuple:
+    """What a run's effective rows depend on: its segment files and its restart lineage (a
+    snapshot's ledger version moves with any run's files; this, only with this run's)."""
+    return one(cur, """SELECT (SELECT max(file_id) FROM segments WHERE run = $1 AND kind = 'seg'),
+                              (SELECT count(*) FROM segments WHERE run = $1 AND kind = 'seg'),
+                              (SELECT list(rolled_back_from_step ORDER BY attempt)
+                               FROM attempts WHERE run = $1)""", [run])
 
 
 def host_steps(cur: duckdb.DuckDBPyConnection, run: int, host: int, start: int | None = None,
                end: int | None = None, bucket: int | None = None, points: int = 500
                ) -> dict[str, Any]:
-    if host >= _host_count(cur, run):
-        raise NotFound(f"run has no host {host} (host_count {_host_count(cur, run)})")
+    if host >= host_count(cur, run):
+        raise NotFound(f"run has no host {host} (host_count {host_count(cur, run)})")
     rng = _range(cur, run, start, end, bucket, points)
     cols = ("step", "last_step", "segments", "tokens", "exposures")
     if rng is None:

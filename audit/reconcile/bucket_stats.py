@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import distinct
+from audit.core.arrays import distinct, host_overlap
 from audit.reconcile.partials import EVIDENCE, EXAMPLES, RANK_CAP, SEEN, MaxSpans, Partial, Spans
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
@@ -218,50 +218,16 @@ def _host_sets(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
     return _host_pairs(j, host, n, hosts, train)
 
 
-# Records seen by more hosts than this go through one dense product; the others through their
-# explicit host pairs (k^2 for a record on k hosts). A loader's faults leave most records on a
-# few hosts (sampling with replacement: about 1 + C / N on average), and a loader that shards
-# nothing puts every record on every host: the product is what that case needs.
-PAIRS_UP_TO = 16
-
-
 def _host_pairs(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
                 train: np.ndarray) -> tuple[np.ndarray, ...]:
     """`_host_sets` for any number of hosts, in memory proportional to the distinct (record,
-    host) pairs, not records x hosts: the pairs are sorted once, per-host counts are bincounts,
-    and the overlap matrix sums each record's host pairs (or, for the records on many hosts, a
-    matrix product over those records alone)."""
+    host) pairs, not records x hosts (audit.core.arrays.host_overlap)."""
     pair = distinct(j * hosts + host)  # distinct (record, host), by record then host
     rec, hst = pair // hosts, pair % hosts
     n_hosts = bincount(rec, n=n)
     on_train = train[rec]
     rec, hst = rec[on_train], hst[on_train]
-    k = n_hosts[rec]  # hosts of each pair's record
-    unique = bincount(hst, n=hosts)
-    others = bincount(hst[k > 1], n=hosts)
-    overlap = np.diag(unique).astype(np.int64)
-    few = (k > 1) & (k <= PAIRS_UP_TO)
-    if few.any():  # every ordered pair of distinct hosts of each such record
-        r, h, kk = rec[few], hst[few], k[few]
-        start = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])  # the record's first pair
-        first = np.repeat(start, np.diff(np.r_[start, len(r)]))
-        a = np.repeat(np.arange(len(r)), kk)
-        b = np.repeat(first, kk) + (np.arange(len(a)) - np.repeat(np.cumsum(kk) - kk, kk))
-        off = a != b
-        overlap += bincount(h[a[off]] * hosts + h[b[off]], n=hosts * hosts).reshape(hosts, hosts)
-    many = k > PAIRS_UP_TO
-    if many.any():  # records on many hosts: one product over them, in bounded chunks
-        r, h = rec[many], hst[many]
-        row = np.cumsum(np.r_[True, r[1:] != r[:-1]]) - 1  # pairs are sorted by record
-        step = max(1, 2**26 // (hosts * 4))  # records a chunk: 64 MB of float32
-        for lo in range(0, int(row[-1]) + 1, step):
-            a, b = np.searchsorted(row, [lo, lo + step])
-            m = np.zeros((min(step, int(row[-1]) + 1 - lo), hosts), np.float32)
-            m[row[a:b] - lo, h[a:b]] = 1.0
-            # float32 sums of 0/1 are exact below 2^24 records a chunk (it holds fewer)
-            prod = np.rint(m.T @ m).astype(np.int64)
-            np.fill_diagonal(prod, 0)
-            overlap += prod
+    unique, others, overlap = host_overlap(rec, hst, n_hosts[rec], hosts)
     return unique, others, overlap, n_hosts
 
 
