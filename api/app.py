@@ -163,8 +163,9 @@ class Service:
         return best[1], best[2]
 
     def after_round(self) -> None:
-        self.check_alerts()
-        self.live.warm()
+        with self.live.in_background():  # the ingester's answers: see LiveLedger.in_background
+            self.check_alerts()
+            self.live.warm()
 
     def check_alerts(self) -> None:
         for run_id in self.live.run_ids():

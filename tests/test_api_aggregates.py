@@ -304,3 +304,47 @@ def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
             unique = {int(re.search(r'host="(\d+)"', ln).group(1)): float(ln.split()[-1])
                       for ln in per_host if ln.startswith("tally_host_unique_records")}
             assert unique == {p["host"]: p["unique"] for p in h["per_host"]}
+
+
+def test_ingester_reuses_recent_host_sets_but_requests_get_this_versions(tmp_path):
+    """Beyond 64 hosts a pass over the run's rows answers /hosts. The ingester's own answers
+    (alerts and warming, `in_background`) may reuse the run's newest pass while it is recent,
+    so that a large run does not pay one pass per ingest round; a request never gets them."""
+    from audit.ledger import queries as q
+    from audit.ledger.live import LiveLedger
+
+    hosts, n, spool = 128, 2000, tmp_path / "spool"
+    for host in range(hosts // 2):
+        write_steps(spool, "m", host=host, hosts=hosts, steps=range(4), seed=host, n=n,
+                    per_step=4, flush_every=4, metrics=False)
+    with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        ingest(spool, ledger)
+        live = LiveLedger(ledger, q.Universe(n, "records option"))
+        live.HOST_SETS_SPACING = 1e9  # "recent" for the whole test
+        before = live.hosts("m")
+        for host in range(hosts // 2, hosts):
+            write_steps(spool, "m", host=host, hosts=hosts, steps=range(4), seed=host, n=n,
+                        per_step=4, flush_every=4, metrics=False)
+        ingest(spool, ledger)
+        with live.in_background():
+            # The host sets of the newest pass, of the older version (the rest is this one's).
+            assert sets_of(live.hosts("m")) == sets_of(before)
+        now = live.hosts("m")  # a request: this version's pass
+        assert sets_of(now) != sets_of(before)
+        assert sum(p["unique"] > 0 for p in now["per_host"]) == hosts
+        with live.in_background():
+            assert live.hosts("m") == now  # this version's answer, cached
+        live.HOST_SETS_SPACING = 0.0  # not recent any more: the ingester computes too
+        for host in range(8):
+            write_steps(spool, "m", host=host, hosts=hosts, steps=range(4, 6), seed=9000 + host,
+                        n=n, per_step=4, flush_every=2, metrics=False)
+        ingest(spool, ledger)
+        with live.in_background():
+            fresh = live.hosts("m")
+        assert sets_of(fresh) != sets_of(now) and fresh == live.hosts("m")
+
+
+def sets_of(hosts_answer: dict) -> tuple:
+    """What the host sets give a /hosts answer: per host unique and shared, the matrix."""
+    return ([(p["unique"], p["overlap_with_others"]) for p in hosts_answer["per_host"]],
+            hosts_answer["overlap_matrix"])

@@ -63,6 +63,10 @@ class LiveLedger:
         self._warm_gen = -1
         self._host_sets: OrderedDict[tuple, q.HostSets] = OrderedDict()
         self._host_sets_lock = threading.Lock()
+        # Per run: the newest host sets computed, when that ended and how long it took (what
+        # the ingester's own answers may reuse for a while: `in_background`).
+        self._host_sets_last: dict[int, tuple[q.HostSets, float, float]] = {}
+        self._work = threading.local()  # .background, .stale: see in_background
 
     @property
     def agg(self) -> Aggregates:
@@ -160,9 +164,12 @@ class LiveLedger:
                 return hit
             if locked is not None or (outside and self._has_outside(snap)):
                 snap = self._pin_locked(snap, run_id, locked)
+            outer, self._work.stale = getattr(self._work, "stale", False), False
             value = compute(snap)
+            stale, self._work.stale = self._work.stale, outer or self._work.stale
         with self._answers_lock:
-            self._answers[(snap.gen, *key)] = value
+            if not stale:  # an answer built on older host sets is not this version's
+                self._answers[(snap.gen, *key)] = value
             while len(self._answers) > self.ANSWERS:
                 self._answers.popitem(last=False)
             self._hot[key] = (run_id, compute, outside, locked, time.monotonic())
@@ -210,6 +217,22 @@ class LiveLedger:
                            lambda snap: q.hosts(snap.cur, snap.run, self.host_sets(snap)))
 
     HOST_SETS = 8  # runs' host sets kept
+    # The ingester's own answers (alerts, warming) may reuse a run's newest host sets until this
+    # many times the pass that made them has gone by: a pass over a large run on many hosts
+    # takes seconds to minutes (bench/host_sets.py: 7.1 s at 16M rows, 128 hosts), and one per
+    # ingest round would stall ingest; this bounds it to ~1/HOST_SETS_SPACING of the time.
+    HOST_SETS_SPACING = 10.0
+
+    @contextlib.contextmanager
+    def in_background(self) -> Iterator[None]:
+        """Answers computed inside (by the ingester after a round, not for a request) may use a
+        run's newest host sets of an older version, if they are recent (HOST_SETS_SPACING);
+        such answers are returned but never cached, so a request always gets this version's."""
+        self._work.background = True
+        try:
+            yield
+        finally:
+            self._work.background = False
 
     def host_sets(self, snap: Snap) -> q.HostSets | None:
         """For a run on more hosts than the per-record state tracks (HOST_BITS): its hosts'
@@ -224,7 +247,15 @@ class LiveLedger:
         with self._host_sets_lock:
             hit = self._host_sets.get(key)
             if hit is None:
+                last = self._host_sets_last.get(snap.run)
+                if (last is not None and getattr(self._work, "background", False)
+                        and time.monotonic() - last[1] < self.HOST_SETS_SPACING * last[2]):
+                    self._work.stale = True
+                    return last[0]
+                t0 = time.monotonic()
                 hit = self._host_sets[key] = q.host_sets(snap.cur, snap.run, h)
+                end = time.monotonic()
+                self._host_sets_last[snap.run] = (hit, end, end - t0)
                 while len(self._host_sets) > self.HOST_SETS:
                     self._host_sets.popitem(last=False)
             self._host_sets.move_to_end(key)
