@@ -64,7 +64,9 @@ class Loader:
 
 def write(spool: Path, loader: Loader, steps: range, flush_every: int,
           pace_rows_per_s: float | None = None, stop: threading.Event | None = None) -> int:
-    """All hosts' rows for `steps`; paced when asked (rows per second, all hosts together)."""
+    """All hosts' rows for `steps`; paced when asked (rows per second, all hosts together).
+    `loader`: anything with `hosts` and `segments(step, host)` (bench.seed_scale's packed loader
+    too); returns the segments written."""
     writers = [LedgerWriter(spool, RUN, host=h, host_count=loader.hosts, flush_every=flush_every,
                             fsync=False, queue_size=4) for h in range(loader.hosts)]
     rows, t0 = 0, time.perf_counter()
@@ -73,10 +75,11 @@ def write(spool: Path, loader: Loader, steps: range, flush_every: int,
             if stop is not None and stop.is_set():
                 break
             for h, w in enumerate(writers):
-                w.write_segments(step, loader.segments(step, h))
+                segments = loader.segments(step, h)
+                w.write_segments(step, segments)
+                rows += len(segments)
                 if step % 10 == 0:
                     w.log_metric(step, "train_loss", 3.0 + 1.0 / (1 + step))
-            rows += loader.hosts * loader.batch
             if pace_rows_per_s:
                 ahead = rows / pace_rows_per_s - (time.perf_counter() - t0)
                 if ahead > 0:
@@ -187,11 +190,26 @@ def main(argv: list[str] | None = None) -> dict:
     print("reference (one SQL query over effective_consumption): "
           + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ref.items()))
 
+    res = serve_and_time(path, spool, loader, steps, ref, records=args.records,
+                         requests=args.requests, clients=args.clients,
+                         live_rows_per_s=args.live_rows_per_s,
+                         live_flush_every=args.live_flush_every,
+                         memory_limit=args.memory_limit)
+    return {"rows": rows, **res}
+
+
+def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dict[str, float],
+                   *, records: int, requests: int, clients: int, live_rows_per_s: float,
+                   live_flush_every: int, memory_limit: str) -> dict:
+    """Start the service on the ledger at `path` in its own process, keep writing spool files
+    from step `steps` on (about `live_rows_per_s` rows a second), time `requests` requests per
+    endpoint sequentially, then from `clients` processes at once; print p50 and p99 per
+    endpoint against the references (`ref`: seconds per scan, from `references`)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     t0 = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-c", _SERVE, str(path), str(spool), str(port),
-                               str(args.records), args.memory_limit], env=env,
+                               str(records), memory_limit], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     stop = threading.Event()
@@ -207,9 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
                 if server.poll() is not None:
                     raise RuntimeError(server.stdout.read()) from None
                 time.sleep(0.2)
-        print(f"server up in {time.perf_counter() - t0:.1f} s (per-record state rebuilt)")
+        start_s = time.perf_counter() - t0
+        print(f"server up in {start_s:.1f} s")
         writer = threading.Thread(target=lambda: live.__setitem__("rows", write(
-            spool, loader, range(steps, 10**9), args.live_flush_every, args.live_rows_per_s,
+            spool, loader, range(steps, 10**9), live_flush_every, live_rows_per_s,
             stop)))
         writer.start()
         last = steps - 1
@@ -221,19 +240,19 @@ def main(argv: list[str] | None = None) -> dict:
             "steps_range_bucketed": f"/v1/runs/{RUN}/steps?start={last // 4}&end={last // 2}"
                                     "&bucket=10",
             "hosts": f"/v1/runs/{RUN}/hosts",
-            "host_steps": f"/v1/runs/{RUN}/hosts/{args.hosts - 1}/steps?points=500",
+            "host_steps": f"/v1/runs/{RUN}/hosts/{loader.hosts - 1}/steps?points=500",
             "metrics": f"/v1/runs/{RUN}/metrics",
             "prometheus": "/metrics",
-            "record_by_key": f"/v1/runs/{RUN}/records/{args.records // 3}",
+            "record_by_key": f"/v1/runs/{RUN}/records/{records // 3}",
         }
         # Record lookups ask for a different key each time (a repeated key would time the
         # service's answer cache, not the lookup index).
-        keys = np.random.default_rng(1).integers(0, args.records, 100_000)
+        keys = np.random.default_rng(1).integers(0, records, 100_000)
         record = f"/v1/runs/{RUN}/records/{{}}"
         lat: dict[str, np.ndarray] = {}
         for name, url in endpoints.items():
             times = []
-            for i in range(args.requests):
+            for i in range(requests):
                 u = record.format(keys[i]) if name == "record_by_key" else url
                 t = time.perf_counter()
                 r = client.get(u)
@@ -241,18 +260,18 @@ def main(argv: list[str] | None = None) -> dict:
                 assert r.status_code in (200, 404), (u, r.text)
             lat[name] = np.array(times) * 1e3
         together: dict[str, np.ndarray] = {}
-        if args.clients > 1:
+        if clients > 1:
             # The same requests from `--clients` processes at once, each walking the endpoints
             # in its own order, while the writer goes on.
-            jobs = [(base, endpoints, args.requests, record, keys[(c + 1) * args.requests:],
-                     c) for c in range(args.clients)]
-            with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+            jobs = [(base, endpoints, requests, record, keys[(c + 1) * requests:],
+                     c) for c in range(clients)]
+            with multiprocessing.get_context("spawn").Pool(clients) as pool:
                 for got in pool.starmap(_client, jobs):
                     for name, t in got.items():
                         together[name] = np.r_[together.get(name, np.zeros(0)), t]
         health = client.get("/healthz").json()
         summary = client.get(f"/v1/runs/{RUN}").json()
-        rss = _peak_rss(server.pid)
+        rss_bytes = _peak_rss_bytes(server.pid)
     finally:
         stop.set()
         server.terminate()
@@ -262,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"while timing: the writer published {live['rows']:,} more rows; the server ingested "
           f"{health['ingest']['rows']:,} of them in {health['ingest']['files']} files; ledger now "
           f"{summary['rows_ingested']:,} rows; "
-          f"lag at the end {health['ingest']['lag_seconds']:.1f} s{rss}")
-    conc = f" {args.clients} clients p50 / p99 ms" if together else ""
+          f"lag at the end {health['ingest']['lag_seconds']:.1f} s"
+          + (f"; server peak RSS {rss_bytes / 2**30:.1f} GiB" if rss_bytes else ""))
+    conc = f" {clients} clients p50 / p99 ms" if together else ""
     print(f"{'endpoint':24s} {'p50 ms':>8s} {'p99 ms':>8s} {conc:>30s}  reference / p50")
     ratios = {}
     for name, t in lat.items():
@@ -285,11 +305,15 @@ def main(argv: list[str] | None = None) -> dict:
           "(target <= 50 ms)")
     if together:
         worst_c = max(np.percentile(together[k], 99) for k in target)
-        print(f"worst p99 with {args.clients} clients at once: {worst_c:.1f} ms "
+        print(f"worst p99 with {clients} clients at once: {worst_c:.1f} ms "
               "(target <= 150 ms)")
-    return {"rows": rows, "p99": {k: float(np.percentile(v, 99)) for k, v in lat.items()},
+    return {"p50": {k: float(np.percentile(v, 50)) for k, v in lat.items()},
+            "p99": {k: float(np.percentile(v, 99)) for k, v in lat.items()},
+            "p50_concurrent": {k: float(np.percentile(v, 50)) for k, v in together.items()},
             "p99_concurrent": {k: float(np.percentile(v, 99)) for k, v in together.items()},
-            "ratios": ratios, "live_rows": live["rows"], "ingested_live": health["ingest"]["rows"]}
+            "ratios": ratios, "live_rows": live["rows"], "ingested_live": health["ingest"]["rows"],
+            "lag_s": health["ingest"]["lag_seconds"], "server_start_s": start_s,
+            "peak_rss_bytes": rss_bytes}
 
 
 def _client(base: str, endpoints: dict[str, str], requests: int, record: str,
@@ -317,13 +341,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _peak_rss(pid: int) -> str:
+def _peak_rss_bytes(pid: int) -> int | None:
+    """The process's peak resident memory (VmHWM), while it still runs."""
     try:
         hwm = [x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
                if x.startswith("VmHWM")]
     except OSError:
-        return ""
-    return f"; server peak RSS {int(hwm[0].split()[1]) / 2**20:.1f} GiB" if hwm else ""
+        return None
+    return int(hwm[0].split()[1]) * 1024 if hwm else None
 
 
 if __name__ == "__main__":

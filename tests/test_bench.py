@@ -101,3 +101,19 @@ def test_host_sets_benchmark_runs(tmp_path):
     assert res["rows"] >= 20000 and res["hosts"] == 80 and res["multi_host_records"] > 0
     assert res["host_sets_s"] > 0 and res["sql_s"] > 0 and res["reference_s"] > 0
     assert not (tmp_path / "h").exists()  # the benchmark removes its data
+
+
+def test_seed_scale_benchmark_runs(tmp_path):
+    from bench import seed_scale
+
+    res = seed_scale.main(["--records", "3000", "--rows", "30000", "--hosts", "4", "--batch",
+                           "4", "--flush-every", "10", "--corpus-records", "300",
+                           "--requests", "2", "--clients", "2", "--lookups", "3",
+                           "--live-rows-per-s", "3000", "--live-flush-every", "5",
+                           "--dir", str(tmp_path / "s")])
+    assert res["rows"] >= 30000 and res["epochs"] > 1  # several epochs of packed documents
+    assert res["state_bytes_per_record"] > 0 and res["reconcile_rate"] > 0
+    assert res["verdict"] == "PASS"  # a healthy packed loader: exact epochs, hashes match
+    assert set(res["live"]["p99_concurrent"]) == set(res["live"]["p99"])
+    assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
+    assert not (tmp_path / "s").exists()  # the data is removed

@@ -1,0 +1,407 @@
+"""The seed run's shape end to end, in one command: manifest, spool, ingest, serve, reconcile.
+
+Builds a `--records`-record manifest and a spool of `--rows` consumption rows from `--hosts`
+hosts through the real writer: documents packed into rows of `--seq-len` tokens (concatenate,
+then split, so a row holds several documents and a document can cross rows), each row cut into
+document-level segments with their offsets, a fresh permutation of the records each epoch, for
+as many epochs as the rows take (~4 at the default shapes). Then, each stage timed and printed
+with its ratio against a reference measured in the same run where one exists:
+
+1. manifest: the Beam manifest job (FnApiRunner) on a `--corpus-records` synthetic corpus
+   against one plain Python process hashing it (bench.manifest_rate); the seed manifest itself
+   is written directly (a corpus of `--records` documents would not fit the disk);
+2. spool write: every host's rows through `LedgerWriter` (rows/s);
+3. ingest: `tally ingest` (checks, aggregates, lookup index, state snapshot) against a plain
+   DuckDB `INSERT ... SELECT` of the same Arrow rows (bench.ingest_rate, on up to
+   `--ref-rows` of them);
+4. restart: `tally serve` with its per-record state rebuilt (no snapshot) vs restored from the
+   snapshot (bench.restart);
+5. serve: p50/p99 per endpoint, sequential and from `--clients` processes at once, while a
+   writer adds `--live-rows-per-s` rows a second (bench.api_latency), against one SQL scan per
+   answer; the server's peak RSS and the state's bytes per record;
+6. record lookup by key and by content hash, with the lookup index vs a scan
+   (bench.lookup_latency);
+7. reconcile: the Beam job on FnApiRunner against the DuckDB SQL reference
+   (bench.reconcile_rate), the same numbers asserted.
+
+The data (up to ~40 GB at the defaults) is removed at the end, also on failure, unless `--keep`.
+A benchmark, not a test: tests/test_bench.py runs it at a toy size.
+
+    python -m bench.seed_scale [--records 100000000] [--rows 500000000] [--hosts 128]
+        [--dir bench/out/seed] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from audit.hook import spool as sp
+from audit.hook.segments import Segments
+from audit.ledger import lookup
+from audit.ledger.database import Ledger
+from audit.reconcile import reconcile
+from bench import api_latency, ingest_rate, lookup_latency, manifest_rate, restart
+from bench.api_latency import RUN, write
+from bench.reconcile_rate import DOMAINS, PeakRSS
+from pipeline.manifest import (
+    FINGERPRINT_KEY,
+    MANIFEST_SCHEMA,
+    ROW_GROUP_RECORDS,
+    Fingerprint,
+    build_manifest,
+)
+from pipeline.runners import RunnerSpec
+from pipeline.synth import synth_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+_A = 2_654_435_761  # multiplier of the per-epoch permutation: coprime to the record count
+MIN_LEN, LEN_SPAN = 16, 1200  # document lengths 16..1215 tokens (mean ~615)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a well-spread uint64 per input (uint64 arithmetic wraps)."""
+    h = np.asarray(x, np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(29)
+    return h
+
+
+def record_hash(keys: np.ndarray) -> np.ndarray:
+    """The seed manifest's content hash of each record (what the writer would have hashed)."""
+    return _mix(keys)
+
+
+def record_length(keys: np.ndarray) -> np.ndarray:
+    return (MIN_LEN + (_mix(keys) >> np.uint64(40)) % np.uint64(LEN_SPAN)).astype(np.int64)
+
+
+def _strings(codes: np.ndarray, names) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(list(names))).cast(
+        pa.string())
+
+
+def write_manifest(path: Path, n: int, chunk: int = 8 * ROW_GROUP_RECORDS) -> None:
+    """The seed manifest (all train), written a chunk at a time: at 100M records one table
+    would need ~10 GB (bench.reconcile_rate.make_manifest builds it whole)."""
+    fp = Fingerprint()
+    with pq.ParquetWriter(path, MANIFEST_SCHEMA) as w:
+        for lo in range(0, n, chunk):
+            keys = np.arange(lo, min(n, lo + chunk), dtype=np.int64)
+            t = pa.table({
+                "record_key": keys, "content_hash": record_hash(keys),
+                "n_tokens": record_length(keys).astype(np.int32),
+                "domain": _strings((_mix(keys + n) % np.uint64(4)).astype(np.int32), DOMAINS),
+                "split": _strings(np.zeros(len(keys), np.int32), ["train"]),
+                "source": _strings((keys // 500_000 - lo // 500_000).astype(np.int32),
+                                   [f"train-{s}" for s in range(lo // 500_000,
+                                                                keys[-1] // 500_000 + 1)]),
+                "source_index": keys % 500_000,
+            }, schema=MANIFEST_SCHEMA)
+            fp.update(t)
+            w.write_table(t, row_group_size=ROW_GROUP_RECORDS)
+        w.add_key_value_metadata({FINGERPRINT_KEY.decode(): fp.hexdigest(),
+                                  "tally.records": str(n), "tally.train_records": str(n)})
+
+
+class PackedLoader:
+    """A packed loader's document-level segments, `hosts` x `batch` rows of `seq_len` tokens a
+    step (bench.api_latency.Loader's interface: `segments(step, host)`, steps in order).
+
+    The document stream is epoch after epoch of a permutation of the records (document d:
+    epoch d // N, key (A * (d mod N) + 7919 * epoch) mod N), concatenated and cut into rows;
+    row r of a step belongs to host r // batch. A segment is the part of a document inside one
+    row: its record key, offset in the document, tokens and hash (the record's hash when it is
+    the whole document, as the manifest has it; another for a part)."""
+
+    def __init__(self, records: int, hosts: int, batch: int, seq_len: int) -> None:
+        self.n, self.hosts, self.batch, self.seq_len = records, hosts, batch, seq_len
+        self.a = _A % records or 1
+        while np.gcd(self.a, records) != 1:
+            self.a += 1
+        self.doc, self.consumed = 0, 0  # the next document and its tokens already in rows
+        self.step, self.per_host = -1, []
+
+    def segments(self, step: int, host: int) -> Segments:
+        if step != self.step:
+            if step != self.step + 1:
+                raise ValueError(f"PackedLoader: step {step} after {self.step} (steps in order)")
+            self.per_host, self.step = self._make(), step
+        return self.per_host[host]
+
+    def _make(self) -> list[Segments]:
+        per_host = self.batch * self.seq_len
+        total = self.hosts * per_host
+        k = int(total / (MIN_LEN + LEN_SPAN / 2) * 1.2) + 16
+        while True:
+            d = self.doc + np.arange(k, dtype=np.int64)
+            epoch, i = np.divmod(d, self.n)
+            keys = (self.a * i + 7_919 * epoch) % self.n
+            lens = record_length(keys)
+            ends = np.cumsum(lens) - self.consumed  # token position where each document ends
+            if ends[-1] >= total:
+                break
+            k *= 2
+        m = int(np.searchsorted(ends, total, "left")) + 1  # documents that reach into the step
+        d, epoch, keys, lens, ends = d[:m], epoch[:m], keys[:m], lens[:m], ends[:m]
+        starts = ends - lens
+        cuts = np.union1d(starts[starts > 0], np.arange(0, total, self.seq_len))
+        which = np.searchsorted(ends, cuts, "right")
+        offset = cuts - starts[which]
+        n_tokens = np.diff(np.r_[cuts, total])
+        h = record_hash(keys[which])
+        whole = (offset == 0) & (n_tokens == lens[which])
+        h[~whole] = _mix(h[~whole] ^ (offset[~whole].astype(np.uint64) << np.uint64(20)
+                                       | n_tokens[~whole].astype(np.uint64)))
+        if ends[-1] == total:
+            self.doc, self.consumed = int(d[-1]) + 1, 0
+        else:
+            self.doc, self.consumed = int(d[-1]), int(total - starts[-1])
+        row = cuts // self.seq_len
+        bounds = np.searchsorted(cuts, np.arange(self.hosts + 1) * per_host)
+        return [Segments.build(row=row[lo:hi] % self.batch, record_key=keys[which[lo:hi]],
+                               offset=offset[lo:hi], n_tokens=n_tokens[lo:hi],
+                               content_hash=h[lo:hi], epoch=epoch[which[lo:hi]])
+                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _disk(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class Stages:
+    """Each stage's measure, reference and ratio, printed as they come and once more at the
+    end as one table."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.rows, self.peak_disk = out, [], 0
+
+    def add(self, stage: str, measure: str, reference: str = "", ratio: float | None = None
+            ) -> None:
+        self.peak_disk = max(self.peak_disk, _disk(self.out))
+        self.rows.append((stage, measure, reference, ratio))
+        print(f"[{stage}] {measure}" + (f"; reference {reference}" if reference else "")
+              + (f"; ratio {ratio:,.2f}" if ratio is not None else ""), flush=True)
+
+    def table(self) -> str:
+        lines = ["| stage | measured | reference (same run) | ratio |", "| --- | --- | --- | --- |"]
+        lines += [f"| {s} | {m} | {r or '—'} | {'—' if x is None else f'{x:,.2f}'} |"
+                  for s, m, r, x in self.rows]
+        return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=100_000_000)
+    ap.add_argument("--rows", type=int, default=500_000_000, help="consumption rows (segments)")
+    ap.add_argument("--hosts", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32, help="rows per host and step")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
+    ap.add_argument("--flush-every", type=int, default=100, help="steps per spool file")
+    ap.add_argument("--corpus-records", type=int, default=500_000,
+                    help="records of the synthetic corpus the manifest job is timed on")
+    ap.add_argument("--ref-rows", type=int, default=10_000_000,
+                    help="rows of the spool the ingest reference inserts")
+    ap.add_argument("--requests", type=int, default=200, help="per endpoint (and client)")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--live-rows-per-s", type=float, default=100_000)
+    ap.add_argument("--live-flush-every", type=int, default=25,
+                    help="steps per spool file while serving (at 128 hosts: ~28 files a "
+                         "second at 100k rows/s)")
+    ap.add_argument("--lookups", type=int, default=200, help="per kind and method")
+    ap.add_argument("--workers", type=int, default=2, help="FnApiRunner multi_processing")
+    ap.add_argument("--memory-limit", default="6GB", help="DuckDB memory limit of the service")
+    ap.add_argument("--no-sql-reference", action="store_true",
+                    help="skip the SQL reconcile reference (hours at the full size)")
+    ap.add_argument("--dir", default="bench/out/seed")
+    ap.add_argument("--keep", action="store_true", help="keep the data")
+    args = ap.parse_args(argv)
+    logging.getLogger().setLevel(logging.ERROR)
+    out = Path(args.dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        return _run(args, out)
+    finally:
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, out: Path) -> dict:
+    st = Stages(out)
+    res: dict = {"records": args.records, "hosts": args.hosts}
+    manifest, spool, ledger = out / "manifest.parquet", out / "spool", out / "ledger.duckdb"
+
+    # 1. Manifest: the Beam job on a corpus that fits, against a plain process; then the seed's.
+    corpus_records = min(args.corpus_records, args.records)
+    synth_corpus(out / "corpus", records=max(corpus_records, 2), seed=0, shards=8)
+    t0 = time.perf_counter()
+    n = manifest_rate.plain(out / "corpus")
+    plain_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    built = build_manifest(out / "corpus", out / "corpus-manifest.parquet", runner=RunnerSpec(
+        "direct", mode="multi_processing", workers=args.workers))
+    beam_s = time.perf_counter() - t0
+    assert built.records == n
+    res["manifest_records_per_s"] = n / beam_s
+    st.add("manifest (Beam, FnApiRunner multi_processing)",
+           f"{n:,} records in {beam_s:.1f} s = {n / beam_s:,.0f} records/s",
+           f"one plain process {n / plain_s:,.0f} records/s", plain_s / beam_s)
+    shutil.rmtree(out / "corpus")
+    t0 = time.perf_counter()
+    write_manifest(manifest, args.records)
+    st.add("seed manifest (written directly)",
+           f"{args.records:,} records in {time.perf_counter() - t0:.1f} s, "
+           f"{manifest.stat().st_size / 1e9:.2f} GB")
+
+    # 2. Spool through the real writer.
+    loader = PackedLoader(args.records, args.hosts, args.batch, args.seq_len)
+    probe = PackedLoader(args.records, args.hosts, args.batch, args.seq_len)
+    per_step = sum(len(probe.segments(0, h).record_key) for h in range(args.hosts))
+    steps = max(1, -(-args.rows // per_step))
+    t0 = time.perf_counter()
+    rows = write(spool, loader, range(steps), args.flush_every)
+    spool_s = time.perf_counter() - t0
+    files = sum(1 for f, _ in sp.scan(spool) if getattr(f, "kind", None) == "seg")
+    epochs = (loader.doc + (loader.consumed > 0)) / args.records
+    res.update(rows=rows, steps=steps, epochs=epochs, spool_s=spool_s)
+    st.add("spool write (LedgerWriter, all hosts)",
+           f"{rows:,} segments ({steps:,} steps x {args.hosts} hosts x {args.batch} rows of "
+           f"{args.seq_len} tokens, {rows / (steps * args.hosts * args.batch):.1f} segments a "
+           f"row, {epochs:.2f} epochs) in {files:,} files, {spool_s:.1f} s = "
+           f"{rows / spool_s / 1e6:.2f} M rows/s, {_disk(spool) / 1e9:.2f} GB")
+
+    # 3. Ingest (aggregates, lookup index, snapshot) vs a plain insert of the same Arrow rows.
+    tables, got = [], 0
+    for f, _ in sp.scan(spool):
+        if getattr(f, "kind", None) == "seg" and got < args.ref_rows:
+            tables.append(pq.read_table(f.path))
+            got += tables[-1].num_rows
+    ref_s = ingest_rate.reference(tables, out / "reference.duckdb")
+    del tables
+    (out / "reference.duckdb").unlink()
+    with PeakRSS() as mem:
+        ingest_s = restart._ingest(spool, ledger)
+    state_bytes = _disk(Path(f"{ledger}.state"))
+    index_bytes = _disk(Path(f"{ledger}.lookup"))
+    res.update(ingest_rate=rows / ingest_s, ingest_ref_rate=got / ref_s,
+               state_bytes_per_record=state_bytes / args.records)
+    st.add("ingest (`tally ingest`: checks, aggregates, lookup index, snapshot)",
+           f"{rows / ingest_s / 1e6:.2f} M rows/s ({ingest_s:.1f} s), peak RSS "
+           f"{mem.peak / 2**30:.2f} GiB; ledger {ledger.stat().st_size / 1e9:.2f} GB, index "
+           f"{index_bytes / 1e9:.2f} GB, snapshot {state_bytes / 1e9:.2f} GB",
+           f"DuckDB INSERT of {got:,} of the Arrow rows {got / ref_s / 1e6:.2f} M rows/s",
+           (rows / ingest_s) / (got / ref_s))
+
+    # 4. Restart: state rebuilt from the ledger vs restored from the snapshot.
+    snapshots, aside = Path(f"{ledger}.state"), out / "state.aside"
+    snapshots.rename(aside)
+    rebuilt = restart.serve_once(ledger, args.records, "no snapshot (rebuild from the ledger):")
+    shutil.rmtree(snapshots, ignore_errors=True)
+    aside.rename(snapshots)
+    restored = restart.serve_once(ledger, args.records, "snapshot, up to date:")
+    assert restored["answers"] == rebuilt["answers"]
+    res.update(restart_s=restored["first_answer_s"], rebuild_s=rebuilt["first_answer_s"])
+    st.add("serve start, state rebuilt (no snapshot)",
+           f"first answer {rebuilt['first_answer_s']:.1f} s (state {rebuilt['state_load_s']} s)")
+    st.add("restart with the snapshot", f"first answer {restored['first_answer_s']:.1f} s "
+           f"(state {restored['state_load_s']} s)", "the rebuild's start",
+           rebuilt["first_answer_s"] / restored["first_answer_s"])
+
+    # 5. Endpoints while a writer goes on, against one SQL scan per answer.
+    with Ledger(ledger) as led:
+        ref = api_latency.references(led, 1)
+    live = api_latency.serve_and_time(
+        ledger, spool, loader, steps, ref, records=args.records, requests=args.requests,
+        clients=args.clients, live_rows_per_s=args.live_rows_per_s,
+        live_flush_every=args.live_flush_every, memory_limit=args.memory_limit)
+    res["live"] = live
+    scan = {"summary": "coverage", "coverage": "coverage", "steps_full_range": "steps",
+            "hosts": "hosts"}
+    for name in live["p99"]:
+        c50, c99 = live["p50_concurrent"].get(name), live["p99_concurrent"].get(name)
+        both = "" if c50 is None else f"; {args.clients} clients {c50:.1f} / {c99:.1f} ms"
+        key = scan.get(name)
+        st.add(f"endpoint {name}", f"p50 / p99 {live['p50'][name]:.1f} / "
+               f"{live['p99'][name]:.1f} ms{both}",
+               f"SQL scan {ref[key] * 1e3:,.0f} ms (ratio to p99)" if key else "",
+               ref[key] * 1e3 / live["p99"][name] if key else None)
+    rss = live["peak_rss_bytes"] or 0
+    st.add("live writer while timing", f"{live['live_rows']:,} rows published, "
+           f"{live['ingested_live']:,} ingested by the service, lag at the end "
+           f"{live['lag_s']:.1f} s")
+    res["rss_bytes_per_record"] = rss / args.records
+    st.add("serve memory", f"peak RSS {rss / 2**30:.2f} GiB = {rss / args.records:.0f} bytes a "
+           f"record; per-record state {state_bytes / args.records:.0f} bytes a record "
+           f"({state_bytes / 2**30:.2f} GiB)")
+
+    # 6. Record lookups, with the index and by a scan.
+    with Ledger(ledger) as led:
+        index = lookup.for_ledger(led)
+        cur = led.cursor()
+        keys = np.random.default_rng(0).integers(0, args.records, args.lookups)
+        for kind, values in (("key", keys.tolist()), ("hash", record_hash(keys).tolist())):
+            scan_ms = lookup_latency._times(cur, kind, values, None)
+            fast_ms = lookup_latency._times(cur, kind, values, index)
+            p50, p99 = np.percentile(fast_ms, 50), np.percentile(fast_ms, 99)
+            s99 = np.percentile(scan_ms, 99)
+            res[f"lookup_{kind}_p99"] = float(p99)
+            st.add(f"record lookup by {kind} (index)", f"p50 / p99 {p50:.1f} / {p99:.1f} ms",
+                   f"scan p50 / p99 {np.percentile(scan_ms, 50):.1f} / {s99:.1f} ms", s99 / p99)
+        cur.close()
+
+    # 7. Reconcile: the rows the live writer added go into the ledger first, so that the SQL
+    # reference (ledger) and the Beam job (spool) see the same rows.
+    restart._ingest(spool, ledger)
+    shutil.rmtree(Path(f"{ledger}.lookup"), ignore_errors=True)  # disk: neither needs them
+    shutil.rmtree(Path(f"{ledger}.state"), ignore_errors=True)
+    with Ledger(ledger, read_only=True) as led:
+        total = int(led.query("SELECT count(*) AS n FROM consumption")[0]["n"])
+    sql = None
+    if not args.no_sql_reference:
+        sys.path.insert(0, str(ROOT))
+        from tests.sql_reference import reference
+
+        t0 = time.perf_counter()
+        with PeakRSS() as mem_ref:
+            sql = reference(str(ledger), str(manifest), RUN)
+        sql_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with PeakRSS() as mem:
+        report = reconcile(run_id=RUN, manifest=manifest, out=out / "report", spool=spool,
+                           runner=RunnerSpec("direct", mode="multi_processing",
+                                             workers=args.workers))
+    beam_s = time.perf_counter() - t0
+    cov = report["coverage"]
+    if sql is not None:
+        assert (cov["exposures"], list(cov["histogram"].values())) == (sql["exposures"],
+                                                                       sql["histogram"])
+    res.update(reconcile_rate=total / beam_s, reconcile_peak=mem.peak,
+               verdict=report.get("verdict"), exposures=cov["exposures"])
+    st.add("reconcile (Beam, FnApiRunner multi_processing)",
+           f"{total:,} rows in {beam_s:.1f} s = {total / beam_s / 1e6:.2f} M rows/s, "
+           f"{mem.cpu:.0f} CPU s, peak RSS {mem.peak / 2**30:.2f} GiB; verdict "
+           f"{report.get('verdict')}, {cov['exposures']:,} exposures",
+           "" if sql is None else f"DuckDB SQL {sql_s:.1f} s, {mem_ref.cpu:.0f} CPU s, peak RSS "
+           f"{mem_ref.peak / 2**30:.2f} GiB (same numbers)",
+           None if sql is None else sql_s / beam_s)
+    res["peak_disk"] = st.peak_disk
+    print(f"\npeak disk {st.peak_disk / 1e9:.2f} GB (sampled after each stage)\n")
+    print(st.table())
+    res["table"] = st.table()
+    (out / "result.json").write_text(json.dumps(res, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    main()
