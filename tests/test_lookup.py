@@ -156,3 +156,32 @@ def test_a_merge_killed_before_it_removed_its_inputs_counts_nothing_twice(tmp_pa
                           np.asarray(run.file_ids)[sel][order])
     index = _check(path)
     assert [r.hi for r in index.coverage.runs["key"]][0] == run.hi  # the widest was kept
+
+
+def test_a_writer_killed_between_the_kinds_leaves_no_gap(tmp_path):
+    """catch_up writes the key kind's new run (and merges it) before the hash kind's: a kill in
+    between leaves the key runs reaching further, across the hash runs' end, than the hash
+    runs. The watermark falls back to where both kinds have whole runs, so nothing between is
+    hidden from both the runs and the scan beyond the watermark."""
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    _spool(spool)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=200)
+    d = path.parent / "l.duckdb.lookup"
+    with Ledger(path) as ledger:
+        cur = ledger.cursor()
+        runs = LookupIndex.open(ledger.path, cur).coverage.runs
+        cur.close()
+    assert len(runs["key"]) >= 2 and [(r.lo, r.hi) for r in runs["key"]] == \
+        [(r.lo, r.hi) for r in runs["hash"]]
+    a, b = runs["key"][-2:]
+    # The hash kind's newest run never written; the key kind's merged with the one before.
+    lookup._path(d, "hash", b.lo, b.hi).unlink()
+    values = np.concatenate([np.asarray(a.values), np.asarray(b.values)])
+    ids = np.concatenate([np.asarray(a.file_ids), np.asarray(b.file_ids)])
+    order = np.argsort(values, kind="stable")
+    lookup._write_run(d, "key", a.lo, b.hi, a.files + b.files, values[order], ids[order])
+    for r in (a, b):
+        lookup._path(d, "key", r.lo, r.hi).unlink()
+    index = _check(path)  # same answers as a scan
+    assert index.coverage.upto == a.lo  # both kinds whole up to there; the rest is scanned

@@ -105,12 +105,10 @@ class LookupIndex:
                     path.unlink(missing_ok=True)
                     continue
                 found[run.kind].append(run)
-        tiles = {k: _tile(runs) for k, runs in found.items()}
-        upto = min(t[-1].hi if t else 0 for t in tiles.values())
-        kept = {k: tuple(r for r in t if r.hi <= upto) for k, t in tiles.items()}
-        agreed = _agreeing(cur, kept)
-        index.coverage = Coverage(agreed, {k: tuple(r for r in t if r.hi <= agreed)
-                                           for k, t in kept.items()})
+        tiles = {k: tuple(_tile(runs)) for k, runs in found.items()}
+        kept, upto = _common(tiles, min(t[-1].hi if t else 0 for t in tiles.values()))
+        kept, upto = _common(kept, _agreeing(cur, kept))
+        index.coverage = Coverage(upto, kept)
         keep = {id(r) for t in index.coverage.runs.values() for r in t}
         for runs in found.values():  # runs merged away, ranges the ledger disowns
             for r in runs:
@@ -253,6 +251,20 @@ def _tile(runs: list[Run]) -> list[Run]:
         out.append(by_lo[at])
         at = by_lo[at].hi
     return out
+
+
+def _common(tiles: dict[str, tuple[Run, ...]], limit: int
+            ) -> tuple[dict[str, tuple[Run, ...]], int]:
+    """Each kind's runs within (0, limit], cut back to the end that every kind reaches with whole
+    runs. A writer killed between the kinds can leave one kind's newest run merged across the
+    other's end: a watermark beyond a kind's last whole run would hide the files between from
+    both that kind's runs and the scan of the files beyond the watermark."""
+    while True:
+        kept = {k: tuple(r for r in t if r.hi <= limit) for k, t in tiles.items()}
+        end = min(t[-1].hi if t else 0 for t in kept.values())
+        if end == limit:
+            return kept, limit
+        limit = end
 
 
 def _agreeing(cur: duckdb.DuckDBPyConnection, runs: dict[str, tuple[Run, ...]]) -> int:
