@@ -30,6 +30,21 @@ def unpacked_batch(step: int, rows: int = 4, length: int = 16, n_records: int = 
     return {"tokens": tokens, "tokens_segment_ids": seg, "key": keys.astype(np.int64)}
 
 
+def uniform_manifest(path: Path, n: int) -> Path:
+    """A manifest of `n` train records (keys 0..n-1, content hash = key, 10 tokens each, one
+    domain), for tests that need a manifest but not a corpus."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    keys = np.arange(n)
+    t = pa.table({"record_key": keys, "content_hash": keys.astype(np.uint64),
+                  "n_tokens": np.full(n, 10, np.int32), "domain": ["web"] * n,
+                  "split": ["train"] * n, "source": ["s"] * n, "source_index": keys})
+    pq.write_table(t.replace_schema_metadata({"tally.manifest_fingerprint": "f", "tally.records":
+                                              str(n), "tally.train_records": str(n)}), path)
+    return path
+
+
 def record_tokens(key: int, length: int = 64) -> np.ndarray:
     return np.random.default_rng(1_000_003 + key).integers(0, 50_000, length, dtype=np.int32)
 

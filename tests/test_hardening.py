@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -21,7 +20,7 @@ from audit.hook import spool as sp
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from tests.api_helpers import Server, poll, write_steps
-from tests.conftest import ROOT, unpacked_batch
+from tests.conftest import ROOT, uniform_manifest, unpacked_batch
 
 N = 150
 
@@ -83,7 +82,7 @@ def test_a_nan_loss_is_served_as_null_and_never_breaks_an_answer(tmp_path):
         s = srv.get("/v1/runs/nan").json()
         assert s["non_finite_losses"] == {"count": 3, "first_step": 1}
         assert [a["firing"] for a in s["alerts"] if a["name"] == "non_finite_loss"] == [True]
-    _manifest(tmp_path / "m.parquet")
+    uniform_manifest(tmp_path / "m.parquet", N)
     from audit.reconcile import reconcile
 
     for source in ({"spool": spool}, {"ledger": tmp_path / "l.duckdb"}):
@@ -142,7 +141,7 @@ def test_ctrl_c_during_reconcile_prints_one_line_and_leaves_no_output(tmp_path):
     spool, out_dir = tmp_path / "spool", tmp_path / "report"
     for h in range(2):
         write_steps(spool, "r", host=h, hosts=2, steps=range(40), n=N, seed=h, flush_every=2)
-    _manifest(tmp_path / "m.parquet")
+    uniform_manifest(tmp_path / "m.parquet", N)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "reconcile", "--spool",
                              str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run", "r",
@@ -166,13 +165,6 @@ def test_ctrl_c_during_reconcile_prints_one_line_and_leaves_no_output(tmp_path):
     assert left.stdout == ""
 
 
-def _manifest(path):
-    keys = np.arange(N)
-    t = pa.table({"record_key": keys, "content_hash": keys.astype(np.uint64),
-                  "n_tokens": np.full(N, 10, np.int32), "domain": ["web"] * N,
-                  "split": ["train"] * N, "source": ["s"] * N, "source_index": keys})
-    pq.write_table(t.replace_schema_metadata({"tally.manifest_fingerprint": "f", "tally.records":
-                                              str(N), "tally.train_records": str(N)}), path)
 
 
 def test_a_reconcile_over_unreadable_files_fails_and_says_why(tmp_path):
@@ -182,7 +174,7 @@ def test_a_reconcile_over_unreadable_files_fails_and_says_why(tmp_path):
     d = sp.host_dir(spool, "r", 0, 0)
     d.mkdir(parents=True)
     pq.write_table(pa.table({"step": [0], "x": [1]}), d / sp.file_name("seg", 0, 0))
-    _manifest(tmp_path / "m.parquet")
+    uniform_manifest(tmp_path / "m.parquet", N)
     out = _tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
                  "--run", "r", "-o", str(tmp_path / "rep"), "--strict")
     assert out.returncode == 1, out.stderr
@@ -194,7 +186,7 @@ def test_a_fifo_named_like_a_segment_is_left_out_of_reconcile_with_its_reason(tm
     spool = tmp_path / "spool"
     write_steps(spool, "r", host=0, hosts=1, steps=range(10), n=N, seed=0, flush_every=5)
     os.mkfifo(sp.host_dir(spool, "r", 0, 0) / sp.file_name("seg", 50, 0))
-    _manifest(tmp_path / "m.parquet")
+    uniform_manifest(tmp_path / "m.parquet", N)
     out = _tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
                  "--run", "r", "-o", str(tmp_path / "rep"), timeout=120)
     assert out.returncode == 0, out.stderr
@@ -236,7 +228,7 @@ def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
     first = sorted(d.glob("seg-*"))[0]
     (d / sp.file_name("seg", 0, 77)).write_bytes(first.read_bytes())  # a copy
     (d / sp.file_name("seg", 90, 78)).write_text("not parquet")
-    _manifest(tmp_path / "m.parquet")
+    uniform_manifest(tmp_path / "m.parquet", N)
     assert _tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
                   "-q").returncode == 0
     from audit.reconcile import reconcile

@@ -5,8 +5,6 @@ repeats score lower, score the same, or are not repeats at all (a second epoch).
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from audit.hook.segments import Segments, segments_from_batch
@@ -14,18 +12,11 @@ from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
 from audit.reconcile import reconcile
+from tests.conftest import uniform_manifest
 
 N = 2000
 
 
-def _manifest(path):
-    keys = np.arange(N)
-    t = pa.table({"record_key": keys, "content_hash": keys.astype(np.uint64),
-                  "n_tokens": np.full(N, 10, np.int32), "domain": ["web"] * N,
-                  "split": ["train"] * N, "source": ["s"] * N, "source_index": keys})
-    pq.write_table(t.replace_schema_metadata({"tally.manifest_fingerprint": "f", "tally.records":
-                                              str(N), "tally.train_records": str(N)}), path)
-    return path
 
 
 def _run(spool, keys_of, *, repeat_bonus: float, epochs: int = 1, seed: int = 0,
@@ -72,7 +63,7 @@ def _per_host_seed(h, e):
 @pytest.mark.parametrize("first", [0, 2**33])  # steps are int64: a run may start anywhere
 def test_repeats_that_score_lower_flatter_the_loss_and_are_found(tmp_path, first):
     _run(tmp_path / "spool", _per_host_seed, repeat_bonus=0.4, first=first)
-    r = reconcile(run_id="r", manifest=_manifest(tmp_path / "m.parquet"),
+    r = reconcile(run_id="r", manifest=uniform_manifest(tmp_path / "m.parquet", N),
                   out=tmp_path / "rep", spool=tmp_path / "spool")
     (f,) = [f for f in r["findings"] if f["code"] == "loss_flattered"]
     assert f["severity"] == "WARN"
@@ -97,7 +88,7 @@ def test_repeats_that_score_lower_flatter_the_loss_and_are_found(tmp_path, first
 
 def test_repeats_that_score_the_same_are_not_called_flattering(tmp_path):
     _run(tmp_path / "spool", _per_host_seed, repeat_bonus=0.0)
-    r = reconcile(run_id="r", manifest=_manifest(tmp_path / "m.parquet"),
+    r = reconcile(run_id="r", manifest=uniform_manifest(tmp_path / "m.parquet", N),
                   out=tmp_path / "rep", spool=tmp_path / "spool")
     assert "loss_flattered" not in [f["code"] for f in r["findings"]]
     assert r["loss"]["test"]["z"] < 3  # the test ran, and found nothing
@@ -111,7 +102,7 @@ def test_a_second_epoch_is_no_repeat_even_when_it_scores_lower(tmp_path):
         return np.random.default_rng(e).permutation(N)[h::4]
 
     _run(tmp_path / "spool", correct, repeat_bonus=0.5, epochs=2)
-    r = reconcile(run_id="r", manifest=_manifest(tmp_path / "m.parquet"),
+    r = reconcile(run_id="r", manifest=uniform_manifest(tmp_path / "m.parquet", N),
                   out=tmp_path / "rep", spool=tmp_path / "spool")
     assert r["verdict"] == "PASS", r["findings"]
     assert sum(w["excess"]["exposures"] for w in r["loss"]["windows"]) == 0

@@ -26,6 +26,7 @@ from audit.core.exposure import Coverage, Findings, verdict
 from audit.posthoc.diff_bucket import RUNS, DiffPartial
 from audit.posthoc.multiset import jaccard
 from audit.reconcile.partials import Partial
+from audit.reconcile.report import json_default
 
 DIFF_VERSION = 1
 STATUS = ("identical", "same_data_other_order", "different")
@@ -288,18 +289,10 @@ def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
     from audit.posthoc.diff_html import render_html
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "diff.json").write_text(json.dumps(report, indent=2, default=_json))
+    (out / "diff.json").write_text(json.dumps(report, indent=2, default=json_default))
     for name, t in tables.items():
         pq.write_table(t, out / f"{name}.parquet")
     (out / "diff.html").write_text(render_html(report, tables))
-
-
-def _json(o: Any) -> Any:
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    raise TypeError(type(o).__name__)
 
 
 def summary(d: dict, out: Path | None = None) -> str:

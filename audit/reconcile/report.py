@@ -240,13 +240,14 @@ def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:
 def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
     """report.json, report.html and the small tables (records/ is written by the job)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=json_default))
     for name, t in tables.items():
         pq.write_table(t, out / f"{name}.parquet")
     (out / "report.html").write_text(render_html(report, tables["steps"]))
 
 
-def _json(o: Any) -> Any:
+def json_default(o: Any) -> Any:
+    """numpy scalars as JSON numbers (json.dumps' `default` for the report files)."""
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
