@@ -163,9 +163,8 @@ class Service:
         return best[1], best[2]
 
     def after_round(self) -> None:
-        with self.live.in_background():  # the ingester's answers: see LiveLedger.in_background
-            self.check_alerts()
-            self.live.warm()
+        self.check_alerts()
+        self.live.warm()
 
     def check_alerts(self) -> None:
         for run_id in self.live.run_ids():
@@ -376,7 +375,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def run_hosts(run_id: RunId) -> Response:
         """Per-host stats and the host x host overlap matrix."""
         return svc.json(("hosts.json", run_id), run_id,
-                        lambda snap: q.hosts(snap.cur, snap.run, svc.live.host_sets(snap)))
+                        lambda snap: q.hosts(snap.cur, snap.run))
 
     @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"], responses=ERRORS,
              response_model=models.HostSteps)

@@ -14,7 +14,7 @@ from audit.core.arrays import PAIRS_UP_TO
 from audit.ledger.aggregates import Aggregates
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
-from audit.ledger.state import NO_STEP, Starts, group
+from audit.ledger.state import NO_STEP, RunState, Starts, group
 from tests.api_helpers import Server, write_steps
 
 N = 150  # train records; keys 150.. are outside (held out or unknown)
@@ -165,12 +165,22 @@ def test_aggregate_endpoints_match_sql_over_effective_consumption(tmp_path, base
         ledger.con.execute("DELETE FROM agg_ranks; DELETE FROM agg_levels; "
                            "DELETE FROM agg_host_pairs; DELETE FROM agg_runs")
         again = Aggregates.load(ledger, use_snapshots=False).runs[1]
-        keys = np.arange(max(state.size, again.size))
-        mine, theirs = state.get(keys), again.get(keys)
-        for name in ("exposures", "steps", "hosts", "epochs", "epoch_exposures"):
-            assert np.array_equal(getattr(mine, name), getattr(theirs, name)), name
+        assert_same_state(state, again)
         for t, rows in tables.items():
             assert ledger.query(f"SELECT * FROM {t} WHERE records <> 0 ORDER BY ALL") == rows, t
+
+
+def assert_same_state(mine: RunState, theirs: RunState) -> None:
+    """Two per-record states hold the same records (the pending steps may differ: they
+    depend on where each watermark stood, and the agg tables check the ranks)."""
+    keys = np.arange(max(mine.size, theirs.size))
+    a, b = mine.get(keys), theirs.get(keys)
+    for name in ("exposures", "host_ptr", "hosts", "epoch_ptr", "epochs", "dup"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    n = min(mine.size, theirs.size)
+    assert np.array_equal(mine.data[:n], theirs.data[:n])
+    assert (mine.levels, sorted(mine.many_hosts), sorted(mine.far_epochs)) == (
+        theirs.levels, sorted(theirs.many_hosts), sorted(theirs.far_epochs))
 
 
 def _agg_tables(ledger: Ledger) -> dict:
@@ -216,18 +226,21 @@ def test_grouping_packed_and_wide_keys_agree():
         want: dict[int, list] = {}
         for p in parts:
             for k, s, e in zip(p.keys, p.steps, p.epochs, strict=True):
-                w = want.setdefault(int(k), [[], 0, 0, 0])
+                w = want.setdefault(int(k), [[], set(), []])
                 w[0].append(int(s))
-                w[1] |= (1 << p.host) if p.host < 64 else 0
-                w[2] |= (1 << int(e) % 64) if e >= 0 else 0
-                w[3] += int(e >= 0)
+                w[1].add(p.host)
+                if e >= 0:
+                    w[2].append(int(e))
         assert got.keys.tolist() == sorted(want)
         for i, k in enumerate(got.keys.tolist()):
-            steps, hosts, epochs, ee = want[k]
+            steps, hosts, epochs = want[k]
             first3 = (sorted(steps) + [NO_STEP] * 3)[:3]
             assert got.exposures[i] == len(steps) and got.steps[i].tolist() == first3
-            assert (int(got.hosts[i]), int(got.epochs[i]), got.epoch_exposures[i]) == (
-                hosts, epochs, ee)
+            h = got.hosts[got.host_ptr[i]: got.host_ptr[i + 1]].tolist()
+            e = got.epochs[got.epoch_ptr[i]: got.epoch_ptr[i + 1]].tolist()
+            dups = len(epochs) - len(set(epochs))
+            assert (h, e, got.epoch_dups[i], got.dup[i]) == (
+                sorted(hosts), sorted(set(epochs)), dups, dups > 0)
 
 
 def _many_hosts_check(srv: Server, ledger: Ledger, hosts: int) -> dict:
@@ -252,14 +265,12 @@ def _many_hosts_check(srv: Server, ledger: Ledger, hosts: int) -> dict:
     return h
 
 
-# Any host count up to 1,024: the per-record state's host masks track hosts 0..63 (the agg
-# tables answer up to 64 hosts); beyond, /hosts and the summary count from the ledger on demand.
+# Any host count up to 1,024: the per-record state keeps every record's hosts (two in its row,
+# more in a map), so the agg tables answer /hosts and the summary at any host count.
 # Few records per host; `n` keys so that records sit on a few hosts each (explicit pairs) or on
 # many (the dense product): 1,024 hosts x 40 starts over 600 keys puts ~65 hosts on a record.
 @pytest.mark.parametrize(("hosts", "n"), [(64, 100), (128, 2000), (256, 300), (1024, 600)])
 def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
-    from audit.ledger import queries as q
-
     spool = tmp_path / "spool"
     # Two epochs, 53 and 54 (write_steps: epoch = step // 10): a mask of epochs above 2^53 as a
     # float64 would lose bits. Attempt 1 resumes some hosts from step 539, rolling back every
@@ -274,27 +285,14 @@ def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
             Server(create_app(ledger, records=n)) as srv:
         assert ingest(spool, ledger).quarantined == []
         h = _many_hosts_check(srv, ledger, hosts)
-        cur = ledger.cursor()
-        try:
-            cur.execute("BEGIN TRANSACTION")
-            sets = q.host_sets(cur, 1, hosts)  # the on-demand pass, whatever the host count
-            cur.execute("ROLLBACK")
-        finally:
-            cur.close()
-        assert sets.overlap.tolist() == h["overlap_matrix"]  # agrees with the agg tables too
-        assert sets.shared.tolist() == [p["overlap_with_others"] for p in h["per_host"]]
         # Records on a few hosts each (their host pairs summed) at 128 hosts, on many (the
         # dense product) at the other counts.
         most = ledger.query("""SELECT max(k) AS k FROM (SELECT count(DISTINCT host) AS k
             FROM effective_consumption WHERE "offset" = 0 GROUP BY record_key)""")[0]["k"]
         assert (most > PAIRS_UP_TO) == (hosts != 128), most
         # The per-record state the ingest built equals one rebuilt from the ledger.
-        state = ledger._aggregates.runs[1]
-        again = Aggregates.load(ledger, use_snapshots=False).runs[1]
-        keys = np.arange(max(state.size, again.size))
-        mine, theirs = state.get(keys), again.get(keys)
-        for name in ("exposures", "steps", "hosts", "epochs", "epoch_exposures"):
-            assert np.array_equal(getattr(mine, name), getattr(theirs, name)), name
+        assert_same_state(ledger._aggregates.runs[1],
+                          Aggregates.load(ledger, use_snapshots=False).runs[1])
         if hosts == 256:
             # /metrics stays readable: per-host series (one a host and family), no host pairs.
             text = srv.get("/metrics").text
@@ -306,45 +304,41 @@ def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
             assert unique == {p["host"]: p["unique"] for p in h["per_host"]}
 
 
-def test_ingester_reuses_recent_host_sets_but_requests_get_this_versions(tmp_path):
-    """Beyond 64 hosts a pass over the run's rows answers /hosts. The ingester's own answers
-    (alerts and warming, `in_background`) may reuse the run's newest pass while it is recent,
-    so that a large run does not pay one pass per ingest round; a request never gets them."""
-    from audit.ledger import queries as q
-    from audit.ledger.live import LiveLedger
-
-    hosts, n, spool = 128, 2000, tmp_path / "spool"
-    for host in range(hosts // 2):
-        write_steps(spool, "m", host=host, hosts=hosts, steps=range(4), seed=host, n=n,
-                    per_step=4, flush_every=4, metrics=False)
-    with Ledger(tmp_path / "ledger.duckdb") as ledger:
-        ingest(spool, ledger)
-        live = LiveLedger(ledger, q.Universe(n, "records option"))
-        live.HOST_SETS_SPACING = 1e9  # "recent" for the whole test
-        before = live.hosts("m")
-        for host in range(hosts // 2, hosts):
-            write_steps(spool, "m", host=host, hosts=hosts, steps=range(4), seed=host, n=n,
-                        per_step=4, flush_every=4, metrics=False)
-        ingest(spool, ledger)
-        with live.in_background():
-            # The host sets of the newest pass, of the older version (the rest is this one's).
-            assert sets_of(live.hosts("m")) == sets_of(before)
-        now = live.hosts("m")  # a request: this version's pass
-        assert sets_of(now) != sets_of(before)
-        assert sum(p["unique"] > 0 for p in now["per_host"]) == hosts
-        with live.in_background():
-            assert live.hosts("m") == now  # this version's answer, cached
-        live.HOST_SETS_SPACING = 0.0  # not recent any more: the ingester computes too
-        for host in range(8):
-            write_steps(spool, "m", host=host, hosts=hosts, steps=range(4, 6), seed=9000 + host,
-                        n=n, per_step=4, flush_every=2, metrics=False)
-        ingest(spool, ledger)
-        with live.in_background():
-            fresh = live.hosts("m")
-        assert sets_of(fresh) != sets_of(now) and fresh == live.hosts("m")
-
-
-def sets_of(hosts_answer: dict) -> tuple:
-    """What the host sets give a /hosts answer: per host unique and shared, the matrix."""
-    return ([(p["unique"], p["overlap_with_others"]) for p in hosts_answer["per_host"]],
-            hosts_answer["overlap_matrix"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_files_in_any_order_restarts_and_reopening_match_sql(tmp_path, seed):
+    """The watermark's exceptions, against the SQL definitions after every round: the spool
+    files reach the ingester in random order over several rounds (a host's files out of step
+    order: starts below the watermark), a restart rolls back while attempt-0 files are still
+    arriving, the ledger is closed and reopened between rounds (the snapshot's pending steps
+    and watermark), and the epochs cross the edge of the row's window (steps 140..: epochs
+    14..21)."""
+    rng = np.random.default_rng(seed)
+    stage, spool, path = tmp_path / "stage", tmp_path / "spool", tmp_path / "ledger.duckdb"
+    base, hosts = 140, 4
+    common = {"n": N + 3, "flush_every": 3, "metrics": False}
+    for h in range(hosts):
+        write_steps(stage, "r", host=h, hosts=hosts, steps=range(base, base + 42), seed=h,
+                    **common)
+        write_steps(stage, "r", host=h, hosts=hosts, steps=range(base + 24, base + 60),
+                    seed=100 + h, attempt=1, resumed=base + 24, **common)
+    files = sorted(p.relative_to(stage) for p in stage.rglob("*.parquet"))
+    old = [f for f in files if "attempt=0" in str(f)]
+    new = [f for f in files if "attempt=1" in str(f)]
+    # Two thirds of attempt 0 (shuffled), then the restart mixed with the rest of attempt 0
+    # (only its steps < base + 24 count).
+    old = [old[i] for i in rng.permutation(len(old))]
+    cut = 2 * len(old) // 3
+    late = old[cut:] + new
+    late = [late[i] for i in rng.permutation(len(late))]
+    state = None
+    for r, picked in enumerate(np.array_split(np.array(old[:cut] + late, object), 6)):
+        for f in picked:
+            (spool / f).parent.mkdir(parents=True, exist_ok=True)
+            (stage / f).rename(spool / f)
+        with Ledger(path) as ledger, Server(create_app(ledger, records=N)) as srv:
+            assert ingest(spool, ledger).quarantined == []
+            if r >= 2:
+                check(srv, ledger, "r", base)
+            state = ledger._aggregates.runs[1]
+    with Ledger(path) as ledger:
+        assert_same_state(state, Aggregates.load(ledger, use_snapshots=False).runs[1])

@@ -230,7 +230,7 @@ def test_a_huge_key_is_refused_before_anything_commits_and_the_ledger_still_open
     with Ledger(tmp_path / "l.duckdb") as ledger:
         res = ingest(spool, ledger)
         assert [r for _, r in res.quarantined] == [
-            "record_key 1,099,511,627,775 would need 49,152.0 GiB of live state, more than the "
+            "record_key 1,099,511,627,775 would need 8,192.0 GiB of live state, more than the "
             "1.0 GiB this process allows (TALLY_MAX_STATE_GB)"]
         assert res.rows == GOOD_ROWS + 2 * 1  # and the two metric rows
     with Ledger(tmp_path / "l.duckdb") as ledger:

@@ -93,16 +93,6 @@ def test_restart_benchmark_runs(tmp_path):
     assert not (tmp_path / "d").exists()  # the data is removed
 
 
-def test_host_sets_benchmark_runs(tmp_path):
-    from bench import host_sets
-
-    res = host_sets.main(["--rows", "20000", "--records", "3000", "--hosts", "80", "--batch",
-                          "25", "--repeats", "1", "--dir", str(tmp_path / "h")])
-    assert res["rows"] >= 20000 and res["hosts"] == 80 and res["multi_host_records"] > 0
-    assert res["host_sets_s"] > 0 and res["sql_s"] > 0 and res["reference_s"] > 0
-    assert not (tmp_path / "h").exists()  # the benchmark removes its data
-
-
 def test_seed_scale_benchmark_runs(tmp_path):
     from bench import seed_scale
 

@@ -14,17 +14,16 @@ import sys
 import time
 
 import httpx
-import numpy as np
 
 from api.app import create_app
 from audit.ledger.aggregates import Aggregates
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
 from audit.ledger.snapshot import Applied, open_snapshot, write_snapshot
-from audit.ledger.state import STATE
+from audit.ledger.state import COMPACT
 from tests.api_helpers import Server, free_port, poll, write_steps
 from tests.conftest import ROOT
-from tests.test_api_aggregates import N, check
+from tests.test_api_aggregates import N, assert_same_state, check
 
 COMMON = {"n": N + 3, "flush_every": 4}  # keys N.. are outside the train universe
 STAGES = [  # (host, steps, seed, attempt, resumed_from_step)
@@ -45,11 +44,7 @@ def same_state(a: Aggregates, b: Aggregates) -> None:
     """Every run's per-record state equal, field by field (rows never seen read as such)."""
     assert set(a.runs) == set(b.runs)
     for run in a.runs:
-        x, y = a.runs[run], b.runs[run]
-        keys = np.arange(max(x.size, y.size, 1))
-        mine, theirs = x.get(keys), y.get(keys)
-        for name in ("exposures", "steps", "hosts", "epochs", "epoch_exposures"):
-            assert np.array_equal(getattr(mine, name), getattr(theirs, name)), (run, name)
+        assert_same_state(a.runs[run], b.runs[run])
 
 
 def loaded(path, caplog) -> tuple[Aggregates, list[str]]:
@@ -241,7 +236,7 @@ def test_kill_9_while_a_snapshot_is_written_leaves_the_old_one_or_none(tmp_path,
         _kill_at(_tally("ingest", str(spool), "--ledger", str(path), env=PAUSED), step)
         with Ledger(path) as ledger:
             opened = open_snapshot(snap, ledger_id=ledger.ledger_id, run=1, run_id="r",
-                                   dtype=STATE, cur=ledger.cursor())
+                                   dtype=COMPACT, cur=ledger.cursor())
             behind = opened.applied.max_file_id
             newest = ledger.query("SELECT max(file_id) AS f FROM segments "
                                   "WHERE kind = 'seg'")[0]["f"]

@@ -29,24 +29,27 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
-from audit.core.exposure import start_sql
+from audit.core.arrays import host_overlap
+from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger
 from audit.ledger.snapshot import Applied, Invalid, Snapshots, lowered_cuts
 from audit.ledger.state import (
-    EPOCH_BITS,
-    HOST_BITS,
+    COMPACT,
     NO_STEP,
-    STATE,
+    SETTLED,
     Records,
     RunState,
     Starts,
+    csr,
     group,
+    rows_of,
 )
 
 log = logging.getLogger("tally.state")
@@ -64,6 +67,26 @@ class Deltas:
     totals: list[int]  # records, exposures, epoch duplicates, their records, multi-host
 
 
+@dataclass
+class Increment:
+    """A batch's effect on one run, worked out before its rows are in the ledger."""
+
+    new: Records  # the new state of the records the batch touches
+    deltas: Deltas
+    late: np.ndarray  # bool per record: a start below the watermark (ranks from the ledger)
+    seen: list[tuple[int, int, int, int | None]]  # (attempt, host, hosts, last step) per file
+
+
+@dataclass
+class _Staged:
+    """A change to a run's state, applied at commit."""
+
+    run: int
+    new: Records
+    seen: list[tuple[int, int, int, int | None]]
+    lower: int | None = None  # a restart's watermark
+
+
 class Aggregates:
     """The aggregates of one open ledger, for the one process that ingests into it.
 
@@ -76,7 +99,7 @@ class Aggregates:
         self.runs: dict[int, RunState] = {}
         self.lock = threading.Lock()
         self.ingesting = threading.Lock()  # held by audit.ledger.ingest for a whole call
-        self._pending: list[tuple[int, Records]] = []
+        self._pending: list[_Staged] = []
         self.max_state_bytes = max_state_bytes or default_max_state_bytes()
         self.snapshots: Snapshots | None = None  # set by load() for a ledger on disk
 
@@ -106,7 +129,9 @@ class Aggregates:
             if rebuild:
                 t0 = time.monotonic()
                 every = set(rebuild) == set(counts)  # the plain scan when all runs rebuild
-                for run, rec in _recompute(cur, None if every else list(rebuild)).items():
+                for run in rebuild:
+                    _watch(cur, run, agg._state(run))
+                for run, rec in _ledger_records(cur, None if every else list(rebuild)).items():
                     agg._state(run).put(rec)
                 seconds = time.monotonic() - t0
                 for run, why in rebuild.items():
@@ -127,9 +152,10 @@ class Aggregates:
         """The run's state from its snapshot, caught up with the ledger (Invalid: no usable
         snapshot)."""
         t0 = time.monotonic()
-        snap = self.snapshots.open(cur, run, run_id, STATE)
+        snap = self.snapshots.open(cur, run, run_id, COMPACT)
         st = self.runs[run] = RunState.over(snap.rows, snap.top)
         try:
+            st.restore_extra(snap.extra)
             rows = self._catch_up(cur, run, snap.applied)
         except BaseException:
             del self.runs[run]
@@ -141,13 +167,24 @@ class Aggregates:
 
     def _catch_up(self, cur: duckdb.DuckDBPyConnection, run: int, since: Applied) -> int:
         """Apply to the run's state what the ledger holds beyond `since` (what a snapshot
-        covers): the record starts of later segment files, as increments (`group`, `merged`),
-        and records whose rows left the lineage since, recomputed. Returns the rows read."""
+        covers): first the records whose rows left the lineage since, recomputed as of the
+        snapshot's files, then the record starts of later segment files in file id order, as
+        the ingest applied them. Returns the rows read."""
         st = self.runs[run]
-        files = cur.execute("""SELECT file_id, n_rows FROM segments
-            WHERE run = ? AND kind = 'seg' AND file_id > ? ORDER BY file_id""",
+        lowered = lowered_cuts(since.lineage, self.cuts(cur, run))
+        if lowered:
+            keys = _rolled_back_keys(cur, run, lowered)
+            new = _ledger_records(cur, [run], keys, upto=since.max_file_id).get(run)
+            st.lower(min(st.watermark, min(cut for _, cut, _ in lowered)))
+            st.put(_complete(keys, new))
+        files = cur.execute("""SELECT s.file_id, s.n_rows, s.host, s.attempt, s.last_step,
+                a.host_count FROM segments s JOIN attempts a USING (run, attempt)
+            WHERE s.run = ? AND s.kind = 'seg' AND s.file_id > ? ORDER BY s.file_id""",
                             [run, since.max_file_id]).fetchnumpy()
         ids, sizes = np.asarray(files["file_id"], np.int64), np.asarray(files["n_rows"], np.int64)
+        meta = {int(f): (int(h), int(a), int(s), int(c)) for f, h, a, s, c in zip(
+            ids, files["host"], files["attempt"], files["last_step"], files["host_count"],
+            strict=True)}
         # File id ranges of about CATCH_UP_ROWS rows each bound the memory of a long catch-up;
         # consumption is in file id order, so each range reads few row groups.
         cuts = np.searchsorted(np.cumsum(sizes), np.arange(1, 1 + sizes.sum() // CATCH_UP_ROWS)
@@ -155,28 +192,27 @@ class Aggregates:
         for part in np.split(ids, np.unique(np.minimum(cuts + 1, len(ids)))):
             if not len(part):
                 continue
-            got = cur.execute(f"""SELECT record_key, step, epoch, host FROM effective_consumption
-                WHERE run = ? AND file_id BETWEEN ? AND ? AND {start_sql()}""",
+            got = cur.execute(f"""SELECT record_key, step, epoch, file_id
+                FROM effective_consumption WHERE run = ? AND file_id BETWEEN ? AND ?
+                AND {start_sql()} ORDER BY file_id""",
                               [run, int(part[0]), int(part[-1])]).fetchnumpy()
-            hosts = np.asarray(got["host"], np.int64)
-            order = np.argsort(hosts, kind="stable")
-            keys, steps, epochs, hosts = (np.asarray(got["record_key"], np.int64)[order],
-                                          np.asarray(got["step"], np.int64)[order],
-                                          np.asarray(got["epoch"], np.int64)[order],
-                                          hosts[order])
-            edges = np.flatnonzero(np.r_[True, hosts[1:] != hosts[:-1], True])
-            inc = group([Starts(keys[a:b], steps[a:b], epochs[a:b], int(hosts[a]))
-                         for a, b in zip(edges[:-1], edges[1:], strict=True)])
-            st.put(st.get(inc.keys).merged(inc))
-        lowered = lowered_cuts(since.lineage, self.cuts(cur, run))
-        if lowered:
-            keys = _rolled_back_keys(cur, run, lowered)
-            if len(keys):
-                new = Records.empty(keys)
-                found = _recompute(cur, [run], keys).get(run)
-                if found is not None:
-                    new.set(np.searchsorted(new.keys, found.keys), found)
-                st.put(new)
+            fid = np.asarray(got["file_id"], np.int64)
+            keys, steps = np.asarray(got["record_key"], np.int64), np.asarray(got["step"],
+                                                                                np.int64)
+            epochs = np.asarray(got["epoch"], np.int64)
+            parts = []
+            for f in part.tolist():
+                a, b = np.searchsorted(fid, [f, f + 1])
+                host, attempt, last, hosts = meta[f]
+                parts.append(Starts(keys[a:b], steps[a:b], epochs[a:b], host, attempt, last,
+                                    hosts))
+            inc = _increment(parts, st.watermark, st.get)
+            if inc.late.any():
+                self._settle_late(cur, run, inc, int(part[0]), int(part[-1]))
+            st.put(inc.new)
+            for seen in inc.seen:
+                st.observe(*seen)
+            st.settle()
         return int(sizes.sum())
 
     # ---- snapshots -------------------------------------------------------------------------
@@ -199,7 +235,8 @@ class Aggregates:
                 applied = self.snapshots.due(cur, run, final=final)
                 if applied is not None:
                     rows = min(st.size, st.top + 1)
-                    self.snapshots.write(run, names[run], st.data[:rows], st.top, applied)
+                    self.snapshots.write(run, names[run], st.data[:rows], st.top, applied,
+                                         st.extra())
         finally:
             cur.close()
 
@@ -216,8 +253,16 @@ class Aggregates:
                 INSERT INTO agg_steps SELECT run, attempt, host, step, count(*), sum(n_tokens),
                     count(*) FILTER (WHERE {start_sql()}), file_id
                 FROM consumption WHERE run = ? GROUP BY ALL""", [run])
+            # Ranks straight from the ledger (the state keeps only the pending steps).
+            cur.execute(f"""
+                INSERT INTO agg_ranks SELECT run, rank, step, count(*) FROM (
+                    SELECT run, unnest(e) AS step, generate_subscripts(e, 1) AS rank
+                    FROM (SELECT run, record_key, min(step, 3) AS e FROM effective_consumption
+                          WHERE run = ? AND {start_sql()} GROUP BY ALL))
+                GROUP BY ALL""", [run])
             st = self._state(run)
-            new = st.get(np.flatnonzero(st.exposures[: st.size] > 0))
+            new = st.get(st.seen())
+            new.steps[:] = NO_STEP
             write_deltas(cur, run, deltas(Records.empty(new.keys), new), seg_files=files)
             cur.execute("COMMIT")
         except BaseException:
@@ -232,46 +277,55 @@ class Aggregates:
 
     def lineage(self, cur: duckdb.DuckDBPyConnection, run: int,
                 before: dict[int, int | None]) -> None:
-        """Take out of the per-record state the rows that a new attempt just rolled back.
-        Call it before the batch inserts any row: the recomputation reads `consumption`."""
+        """Take out of the per-record state the rows that a new attempt just rolled back, and
+        lower the watermark to where they begin (the new attempt's rows start there). Call it
+        before the batch inserts any row: the recomputation reads `consumption`."""
         lowered = lowered_cuts(before, self.cuts(cur, run))
         if not lowered:
             return
+        lower = min(cut for _, cut, _ in lowered)
         keys = _rolled_back_keys(cur, run, lowered)
-        if not len(keys):
-            return
-        new = Records.empty(keys)
-        found = _recompute(cur, [run], new.keys).get(run)
-        if found is not None:
-            new.set(np.searchsorted(new.keys, found.keys), found)
-        write_deltas(cur, run, deltas(self.get(run, new.keys), new), seg_files=0)
-        self._stage(run, new)
+        old = _complete(keys, _ledger_records(cur, [run], keys, cuts=before).get(run))
+        new = _complete(keys, _ledger_records(cur, [run], keys).get(run))
+        if len(keys):
+            write_deltas(cur, run, deltas(old, new), seg_files=0)
+        self._pending.append(_Staged(run, new, [], lower))
 
-    def increments(self, run: int, parts: list[Starts]) -> tuple[Records, Deltas]:
+    def increments(self, run: int, parts: list[Starts]) -> Increment:
         """The new state of the records that `parts` (starts already cut to the lineage)
-        touch, and what changed: numpy only, so it can run while the batch's rows insert."""
-        inc = group(parts)
-        old = self.get(run, inc.keys)
-        new = old.merged(inc)
-        return new, deltas(old, new)
+        touch, and what changed: numpy only, so it can run while the batch's rows insert.
+        The ranks of records with a start below the watermark are left to `add`."""
+        st = self._state(run)
+        w = min([st.watermark] + [s.lower for s in self._pending
+                                  if s.run == run and s.lower is not None])
+        return _increment(parts, w, lambda keys: self.get(run, keys))
 
-    def add(self, cur: duckdb.DuckDBPyConnection, run: int, new: Records, d: Deltas,
-            seg_files: int) -> None:
-        write_deltas(cur, run, d, seg_files=seg_files)
-        self._stage(run, new)
+    def add(self, cur: duckdb.DuckDBPyConnection, run: int, inc: Increment, seg_files: int,
+            files: tuple[int, int]) -> None:
+        """Write the batch's changes (its rows are in: file ids `files`, lowest and highest)."""
+        if inc.late.any():
+            inc.deltas.ranks = _cat_ranks(inc.deltas.ranks,
+                                          self._settle_late(cur, run, inc, *files))
+        write_deltas(cur, run, inc.deltas, seg_files=seg_files)
+        self._pending.append(_Staged(run, inc.new, inc.seen))
 
-    def _stage(self, run: int, new: Records) -> None:
-        """Pending until commit(); the key bound rises now, before the COMMIT (readers rely
-        on it to skip the lock, and a bound too high after a ROLLBACK is only cautious)."""
-        self._pending.append((run, new))
-        if len(new.keys):
-            st = self._state(run)
-            st.top = max(st.top, int(new.keys[-1]))
+    @staticmethod
+    def _settle_late(cur: duckdb.DuckDBPyConnection, run: int, inc: Increment, lo: int,
+                     hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For the records with a start below the watermark (files `lo`..`hi` in the ledger):
+        their three earliest steps before and after those files, from the ledger; `inc.new`
+        takes the latter. Returns the rank changes."""
+        idx = np.flatnonzero(inc.late)
+        keys = inc.new.keys[idx]
+        before = _complete(keys, _ledger_records(cur, [run], keys, upto=lo - 1).get(run))
+        after = _complete(keys, _ledger_records(cur, [run], keys, upto=hi).get(run))
+        inc.new.steps[idx] = after.steps
+        return _rank_deltas(before.steps, after.steps)
 
     def too_large(self, key: int) -> str | None:
         """Why a record key cannot go into the live state (None: it can). The state is dense
         by key, so one key sets its size; the bound keeps a file from exhausting memory."""
-        need = (key + 1) * STATE.itemsize
+        need = (key + 1) * COMPACT.itemsize
         if need <= self.max_state_bytes:
             return None
         return (f"record_key {key:,} would need {need / 2**30:,.1f} GiB of live state, more "
@@ -281,13 +335,22 @@ class Aggregates:
     def reserve(self) -> None:
         """Grow the state for the pending changes (before the COMMIT: what can fail, such as
         an allocation, fails while the transaction can still roll back)."""
-        for run, rec in self._pending:
-            if len(rec.keys):
-                self._state(run).reserve(int(rec.keys[-1]) + 1)
+        for s in self._pending:
+            if len(s.new.keys):
+                self._state(s.run).reserve(int(s.new.keys[-1]) + 1)
 
     def commit(self) -> None:
-        for run, rec in self._pending:
-            self._state(run).put(rec)
+        touched = set()
+        for s in self._pending:
+            st = self._state(s.run)
+            if s.lower is not None:
+                st.lower(min(st.watermark, s.lower))
+            st.put(s.new)
+            for seen in s.seen:
+                st.observe(*seen)
+            touched.add(s.run)
+        for run in touched:
+            self.runs[run].settle()
         self._pending = []
 
     def discard(self) -> None:
@@ -302,12 +365,9 @@ class Aggregates:
     def get(self, run: int, keys: np.ndarray) -> Records:
         """State as this transaction sees it: committed, then this transaction's changes."""
         out = self._state(run).get(keys)
-        for r, rec in self._pending:
-            if r != run or not len(rec.keys) or not len(keys):
-                continue
-            pos = np.minimum(np.searchsorted(rec.keys, keys), len(rec.keys) - 1)
-            hit = np.flatnonzero(rec.keys[pos] == keys)
-            out.set(hit, rec.take(pos[hit]))
+        for s in self._pending:
+            if s.run == run:
+                out = out.overlay(s.new)
         return out
 
 
@@ -328,6 +388,35 @@ def for_ledger(ledger: Ledger) -> Aggregates:
     return agg
 
 
+def _increment(parts: list[Starts], watermark: int,
+               get: Callable[[np.ndarray], Records]) -> Increment:
+    """What `parts` change, given the state before them (`get`)."""
+    inc = group(parts)
+    old = get(inc.keys)
+    new = old.merged(inc)
+    late = inc.steps[:, 0] < watermark
+    if late.any():  # their ranks come from the ledger once the batch's rows are in
+        new.steps[late] = old.steps[late]
+    seen = [(p.attempt, p.host, p.host_count, p.last_step) for p in parts]
+    return Increment(new, deltas(old, new), late, seen)
+
+
+def _watch(cur: duckdb.DuckDBPyConnection, run: int, st: RunState) -> None:
+    """What the watermark needs, for a state rebuilt from the ledger: each host's last step
+    per attempt, and each attempt's hosts."""
+    for a, h, s, c in cur.execute("""SELECT s.attempt, s.host, max(s.last_step), a.host_count
+            FROM segments s JOIN attempts a USING (run, attempt)
+            WHERE s.run = ? AND s.kind = 'seg' GROUP BY ALL""", [run]).fetchall():
+        st.observe(int(a), int(h), int(c), None if s is None else int(s))
+    st.settle()
+
+
+def _complete(keys: np.ndarray, found: Records | None) -> Records:
+    """Records for every key of `keys` (sorted): `found`'s, else never seen."""
+    out = Records.empty(keys)
+    return out if found is None else out.overlay(found)
+
+
 def _rolled_back_keys(cur: duckdb.DuckDBPyConnection, run: int,
                       lowered: list[tuple[int, int, int | None]]) -> np.ndarray:
     """The record keys (sorted) with starts at steps that just left the lineage: attempt a's
@@ -342,45 +431,69 @@ def _rolled_back_keys(cur: duckdb.DuckDBPyConnection, run: int,
     return np.sort(np.asarray(keys, np.int64))
 
 
-def _recompute(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = None,
-               keys: np.ndarray | None = None) -> dict[int, Records]:
-    """Per-record state straight from `effective_consumption`: all runs, some runs, or some
-    keys of one run."""
-    where, params = "", []
+def _ledger_records(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = None,
+                    keys: np.ndarray | None = None, *, upto: int | None = None,
+                    cuts: dict[int, int | None] | None = None) -> dict[int, Records]:
+    """Per-record state straight from the ledger's effective record starts: all runs, some
+    runs, or some keys of one run; of the files up to file id `upto`; under the restart
+    lineage `cuts` (attempt -> rolled_back_from_step of the one run) instead of the ledger's."""
+    where, params = [], []
     if runs is not None:
-        where = "AND run IN (SELECT unnest(?))"
-        params = [[int(r) for r in runs]]
+        where.append("c.run IN (SELECT unnest(?))")
+        params.append([int(r) for r in runs])
     if keys is not None:
-        where += " AND record_key IN (SELECT k FROM recompute_keys)"
-        cur.register("recompute_keys", pa.table({"k": keys}))
-    res = cur.execute(f"""
-        SELECT run, record_key, exposures,
-               coalesce(earliest[1], {NO_STEP}) AS step1, coalesce(earliest[2], {NO_STEP}) AS step2,
-               coalesce(earliest[3], {NO_STEP}) AS step3, hosts, epochs, epoch_exposures
-        FROM (SELECT run, record_key, count(*) AS exposures, min(step, 3) AS earliest,
-                     -- The shift counts are cast to UBIGINT: UBIGINT << INTEGER is a HUGEINT,
-                     -- which reaches numpy as float64 and loses every bit below 2^(top - 52)
-                     -- of a mask with hosts (epochs) 53..63 in it.
-                     bit_or(CASE WHEN host < {HOST_BITS} THEN 1::UBIGINT << host::UBIGINT
-                            ELSE 0::UBIGINT END) AS hosts,
-                     bit_or(CASE WHEN epoch >= 0
-                            THEN 1::UBIGINT << (epoch % {EPOCH_BITS})::UBIGINT
-                            ELSE 0::UBIGINT END) AS epochs,
-                     count(*) FILTER (WHERE epoch >= 0) AS epoch_exposures
-              FROM effective_consumption WHERE {start_sql()} {where} GROUP BY ALL)
-        ORDER BY run, record_key""", params).fetchnumpy()
-    if keys is not None:
-        cur.unregister("recompute_keys")
+        where.append("c.record_key IN (SELECT k FROM recompute_keys)")
+        cur.register("recompute_keys", pa.table({"k": np.asarray(keys, np.int64)}))
+    if upto is not None:
+        where.append("c.file_id <= ?")
+        params.append(int(upto))
+    lineage = "attempts"
+    if cuts is not None:
+        cur.register("recompute_cuts", pa.table({
+            "run": pa.array([runs[0]] * len(cuts), pa.int32()),
+            "attempt": pa.array(list(cuts), pa.int32()),
+            "rolled_back_from_step": pa.array(list(cuts.values()), pa.int64())}))
+        lineage = "recompute_cuts"
+    try:
+        res = cur.execute(f"""
+            SELECT c.run, c.record_key, count(*) AS exposures, min(c.step, 3) AS earliest,
+                   coalesce(list(DISTINCT c.host) FILTER (WHERE c.host >= 0), []) AS hosts,
+                   coalesce(list(DISTINCT c.epoch) FILTER (WHERE c.epoch >= 0), []) AS epochs,
+                   count(*) FILTER (WHERE c.epoch >= 0) AS epoch_exposures
+            FROM consumption c JOIN {lineage} a USING (run, attempt)
+            WHERE {start_sql("c")} AND {effective_sql("c", "a")}
+                  {"".join(" AND " + w for w in where)}
+            GROUP BY ALL ORDER BY c.run, c.record_key""", params).to_arrow_table()
+    finally:
+        if keys is not None:
+            cur.unregister("recompute_keys")
+        if cuts is not None:
+            cur.unregister("recompute_cuts")
     out = {}
-    runs = np.asarray(res["run"])
-    for r in np.unique(runs):
-        m = runs == r
-        rec = Records(
-            np.asarray(res["record_key"], np.int64)[m], np.asarray(res["exposures"], np.int32)[m],
-            np.stack([np.asarray(res[c], np.int64)[m] for c in ("step1", "step2", "step3")],
-                     axis=1),
-            np.asarray(res["hosts"], np.uint64)[m], np.asarray(res["epochs"], np.uint64)[m],
-            np.asarray(res["epoch_exposures"], np.int32)[m])
+    runs_col = res["run"].to_numpy()
+    for r in np.unique(runs_col):
+        m = np.flatnonzero(runs_col == r)
+        part = res.take(m)
+        n = len(m)
+        rec = Records.empty(part["record_key"].to_numpy().astype(np.int64))
+        rec.exposures = part["exposures"].to_numpy().astype(np.int64)
+        for name, target in (("earliest", "steps"), ("hosts", "host"), ("epochs", "epoch")):
+            col = part[name].combine_chunks()
+            off = col.offsets.to_numpy().astype(np.int64)
+            vals = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
+            off, vals = off - off[0], vals[off[0]: off[-1]]
+            if target == "steps":
+                counts = np.diff(off)
+                for j in range(3):
+                    ok = np.flatnonzero(counts > j)
+                    rec.steps[ok, j] = vals[off[ok] + j]
+            else:
+                rows = np.repeat(np.arange(n), np.diff(off))
+                ptr, v = csr(rows, vals, n)
+                setattr(rec, f"{target}_ptr", ptr)
+                setattr(rec, f"{target}s", v)
+        rec.epoch_dups = part["epoch_exposures"].to_numpy().astype(np.int64) - rec.epoch_counts
+        rec.dup = rec.epoch_dups > 0
         out[int(r)] = rec
     return out
 
@@ -409,18 +522,39 @@ def _net(plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return u[nz], d[nz]
 
 
-def deltas(old: Records, new: Records) -> Deltas:
-    """The agg-table changes between two states of the same records (numpy only)."""
+def _rank_deltas(old: np.ndarray, new: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """agg_ranks changes between two [n, 3] triples of the same records (SETTLED and NO_STEP
+    are no step to count: a settled rank is counted already and never moves)."""
     rk, st, rc = [], [], []
     for j in range(3):
-        os_, ns = old.steps[:, j], new.steps[:, j]
+        os_, ns = old[:, j], new[:, j]
         ch = os_ != ns
-        s, d = _net(ns[ch & (ns != NO_STEP)].astype(np.int64),
-                    os_[ch & (os_ != NO_STEP)].astype(np.int64))
+        s, d = _net(ns[ch & (ns != NO_STEP) & (ns != SETTLED)],
+                    os_[ch & (os_ != NO_STEP) & (os_ != SETTLED)])
         rk.append(np.full(len(s), j + 1, np.int8))
         st.append(s)
         rc.append(d)
-    ranks = (np.concatenate(rk), np.concatenate(st), np.concatenate(rc))
+    return np.concatenate(rk), np.concatenate(st), np.concatenate(rc)
+
+
+def _cat_ranks(a: tuple, b: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two sets of rank changes as one (the same (rank, step) summed)."""
+    rank, step, rec = (np.concatenate([x, y]) for x, y in zip(a, b, strict=True))
+    if not len(rank):
+        return rank, step, rec
+    code = rank.astype(np.int64)
+    order = np.lexsort((step, code))
+    rank, step, rec = rank[order], step[order], rec[order]
+    head = np.flatnonzero(np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])])
+    total = np.add.reduceat(rec, head)
+    keep = total != 0
+    return rank[head][keep], step[head][keep], total[keep]
+
+
+def deltas(old: Records, new: Records) -> Deltas:
+    """The agg-table changes between two states of the same records (numpy only)."""
+    ranks = _rank_deltas(old.steps, new.steps)
 
     oe, ne = old.exposures, new.exposures
     ch = oe != ne
@@ -429,30 +563,27 @@ def deltas(old: Records, new: Records) -> Deltas:
     pairs = (np.zeros(0, np.int32),) * 2 + (np.zeros(0, np.int64),)
     shared = (np.zeros(0, np.int32), np.zeros(0, np.int64))
     multi = 0
-    ch = old.hosts != new.hosts
-    if ch.any():
-        # By distinct host mask: a record counts for every pair of hosts in its mask.
-        masks, d = _net(new.hosts[ch].view(np.int64), old.hosts[ch].view(np.int64))
-        masks = masks.view(np.uint64)
-        width = int(np.bitwise_or.reduce(masks)).bit_length() if len(masks) else 0
-        bits = ((masks[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)
-                ).astype(np.float64)
-        w = d.astype(np.float64)
-        m = (bits.T @ (bits * w[:, None])).round().astype(np.int64)
+    ok_, nk = old.host_counts, new.host_counts
+    ch = np.flatnonzero(ok_ != nk)  # one state's hosts hold the other's: a change adds or drops
+    if len(ch):
+        o, n = old.take(ch), new.take(ch)
+        hosts = int(max(o.hosts.max(initial=-1), n.hosts.max(initial=-1))) + 1
+        _, o_sh, o_m = host_overlap(rows_of(o.host_ptr), o.hosts,
+                                    np.repeat(o.host_counts, o.host_counts), hosts)
+        _, n_sh, n_m = host_overlap(rows_of(n.host_ptr), n.hosts,
+                                    np.repeat(n.host_counts, n.host_counts), hosts)
+        m = n_m - o_m
         a, b = np.nonzero(m)
         pairs = (a.astype(np.int32), b.astype(np.int32), m[a, b])
-        many = np.bitwise_count(masks) >= 2
-        sh = (w[many] @ bits[many]).round().astype(np.int64) if width else np.zeros(0, np.int64)
+        sh = n_sh - o_sh
         h = np.flatnonzero(sh)
         shared = (h.astype(np.int32), sh[h])
-        multi = int(d[many].sum())
+        multi = int((nk[ch] > 1).sum()) - int((ok_[ch] > 1).sum())
 
-    do = old.epoch_exposures - np.bitwise_count(old.epochs).astype(np.int32)
-    dn = new.epoch_exposures - np.bitwise_count(new.epochs).astype(np.int32)
     totals = [int((ne > 0).sum()) - int((oe > 0).sum()),
               int(ne.sum(dtype=np.int64)) - int(oe.sum(dtype=np.int64)),
-              int((dn - do).sum(dtype=np.int64)), int((dn > 0).sum()) - int((do > 0).sum()),
-              multi]
+              int((new.epoch_dups - old.epoch_dups).sum(dtype=np.int64)),
+              int(new.dup.sum()) - int(old.dup.sum()), multi]
     return Deltas(ranks, levels, pairs, shared, totals)
 
 

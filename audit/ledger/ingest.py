@@ -175,8 +175,8 @@ def _read_file(item: sp.SpoolFile
     start = pa.array(starts(table["offset"].to_numpy()).astype(np.int64))
     steps = table.append_column("start", start).group_by(["host", "step"]).aggregate(
         [("n_tokens", "count"), ("n_tokens", "sum"), ("start", "sum")])
-    return (table, info, steps, Starts.from_table(table, info["host"]),
-            pc.sum(table["n_tokens"]).as_py())
+    starts_of = Starts.from_table(table, info["host"], info["attempt"], info["host_count"])
+    return table, info, steps, starts_of, pc.sum(table["n_tokens"]).as_py()
 
 
 def _read_ahead(todo: list) -> Iterator:
@@ -281,8 +281,9 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
             cur.execute("""INSERT INTO agg_steps SELECT run, attempt, host, step,
                 n_tokens_count, n_tokens_sum, start_sum, file_id FROM incoming_steps""")
             cur.unregister("incoming_steps")
-        for run, (new, deltas) in incs.items():
-            agg.add(cur, run, new, deltas, seg_files=len(parts[run]))
+        for run, inc in incs.items():
+            fids = [fid for f, fid in segs if f.run == run]
+            agg.add(cur, run, inc, seg_files=len(parts[run]), files=(min(fids), max(fids)))
         cols = ("file_id", "path", "kind", "run", "attempt", "host", "first_step", "last_step",
                 "n_rows", "n_tokens", "bytes")
         rows_of = [(fid, f.item.rel, f.item.kind, f.run, f.info["attempt"], f.info["host"],

@@ -29,7 +29,6 @@ from audit.ledger import lookup
 from audit.ledger import queries as q
 from audit.ledger.aggregates import Aggregates, for_ledger
 from audit.ledger.database import Ledger, one
-from audit.ledger.state import HOST_BITS, Records
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Snap:
     run: int | None
     gen: int  # the newest file id in the snapshot: its version, for cached answers
     uni: q.Universe
-    outside: Records | None = None  # state of the keys outside the universe, when asked
+    outside: np.ndarray | None = None  # exposures of the keys seen outside the universe
     state: Any = None  # what `read(locked=...)` read from the per-record state
 
 
@@ -61,12 +60,6 @@ class LiveLedger:
         self._answers_lock = threading.Lock()
         self._hot: OrderedDict[tuple, tuple] = OrderedDict()
         self._warm_gen = -1
-        self._host_sets: OrderedDict[tuple, q.HostSets] = OrderedDict()
-        self._host_sets_lock = threading.Lock()
-        # Per run: the newest host sets computed, when that ended and how long it took (what
-        # the ingester's own answers may reuse for a while: `in_background`).
-        self._host_sets_last: dict[int, tuple[q.HostSets, float, float]] = {}
-        self._work = threading.local()  # .background, .stale: see in_background
 
     @property
     def agg(self) -> Aggregates:
@@ -128,28 +121,27 @@ class LiveLedger:
             if locked is not None:
                 snap.state = locked(snap.run)
             elif st is not None and snap.uni.n is not None:
-                snap.outside = st.beyond(snap.uni.n)
+                keys = st.seen(snap.uni.n)
+                snap.outside = st.get(keys).exposures if len(keys) else None
         return snap
 
     def record_exposures(self, run_id: str) -> np.ndarray:
         """Effective exposures per record key (a copy), consistent with a snapshot."""
         def copy(run: int) -> np.ndarray:
             st = self.agg.runs.get(run)
-            return np.zeros(0, np.int64) if st is None else st.exposures[: st.size].copy()
+            return np.zeros(0, np.int64) if st is None else st.exposures()
 
         with self.read(run_id, locked=copy) as snap:
             return snap.state
 
-    def record_states(self, runs: tuple[int, ...]) -> Callable[[int], dict[int, Any]]:
-        """A `locked` reader for `read` or `answer`: each run's per-record exposures and three
-        earliest exposure steps, copied (empty arrays for a run with no exposure yet)."""
-        def copy(_: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def record_states(self, runs: tuple[int, ...]) -> Callable[[int], dict[int, np.ndarray]]:
+        """A `locked` reader for `read` or `answer`: each run's exposures per record key,
+        copied (an empty array for a run with no exposure yet)."""
+        def copy(_: int) -> dict[int, np.ndarray]:
             out = {}
             for run in runs:
                 st = self.agg.runs.get(run)
-                out[run] = ((np.zeros(0, np.int32), np.zeros((0, 3), np.int64)) if st is None
-                            else (st.exposures[: st.size].copy(),
-                                  st.data["steps"][: st.size].copy()))
+                out[run] = np.zeros(0, np.int64) if st is None else st.exposures()
             return out
         return copy
 
@@ -164,12 +156,9 @@ class LiveLedger:
                 return hit
             if locked is not None or (outside and self._has_outside(snap)):
                 snap = self._pin_locked(snap, run_id, locked)
-            outer, self._work.stale = getattr(self._work, "stale", False), False
             value = compute(snap)
-            stale, self._work.stale = self._work.stale, outer or self._work.stale
         with self._answers_lock:
-            if not stale:  # an answer built on older host sets is not this version's
-                self._answers[(snap.gen, *key)] = value
+            self._answers[(snap.gen, *key)] = value
             while len(self._answers) > self.ANSWERS:
                 self._answers.popitem(last=False)
             self._hot[key] = (run_id, compute, outside, locked, time.monotonic())
@@ -204,62 +193,13 @@ class LiveLedger:
     def facts(self, run_id: str) -> dict[str, Any]:
         """A run's totals and coverage (what the summary and alerts need)."""
         def compute(snap: Snap) -> dict[str, Any]:
-            totals = q.totals(snap.cur, snap.run)
-            sets = self.host_sets(snap)
-            if sets is not None:  # beyond the hosts the agg tables track
-                totals["multi_host_records"] = sets.multi_host_records
-            return {"totals": totals,
+            return {"totals": q.totals(snap.cur, snap.run),
                     "coverage": q.coverage(snap.cur, snap.run, snap.uni, None, snap.outside)}
         return self.answer(("facts", run_id), run_id, compute, outside=True)
 
     def hosts(self, run_id: str) -> dict[str, Any]:
         return self.answer(("hosts", run_id), run_id,
-                           lambda snap: q.hosts(snap.cur, snap.run, self.host_sets(snap)))
-
-    HOST_SETS = 8  # runs' host sets kept
-    # The ingester's own answers (alerts, warming) may reuse a run's newest host sets until this
-    # many times the pass that made them has gone by: a pass over a large run on many hosts
-    # takes seconds to minutes (bench/host_sets.py: 7.1 s at 16M rows, 128 hosts), and one per
-    # ingest round would stall ingest; this bounds it to ~1/HOST_SETS_SPACING of the time.
-    HOST_SETS_SPACING = 10.0
-
-    @contextlib.contextmanager
-    def in_background(self) -> Iterator[None]:
-        """Answers computed inside (by the ingester after a round, not for a request) may use a
-        run's newest host sets of an older version, if they are recent (HOST_SETS_SPACING);
-        such answers are returned but never cached, so a request always gets this version's."""
-        self._work.background = True
-        try:
-            yield
-        finally:
-            self._work.background = False
-
-    def host_sets(self, snap: Snap) -> q.HostSets | None:
-        """For a run on more hosts than the per-record state tracks (HOST_BITS): its hosts'
-        record sets as of the snapshot (`queries.host_sets`, one pass over the run's rows),
-        computed once per version of that run's data and shared by /hosts, the summary and
-        /metrics; one computation at a time. None for the other runs (the agg tables answer)."""
-        h = q.host_count(snap.cur, snap.run)
-        if h <= HOST_BITS:
-            return None
-        version = q.run_data_version(snap.cur, snap.run)
-        key = (snap.run, h, version[0], version[1], tuple(version[2] or ()))
-        with self._host_sets_lock:
-            hit = self._host_sets.get(key)
-            if hit is None:
-                last = self._host_sets_last.get(snap.run)
-                if (last is not None and getattr(self._work, "background", False)
-                        and time.monotonic() - last[1] < self.HOST_SETS_SPACING * last[2]):
-                    self._work.stale = True
-                    return last[0]
-                t0 = time.monotonic()
-                hit = self._host_sets[key] = q.host_sets(snap.cur, snap.run, h)
-                end = time.monotonic()
-                self._host_sets_last[snap.run] = (hit, end, end - t0)
-                while len(self._host_sets) > self.HOST_SETS:
-                    self._host_sets.popitem(last=False)
-            self._host_sets.move_to_end(key)
-            return hit
+                           lambda snap: q.hosts(snap.cur, snap.run))
 
     def host_rows(self, run_id: str) -> dict[int, int]:
         return self.answer(("host_rows", run_id), run_id, lambda snap: dict(snap.cur.execute(

@@ -17,13 +17,11 @@ import duckdb
 import numpy as np
 
 from audit.core import exposure
-from audit.core.arrays import host_overlap
 from audit.core.errors import NotFound, Unavailable
 from audit.core.exposure import Coverage, effective_sql, rolled_back_sql, start_sql
 from audit.hook.spool import FINISHED
 from audit.ledger.database import one
 from audit.ledger.lookup import LookupIndex
-from audit.ledger.state import HOST_BITS, Records
 
 EFFECTIVE = effective_sql("s", "a")  # over agg_steps s JOIN attempts a
 MAX_POINTS = 5000
@@ -71,8 +69,10 @@ def last_step(cur: duckdb.DuckDBPyConnection, run: int) -> int | None:
 
 
 def coverage(cur: duckdb.DuckDBPyConnection, run: int, uni: Universe, step: int | None = None,
-             outside: Records | None = None) -> dict[str, Any]:
-    """Coverage, exposure histogram and the ideal, as of `step` (default: the latest)."""
+             outside: np.ndarray | None = None) -> dict[str, Any]:
+    """Coverage, exposure histogram and the ideal, as of `step` (default: the latest).
+    `outside`: the exposures of the keys outside the universe that were seen (the live
+    state's, as of this snapshot), None when there are none."""
     last = last_step(cur, run)
     at = last if step is None else step
     if at is None:
@@ -84,25 +84,27 @@ def coverage(cur: duckdb.DuckDBPyConnection, run: int, uni: Universe, step: int 
                              WHERE run = ? AND step <= ? GROUP BY rank""", [run, at]).fetchall())
     ge = [int(ge.get(k, 0)) for k in (1, 2, 3)]
     out_rec = out_exp = 0
-    if outside is not None and len(outside.keys):
-        seen = outside.steps <= at
-        ge = [g - int(seen[:, j].sum()) for j, g in enumerate(ge)]
-        if last is None or at >= last:
-            out_exp = int(outside.exposures.sum())
-        else:  # a scan, but only when keys outside the corpus were consumed (a fault)
-            out_exp = int(one(cur, f"""
-                SELECT count(*) FROM consumption c JOIN attempts a USING (run, attempt)
+    if outside is not None and len(outside):
+        seen = outside
+        if last is not None and at < last:
+            # Exposures as of a past step: a scan, but only when keys outside the corpus were
+            # consumed (a fault).
+            seen = cur.execute(f"""
+                SELECT count(*) AS e FROM consumption c JOIN attempts a USING (run, attempt)
                 WHERE c.run = ? AND c.record_key >= ? AND {start_sql("c")} AND c.step <= ?
-                  AND {effective_sql("c", "a")}""", [run, uni.n, at])[0])
-        out_rec = int(seen[:, 0].sum())
+                  AND {effective_sql("c", "a")} GROUP BY c.record_key""",
+                               [run, uni.n, at]).fetchnumpy()["e"]
+            seen = np.asarray(seen, np.int64)
+        ge = [g - int((seen > j).sum()) for j, g in enumerate(ge)]
+        out_exp, out_rec = int(seen.sum()), int((seen > 0).sum())
         exposures -= out_exp
     n = uni.n
     cov = Coverage(n, exposures, *ge)
     if n and (at == last or step is None):
         levels = dict(cur.execute("SELECT level, records FROM agg_levels WHERE run = ? "
                                   "AND records <> 0", [run]).fetchall())
-        if outside is not None and len(outside.keys):
-            for lv, c in zip(*np.unique(outside.exposures, return_counts=True), strict=True):
+        if outside is not None and len(outside):
+            for lv, c in zip(*np.unique(outside, return_counts=True), strict=True):
                 levels[int(lv)] = levels.get(int(lv), 0) - int(c)
         per_level = np.zeros(max(levels, default=0) + 1, np.int64)
         for lv, c in levels.items():
@@ -167,28 +169,24 @@ def steps(cur: duckdb.DuckDBPyConnection, run: int, uni: Universe, start: int | 
     }
 
 
-def hosts(cur: duckdb.DuckDBPyConnection, run: int,
-          sets: HostSets | None = None) -> dict[str, Any]:
+def hosts(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     """Per host (effective rows): segments, tokens, exposures, steps, unique records, records
-    shared with another host; and the host x host overlap matrix. Exact at any host count: up
-    to HOST_BITS hosts from the agg tables (the per-record host masks keep them), beyond from
-    the ledger on demand (`host_sets`; `sets`: that answer for this snapshot, if at hand)."""
+    shared with another host; and the host x host overlap matrix. Exact at any host count:
+    the per-record state keeps every record's hosts (audit.ledger.state), so the agg tables
+    hold every pair."""
     h = host_count(cur, run)
     per = {r[0]: r[1:] for r in cur.execute(f"""
         SELECT s.host, sum(s.segments), sum(s.tokens), sum(s.exposures), min(s.step), max(s.step)
         FROM agg_steps s JOIN attempts a USING (run, attempt)
         WHERE s.run = ? AND {EFFECTIVE} GROUP BY s.host""", [run]).fetchall()}
-    if h > HOST_BITS:
-        sets = sets if sets is not None else host_sets(cur, run, h)
-        matrix, shared = sets.overlap, sets.shared
-    else:
-        matrix, shared = np.zeros((h, h), np.int64), np.zeros(h, np.int64)
-        for a, b, c in cur.execute("SELECT a, b, records FROM agg_host_pairs WHERE run = ? "
-                                   "AND records <> 0", [run]).fetchall():
-            matrix[a, b] = c
-        for i, c in cur.execute("SELECT host, shared FROM agg_hosts WHERE run = ?",
-                                [run]).fetchall():
-            shared[i] = c
+    pairs = cur.execute("SELECT a, b, records FROM agg_host_pairs WHERE run = ? "
+                        "AND records <> 0", [run]).fetchnumpy()
+    matrix = np.zeros((h, h), np.int64)
+    matrix[np.asarray(pairs["a"], np.int64), np.asarray(pairs["b"], np.int64)] = pairs["records"]
+    shared = np.zeros(h, np.int64)
+    for i, c in cur.execute("SELECT host, shared FROM agg_hosts WHERE run = ?",
+                            [run]).fetchall():
+        shared[i] = c
     out = []
     for i in range(h):
         seg, tok, ex, first, last = per.get(i, (0, 0, 0, None, None))
@@ -200,69 +198,11 @@ def hosts(cur: duckdb.DuckDBPyConnection, run: int,
             "overlap_matrix": matrix.tolist(), "overlap_pairs": int(off // 2)}
 
 
-@dataclass
-class HostSets:
-    """What the hosts' record sets give, exactly, at any host count."""
-
-    overlap: np.ndarray  # [hosts, hosts]: records both saw; the diagonal: records the host saw
-    shared: np.ndarray  # per host: records it saw that another host saw too
-    multi_host_records: int  # records seen by two or more hosts
-
-
-HOST_SETS_BATCH = 4_000_000  # distinct (record, host) pairs handled at a time
-
-
-def host_sets(cur: duckdb.DuckDBPyConnection, run: int, hosts: int) -> HostSets:
-    """The hosts' record sets from the ledger, for runs on more hosts than the per-record state
-    tracks (HOST_BITS): one DuckDB pass over the run's effective record starts for its distinct
-    (record, host) pairs, in record order, then numpy a batch of whole records at a time
-    (audit.core.arrays.host_overlap), so memory stays bounded by the batch and the matrix.
-    Its cost grows with the run's rows (bench/host_sets.py)."""
-    reader = cur.sql(f"""
-        SELECT DISTINCT c.record_key, c.host FROM consumption c JOIN attempts a USING (run, attempt)
-        WHERE c.run = $run AND {start_sql("c")} AND {effective_sql("c", "a")}
-        ORDER BY c.record_key""", params={"run": run}).to_arrow_reader(HOST_SETS_BATCH)
-    overlap = np.zeros((hosts, hosts), np.int64)
-    shared = np.zeros(hosts, np.int64)
-    multi = 0
-    carry_k, carry_h = np.zeros(0, np.int64), np.zeros(0, np.int64)
-    done = False
-    while not done:
-        try:
-            batch = reader.read_next_batch()
-            keys = np.r_[carry_k, batch.column(0).to_numpy()]
-            hs = np.r_[carry_h, batch.column(1).to_numpy()]
-            cut = int(np.searchsorted(keys, keys[-1])) if len(keys) else 0
-            # the last record may go on in the next batch
-            carry_k, carry_h, keys, hs = keys[cut:], hs[cut:], keys[:cut], hs[:cut]
-        except StopIteration:
-            keys, hs, done = carry_k, carry_h, True
-        if not len(keys):
-            continue
-        start = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        count = np.diff(np.r_[start, len(keys)])
-        _, others, pairs = host_overlap(np.repeat(np.arange(len(start)), count), hs,
-                                             np.repeat(count, count), hosts)
-        overlap += pairs
-        shared += others
-        multi += int((count > 1).sum())
-    return HostSets(overlap, shared, multi)
-
-
 def host_count(cur: duckdb.DuckDBPyConnection, run: int) -> int:
     """The run's hosts: the most any attempt declared, or beyond, the highest host seen + 1."""
     hc = one(cur, "SELECT max(host_count) FROM attempts WHERE run = ?", [run])[0] or 0
     top = one(cur, "SELECT max(host) FROM agg_steps WHERE run = ?", [run])[0]
     return max(hc, 0 if top is None else top + 1)
-
-
-def run_data_version(cur: duckdb.DuckDBPyConnection, run: int) -> tuple:
-    """What a run's effective rows depend on: its segment files and its restart lineage (a
-    snapshot's ledger version moves with any run's files; this, only with this run's)."""
-    return one(cur, """SELECT (SELECT max(file_id) FROM segments WHERE run = $1 AND kind = 'seg'),
-                              (SELECT count(*) FROM segments WHERE run = $1 AND kind = 'seg'),
-                              (SELECT list(rolled_back_from_step ORDER BY attempt)
-                               FROM attempts WHERE run = $1)""", [run])
 
 
 def host_steps(cur: duckdb.DuckDBPyConnection, run: int, host: int, start: int | None = None,

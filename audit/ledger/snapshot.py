@@ -6,12 +6,14 @@ row of the ledger (18 s at 49.6M rows on an idle 2-core box). A snapshot is that
 next to the ledger, `<ledger>.state/run-<run>.state`, one file per run:
 
     b"TLYSNAP1" | uint64 header length | header (JSON) | zeros up to a 4 KiB boundary | rows
+    | maps (an .npz: the state's sparse maps, pending steps and watermark, RunState.extra)
 
 The header says what the rows cover and how to check them: the ledger's id (`meta`), the run,
 the row layout (`dtype.descr`, so that a new layout reads as another format, never as wrong
 numbers), the number of rows and `top`, the segment files applied (the highest file id, their
 count and a digest of their ids and paths), the restart lineage (each attempt's
-`rolled_back_from_step`), the rows' xxh3_128 and the header's own xxh3_64.
+`rolled_back_from_step`), the size of the maps, the xxh3_128 of rows and maps and the
+header's own xxh3_64.
 
 Written crash-safely: a temporary name, the rows streamed from the live array in 64 MiB slices
 (no copy of the state), the header filled in, fsync, rename, fsync of the directory. A kill at
@@ -27,12 +29,14 @@ snapshot that is behind the ledger is audit.ledger.aggregates' business.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import mmap
 import os
 import struct
 import time
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +48,7 @@ import xxhash
 log = logging.getLogger("tally.state")
 
 MAGIC = b"TLYSNAP1"
-FORMAT = 1
+FORMAT = 2  # 2: the compact rows and, after them, the sparse maps and the watermark
 ALIGN = 4096  # rows start on a page boundary: the mapping is aligned for every field
 SLICE = 64 << 20  # bytes hashed and written at a time
 MAX_HEADER = 1 << 20
@@ -137,7 +141,8 @@ def _pause(step: str) -> None:
 
 
 def write_snapshot(directory: Path, run: int, run_id: str, ledger_id: str, data: np.ndarray,
-                   top: int, applied: Applied) -> int:
+                   top: int, applied: Applied, extra: dict[str, np.ndarray] | None = None
+                   ) -> int:
     """Write `data` (the run's rows; not copied) as the run's snapshot; returns bytes
     written. The caller keeps `data` unchanged meanwhile (it holds the ingest lock)."""
     new = not directory.exists()
@@ -149,9 +154,12 @@ def write_snapshot(directory: Path, run: int, run_id: str, ledger_id: str, data:
     final = directory / f"run-{run}.state"
     tmp = directory / f".run-{run}.{os.getpid()}.tmp"
     raw = np.ascontiguousarray(data).view(np.uint8)
+    blob = io.BytesIO()
+    np.savez(blob, **(extra or {}))
+    tail = np.frombuffer(blob.getbuffer(), np.uint8)
     fields = {"format": FORMAT, "ledger_id": ledger_id, "run": run, "run_id": run_id,
               "dtype": _descr(data.dtype), "itemsize": data.dtype.itemsize, "rows": len(data),
-              "top": int(top), "max_file_id": applied.max_file_id,
+              "top": int(top), "extra_bytes": len(tail), "max_file_id": applied.max_file_id,
               "seg_files": applied.seg_files, "files_digest": applied.files_digest,
               "lineage": {str(a): c for a, c in sorted(applied.lineage.items())},
               "checksum": "0" * 32, "written_at": time.time()}
@@ -169,6 +177,8 @@ def write_snapshot(directory: Path, run: int, run_id: str, ledger_id: str, data:
                 h.update(part)
                 f.write(part)
                 _pause(f"rows to {i + len(part)} of {len(raw)} bytes")
+            h.update(tail)
+            f.write(tail)
             fields["checksum"] = h.hexdigest()
             fields["header_digest"] = _header_digest(fields)
             head = json.dumps(fields).encode()
@@ -184,7 +194,7 @@ def write_snapshot(directory: Path, run: int, run_id: str, ledger_id: str, data:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return offset + len(raw)
+    return offset + len(raw) + len(tail)
 
 
 @dataclass
@@ -195,6 +205,7 @@ class Snapshot:
     top: int
     applied: Applied
     path: Path
+    extra: dict[str, np.ndarray]  # what the state keeps beside its rows (RunState.extra)
 
 
 def open_snapshot(path: Path, *, ledger_id: str, run: int, run_id: str, dtype: np.dtype,
@@ -227,6 +238,7 @@ def _checked(f, path: Path, ledger_id: str, run: int, run_id: str, dtype: np.dty
         if fields.get("format") != FORMAT:
             raise Invalid(f"snapshot format {fields.get('format')}, this Tally reads {FORMAT}")
         rows, offset, top = int(fields["rows"]), int(fields["data_offset"]), int(fields["top"])
+        extra_bytes = int(fields["extra_bytes"])
         applied = Applied(int(fields["max_file_id"]), int(fields["seg_files"]),
                           str(fields["files_digest"]),
                           {int(a): c for a, c in fields["lineage"].items()})
@@ -239,9 +251,10 @@ def _checked(f, path: Path, ledger_id: str, run: int, run_id: str, dtype: np.dty
         raise Invalid(f"snapshot of another run ({fields['run_id']!r})")
     if fields["dtype"] != _descr(dtype) or fields["itemsize"] != dtype.itemsize:
         raise Invalid("snapshot of another per-record layout")
-    if size != offset + rows * dtype.itemsize:
+    end = offset + rows * dtype.itemsize
+    if size != end + extra_bytes:
         raise Invalid(f"truncated snapshot ({size:,} bytes; its header says "
-                      f"{offset + rows * dtype.itemsize:,})")
+                      f"{end + extra_bytes:,})")
     held = Applied.now(cur, run, applied.max_file_id)
     if (held.seg_files, held.files_digest) != (applied.seg_files, applied.files_digest):
         raise Invalid(f"the ledger does not hold the files the snapshot covers "
@@ -251,17 +264,24 @@ def _checked(f, path: Path, ledger_id: str, run: int, run_id: str, dtype: np.dty
         lowered_cuts(applied.lineage, held.lineage)
     except ValueError as exc:
         raise Invalid(f"another restart lineage ({exc})") from None
-    if not rows:
-        return Snapshot(np.zeros(0, dtype), top, applied, path)
-    mapped = np.memmap(f, dtype=dtype, mode="c", offset=offset, shape=(rows,))
-    if _checksum(mapped) != fields["checksum"]:
+    f.seek(end)
+    tail = f.read(extra_bytes)
+    mapped = np.memmap(f, dtype=dtype, mode="c", offset=offset, shape=(rows,)) if rows \
+        else np.zeros(0, dtype)
+    if _checksum(mapped, tail) != fields["checksum"]:
         raise Invalid("snapshot checksum mismatch (its rows changed after it was written)")
-    return Snapshot(mapped.view(np.ndarray), top, applied, path)
+    try:
+        with np.load(io.BytesIO(tail), allow_pickle=False) as z:
+            extra = {k: z[k] for k in z.files}
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise Invalid(f"corrupt snapshot maps ({type(exc).__name__}: {exc})") from None
+    return Snapshot(mapped.view(np.ndarray), top, applied, path, extra)
 
 
-def _checksum(mapped: np.memmap) -> str:
+def _checksum(mapped: np.ndarray, tail: bytes) -> str:
     """xxh3_128 of the mapped rows, read through the mapping (sequential read-ahead): the
-    pages stay in the page cache that backs the mapping, and no copy is made."""
+    pages stay in the page cache that backs the mapping, and no copy is made; then of the
+    maps after them."""
     mm = getattr(mapped, "_mmap", None)
     if mm is not None and hasattr(mm, "madvise"):
         mm.madvise(mmap.MADV_SEQUENTIAL)
@@ -271,6 +291,7 @@ def _checksum(mapped: np.memmap) -> str:
         h.update(raw[i: i + SLICE])
     if mm is not None and hasattr(mm, "madvise"):
         mm.madvise(mmap.MADV_NORMAL)  # afterwards keys come in any order
+    h.update(tail)
     return h.hexdigest()
 
 
@@ -330,14 +351,14 @@ class Snapshots:
             return None
         return Applied.now(cur, run)
 
-    def write(self, run: int, run_id: str, data: np.ndarray, top: int, applied: Applied
-              ) -> None:
+    def write(self, run: int, run_id: str, data: np.ndarray, top: int, applied: Applied,
+              extra: dict[str, np.ndarray] | None = None) -> None:
         """Write one run's snapshot; a failure (a full disk) is logged once and leaves the
         service running: a missing snapshot costs only a slower restart."""
         t0 = time.monotonic()
         try:
             size = write_snapshot(self.directory, run, run_id, self.ledger_id, data, top,
-                                  applied)
+                                  applied, extra)
         except OSError as exc:
             why = f"{type(exc).__name__}: {exc}"
             if why not in self._failed:

@@ -2,84 +2,151 @@
 run, so that each batch of files updates the aggregates by what it touches (audit.ledger.
 aggregates).
 
-One 48-byte row per record key: exposures (effective record starts), those whose epoch is
-known, the three earliest exposure steps, the set of hosts and the set of epochs. Keeping it as
-a DuckDB table was measured at ~0.1 s per 100k-row file for the join alone (10M records) and
-1.6 s with an indexed upsert; one packed numpy row per record costs one cache miss to read and
-one to write.
+Eight bytes a record key (COMPACT): a saturating exposure level, a few flags, the record's
+epochs 0..15 as a bit mask and up to two hosts. Whatever does not fit lives in three sparse
+maps beside the rows, exact: the exposures of records seen 255+ times, the host sets of records
+on three or more hosts and the epoch sets of records seen in an epoch outside 0..15. A loader's
+faults leave most records on one or two hosts (sampling with replacement on 128 hosts puts
+~1.1 exposures on a record, ~3% of records on 3+ hosts), so the maps stay small next to the
+rows; a run of many epochs over a small corpus fills them (README: what each answer costs).
+
+The three earliest exposure steps of a record (the `agg_ranks` of coverage as of a step) are
+not kept per record. Record starts are settled in step order behind a watermark W (`settle`):
+each host's files arrive in step order, so once every host of the current attempt has sent
+files past step W, no start below W is still to come. A start at or after W is *pending*: the
+records with one of their three earliest exposures pending keep those steps in a small sorted
+table (`pending`, typically the last seconds of training), and a step below W reads as SETTLED,
+already counted. A new start then lands after every settled one, so its rank is known without
+the steps before it. A start that arrives below W anyway (a file late or out of order) and a
+restart that rolls rows back are the exceptions: their records are recomputed from the ledger
+(audit.ledger.aggregates), exact either way.
+
+Before, one 48-byte row a record kept the three earliest steps, a 64-bit host mask and a
+64-bit epoch mask: 216 GB at 4.5B records, and no overlap past host 63.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
 from audit.core.exposure import effective_before, starts
 
-HOST_BITS = 64  # host sets are uint64 masks: overlap is tracked for hosts 0..63
-EPOCH_BITS = 64  # epoch sets are masks of epoch % 64: exact for runs of fewer than 64 epochs
-NO_STEP = np.iinfo(np.int64).max  # steps are int64 end to end (audit.core.schema.MAX_STEP)
+NO_STEP = np.iinfo(np.int64).max  # fewer than three exposures: steps are int64 end to end
+SETTLED = np.iinfo(np.int64).min  # an exposure below the watermark, already counted
 
-# One record's state. Fields are aligned so that column views are plain strided arrays; the
-# whole row moves as one 48-byte item (np.take / np.put on a void view), which is what keeps
-# the random-key gathers and scatters of a batch cheap.
-STATE = np.dtype([("exposures", "<i4"),  # effective record starts
-                  ("epoch_exposures", "<i4"),  # exposures whose epoch is known
-                  ("steps", "<i8", (3,)),  # the three earliest exposure steps, NO_STEP if fewer
-                  ("hosts", "<u8"),  # mask of hosts < HOST_BITS
-                  ("epochs", "<u8")])  # mask of epoch % EPOCH_BITS, known epochs only
-_ROW = np.dtype((np.void, STATE.itemsize))  # a whole row as one item
+COMPACT = np.dtype([("level", "u1"),  # exposures, saturating at LEVEL_CAP
+                    ("flags", "u1"),  # DUP | MANY_HOSTS | FAR_EPOCHS
+                    ("epochs", "<u2"),  # mask of the epochs 0..EPOCH_WINDOW-1 seen
+                    ("host1", "<u2"),  # host + 1 (0: none)
+                    ("host2", "<u2")])  # host + 1 (0: none)
+LEVEL_CAP = 255  # level 255: the exposures are in RunState.levels
+DUP = 1  # the record was seen twice in one epoch
+MANY_HOSTS = 2  # its hosts are in RunState.hosts (3+ hosts, or a host beyond HOST_CAP)
+FAR_EPOCHS = 4  # its epochs are in RunState.epochs (an epoch outside the window)
+EPOCH_WINDOW = 16
+HOST_CAP = 65534  # hosts 0..HOST_CAP fit a row as host + 1
 
-# Codes used while sorting a batch's starts: host code 64 = not tracked, epoch code 0 = unknown.
-_HOST_BIT = np.array([1 << i for i in range(HOST_BITS)] + [0] * 64, np.uint64)
-_EPOCH_BIT = np.array([0] + [1 << i for i in range(EPOCH_BITS)] + [0] * 63, np.uint64)
+
+def csr(rows: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values per row, sorted, as (pointers [n + 1], values), from (row, value)
+    pairs in any order (values >= 0, below 2^40)."""
+    rows, values = np.asarray(rows, np.int64), np.asarray(values, np.int64)
+    code = np.sort(rows << 40 | values)
+    if len(code):
+        code = code[np.r_[True, code[1:] != code[:-1]]]
+    r = code >> 40
+    return np.searchsorted(r, np.arange(n + 1)), code & ((1 << 40) - 1)
+
+
+def rows_of(ptr: np.ndarray) -> np.ndarray:
+    """The row of each value of a CSR."""
+    return np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+
+
+def _takecsr(ptr: np.ndarray, values: np.ndarray, idx: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+    counts = np.diff(ptr)[idx]
+    out = np.r_[0, np.cumsum(counts)]
+    src = np.repeat(ptr[idx] - out[:-1], counts) + np.arange(out[-1])
+    return out, values[src]
 
 
 @dataclass
 class Records:
-    """Per-record state for a sorted set of record keys, one array per field (the arithmetic
-    of a batch runs over contiguous columns; RunState stores rows)."""
+    """The state of a sorted set of record keys, wide (a batch's arithmetic runs over it)."""
 
     keys: np.ndarray  # int64, sorted, unique
-    exposures: np.ndarray  # int32
-    steps: np.ndarray  # int64 [n, 3]: the three earliest exposure steps, NO_STEP when fewer
-    hosts: np.ndarray  # uint64 mask of hosts < HOST_BITS
-    epochs: np.ndarray  # uint64 mask of epoch % EPOCH_BITS, known epochs only
-    epoch_exposures: np.ndarray  # int32: exposures whose epoch is known
+    exposures: np.ndarray  # int64
+    steps: np.ndarray  # int64 [n, 3]: the three earliest exposure steps (SETTLED, NO_STEP)
+    host_ptr: np.ndarray  # CSR of the distinct hosts of each record
+    hosts: np.ndarray  # int64
+    epoch_ptr: np.ndarray  # CSR of the distinct known epochs of each record
+    epochs: np.ndarray  # int64
+    # Exposures of a known epoch beyond the first in it: absolute when the records come from
+    # the ledger or a batch, relative (0) from RunState.get; only differences of two states
+    # of the same records are meaningful.
+    epoch_dups: np.ndarray  # int64
+    dup: np.ndarray  # bool: some epoch seen twice (absolute)
 
     @classmethod
     def empty(cls, keys: np.ndarray) -> Records:
         n = len(keys)
-        return cls(np.asarray(keys, np.int64), np.zeros(n, np.int32),
-                   np.full((n, 3), NO_STEP, np.int64), np.zeros(n, np.uint64),
-                   np.zeros(n, np.uint64), np.zeros(n, np.int32))
+        z = np.zeros(n + 1, np.int64)
+        return cls(np.asarray(keys, np.int64), np.zeros(n, np.int64),
+                   np.full((n, 3), NO_STEP, np.int64), z, np.zeros(0, np.int64), z.copy(),
+                   np.zeros(0, np.int64), np.zeros(n, np.int64), np.zeros(n, bool))
 
-    @classmethod
-    def from_rows(cls, keys: np.ndarray, rows: np.ndarray) -> Records:
-        r = cls(keys, *(rows[f].copy() for f in ("exposures", "steps", "hosts", "epochs",
-                                                  "epoch_exposures")))
-        r.steps[r.exposures == 0] = NO_STEP  # zeroed memory: never seen
-        return r
+    @property
+    def host_counts(self) -> np.ndarray:
+        return np.diff(self.host_ptr)
 
-    def rows(self) -> np.ndarray:
-        rows = np.empty(len(self.keys), STATE)
-        for f in ("exposures", "epoch_exposures", "steps", "hosts", "epochs"):
-            rows[f] = getattr(self, f)
-        return rows
+    @property
+    def epoch_counts(self) -> np.ndarray:
+        return np.diff(self.epoch_ptr)
 
     def take(self, idx: np.ndarray) -> Records:
-        return Records(self.keys[idx], self.exposures[idx], self.steps[idx], self.hosts[idx],
-                       self.epochs[idx], self.epoch_exposures[idx])
+        idx = np.asarray(idx, np.int64)
+        hp, h = _takecsr(self.host_ptr, self.hosts, idx)
+        ep, e = _takecsr(self.epoch_ptr, self.epochs, idx)
+        return Records(self.keys[idx], self.exposures[idx], self.steps[idx], hp, h, ep, e,
+                       self.epoch_dups[idx], self.dup[idx])
 
-    def set(self, pos: np.ndarray, other: Records) -> None:
-        """Rows at `pos` take `other`'s values."""
-        for f in ("exposures", "steps", "hosts", "epochs", "epoch_exposures"):
-            getattr(self, f)[pos] = getattr(other, f)
+    @staticmethod
+    def concat(parts: list[Records]) -> Records:
+        """Records of disjoint key sets, in the order given (keys sorted only if they were)."""
+        if len(parts) == 1:
+            return parts[0]
+        def ptrs(name: str) -> np.ndarray:
+            out, base = [np.zeros(1, np.int64)], 0
+            for p in parts:
+                ptr = getattr(p, name)
+                out.append(ptr[1:] + base)
+                base += int(ptr[-1])
+            return np.concatenate(out)
+        cat = {f: np.concatenate([getattr(p, f) for p in parts])
+               for f in ("keys", "exposures", "hosts", "epochs", "epoch_dups", "dup")}
+        return Records(cat["keys"], cat["exposures"],
+                       np.concatenate([p.steps for p in parts]).reshape(-1, 3),
+                       ptrs("host_ptr"), cat["hosts"], ptrs("epoch_ptr"), cat["epochs"],
+                       cat["epoch_dups"], cat["dup"])
+
+    def overlay(self, other: Records) -> Records:
+        """These records, with those `other` holds too taken from `other`."""
+        if not len(other.keys) or not len(self.keys):
+            return self
+        pos = np.minimum(np.searchsorted(other.keys, self.keys), len(other.keys) - 1)
+        hit = other.keys[pos] == self.keys
+        if not hit.any():
+            return self
+        both = Records.concat([self.take(np.flatnonzero(~hit)),
+                               other.take(pos[hit])])
+        return both.take(np.argsort(both.keys, kind="stable"))
 
     def merged(self, inc: Records) -> Records:
-        """This state plus `inc`'s exposures of the same keys."""
+        """This state plus `inc`'s exposures of the same keys (a multiset union)."""
         a, b = self.steps, inc.steps
         # The three smallest of two sorted triples: r_k = min over i + j = k of max(a_i, b_j).
         # It leaves a row alone when no incoming step enters its three, so it runs on all rows
@@ -91,9 +158,16 @@ class Records:
             steps = a.copy()
             if len(todo):
                 steps[todo] = _three_smallest(a[todo], b[todo])
-        return Records(self.keys, self.exposures + inc.exposures, steps,
-                       self.hosts | inc.hosts, self.epochs | inc.epochs,
-                       self.epoch_exposures + inc.epoch_exposures)
+        n = len(self.keys)
+        hp, h = csr(np.r_[rows_of(self.host_ptr), rows_of(inc.host_ptr)],
+                     np.r_[self.hosts, inc.hosts], n)
+        ep, e = csr(np.r_[rows_of(self.epoch_ptr), rows_of(inc.epoch_ptr)],
+                     np.r_[self.epochs, inc.epochs], n)
+        # inc's known-epoch exposures either add an epoch to the record or repeat one.
+        added = (np.diff(ep) - self.epoch_counts) - inc.epoch_counts
+        new_dups = inc.epoch_dups - added
+        return Records(self.keys, self.exposures + inc.exposures, steps, hp, h, ep, e,
+                       self.epoch_dups + new_dups, self.dup | (new_dups > 0) | inc.dup)
 
 
 def _three_smallest(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -115,101 +189,98 @@ class Starts:
     steps: np.ndarray  # int64
     epochs: np.ndarray  # int32
     host: int  # a spool file holds one host's rows (checked at read)
+    attempt: int = 0
+    last_step: int | None = None  # the file's last step (its host's files come in step order)
+    host_count: int = 1  # the hosts of its attempt
 
     @classmethod
-    def from_table(cls, table: pa.Table, host: int) -> Starts:
+    def from_table(cls, table: pa.Table, host: int, attempt: int = 0,
+                   host_count: int = 1) -> Starts:
         start = starts(table["offset"].to_numpy())
-        return cls(table["record_key"].to_numpy()[start], table["step"].to_numpy()[start],
-                   table["epoch"].to_numpy()[start], host)
+        steps = table["step"].to_numpy()
+        return cls(table["record_key"].to_numpy()[start], steps[start],
+                   table["epoch"].to_numpy()[start], host, attempt,
+                   int(steps.max()) if len(steps) else None, host_count)
 
     def before(self, cut: int | None) -> Starts:
         """The starts that survive the attempt's rollback cutoff `cut`."""
         if cut is None:
             return self
         keep = effective_before(self.steps, cut)
-        return Starts(self.keys[keep], self.steps[keep], self.epochs[keep], self.host)
+        return Starts(self.keys[keep], self.steps[keep], self.epochs[keep], self.host,
+                      self.attempt, self.last_step, self.host_count)
 
 
 def group(parts: list[Starts]) -> Records:
-    """The starts of several files as per-record increments."""
+    """The starts of several files as the records they touch (absolute, as if alone)."""
     parts = [p for p in parts if len(p.keys)]
     if not parts:
         return Records.empty(np.zeros(0, np.int64))
     keys = np.concatenate([p.keys for p in parts]).astype(np.int64, copy=False)
     steps = np.concatenate([p.steps for p in parts]).astype(np.int64, copy=False)
     epochs = np.concatenate([p.epochs for p in parts]).astype(np.int64, copy=False)
-    hcode = np.repeat(np.array([min(p.host, HOST_BITS) if p.host >= 0 else HOST_BITS
-                                for p in parts], np.int64), [len(p.keys) for p in parts])
-    ecode = np.where(epochs >= 0, 1 + (epochs & (EPOCH_BITS - 1)), 0)
+    hosts = np.repeat(np.array([p.host for p in parts], np.int64), [len(p.keys) for p in parts])
     base = int(steps.min())
     sbits = (int(steps.max()) - base).bit_length()
-    shift = sbits + 14
-    if int(keys.max()).bit_length() + shift <= 63:
-        # One int64 per start, (key, step, host, epoch) in that order of significance: a plain
-        # sort of it (SIMD, no argsort) groups by key with steps ascending.
-        code = keys << shift | (steps - base) << 14 | hcode << 7 | ecode
-        code.sort()
-        keys, steps = code >> shift, (code >> 14 & ((1 << sbits) - 1)) + base
-        hcode, ecode = code >> 7 & 127, code & 127
+    if int(keys.max()).bit_length() + sbits <= 63:
+        # One int64 per start, (key, step) in that order of significance: a plain sort of it
+        # (SIMD) and one argsort-free gather group by key with steps ascending.
+        code = keys << sbits | (steps - base)
+        order = np.argsort(code, kind="stable")
     else:  # keys or a step range too wide to pack
         order = np.lexsort((steps, keys))
-        keys, steps, hcode, ecode = keys[order], steps[order], hcode[order], ecode[order]
+    keys, steps, epochs, hosts = keys[order], steps[order], epochs[order], hosts[order]
     n = len(keys)
     first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
     out = Records.empty(keys[first])
-    hb, eb = _HOST_BIT[hcode], _EPOCH_BIT[ecode]
-    if len(first) == n:  # every key once
-        out.exposures[:] = 1
-        out.steps[:, 0] = steps
-        out.hosts, out.epochs, out.epoch_exposures = hb, eb, (ecode > 0).astype(np.int32)
-        return out
     counts = np.diff(np.r_[first, n])
     out.exposures[:] = counts
     for j in range(3):
         ok = np.flatnonzero(counts > j) if j else slice(None)
         out.steps[ok, j] = steps[first[ok] + j]
-    out.hosts, out.epochs = hb[first], eb[first]
-    out.epoch_exposures = (ecode[first] > 0).astype(np.int32)
-    multi = np.flatnonzero(counts > 1)
-    if len(multi):  # reductions over the starts of keys seen more than once only
-        sel = np.repeat(counts > 1, counts)
-        at = np.r_[0, np.cumsum(counts[multi])[:-1]]
-        out.hosts[multi] = np.bitwise_or.reduceat(hb[sel], at)
-        out.epochs[multi] = np.bitwise_or.reduceat(eb[sel], at)
-        out.epoch_exposures[multi] = np.add.reduceat((ecode[sel] > 0).astype(np.int32), at)
+    row = np.repeat(np.arange(len(first)), counts)
+    tracked = hosts >= 0
+    out.host_ptr, out.hosts = csr(row[tracked], hosts[tracked], len(first))
+    known = epochs >= 0
+    out.epoch_ptr, out.epochs = csr(row[known], epochs[known], len(first))
+    out.epoch_dups = np.bincount(row[known], minlength=len(first)) - out.epoch_counts
+    out.dup = out.epoch_dups > 0
     return out
 
 
+@dataclass
 class RunState:
     """Per-record state of one run, indexed by record key (keys are manifest rows, so dense).
-    Rows never written are zero: a row with no exposure reads as "no steps"."""
+    Rows never written are zero: never seen."""
 
-    def __init__(self) -> None:
-        self.size = 0
-        self.data = np.zeros(0, STATE)
-        self.top = -1  # an upper bound of the keys ever put (it never goes down)
+    size: int = 0
+    data: np.ndarray = field(default_factory=lambda: np.zeros(0, COMPACT))
+    top: int = -1  # an upper bound of the keys ever put (it never goes down)
+    levels: dict[int, int] = field(default_factory=dict)  # exposures of level-255 records
+    many_hosts: dict[int, np.ndarray] = field(default_factory=dict)  # MANY_HOSTS records
+    far_epochs: dict[int, np.ndarray] = field(default_factory=dict)  # FAR_EPOCHS records
+    watermark: int = SETTLED  # starts below it are settled; none is, at first
+    pending_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pending_steps: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    host_last: dict[tuple[int, int], int] = field(default_factory=dict)  # (attempt, host)
+    host_count: dict[int, int] = field(default_factory=dict)  # attempt -> hosts
 
     @classmethod
     def over(cls, rows: np.ndarray, top: int) -> RunState:
         """A state over existing rows (a snapshot's mapping, audit.ledger.snapshot): they are
         neither copied nor read until used."""
-        st = cls()
-        st.data, st.size, st.top = rows, len(rows), top
-        return st
+        return cls(size=len(rows), data=rows, top=top)
 
     def reserve(self, need: int) -> None:
         """Room for keys below `need` (MemoryError if it cannot be had)."""
-        self._grow(need)
-
-    def _grow(self, need: int) -> None:
         if need <= self.size:
             return
         cap = max(need, self.size + self.size // 8, 1024)  # geometric, without doubling memory
         if not self.size:
-            self.data = np.zeros(cap, STATE)
+            self.data = np.zeros(cap, COMPACT)
         elif not self.data.flags.owndata:
             # Rows mapped from a snapshot cannot grow in place: one copy, once per process.
-            data = np.zeros(cap, STATE)
+            data = np.zeros(cap, COMPACT)
             data[: self.size] = self.data
             self.data = data
         else:
@@ -219,30 +290,202 @@ class RunState:
             self.data.resize(cap, refcheck=False)
         self.size = cap
 
-    @property
+    # ---- reading ---------------------------------------------------------------------------
     def exposures(self) -> np.ndarray:
-        return self.data["exposures"]
+        """Exposures per record key (int64, a copy)."""
+        out = self.data["level"][: self.size].astype(np.int64)
+        for k, v in self.levels.items():
+            out[k] = v
+        return out
+
+    def seen(self, lo: int = 0) -> np.ndarray:
+        """The keys >= lo seen at least once."""
+        return lo + np.flatnonzero(self.data["level"][lo: self.size])
 
     def get(self, keys: np.ndarray) -> Records:
         keys = np.asarray(keys, np.int64)
+        n = len(keys)
         inside = keys < self.size
-        if inside.all():
-            return Records.from_rows(keys, np.take(self.data.view(_ROW), keys).view(STATE))
-        rows = np.zeros(len(keys), STATE)
-        rows[inside] = np.take(self.data.view(_ROW), keys[inside]).view(STATE)
-        return Records.from_rows(keys, rows)
+        rows = np.zeros(n, COMPACT)
+        rows[inside] = self.data[keys[inside]]
+        out = Records.empty(keys)
+        out.exposures = rows["level"].astype(np.int64)
+        flags = rows["flags"]
+        for i in np.flatnonzero(rows["level"] == LEVEL_CAP):
+            out.exposures[i] = self.levels[int(keys[i])]
+        # Steps: the pending table's, else SETTLED for each exposure up to three.
+        e3 = np.minimum(out.exposures, 3)
+        out.steps[np.arange(3) < e3[:, None]] = SETTLED
+        if len(self.pending_keys) and n:
+            pos = np.minimum(np.searchsorted(self.pending_keys, keys), len(self.pending_keys) - 1)
+            hit = self.pending_keys[pos] == keys
+            out.steps[hit] = self.pending_steps[pos[hit]]
+        # Hosts: the row's two, else the map's.
+        many = (flags & MANY_HOSTS) != 0
+        h1, h2 = rows["host1"].astype(np.int64), rows["host2"].astype(np.int64)
+        r = np.r_[np.flatnonzero((h1 > 0) & ~many), np.flatnonzero((h2 > 0) & ~many)]
+        v = np.r_[h1[(h1 > 0) & ~many], h2[(h2 > 0) & ~many]] - 1
+        if many.any():
+            idx = np.flatnonzero(many)
+            sets = [self.many_hosts[int(keys[i])] for i in idx]
+            r = np.r_[r, np.repeat(idx, [len(s) for s in sets])]
+            v = np.r_[v, np.concatenate(sets)]
+        out.host_ptr, out.hosts = csr(r, v, n)
+        # Epochs: the row's window, else the map's.
+        far = (flags & FAR_EPOCHS) != 0
+        bits = (rows["epochs"][:, None] >> np.arange(EPOCH_WINDOW, dtype=np.uint16)) & 1
+        bits[far] = 0
+        r, v = np.nonzero(bits)
+        if far.any():
+            idx = np.flatnonzero(far)
+            sets = [self.far_epochs[int(keys[i])] for i in idx]
+            r = np.r_[r, np.repeat(idx, [len(s) for s in sets])]
+            v = np.r_[v, np.concatenate(sets)]
+        out.epoch_ptr, out.epochs = csr(r, v, n)
+        out.dup = (flags & DUP) != 0
+        return out
 
-    def beyond(self, n: int) -> Records | None:
-        """State of the records seen with key >= n (outside a universe of n records)."""
-        if self.top < n:
-            return None
-        keys = n + np.flatnonzero(self.data["exposures"][n: self.size] > 0)
-        return self.get(keys) if len(keys) else None
-
+    # ---- writing ---------------------------------------------------------------------------
     def put(self, r: Records) -> None:
+        """The records' new state (their steps below the watermark become SETTLED)."""
         if not len(r.keys):
             return
         top = int(r.keys[-1])
-        self._grow(top + 1)
-        np.put(self.data.view(_ROW), r.keys, r.rows().view(_ROW))
+        self.reserve(top + 1)
         self.top = max(self.top, top)
+        n = len(r.keys)
+        old = self.data[r.keys]["flags"]
+        old_capped = self.data[r.keys]["level"] == LEVEL_CAP
+        rows = np.zeros(n, COMPACT)
+        rows["level"] = np.minimum(r.exposures, LEVEL_CAP)
+        capped = r.exposures >= LEVEL_CAP
+        for k in r.keys[old_capped & ~capped].tolist():
+            del self.levels[k]
+        self.levels.update(zip(r.keys[capped].tolist(), r.exposures[capped].tolist(),
+                               strict=True))
+        flags = np.where(r.dup, DUP, 0).astype(np.uint8)
+        # Hosts: up to two in the row, sorted; else the map.
+        hc = r.host_counts
+        has = hc > 0
+        largest = np.zeros(n, np.int64)
+        largest[has] = r.hosts[r.host_ptr[1:][has] - 1]
+        many = (hc > 2) | (largest > HOST_CAP)
+        one = has & ~many
+        rows["host1"][one] = r.hosts[r.host_ptr[:-1][one]] + 1
+        two = (hc == 2) & ~many
+        rows["host2"][two] = r.hosts[r.host_ptr[:-1][two] + 1] + 1
+        flags[many] |= MANY_HOSTS
+        for k in r.keys[((old & MANY_HOSTS) != 0) & ~many].tolist():
+            del self.many_hosts[k]
+        for i in np.flatnonzero(many).tolist():
+            self.many_hosts[int(r.keys[i])] = r.hosts[r.host_ptr[i]: r.host_ptr[i + 1]].copy()
+        # Epochs: the window's bits in the row; else the map.
+        erow = rows_of(r.epoch_ptr)
+        outside = (r.epochs < 0) | (r.epochs >= EPOCH_WINDOW)
+        far = np.bincount(erow[outside], minlength=n) > 0
+        inw = ~far[erow]
+        # Each record's epochs are distinct: the sum of their bits is their mask (exact in
+        # float64 below 2^16).
+        rows["epochs"] = np.bincount(erow[inw], weights=np.left_shift(1, r.epochs[inw]),
+                                     minlength=n).astype(np.uint16)
+        flags[far] |= FAR_EPOCHS
+        for k in r.keys[((old & FAR_EPOCHS) != 0) & ~far].tolist():
+            del self.far_epochs[k]
+        for i in np.flatnonzero(far).tolist():
+            self.far_epochs[int(r.keys[i])] = r.epochs[r.epoch_ptr[i]: r.epoch_ptr[i + 1]].copy()
+        rows["flags"] = flags
+        self.data[r.keys] = rows
+        self._pend(r.keys, r.steps)
+
+    def _pend(self, keys: np.ndarray, steps: np.ndarray) -> None:
+        """The pending table takes these records' triples (settled below the watermark)."""
+        steps = np.where((steps < self.watermark) & (steps != NO_STEP), SETTLED, steps)
+        live = ((steps != SETTLED) & (steps != NO_STEP)).any(axis=1)
+        if len(self.pending_keys):
+            keep = ~np.isin(self.pending_keys, keys, assume_unique=True)
+            pk = np.r_[self.pending_keys[keep], keys[live]]
+            ps = np.r_[self.pending_steps[keep], steps[live]]
+            order = np.argsort(pk, kind="stable")
+            self.pending_keys, self.pending_steps = pk[order], ps[order]
+        else:
+            self.pending_keys, self.pending_steps = keys[live].copy(), steps[live]
+
+    # ---- the watermark ---------------------------------------------------------------------
+    def observe(self, attempt: int, host: int, host_count: int, last_step: int | None) -> None:
+        """A file of (attempt, host) up to `last_step` was applied."""
+        self.host_count[attempt] = max(host_count, self.host_count.get(attempt, 0))
+        if last_step is not None:
+            key = (attempt, host)
+            self.host_last[key] = max(last_step, self.host_last.get(key, last_step))
+
+    PENDING_MAX = 4_000_000  # pending records kept at most (~100 MB): see settle
+
+    def settle(self) -> None:
+        """Raise the watermark to where every host of the newest attempt has sent files past
+        (none of their starts below it is still to come), and settle the pending steps below
+        it. A host that stopped sending (ended early, died) would hold the watermark for good:
+        past PENDING_MAX pending records it moves on regardless, and a start that arrives
+        below it later takes the exact, slower way (recomputed from the ledger)."""
+        if self.host_count:
+            attempt = max(self.host_count)
+            last = [s for (a, _), s in self.host_last.items() if a == attempt]
+            if len(last) >= self.host_count[attempt]:
+                self.watermark = max(self.watermark, min(last) + 1)
+        if len(self.pending_keys) > self.PENDING_MAX:
+            real = np.where(self.pending_steps == SETTLED, NO_STEP, self.pending_steps)
+            first = np.sort(real.min(axis=1))
+            self.watermark = max(self.watermark, int(first[len(first) // 2]))
+        self.lower(self.watermark)
+
+    def lower(self, watermark: int) -> None:
+        """Set the watermark (a restart lowers it to where its rows were rolled back: the
+        caller has recomputed the records with rows at or after it)."""
+        self.watermark = watermark
+        if len(self.pending_keys):
+            keys, steps = self.pending_keys, self.pending_steps
+            self.pending_keys, self.pending_steps = keys[:0], steps[:0]
+            self._pend(keys, steps)
+
+    # ---- persistence (audit.ledger.snapshot) -----------------------------------------------
+    def extra(self) -> dict[str, np.ndarray]:
+        """Everything beside the rows, as arrays."""
+        def flat(d: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            keys = np.array(sorted(d), np.int64)
+            vals = [d[int(k)] for k in keys]
+            return keys, np.r_[0, np.cumsum([len(v) for v in vals])].astype(np.int64), \
+                (np.concatenate(vals) if vals else np.zeros(0)).astype(np.int64)
+        hk, hp, hv = flat(self.many_hosts)
+        ek, ep, ev = flat(self.far_epochs)
+        hl = np.array([(a, h, s) for (a, h), s in sorted(self.host_last.items())],
+                      np.int64).reshape(-1, 3)
+        return {"level_keys": np.array(list(self.levels), np.int64),
+                "level_values": np.array(list(self.levels.values()), np.int64),
+                "host_keys": hk, "host_ptr": hp, "host_values": hv,
+                "epoch_keys": ek, "epoch_ptr": ep, "epoch_values": ev,
+                "watermark": np.array([self.watermark], np.int64),
+                "pending_keys": self.pending_keys, "pending_steps": self.pending_steps,
+                "host_last": hl,
+                "host_count": np.array(sorted(self.host_count.items()), np.int64).reshape(-1, 2)}
+
+    def restore_extra(self, x: dict[str, np.ndarray]) -> None:
+        self.levels = dict(zip(x["level_keys"].tolist(), x["level_values"].tolist(),
+                               strict=True))
+        self.many_hosts = {int(k): x["host_values"][a:b] for k, a, b in
+                           zip(x["host_keys"], x["host_ptr"][:-1], x["host_ptr"][1:],
+                               strict=True)}
+        self.far_epochs = {int(k): x["epoch_values"][a:b] for k, a, b in
+                           zip(x["epoch_keys"], x["epoch_ptr"][:-1], x["epoch_ptr"][1:],
+                               strict=True)}
+        self.watermark = int(x["watermark"][0])
+        self.pending_keys = x["pending_keys"].astype(np.int64)
+        self.pending_steps = x["pending_steps"].astype(np.int64).reshape(-1, 3)
+        self.host_last = {(int(a), int(h)): int(s) for a, h, s in x["host_last"]}
+        self.host_count = {int(a): int(c) for a, c in x["host_count"]}
+
+    def nbytes(self) -> dict[str, int]:
+        """Memory of the state by part (approximate for the maps' Python objects)."""
+        return {"rows": int(self.size * COMPACT.itemsize),
+                "levels": 100 * len(self.levels),
+                "many_hosts": sum(120 + 8 * len(v) for v in self.many_hosts.values()),
+                "far_epochs": sum(120 + 8 * len(v) for v in self.far_epochs.values()),
+                "pending": int(self.pending_keys.nbytes + self.pending_steps.nbytes)}

@@ -1,14 +1,13 @@
 """The post-hoc answers of the live API, from the ledger the service owns: plain functions over
 a cursor inside the caller's snapshot (audit.ledger.live), in the style of audit.ledger.queries.
 
-`diff`: two runs of one ledger side by side. Work per request is bounded by the records and the
-steps, never the rows: per-record exposures and each record's three earliest exposure steps come
-from the per-record state the service keeps (audit.ledger.state, copied under its lock), the
-per-step counts from `agg_steps`. So a step is compared exactly when every exposure at it is
-among its record's first three: through the step before the earliest third exposure of a record
-seen four times or more (`compared_through_step`); a run of up to three epochs is compared
-whole. Windows of steps stand in for epochs (the state keeps no exposure's epoch). The numbers
-and findings have the shape of `tally diff`'s diff.json (audit.posthoc.diff_report).
+`diff`: two runs of one ledger side by side. Per-record exposures come from the per-record
+state the service keeps (audit.ledger.state, copied under its lock), the per-step counts from
+`agg_steps`, and every exposure's (step, record) from one pass over the two runs' effective
+record starts in the ledger, so every step is compared exactly (the state keeps no step per
+record: it costs what a scan of the two runs costs, once per ledger version). Windows of steps
+stand in for epochs. The numbers and findings have the shape of `tally diff`'s diff.json
+(audit.posthoc.diff_report).
 
 `exposure`: posted content hashes matched to the manifest's records, and the run's exposures of
 them (one scan of the run's consumption, as the record lookup does).
@@ -22,7 +21,7 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from audit.core.exposure import Coverage, verdict
+from audit.core.exposure import Coverage, start_sql, verdict
 from audit.ledger import queries as q
 from audit.posthoc import exposure as ex
 from audit.posthoc.diff_bucket import RUNS
@@ -46,37 +45,30 @@ def _per_step(cur: duckdb.DuckDBPyConnection, run: int, n: int) -> np.ndarray:
     return out
 
 
-def _events(exposures: np.ndarray, steps: np.ndarray, horizon: int | None
-            ) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, keys) of every known exposure (a record's first three) before `horizon`."""
-    parts_s, parts_k = [], []
-    for k in range(3):
-        keys = np.flatnonzero(exposures > k)
-        s = steps[keys, k].astype(np.int64)
-        if horizon is not None:
-            keys, s = keys[s < horizon], s[s < horizon]
-        parts_s.append(s)
-        parts_k.append(keys)
-    return np.concatenate(parts_s), np.concatenate(parts_k).astype(np.int64)
+def _events(cur: duckdb.DuckDBPyConnection, run: int) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, keys) of every effective exposure of the run (its record starts)."""
+    got = cur.execute(f"""SELECT step, record_key FROM effective_consumption
+        WHERE run = ? AND {start_sql()}""", [run]).fetchnumpy()
+    return np.asarray(got["step"], np.int64), np.asarray(got["record_key"], np.int64)
 
 
 def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str, str],
-         states: dict[str, tuple[np.ndarray, np.ndarray]], uni: q.Universe,
+         states: dict[str, np.ndarray], uni: q.Universe,
          manifest: Any | None, points: int = 500, window: int | None = None
          ) -> dict[str, Any]:
-    """Runs `runs['a']` and `runs['b']` compared. `states[r]`: (exposures, three earliest
-    steps) per record key, from the same snapshot; `manifest`: the service's (records,
+    """Runs `runs['a']` and `runs['b']` compared. `states[r]`: exposures per record key, from
+    the same snapshot as `cur`; `manifest`: the service's (records,
     fingerprint), or None; `window`: steps per window (default: about WINDOWS windows)."""
     last = {r: q.last_step(cur, runs[r]) for r in RUNS}
     n_steps = max([-1] + [x for x in last.values() if x is not None]) + 1
     per = {r: _per_step(cur, runs[r], n_steps) for r in RUNS}
 
     # ---- per record: keys of the manifest (else the universe, else every key seen) ----
-    size = max(len(states[r][0]) for r in RUNS)
+    size = max(len(states[r]) for r in RUNS)
     limit = manifest.records if manifest is not None else uni.n if uni.n else size
     e = {}
     for r in RUNS:
-        exp = states[r][0].astype(np.int64)
+        exp = states[r].astype(np.int64)
         e[r] = np.zeros(limit, np.int64)
         e[r][: min(limit, len(exp))] = exp[:limit]
     seen_a, seen_b = e["a"] > 0, e["b"] > 0
@@ -88,19 +80,14 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
                "more_often_b": int((seen_a & (e["b"] > e["a"])).sum())}
     records["neither"] = limit - sum(v for k, v in records.items() if k != "compared")
 
-    # ---- per step, through the horizon where every exposure is known ----
-    third = [states[r][1][states[r][0] > 3, 2] for r in RUNS]
-    horizon = int(min(t.min() for t in third if t.size)) if any(t.size for t in third) \
-        else None
-    ev = {r: _events(*states[r], horizon) for r in RUNS}
+    # ---- per step: every exposure, from the ledger ----
+    ev = {r: _events(cur, runs[r]) for r in RUNS}
     keys_a, keys_b = ev["a"][1], ev["b"][1]
     if size >= 1 << KEY_BITS:  # keys too wide to pack: compare their ranks instead
         codes, _ = dense_codes(np.concatenate([keys_a, keys_b]))
         keys_a, keys_b = codes[: len(keys_a)], codes[len(keys_a):]
     cmp = compare_groups(ev["a"][0], keys_a, ev["b"][0], keys_b, n_steps)
     present = (per["a"][0] > 0) | (per["b"][0] > 0)
-    if horizon is not None:
-        present[horizon:] = False
     same_records = cmp.l1[:n_steps] == 0
     same_shape = (per["a"][:2] == per["b"][:2]).all(axis=0)
     identical = present & same_records & same_shape
@@ -109,7 +96,7 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
     first = int(np.flatnonzero(differ)[0]) if differ.any() else None
 
     # Windows of steps: the same multiset in each, in another order?
-    reach = n_steps if horizon is None else min(n_steps, horizon)
+    reach = n_steps
     w = window or max(1, -(-reach // WINDOWS))
     n_win = -(-n_steps // w)
     win = compare_groups(ev["a"][0] // w, keys_a, ev["b"][0] // w, keys_b, n_win)
@@ -149,8 +136,8 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
             "last_step": last[r], "first_step": int(np.flatnonzero(per[r][0])[0])
             if per[r][0].any() else None,
             "steps": int((per[r][0] > 0).sum()), "exposures": int(per[r][2].sum()),
-            "unknown_keys": int((states[r][0][limit:] > 0).sum()),
-            "unknown_exposures": int(states[r][0][limit:].sum()),
+            "unknown_keys": int((states[r][limit:] > 0).sum()),
+            "unknown_exposures": int(states[r][limit:].sum()),
             "coverage": cov,
             "series": {k: steps[k] for k in ("last_step", "coverage", "ideal_coverage")}}
     compared = int(present.sum())
@@ -161,8 +148,8 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         "status": status,
         "steps_compared": compared, "identical_steps": int(identical.sum()),
         "first_divergent_step": first,
-        "compared_through_step": (n_steps if horizon is None else min(n_steps, horizon)) - 1,
-        "exact": horizon is None or horizon >= n_steps,
+        "compared_through_step": n_steps - 1,
+        "exact": True,
         "steps_only_a": int(((per["a"][0] > 0) & (per["b"][0] == 0) & present).sum()),
         "steps_only_b": int(((per["b"][0] > 0) & (per["a"][0] == 0) & present).sum()),
         "steps_same_records_other_tokens": int((present & same_records & ~same_shape).sum()),
