@@ -50,6 +50,7 @@ from audit.ledger.state import (
     csr,
     group,
     rows_of,
+    spans,
 )
 
 log = logging.getLogger("tally.state")
@@ -209,9 +210,10 @@ class Aggregates:
             inc = _increment(parts, st.watermark, st.get)
             if inc.late.any():
                 self._settle_late(cur, run, inc, int(part[0]), int(part[-1]))
-            st.put(inc.new)
             for seen in inc.seen:
                 st.observe(*seen)
+            st.advance()
+            st.put(inc.new)
             st.settle()
         return int(sizes.sum())
 
@@ -340,15 +342,20 @@ class Aggregates:
                 self._state(s.run).reserve(int(s.new.keys[-1]) + 1)
 
     def commit(self) -> None:
-        touched = set()
+        # A restart's lower watermark first, then the files' hosts (the watermark rises
+        # before the records go in, so that their steps below it never enter the pending
+        # table), then the records, then the pending steps the new watermark settles.
+        touched = {s.run for s in self._pending}
         for s in self._pending:
             st = self._state(s.run)
             if s.lower is not None:
                 st.lower(min(st.watermark, s.lower))
-            st.put(s.new)
             for seen in s.seen:
                 st.observe(*seen)
-            touched.add(s.run)
+        for run in touched:
+            self.runs[run].advance()
+        for s in self._pending:
+            self.runs[s.run].put(s.new)
         for run in touched:
             self.runs[run].settle()
         self._pending = []
@@ -552,6 +559,38 @@ def _cat_ranks(a: tuple, b: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return rank[head][keep], step[head][keep], total[keep]
 
 
+def _masks(r: Records, rows: np.ndarray) -> np.ndarray:
+    """The host sets of the selected records as 64-bit masks (hosts below 64 only)."""
+    counts = r.host_counts[rows]
+    values = r.hosts[spans(r.host_ptr[:-1][rows], counts)]
+    out = np.zeros(len(rows), np.uint64)
+    some = np.flatnonzero(counts)
+    if len(some):
+        at = np.r_[0, np.cumsum(counts[some])[:-1]]
+        out[some] = np.bitwise_or.reduceat(np.left_shift(np.uint64(1), values.astype(np.uint64)),
+                                           at)
+    return out
+
+
+def _mask_pairs(old: Records, new: Records, ch: np.ndarray) -> tuple[tuple, tuple]:
+    """Host-pair and shared-record changes of the records `ch`, for hosts below 64: by
+    distinct host mask (a batch has few), each mask's records counted for every pair of hosts
+    in it through one small matrix product."""
+    rows = np.flatnonzero(ch)
+    masks, d = _net(_masks(new, rows).view(np.int64), _masks(old, rows).view(np.int64))
+    masks = masks.view(np.uint64)
+    width = int(np.bitwise_or.reduce(masks)).bit_length() if len(masks) else 0
+    bits = ((masks[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)
+            ).astype(np.float64)
+    w = d.astype(np.float64)
+    m = (bits.T @ (bits * w[:, None])).round().astype(np.int64)
+    a, b = np.nonzero(m)
+    many = np.bitwise_count(masks) >= 2
+    sh = (w[many] @ bits[many]).round().astype(np.int64) if width else np.zeros(0, np.int64)
+    h = np.flatnonzero(sh)
+    return (a.astype(np.int32), b.astype(np.int32), m[a, b]), (h.astype(np.int32), sh[h])
+
+
 def deltas(old: Records, new: Records) -> Deltas:
     """The agg-table changes between two states of the same records (numpy only)."""
     ranks = _rank_deltas(old.steps, new.steps)
@@ -564,20 +603,24 @@ def deltas(old: Records, new: Records) -> Deltas:
     shared = (np.zeros(0, np.int32), np.zeros(0, np.int64))
     multi = 0
     ok_, nk = old.host_counts, new.host_counts
-    ch = np.flatnonzero(ok_ != nk)  # one state's hosts hold the other's: a change adds or drops
-    if len(ch):
-        o, n = old.take(ch), new.take(ch)
-        hosts = int(max(o.hosts.max(initial=-1), n.hosts.max(initial=-1))) + 1
-        _, o_sh, o_m = host_overlap(rows_of(o.host_ptr), o.hosts,
-                                    np.repeat(o.host_counts, o.host_counts), hosts)
-        _, n_sh, n_m = host_overlap(rows_of(n.host_ptr), n.hosts,
-                                    np.repeat(n.host_counts, n.host_counts), hosts)
-        m = n_m - o_m
-        a, b = np.nonzero(m)
-        pairs = (a.astype(np.int32), b.astype(np.int32), m[a, b])
-        sh = n_sh - o_sh
-        h = np.flatnonzero(sh)
-        shared = (h.astype(np.int32), sh[h])
+    ch = ok_ != nk  # one state's hosts hold the other's: a change adds or drops some
+    if ch.any():
+        hosts = int(max(old.hosts.max(initial=-1), new.hosts.max(initial=-1))) + 1
+        if hosts <= 64:
+            pairs, shared = _mask_pairs(old, new, ch)
+        else:
+            counts = []
+            for r, k in ((old, ok_), (new, nk)):
+                row = rows_of(r.host_ptr)
+                pick = ch[row]  # the pairs of the changed records (grouped by record already)
+                counts.append(host_overlap(row[pick], r.hosts[pick], k[row[pick]], hosts))
+            (_, o_sh, o_m), (_, n_sh, n_m) = counts
+            m = n_m - o_m
+            a, b = np.nonzero(m)
+            pairs = (a.astype(np.int32), b.astype(np.int32), m[a, b])
+            sh = n_sh - o_sh
+            h = np.flatnonzero(sh)
+            shared = (h.astype(np.int32), sh[h])
         multi = int((nk[ch] > 1).sum()) - int((ok_[ch] > 1).sum())
 
     totals = [int((ne > 0).sum()) - int((oe > 0).sum()),

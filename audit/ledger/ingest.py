@@ -122,6 +122,11 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
             if held.get(item.rel) == (st.st_size, st.st_mtime_ns):
                 continue  # known bad and unchanged: reported by `tally ledger`, not again here
             todo.append((item, st))
+        # In step order across hosts (the listing is host by host): the per-record state
+        # settles record starts behind a watermark of the hosts' steps (audit.ledger.state),
+        # and a backfill of a whole spool host by host would put every later host's files
+        # below it.
+        todo.sort(key=_step_order)
         bar = tqdm(total=len(todo), unit="file", desc="ingest", disable=not progress,
                    file=sys.stderr)
         batch: list[_File] = []
@@ -143,6 +148,13 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
         bar.close()
     finally:
         cur.close()
+
+
+def _step_order(entry: tuple) -> tuple:
+    item = entry[0]
+    if isinstance(item, sp.SpoolFile):
+        return (0, item.run_id, item.attempt, item.first_step, item.host, item.kind, item.seq)
+    return (1, item.rel)
 
 
 def _index(ledger: Ledger, cur) -> None:

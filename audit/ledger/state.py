@@ -52,18 +52,56 @@ HOST_CAP = 65534  # hosts 0..HOST_CAP fit a row as host + 1
 
 def csr(rows: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct values per row, sorted, as (pointers [n + 1], values), from (row, value)
-    pairs in any order (values >= 0, below 2^40)."""
+    pairs with rows ascending (values >= 0, below 2^40)."""
     rows, values = np.asarray(rows, np.int64), np.asarray(values, np.int64)
-    code = np.sort(rows << 40 | values)
+    code = rows << 40 | values
+    if len(code) > 1:
+        same = rows[1:] == rows[:-1]
+        if same.any() and not (code[1:][same] > code[:-1][same]).all():
+            # Only the entries of rows with several values need sorting, and rows ascend, so
+            # sorting those entries together sorts each row's block in place.
+            several = np.r_[same, False] | np.r_[False, same]
+            code[several] = np.sort(code[several])
+        if same.any():
+            code = code[np.r_[True, code[1:] != code[:-1]]]
+    ptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(code >> 40, minlength=n), out=ptr[1:])
+    return ptr, code & ((1 << 40) - 1)
+
+
+def union(a_ptr: np.ndarray, a: np.ndarray, b_ptr: np.ndarray, b: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """The row-wise union of two CSRs of distinct sorted values over the same rows (one sort
+    of both: numpy's vectorised sort beats a searchsorted-and-insert merge here, 2x)."""
+    code = np.sort(np.r_[rows_of(a_ptr) << 40 | a, rows_of(b_ptr) << 40 | b])
     if len(code):
         code = code[np.r_[True, code[1:] != code[:-1]]]
-    r = code >> 40
-    return np.searchsorted(r, np.arange(n + 1)), code & ((1 << 40) - 1)
+    ptr = np.zeros(len(a_ptr), np.int64)
+    np.cumsum(np.bincount(code >> 40, minlength=len(a_ptr) - 1), out=ptr[1:])
+    return ptr, code & ((1 << 40) - 1)
+
+
+def _from_counts(counts: np.ndarray) -> np.ndarray:
+    ptr = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    return ptr
+
+
+# The index of the lowest set bit of each 16-bit mask (the epochs of a row, one at a time).
+_LOWEST_BIT = np.zeros(1 << 16, np.int64)
+for _b in range(15, -1, -1):
+    _LOWEST_BIT[(np.arange(1 << 16) >> _b & 1).astype(bool)] = _b
 
 
 def rows_of(ptr: np.ndarray) -> np.ndarray:
     """The row of each value of a CSR."""
-    return np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+    n = len(ptr) - 1
+    if ptr[-1] == n and (n == 0 or ptr[n - 1] == n - 1):  # one value a row, the common case
+        counts = np.diff(ptr)
+        if (counts == 1).all():
+            return np.arange(n)
+        return np.repeat(np.arange(n), counts)
+    return np.repeat(np.arange(n), np.diff(ptr))
 
 
 def _takecsr(ptr: np.ndarray, values: np.ndarray, idx: np.ndarray
@@ -158,11 +196,8 @@ class Records:
             steps = a.copy()
             if len(todo):
                 steps[todo] = _three_smallest(a[todo], b[todo])
-        n = len(self.keys)
-        hp, h = csr(np.r_[rows_of(self.host_ptr), rows_of(inc.host_ptr)],
-                     np.r_[self.hosts, inc.hosts], n)
-        ep, e = csr(np.r_[rows_of(self.epoch_ptr), rows_of(inc.epoch_ptr)],
-                     np.r_[self.epochs, inc.epochs], n)
+        hp, h = union(self.host_ptr, self.hosts, inc.host_ptr, inc.hosts)
+        ep, e = union(self.epoch_ptr, self.epochs, inc.epoch_ptr, inc.epochs)
         # inc's known-epoch exposures either add an epoch to the record or repeat one.
         added = (np.diff(ep) - self.epoch_counts) - inc.epoch_counts
         new_dups = inc.epoch_dups - added
@@ -222,14 +257,20 @@ def group(parts: list[Starts]) -> Records:
     hosts = np.repeat(np.array([p.host for p in parts], np.int64), [len(p.keys) for p in parts])
     base = int(steps.min())
     sbits = (int(steps.max()) - base).bit_length()
-    if int(keys.max()).bit_length() + sbits <= 63:
-        # One int64 per start, (key, step) in that order of significance: a plain sort of it
-        # (SIMD) and one argsort-free gather group by key with steps ascending.
-        code = keys << sbits | (steps - base)
-        order = np.argsort(code, kind="stable")
+    hbits = (int(hosts.max()) + 1).bit_length()
+    ebits = (int(epochs.max()) + 1).bit_length()
+    low = hbits + ebits
+    if (int(keys.max()).bit_length() + sbits + low <= 63 and int(hosts.min()) >= -1
+            and int(epochs.min()) >= -1):
+        # One int64 per start, (key, step, host, epoch) in that order of significance: a
+        # plain sort of it (SIMD, no argsort and no gathers) groups by key, steps ascending.
+        code = keys << (sbits + low) | (steps - base) << low | (hosts + 1) << ebits | (epochs + 1)
+        code.sort()
+        keys, steps = code >> (sbits + low), (code >> low & ((1 << sbits) - 1)) + base
+        hosts, epochs = (code >> ebits & ((1 << hbits) - 1)) - 1, (code & ((1 << ebits) - 1)) - 1
     else:  # keys or a step range too wide to pack
         order = np.lexsort((steps, keys))
-    keys, steps, epochs, hosts = keys[order], steps[order], epochs[order], hosts[order]
+        keys, steps, epochs, hosts = keys[order], steps[order], epochs[order], hosts[order]
     n = len(keys)
     first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
     out = Records.empty(keys[first])
@@ -248,6 +289,23 @@ def group(parts: list[Starts]) -> Records:
     return out
 
 
+def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The positions starts[i] .. starts[i] + counts[i] - 1, for every i in order."""
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
+                                                                   else 0)
+
+
+def _packed(keys: np.ndarray, ptr: np.ndarray, values: np.ndarray, rows: np.ndarray,
+            dtype: str) -> zip:
+    """(key, the row's values as bytes) for the selected rows of a CSR."""
+    idx = np.flatnonzero(rows)
+    width = np.dtype(dtype).itemsize
+    lo, hi = (ptr[idx] * width).tolist(), (ptr[idx + 1] * width).tolist()
+    buf = values.astype(dtype).tobytes()
+    return zip(keys.tolist(), [buf[a:b] for a, b in zip(lo, hi, strict=True)], strict=True)
+
+
 @dataclass
 class RunState:
     """Per-record state of one run, indexed by record key (keys are manifest rows, so dense).
@@ -257,8 +315,11 @@ class RunState:
     data: np.ndarray = field(default_factory=lambda: np.zeros(0, COMPACT))
     top: int = -1  # an upper bound of the keys ever put (it never goes down)
     levels: dict[int, int] = field(default_factory=dict)  # exposures of level-255 records
-    many_hosts: dict[int, np.ndarray] = field(default_factory=dict)  # MANY_HOSTS records
-    far_epochs: dict[int, np.ndarray] = field(default_factory=dict)  # FAR_EPOCHS records
+    # The sets of MANY_HOSTS and FAR_EPOCHS records, as little-endian uint16 hosts and int32
+    # epochs: a bytes object is one small allocation (~40 bytes + the values), and the sets of
+    # a batch's records are joined and read back in one go.
+    many_hosts: dict[int, bytes] = field(default_factory=dict)
+    far_epochs: dict[int, bytes] = field(default_factory=dict)
     watermark: int = SETTLED  # starts below it are settled; none is, at first
     pending_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     pending_steps: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
@@ -307,7 +368,8 @@ class RunState:
         n = len(keys)
         inside = keys < self.size
         rows = np.zeros(n, COMPACT)
-        rows[inside] = self.data[keys[inside]]
+        # Whole rows as one uint64 each: a gather of plain words, 5x a structured one.
+        rows.view(np.uint64)[inside] = np.take(self.data.view(np.uint64), keys[inside])
         out = Records.empty(keys)
         out.exposures = rows["level"].astype(np.int64)
         flags = rows["flags"]
@@ -320,28 +382,40 @@ class RunState:
             pos = np.minimum(np.searchsorted(self.pending_keys, keys), len(self.pending_keys) - 1)
             hit = self.pending_keys[pos] == keys
             out.steps[hit] = self.pending_steps[pos[hit]]
-        # Hosts: the row's two, else the map's.
+        # Hosts: the row's two (stored in order), else the map's; assembled in row order.
         many = (flags & MANY_HOSTS) != 0
         h1, h2 = rows["host1"].astype(np.int64), rows["host2"].astype(np.int64)
-        r = np.r_[np.flatnonzero((h1 > 0) & ~many), np.flatnonzero((h2 > 0) & ~many)]
-        v = np.r_[h1[(h1 > 0) & ~many], h2[(h2 > 0) & ~many]] - 1
-        if many.any():
-            idx = np.flatnonzero(many)
-            sets = [self.many_hosts[int(keys[i])] for i in idx]
-            r = np.r_[r, np.repeat(idx, [len(s) for s in sets])]
-            v = np.r_[v, np.concatenate(sets)]
-        out.host_ptr, out.hosts = csr(r, v, n)
-        # Epochs: the row's window, else the map's.
+        counts = (h1 > 0).astype(np.int64) + (h2 > 0)
+        sets = [self.many_hosts[k] for k in keys[many].tolist()]
+        counts[many] = [len(b) // 2 for b in sets]
+        out.host_ptr = _from_counts(counts)
+        out.hosts = np.empty(int(out.host_ptr[-1]), np.int64)
+        at = out.host_ptr[:-1]
+        one = (h1 > 0) & ~many
+        out.hosts[at[one]] = h1[one] - 1
+        two = (h2 > 0) & ~many
+        out.hosts[at[two] + 1] = h2[two] - 1
+        if sets:
+            out.hosts[spans(at[many], counts[many])] = np.frombuffer(b"".join(sets), "<u2")
+        # Epochs: the row's window (lowest bit first), else the map's.
         far = (flags & FAR_EPOCHS) != 0
-        bits = (rows["epochs"][:, None] >> np.arange(EPOCH_WINDOW, dtype=np.uint16)) & 1
-        bits[far] = 0
-        r, v = np.nonzero(bits)
-        if far.any():
-            idx = np.flatnonzero(far)
-            sets = [self.far_epochs[int(keys[i])] for i in idx]
-            r = np.r_[r, np.repeat(idx, [len(s) for s in sets])]
-            v = np.r_[v, np.concatenate(sets)]
-        out.epoch_ptr, out.epochs = csr(r, v, n)
+        mask = rows["epochs"].astype(np.int64)
+        mask[far] = 0
+        counts = np.bitwise_count(mask).astype(np.int64)
+        sets = [self.far_epochs[k] for k in keys[far].tolist()]
+        counts[far] = [len(b) // 4 for b in sets]
+        out.epoch_ptr = _from_counts(counts)
+        out.epochs = np.empty(int(out.epoch_ptr[-1]), np.int64)
+        idx = np.flatnonzero(mask)
+        pos, m = out.epoch_ptr[idx], mask[idx]
+        while len(idx):
+            out.epochs[pos] = _LOWEST_BIT[m]
+            m &= m - 1
+            more = m != 0
+            idx, pos, m = idx[more], pos[more] + 1, m[more]
+        if sets:
+            out.epochs[spans(out.epoch_ptr[:-1][far], counts[far])] = np.frombuffer(
+                b"".join(sets), "<i4")
         out.dup = (flags & DUP) != 0
         return out
 
@@ -354,8 +428,8 @@ class RunState:
         self.reserve(top + 1)
         self.top = max(self.top, top)
         n = len(r.keys)
-        old = self.data[r.keys]["flags"]
-        old_capped = self.data[r.keys]["level"] == LEVEL_CAP
+        before = np.take(self.data.view(np.uint64), r.keys).view(COMPACT)
+        old, old_capped = before["flags"], before["level"] == LEVEL_CAP
         rows = np.zeros(n, COMPACT)
         rows["level"] = np.minimum(r.exposures, LEVEL_CAP)
         capped = r.exposures >= LEVEL_CAP
@@ -377,8 +451,8 @@ class RunState:
         flags[many] |= MANY_HOSTS
         for k in r.keys[((old & MANY_HOSTS) != 0) & ~many].tolist():
             del self.many_hosts[k]
-        for i in np.flatnonzero(many).tolist():
-            self.many_hosts[int(r.keys[i])] = r.hosts[r.host_ptr[i]: r.host_ptr[i + 1]].copy()
+        if many.any():
+            self.many_hosts.update(_packed(r.keys[many], r.host_ptr, r.hosts, many, "<u2"))
         # Epochs: the window's bits in the row; else the map.
         erow = rows_of(r.epoch_ptr)
         outside = (r.epochs < 0) | (r.epochs >= EPOCH_WINDOW)
@@ -391,22 +465,25 @@ class RunState:
         flags[far] |= FAR_EPOCHS
         for k in r.keys[((old & FAR_EPOCHS) != 0) & ~far].tolist():
             del self.far_epochs[k]
-        for i in np.flatnonzero(far).tolist():
-            self.far_epochs[int(r.keys[i])] = r.epochs[r.epoch_ptr[i]: r.epoch_ptr[i + 1]].copy()
+        if far.any():
+            self.far_epochs.update(_packed(r.keys[far], r.epoch_ptr, r.epochs, far, "<i4"))
         rows["flags"] = flags
-        self.data[r.keys] = rows
+        np.put(self.data.view(np.uint64), r.keys, rows.view(np.uint64))
         self._pend(r.keys, r.steps)
 
     def _pend(self, keys: np.ndarray, steps: np.ndarray) -> None:
         """The pending table takes these records' triples (settled below the watermark)."""
         steps = np.where((steps < self.watermark) & (steps != NO_STEP), SETTLED, steps)
         live = ((steps != SETTLED) & (steps != NO_STEP)).any(axis=1)
-        if len(self.pending_keys):
-            keep = ~np.isin(self.pending_keys, keys, assume_unique=True)
-            pk = np.r_[self.pending_keys[keep], keys[live]]
-            ps = np.r_[self.pending_steps[keep], steps[live]]
-            order = np.argsort(pk, kind="stable")
-            self.pending_keys, self.pending_steps = pk[order], ps[order]
+        pk, ps = self.pending_keys, self.pending_steps
+        if len(pk):
+            # Both sorted: the batch's records replace theirs, the others stay (one merge).
+            pos = np.minimum(np.searchsorted(keys, pk), len(keys) - 1)
+            keep = keys[pos] != pk if len(keys) else np.ones(len(pk), bool)
+            pk, ps = pk[keep], ps[keep]
+            at = np.searchsorted(pk, keys[live])
+            self.pending_keys = np.insert(pk, at, keys[live])
+            self.pending_steps = np.insert(ps, at, steps[live], axis=0)
         else:
             self.pending_keys, self.pending_steps = keys[live].copy(), steps[live]
 
@@ -420,17 +497,23 @@ class RunState:
 
     PENDING_MAX = 4_000_000  # pending records kept at most (~100 MB): see settle
 
-    def settle(self) -> None:
-        """Raise the watermark to where every host of the newest attempt has sent files past
-        (none of their starts below it is still to come), and settle the pending steps below
-        it. A host that stopped sending (ended early, died) would hold the watermark for good:
-        past PENDING_MAX pending records it moves on regardless, and a start that arrives
-        below it later takes the exact, slower way (recomputed from the ledger)."""
+    def advance(self) -> None:
+        """Raise the watermark to where every host of the newest attempt has sent files
+        (none of their starts below it is still to come: a host's files come in step order;
+        its next file may go on with its last step). Pending steps are settled by `settle`;
+        a `put` after this settles its own records' steps below it."""
         if self.host_count:
             attempt = max(self.host_count)
             last = [s for (a, _), s in self.host_last.items() if a == attempt]
             if len(last) >= self.host_count[attempt]:
-                self.watermark = max(self.watermark, min(last) + 1)
+                self.watermark = max(self.watermark, min(last))
+
+    def settle(self) -> None:
+        """`advance`, and settle the pending steps below the watermark. A host that stopped
+        sending (ended early, died) would hold the watermark for good: past PENDING_MAX
+        pending records it moves on regardless, and a start that arrives below it later takes
+        the exact, slower way (recomputed from the ledger)."""
+        self.advance()
         if len(self.pending_keys) > self.PENDING_MAX:
             real = np.where(self.pending_steps == SETTLED, NO_STEP, self.pending_steps)
             first = np.sort(real.min(axis=1))
@@ -449,19 +532,18 @@ class RunState:
     # ---- persistence (audit.ledger.snapshot) -----------------------------------------------
     def extra(self) -> dict[str, np.ndarray]:
         """Everything beside the rows, as arrays."""
-        def flat(d: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            keys = np.array(sorted(d), np.int64)
-            vals = [d[int(k)] for k in keys]
-            return keys, np.r_[0, np.cumsum([len(v) for v in vals])].astype(np.int64), \
-                (np.concatenate(vals) if vals else np.zeros(0)).astype(np.int64)
+        def flat(d: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            keys = np.array(list(d), np.int64)
+            lengths = np.array([len(v) for v in d.values()], np.int64)
+            return keys, lengths, np.frombuffer(b"".join(d.values()), np.uint8)
         hk, hp, hv = flat(self.many_hosts)
         ek, ep, ev = flat(self.far_epochs)
         hl = np.array([(a, h, s) for (a, h), s in sorted(self.host_last.items())],
                       np.int64).reshape(-1, 3)
         return {"level_keys": np.array(list(self.levels), np.int64),
                 "level_values": np.array(list(self.levels.values()), np.int64),
-                "host_keys": hk, "host_ptr": hp, "host_values": hv,
-                "epoch_keys": ek, "epoch_ptr": ep, "epoch_values": ev,
+                "host_keys": hk, "host_bytes": hp, "host_values": hv,
+                "epoch_keys": ek, "epoch_bytes": ep, "epoch_values": ev,
                 "watermark": np.array([self.watermark], np.int64),
                 "pending_keys": self.pending_keys, "pending_steps": self.pending_steps,
                 "host_last": hl,
@@ -470,12 +552,14 @@ class RunState:
     def restore_extra(self, x: dict[str, np.ndarray]) -> None:
         self.levels = dict(zip(x["level_keys"].tolist(), x["level_values"].tolist(),
                                strict=True))
-        self.many_hosts = {int(k): x["host_values"][a:b] for k, a, b in
-                           zip(x["host_keys"], x["host_ptr"][:-1], x["host_ptr"][1:],
-                               strict=True)}
-        self.far_epochs = {int(k): x["epoch_values"][a:b] for k, a, b in
-                           zip(x["epoch_keys"], x["epoch_ptr"][:-1], x["epoch_ptr"][1:],
-                               strict=True)}
+        def unflat(keys: np.ndarray, lengths: np.ndarray, values: np.ndarray
+                   ) -> dict[int, bytes]:
+            buf, ends = values.tobytes(), np.cumsum(lengths).tolist()
+            return dict(zip(keys.tolist(), [buf[b - n: b] for b, n in
+                                            zip(ends, lengths.tolist(), strict=True)],
+                            strict=True))
+        self.many_hosts = unflat(x["host_keys"], x["host_bytes"], x["host_values"])
+        self.far_epochs = unflat(x["epoch_keys"], x["epoch_bytes"], x["epoch_values"])
         self.watermark = int(x["watermark"][0])
         self.pending_keys = x["pending_keys"].astype(np.int64)
         self.pending_steps = x["pending_steps"].astype(np.int64).reshape(-1, 3)
@@ -486,6 +570,6 @@ class RunState:
         """Memory of the state by part (approximate for the maps' Python objects)."""
         return {"rows": int(self.size * COMPACT.itemsize),
                 "levels": 100 * len(self.levels),
-                "many_hosts": sum(120 + 8 * len(v) for v in self.many_hosts.values()),
-                "far_epochs": sum(120 + 8 * len(v) for v in self.far_epochs.values()),
+                "many_hosts": sum(100 + len(v) for v in self.many_hosts.values()),
+                "far_epochs": sum(100 + len(v) for v in self.far_epochs.values()),
                 "pending": int(self.pending_keys.nbytes + self.pending_steps.nbytes)}
