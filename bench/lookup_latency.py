@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 "index_p99": float(np.percentile(fast, 99))}
             # The whole index at once, from the ledger (an existing ledger's first start).
             shutil.rmtree(index.dir)
-            fresh = LookupIndex(index.dir)
+            fresh = LookupIndex(index.dir, index.owner)
             t0 = time.perf_counter()
             while fresh.catch_up(cur):
                 pass

@@ -145,7 +145,11 @@ def test_a_merge_killed_before_it_removed_its_inputs_counts_nothing_twice(tmp_pa
         ingest(spool, ledger, batch_rows=200)
     d = path.parent / "l.duckdb.lookup"
     (first,) = [p for p in d.iterdir() if p.name.startswith("key-000000000000-")]
-    run = lookup._read_run(first)
+    with Ledger(path) as ledger:
+        cur = ledger.cursor()
+        owner = lookup._owner(cur)  # runs name their ledger
+        cur.close()
+    run = lookup._read_run(first, owner)
     # The merge's inputs as they were: the merged run split in two, both kept beside it.
     ids = np.unique(np.asarray(run.file_ids))
     mid = int(ids[len(ids) // 2])
@@ -153,7 +157,7 @@ def test_a_merge_killed_before_it_removed_its_inputs_counts_nothing_twice(tmp_pa
     for lo, hi, sel in ((0, mid, run.file_ids <= mid), (mid, run.hi, run.file_ids > mid)):
         order = np.argsort(np.asarray(run.values)[sel], kind="stable")
         lookup._write_run(d, "key", lo, hi, 0, np.asarray(run.values)[sel][order],
-                          np.asarray(run.file_ids)[sel][order])
+                          np.asarray(run.file_ids)[sel][order], owner)
     index = _check(path)
     assert [r.hi for r in index.coverage.runs["key"]][0] == run.hi  # the widest was kept
 

@@ -14,9 +14,9 @@ their min/max, and files were inserted in file-id order. Files the index does no
 and a missing, stale or damaged index costs speed, never a wrong answer.
 
 Crash safety: runs are derived data. Each is written to a temporary name, fsynced and renamed;
-on load a run is kept only if its header matches the ledger's `segments` (the files and rows of
-its file-id range), and the watermark is the end of the contiguous runs from the start. Rows
-ingested after it are indexed again from `consumption`.
+on load a run is kept only if its header names this ledger (its id) and matches the ledger's
+`segments` (the files and rows of its file-id range), and the watermark is the end of the
+contiguous runs from the start. Rows ingested after it are indexed again from `consumption`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import xxhash
 
 log = logging.getLogger("tally.lookup")
 
@@ -40,7 +41,7 @@ CHUNK_ROWS = 2**23  # rows indexed per catch_up call at most: a backlog drains b
 MERGE_RATIO = 4  # a run merges into the one before it once it is at least 1/4 of its size
 _MAGIC = b"TLYLKP1\0"
 _HEADER = np.dtype([("magic", "S8"), ("lo", "<i8"), ("hi", "<i8"), ("rows", "<i8"),
-                    ("files", "<i8"), ("pad", "<i8", (3,))])  # 64 bytes
+                    ("files", "<i8"), ("owner", "<i8"), ("pad", "<i8", (2,))])  # 64 bytes
 _NAME = re.compile(r"^(key|hash)-(\d{12})-(\d{12})\.run$")
 
 
@@ -83,8 +84,9 @@ class LookupIndex:
     """The lookup index of one ledger. One writer (the ingesting thread, `catch_up`); readers
     take `coverage` once per lookup (an immutable snapshot)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, owner: int = 0) -> None:
         self.dir = Path(directory)
+        self.owner = owner  # the ledger's id as a number, in every run's header
         self.coverage = Coverage(0, {k: () for k in KINDS})
         self._write = threading.Lock()
 
@@ -92,16 +94,19 @@ class LookupIndex:
     @classmethod
     def open(cls, ledger_path: Path, cur: duckdb.DuckDBPyConnection) -> LookupIndex:
         """The index beside `ledger_path`, keeping the runs that agree with the ledger."""
-        index = cls(Path(f"{ledger_path}.lookup"))
+        index = cls(Path(f"{ledger_path}.lookup"), _owner(cur))
         found: dict[str, list[Run]] = {k: [] for k in KINDS}
         if index.dir.is_dir():
             for path in sorted(index.dir.iterdir()):
                 if path.name.startswith("."):  # a temporary left by a killed writer
                     path.unlink(missing_ok=True)
                     continue
-                run = _read_run(path)
+                run = _read_run(path, index.owner)
                 if run is None:
-                    log.warning("lookup index: %s is damaged; it is rebuilt", path.name)
+                    # The same file and row counts are no proof: another ledger's index at
+                    # this path (a copy, a restore) would agree with them and answer wrong.
+                    log.warning("lookup index: %s is damaged or of another ledger; it is "
+                                "rebuilt", path.name)
                     path.unlink(missing_ok=True)
                     continue
                 found[run.kind].append(run)
@@ -157,8 +162,8 @@ class LookupIndex:
                     values = np.asarray(got[col]).astype(dtype, copy=False)
                     order = np.argsort(values, kind="stable")
                     new = _write_run(self.dir, kind, cov.upto, hi, last, values[order],
-                                     fid[order])
-                    runs[kind] = _merged(self.dir, (*cov.runs[kind], new))
+                                     fid[order], self.owner)
+                    runs[kind] = _merged(self.dir, (*cov.runs[kind], new), self.owner)
                 self.coverage = Coverage(hi, runs)
                 done += want
             return done
@@ -187,13 +192,19 @@ def _path(directory: Path, kind: str, lo: int, hi: int) -> Path:
     return directory / f"{kind}-{lo:012d}-{hi:012d}.run"
 
 
+def _owner(cur: duckdb.DuckDBPyConnection) -> int:
+    """The ledger's id as the number run headers carry (0 for a ledger without one)."""
+    row = cur.execute("SELECT value FROM meta WHERE key = 'ledger_id'").fetchall()
+    return xxhash.xxh3_64_intdigest(str(row[0][0]).encode()) >> 1 if row else 0
+
+
 def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, values: np.ndarray,
-               file_ids: np.ndarray) -> Run:
+               file_ids: np.ndarray, owner: int = 0) -> Run:
     directory.mkdir(parents=True, exist_ok=True)
     path = _path(directory, kind, lo, hi)
     tmp = directory / f".{path.name}.{os.getpid()}.tmp"
     header = np.zeros(1, _HEADER)
-    header[0] = (_MAGIC, lo, hi, len(values), files, (0, 0, 0))
+    header[0] = (_MAGIC, lo, hi, len(values), files, owner, (0, 0))
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
         f.write(np.ascontiguousarray(values, KINDS[kind][1]).tobytes())
@@ -206,13 +217,13 @@ def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, values:
         os.fsync(fd)
     finally:
         os.close(fd)
-    run = _read_run(path)
+    run = _read_run(path, owner)
     assert run is not None
     return run
 
 
-def _read_run(path: Path) -> Run | None:
-    """The run in `path`, or None when its name, header or size disagree."""
+def _read_run(path: Path, owner: int = 0) -> Run | None:
+    """The run in `path`, or None when its name, header, owner or size disagree."""
     m = _NAME.match(path.name)
     if m is None:
         return None
@@ -224,7 +235,8 @@ def _read_run(path: Path) -> Run | None:
         header = np.fromfile(path, _HEADER, count=1)[0]
         n = int(header["rows"])
         if (bytes(header["magic"]) != _MAGIC.rstrip(b"\0") or int(header["lo"]) != lo
-                or int(header["hi"]) != hi or n < 0 or size != _HEADER.itemsize + 12 * n):
+                or int(header["hi"]) != hi or n < 0 or size != _HEADER.itemsize + 12 * n
+                or int(header["owner"]) != owner):
             return None
         dtype = KINDS[kind][1]
         if n == 0:
@@ -288,7 +300,7 @@ def _agreeing(cur: duckdb.DuckDBPyConnection, runs: dict[str, tuple[Run, ...]]) 
     return upto
 
 
-def _merged(directory: Path, runs: tuple[Run, ...]) -> tuple[Run, ...]:
+def _merged(directory: Path, runs: tuple[Run, ...], owner: int = 0) -> tuple[Run, ...]:
     """Merge the newest runs while the newest is at least 1 / MERGE_RATIO of the one before
     (and the result stays under RUN_ROWS): O(log rows) runs, each pair rewritten O(log) times."""
     runs = list(runs)
@@ -299,7 +311,7 @@ def _merged(directory: Path, runs: tuple[Run, ...]) -> tuple[Run, ...]:
         values = np.concatenate([a.values, b.values])
         order = np.argsort(values, kind="stable")
         merged = _write_run(directory, a.kind, a.lo, b.hi, a.files + b.files, values[order],
-                            np.concatenate([a.file_ids, b.file_ids])[order])
+                            np.concatenate([a.file_ids, b.file_ids])[order], owner)
         for old in (a, b):
             _path(directory, old.kind, old.lo, old.hi).unlink(missing_ok=True)
         runs[-2:] = [merged]

@@ -289,6 +289,18 @@ def group(parts: list[Starts]) -> Records:
     return out
 
 
+def _settled(steps: np.ndarray, watermark: int) -> np.ndarray:
+    """Triples with their steps below the watermark as SETTLED."""
+    if watermark == SETTLED:
+        return steps
+    return np.where((steps < watermark) & (steps != NO_STEP), SETTLED, steps)
+
+
+def _live(steps: np.ndarray) -> np.ndarray:
+    """Triples with a step at or after the watermark (after `_settled`)."""
+    return ((steps != SETTLED) & (steps != NO_STEP)).any(axis=1)
+
+
 def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The positions starts[i] .. starts[i] + counts[i] - 1, for every i in order."""
     ends = np.cumsum(counts)
@@ -321,8 +333,9 @@ class RunState:
     many_hosts: dict[int, bytes] = field(default_factory=dict)
     far_epochs: dict[int, bytes] = field(default_factory=dict)
     watermark: int = SETTLED  # starts below it are settled; none is, at first
-    pending_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    pending_steps: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    # The pending table as runs of (sorted keys, their triples), one a batch, disjoint: a new
+    # run takes its records out of the older ones (a filter), never a merge of sorted arrays.
+    pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     host_last: dict[tuple[int, int], int] = field(default_factory=dict)  # (attempt, host)
     host_count: dict[int, int] = field(default_factory=dict)  # attempt -> hosts
 
@@ -378,10 +391,10 @@ class RunState:
         # Steps: the pending table's, else SETTLED for each exposure up to three.
         e3 = np.minimum(out.exposures, 3)
         out.steps[np.arange(3) < e3[:, None]] = SETTLED
-        if len(self.pending_keys) and n:
-            pos = np.minimum(np.searchsorted(self.pending_keys, keys), len(self.pending_keys) - 1)
-            hit = self.pending_keys[pos] == keys
-            out.steps[hit] = self.pending_steps[pos[hit]]
+        for pk, ps in self.pending if n else ():
+            pos = np.minimum(np.searchsorted(pk, keys), len(pk) - 1)
+            hit = pk[pos] == keys
+            out.steps[hit] = ps[pos[hit]]
         # Hosts: the row's two (stored in order), else the map's; assembled in row order.
         many = (flags & MANY_HOSTS) != 0
         h1, h2 = rows["host1"].astype(np.int64), rows["host2"].astype(np.int64)
@@ -473,19 +486,29 @@ class RunState:
 
     def _pend(self, keys: np.ndarray, steps: np.ndarray) -> None:
         """The pending table takes these records' triples (settled below the watermark)."""
-        steps = np.where((steps < self.watermark) & (steps != NO_STEP), SETTLED, steps)
-        live = ((steps != SETTLED) & (steps != NO_STEP)).any(axis=1)
-        pk, ps = self.pending_keys, self.pending_steps
-        if len(pk):
-            # Both sorted: the batch's records replace theirs, the others stay (one merge).
+        steps = _settled(steps, self.watermark)
+        live = _live(steps)
+        runs = []
+        for pk, ps in self.pending:
             pos = np.minimum(np.searchsorted(keys, pk), len(keys) - 1)
-            keep = keys[pos] != pk if len(keys) else np.ones(len(pk), bool)
-            pk, ps = pk[keep], ps[keep]
-            at = np.searchsorted(pk, keys[live])
-            self.pending_keys = np.insert(pk, at, keys[live])
-            self.pending_steps = np.insert(ps, at, steps[live], axis=0)
-        else:
-            self.pending_keys, self.pending_steps = keys[live].copy(), steps[live]
+            keep = keys[pos] != pk
+            if keep.any():
+                runs.append((pk[keep], ps[keep]) if not keep.all() else (pk, ps))
+        if live.any():
+            runs.append((keys[live], steps[live]))
+        if len(runs) > 8:  # a few runs at most: each costs a search per lookup
+            pk = np.concatenate([k for k, _ in runs])
+            order = np.argsort(pk, kind="stable")
+            runs = [(pk[order], np.concatenate([v for _, v in runs])[order])]
+        self.pending = runs
+
+    def _pending_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pending table as one sorted (keys, triples)."""
+        if not self.pending:
+            return np.zeros(0, np.int64), np.zeros((0, 3), np.int64)
+        pk = np.concatenate([k for k, _ in self.pending])
+        order = np.argsort(pk, kind="stable")
+        return pk[order], np.concatenate([v for _, v in self.pending])[order]
 
     # ---- the watermark ---------------------------------------------------------------------
     def observe(self, attempt: int, host: int, host_count: int, last_step: int | None) -> None:
@@ -514,8 +537,9 @@ class RunState:
         pending records it moves on regardless, and a start that arrives below it later takes
         the exact, slower way (recomputed from the ledger)."""
         self.advance()
-        if len(self.pending_keys) > self.PENDING_MAX:
-            real = np.where(self.pending_steps == SETTLED, NO_STEP, self.pending_steps)
+        if sum(len(k) for k, _ in self.pending) > self.PENDING_MAX:
+            real = np.concatenate([v for _, v in self.pending])
+            real = np.where(real == SETTLED, NO_STEP, real)
             first = np.sort(real.min(axis=1))
             self.watermark = max(self.watermark, int(first[len(first) // 2]))
         self.lower(self.watermark)
@@ -524,10 +548,13 @@ class RunState:
         """Set the watermark (a restart lowers it to where its rows were rolled back: the
         caller has recomputed the records with rows at or after it)."""
         self.watermark = watermark
-        if len(self.pending_keys):
-            keys, steps = self.pending_keys, self.pending_steps
-            self.pending_keys, self.pending_steps = keys[:0], steps[:0]
-            self._pend(keys, steps)
+        runs = []
+        for pk, ps in self.pending:
+            ps = _settled(ps, watermark)
+            live = _live(ps)
+            if live.any():
+                runs.append((pk[live], ps[live]))
+        self.pending = runs
 
     # ---- persistence (audit.ledger.snapshot) -----------------------------------------------
     def extra(self) -> dict[str, np.ndarray]:
@@ -536,6 +563,7 @@ class RunState:
             keys = np.array(list(d), np.int64)
             lengths = np.array([len(v) for v in d.values()], np.int64)
             return keys, lengths, np.frombuffer(b"".join(d.values()), np.uint8)
+        pending = self._pending_table()
         hk, hp, hv = flat(self.many_hosts)
         ek, ep, ev = flat(self.far_epochs)
         hl = np.array([(a, h, s) for (a, h), s in sorted(self.host_last.items())],
@@ -545,7 +573,7 @@ class RunState:
                 "host_keys": hk, "host_bytes": hp, "host_values": hv,
                 "epoch_keys": ek, "epoch_bytes": ep, "epoch_values": ev,
                 "watermark": np.array([self.watermark], np.int64),
-                "pending_keys": self.pending_keys, "pending_steps": self.pending_steps,
+                "pending_keys": pending[0], "pending_steps": pending[1],
                 "host_last": hl,
                 "host_count": np.array(sorted(self.host_count.items()), np.int64).reshape(-1, 2)}
 
@@ -561,8 +589,9 @@ class RunState:
         self.many_hosts = unflat(x["host_keys"], x["host_bytes"], x["host_values"])
         self.far_epochs = unflat(x["epoch_keys"], x["epoch_bytes"], x["epoch_values"])
         self.watermark = int(x["watermark"][0])
-        self.pending_keys = x["pending_keys"].astype(np.int64)
-        self.pending_steps = x["pending_steps"].astype(np.int64).reshape(-1, 3)
+        keys = x["pending_keys"].astype(np.int64)
+        self.pending = [(keys, x["pending_steps"].astype(np.int64).reshape(-1, 3))] \
+            if len(keys) else []
         self.host_last = {(int(a), int(h)): int(s) for a, h, s in x["host_last"]}
         self.host_count = {int(a): int(c) for a, c in x["host_count"]}
 
@@ -572,4 +601,4 @@ class RunState:
                 "levels": 100 * len(self.levels),
                 "many_hosts": sum(100 + len(v) for v in self.many_hosts.values()),
                 "far_epochs": sum(100 + len(v) for v in self.far_epochs.values()),
-                "pending": int(self.pending_keys.nbytes + self.pending_steps.nbytes)}
+                "pending": sum(int(k.nbytes + v.nbytes) for k, v in self.pending)}
