@@ -107,3 +107,16 @@ def test_seed_scale_benchmark_runs(tmp_path):
     assert set(res["live"]["p99_concurrent"]) == set(res["live"]["p99"])
     assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
     assert not (tmp_path / "s").exists()  # the data is removed
+
+
+def test_state_size_benchmark_runs():
+    from bench import state_size
+
+    res = state_size.main(["--records", "4000", "--hosts", "16", "--rows-per-batch", "1000"])
+    healthy, faulty, long = res["healthy"], res["per_host_seed"], res["many_epochs"]
+    # A healthy loader keeps nearly everything in the 8-byte rows; sampling with replacement
+    # spills the records on 3+ hosts, a 20-epoch run the epochs beyond 15.
+    assert healthy["bytes"]["rows"] >= 8 * 4000 and healthy["many_hosts"] == 0
+    assert faulty["many_hosts"] > 0 and long["far_epochs"] > 0
+    assert healthy["per_record"] < faulty["per_record"]
+    assert healthy["ref"]["seconds"] > 0

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import duckdb
@@ -132,7 +132,7 @@ class Aggregates:
                 every = set(rebuild) == set(counts)  # the plain scan when all runs rebuild
                 for run in rebuild:
                     _watch(cur, run, agg._state(run))
-                for run, rec in _ledger_records(cur, None if every else list(rebuild)).items():
+                for run, rec in _ledger_batches(cur, None if every else list(rebuild)):
                     agg._state(run).put(rec)
                 seconds = time.monotonic() - t0
                 for run, why in rebuild.items():
@@ -438,12 +438,27 @@ def _rolled_back_keys(cur: duckdb.DuckDBPyConnection, run: int,
     return np.sort(np.asarray(keys, np.int64))
 
 
+LEDGER_BATCH = 1 << 22  # records a batch when the state is read from the ledger
+
+
 def _ledger_records(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = None,
                     keys: np.ndarray | None = None, *, upto: int | None = None,
                     cuts: dict[int, int | None] | None = None) -> dict[int, Records]:
+    """Per-record state straight from the ledger (`_ledger_batches`), each run's in one."""
+    out: dict[int, list[Records]] = {}
+    for run, rec in _ledger_batches(cur, runs, keys, upto=upto, cuts=cuts):
+        out.setdefault(run, []).append(rec)
+    return {run: Records.concat(parts) for run, parts in out.items()}
+
+
+def _ledger_batches(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = None,
+                    keys: np.ndarray | None = None, *, upto: int | None = None,
+                    cuts: dict[int, int | None] | None = None) -> Iterator[tuple[int, Records]]:
     """Per-record state straight from the ledger's effective record starts: all runs, some
     runs, or some keys of one run; of the files up to file id `upto`; under the restart
-    lineage `cuts` (attempt -> rolled_back_from_step of the one run) instead of the ledger's."""
+    lineage `cuts` (attempt -> rolled_back_from_step of the one run) instead of the ledger's.
+    Streamed in record order, LEDGER_BATCH records at a time (a rebuild of billions of
+    records never holds them all)."""
     where, params = [], []
     if runs is not None:
         where.append("c.run IN (SELECT unnest(?))")
@@ -462,7 +477,7 @@ def _ledger_records(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = Non
             "rolled_back_from_step": pa.array(list(cuts.values()), pa.int64())}))
         lineage = "recompute_cuts"
     try:
-        res = cur.execute(f"""
+        reader = cur.sql(f"""
             SELECT c.run, c.record_key, count(*) AS exposures, min(c.step, 3) AS earliest,
                    coalesce(list(DISTINCT c.host) FILTER (WHERE c.host >= 0), []) AS hosts,
                    coalesce(list(DISTINCT c.epoch) FILTER (WHERE c.epoch >= 0), []) AS epochs,
@@ -470,39 +485,42 @@ def _ledger_records(cur: duckdb.DuckDBPyConnection, runs: list[int] | None = Non
             FROM consumption c JOIN {lineage} a USING (run, attempt)
             WHERE {start_sql("c")} AND {effective_sql("c", "a")}
                   {"".join(" AND " + w for w in where)}
-            GROUP BY ALL ORDER BY c.run, c.record_key""", params).to_arrow_table()
+            GROUP BY ALL ORDER BY c.run, c.record_key""", params=params).to_arrow_reader(
+            LEDGER_BATCH)
+        for batch in reader:
+            runs_col = batch.column("run").to_numpy()
+            for r in np.unique(runs_col):
+                yield int(r), _records_of(batch.filter(pa.array(runs_col == r)))
     finally:
         if keys is not None:
             cur.unregister("recompute_keys")
         if cuts is not None:
             cur.unregister("recompute_cuts")
-    out = {}
-    runs_col = res["run"].to_numpy()
-    for r in np.unique(runs_col):
-        m = np.flatnonzero(runs_col == r)
-        part = res.take(m)
-        n = len(m)
-        rec = Records.empty(part["record_key"].to_numpy().astype(np.int64))
-        rec.exposures = part["exposures"].to_numpy().astype(np.int64)
-        for name, target in (("earliest", "steps"), ("hosts", "host"), ("epochs", "epoch")):
-            col = part[name].combine_chunks()
-            off = col.offsets.to_numpy().astype(np.int64)
-            vals = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
-            off, vals = off - off[0], vals[off[0]: off[-1]]
-            if target == "steps":
-                counts = np.diff(off)
-                for j in range(3):
-                    ok = np.flatnonzero(counts > j)
-                    rec.steps[ok, j] = vals[off[ok] + j]
-            else:
-                rows = np.repeat(np.arange(n), np.diff(off))
-                ptr, v = csr(rows, vals, n)
-                setattr(rec, f"{target}_ptr", ptr)
-                setattr(rec, f"{target}s", v)
-        rec.epoch_dups = part["epoch_exposures"].to_numpy().astype(np.int64) - rec.epoch_counts
-        rec.dup = rec.epoch_dups > 0
-        out[int(r)] = rec
-    return out
+
+
+def _records_of(part: pa.RecordBatch) -> Records:
+    """Records from rows of `_ledger_batches`' query."""
+    n = part.num_rows
+    rec = Records.empty(part.column("record_key").to_numpy().astype(np.int64))
+    rec.exposures = part.column("exposures").to_numpy().astype(np.int64)
+    for name, target in (("earliest", "steps"), ("hosts", "host"), ("epochs", "epoch")):
+        col = part.column(name)
+        off = col.offsets.to_numpy().astype(np.int64)
+        vals = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        off, vals = off - off[0], vals[off[0]: off[-1]]
+        if target == "steps":
+            counts = np.diff(off)
+            for j in range(3):
+                ok = np.flatnonzero(counts > j)
+                rec.steps[ok, j] = vals[off[ok] + j]
+        else:
+            ptr, v = csr(np.repeat(np.arange(n), np.diff(off)), vals, n)
+            setattr(rec, f"{target}_ptr", ptr)
+            setattr(rec, f"{target}s", v)
+    rec.epoch_dups = part.column("epoch_exposures").to_numpy().astype(np.int64) - \
+        rec.epoch_counts
+    rec.dup = rec.epoch_dups > 0
+    return rec
 
 
 def _tally(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -52,9 +52,9 @@ HOST_CAP = 65534  # hosts 0..HOST_CAP fit a row as host + 1
 
 def csr(rows: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct values per row, sorted, as (pointers [n + 1], values), from (row, value)
-    pairs with rows ascending (values >= 0, below 2^40)."""
+    pairs with rows ascending (rows below 2^31; values >= 0, below 2^32: hosts, epochs)."""
     rows, values = np.asarray(rows, np.int64), np.asarray(values, np.int64)
-    code = rows << 40 | values
+    code = rows << 32 | values
     if len(code) > 1:
         same = rows[1:] == rows[:-1]
         if same.any() and not (code[1:][same] > code[:-1][same]).all():
@@ -65,20 +65,20 @@ def csr(rows: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.nd
         if same.any():
             code = code[np.r_[True, code[1:] != code[:-1]]]
     ptr = np.zeros(n + 1, np.int64)
-    np.cumsum(np.bincount(code >> 40, minlength=n), out=ptr[1:])
-    return ptr, code & ((1 << 40) - 1)
+    np.cumsum(np.bincount(code >> 32, minlength=n), out=ptr[1:])
+    return ptr, code & ((1 << 32) - 1)
 
 
 def union(a_ptr: np.ndarray, a: np.ndarray, b_ptr: np.ndarray, b: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray]:
     """The row-wise union of two CSRs of distinct sorted values over the same rows (one sort
     of both: numpy's vectorised sort beats a searchsorted-and-insert merge here, 2x)."""
-    code = np.sort(np.r_[rows_of(a_ptr) << 40 | a, rows_of(b_ptr) << 40 | b])
+    code = np.sort(np.r_[rows_of(a_ptr) << 32 | a, rows_of(b_ptr) << 32 | b])
     if len(code):
         code = code[np.r_[True, code[1:] != code[:-1]]]
     ptr = np.zeros(len(a_ptr), np.int64)
-    np.cumsum(np.bincount(code >> 40, minlength=len(a_ptr) - 1), out=ptr[1:])
-    return ptr, code & ((1 << 40) - 1)
+    np.cumsum(np.bincount(code >> 32, minlength=len(a_ptr) - 1), out=ptr[1:])
+    return ptr, code & ((1 << 32) - 1)
 
 
 def _from_counts(counts: np.ndarray) -> np.ndarray:
