@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from audit.core.exposure import effective_before, starts
+from audit.ledger.setmap import SetMap
 
 NO_STEP = np.iinfo(np.int64).max  # fewer than three exposures: steps are int64 end to end
 SETTLED = np.iinfo(np.int64).min  # an exposure below the watermark, already counted
@@ -104,7 +105,7 @@ def rows_of(ptr: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(n), np.diff(ptr))
 
 
-def _takecsr(ptr: np.ndarray, values: np.ndarray, idx: np.ndarray
+def _take_csr(ptr: np.ndarray, values: np.ndarray, idx: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
     counts = np.diff(ptr)[idx]
     out = np.r_[0, np.cumsum(counts)]
@@ -147,8 +148,8 @@ class Records:
 
     def take(self, idx: np.ndarray) -> Records:
         idx = np.asarray(idx, np.int64)
-        hp, h = _takecsr(self.host_ptr, self.hosts, idx)
-        ep, e = _takecsr(self.epoch_ptr, self.epochs, idx)
+        hp, h = _take_csr(self.host_ptr, self.hosts, idx)
+        ep, e = _take_csr(self.epoch_ptr, self.epochs, idx)
         return Records(self.keys[idx], self.exposures[idx], self.steps[idx], hp, h, ep, e,
                        self.epoch_dups[idx], self.dup[idx])
 
@@ -308,16 +309,6 @@ def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
                                                                    else 0)
 
 
-def _packed(keys: np.ndarray, ptr: np.ndarray, values: np.ndarray, rows: np.ndarray,
-            dtype: str) -> zip:
-    """(key, the row's values as bytes) for the selected rows of a CSR."""
-    idx = np.flatnonzero(rows)
-    width = np.dtype(dtype).itemsize
-    lo, hi = (ptr[idx] * width).tolist(), (ptr[idx + 1] * width).tolist()
-    buf = values.astype(dtype).tobytes()
-    return zip(keys.tolist(), [buf[a:b] for a, b in zip(lo, hi, strict=True)], strict=True)
-
-
 @dataclass
 class RunState:
     """Per-record state of one run, indexed by record key (keys are manifest rows, so dense).
@@ -327,11 +318,9 @@ class RunState:
     data: np.ndarray = field(default_factory=lambda: np.zeros(0, COMPACT))
     top: int = -1  # an upper bound of the keys ever put (it never goes down)
     levels: dict[int, int] = field(default_factory=dict)  # exposures of level-255 records
-    # The sets of MANY_HOSTS and FAR_EPOCHS records, as little-endian uint16 hosts and int32
-    # epochs: a bytes object is one small allocation (~40 bytes + the values), and the sets of
-    # a batch's records are joined and read back in one go.
-    many_hosts: dict[int, bytes] = field(default_factory=dict)
-    far_epochs: dict[int, bytes] = field(default_factory=dict)
+    # The host sets of MANY_HOSTS records and the epoch sets of FAR_EPOCHS records.
+    many_hosts: SetMap = field(default_factory=SetMap)
+    far_epochs: SetMap = field(default_factory=SetMap)
     watermark: int = SETTLED  # starts below it are settled; none is, at first
     # The pending table as runs of (sorted keys, their triples), one a batch, disjoint: a new
     # run takes its records out of the older ones (a filter), never a merge of sorted arrays.
@@ -399,8 +388,8 @@ class RunState:
         many = (flags & MANY_HOSTS) != 0
         h1, h2 = rows["host1"].astype(np.int64), rows["host2"].astype(np.int64)
         counts = (h1 > 0).astype(np.int64) + (h2 > 0)
-        sets = [self.many_hosts[k] for k in keys[many].tolist()]
-        counts[many] = [len(b) // 2 for b in sets]
+        if many.any():
+            counts[many], spilled = self.many_hosts.get(keys[many])
         out.host_ptr = _from_counts(counts)
         out.hosts = np.empty(int(out.host_ptr[-1]), np.int64)
         at = out.host_ptr[:-1]
@@ -408,15 +397,15 @@ class RunState:
         out.hosts[at[one]] = h1[one] - 1
         two = (h2 > 0) & ~many
         out.hosts[at[two] + 1] = h2[two] - 1
-        if sets:
-            out.hosts[spans(at[many], counts[many])] = np.frombuffer(b"".join(sets), "<u2")
+        if many.any():
+            out.hosts[spans(at[many], counts[many])] = spilled
         # Epochs: the row's window (lowest bit first), else the map's.
         far = (flags & FAR_EPOCHS) != 0
         mask = rows["epochs"].astype(np.int64)
         mask[far] = 0
         counts = np.bitwise_count(mask).astype(np.int64)
-        sets = [self.far_epochs[k] for k in keys[far].tolist()]
-        counts[far] = [len(b) // 4 for b in sets]
+        if far.any():
+            counts[far], spilled = self.far_epochs.get(keys[far])
         out.epoch_ptr = _from_counts(counts)
         out.epochs = np.empty(int(out.epoch_ptr[-1]), np.int64)
         idx = np.flatnonzero(mask)
@@ -426,9 +415,8 @@ class RunState:
             m &= m - 1
             more = m != 0
             idx, pos, m = idx[more], pos[more] + 1, m[more]
-        if sets:
-            out.epochs[spans(out.epoch_ptr[:-1][far], counts[far])] = np.frombuffer(
-                b"".join(sets), "<i4")
+        if far.any():
+            out.epochs[spans(out.epoch_ptr[:-1][far], counts[far])] = spilled
         out.dup = (flags & DUP) != 0
         return out
 
@@ -462,10 +450,9 @@ class RunState:
         two = (hc == 2) & ~many
         rows["host2"][two] = r.hosts[r.host_ptr[:-1][two] + 1] + 1
         flags[many] |= MANY_HOSTS
-        for k in r.keys[((old & MANY_HOSTS) != 0) & ~many].tolist():
-            del self.many_hosts[k]
-        if many.any():
-            self.many_hosts.update(_packed(r.keys[many], r.host_ptr, r.hosts, many, "<u2"))
+        self.many_hosts.update(r.keys[many], *_take_csr(r.host_ptr, r.hosts,
+                                                        np.flatnonzero(many)),
+                               removed=r.keys[((old & MANY_HOSTS) != 0) & ~many])
         # Epochs: the window's bits in the row; else the map.
         erow = rows_of(r.epoch_ptr)
         outside = (r.epochs < 0) | (r.epochs >= EPOCH_WINDOW)
@@ -476,10 +463,9 @@ class RunState:
         rows["epochs"] = np.bincount(erow[inw], weights=np.left_shift(1, r.epochs[inw]),
                                      minlength=n).astype(np.uint16)
         flags[far] |= FAR_EPOCHS
-        for k in r.keys[((old & FAR_EPOCHS) != 0) & ~far].tolist():
-            del self.far_epochs[k]
-        if far.any():
-            self.far_epochs.update(_packed(r.keys[far], r.epoch_ptr, r.epochs, far, "<i4"))
+        self.far_epochs.update(r.keys[far], *_take_csr(r.epoch_ptr, r.epochs,
+                                                       np.flatnonzero(far)),
+                               removed=r.keys[((old & FAR_EPOCHS) != 0) & ~far])
         rows["flags"] = flags
         np.put(self.data.view(np.uint64), r.keys, rows.view(np.uint64))
         self._pend(r.keys, r.steps)
@@ -559,19 +545,12 @@ class RunState:
     # ---- persistence (audit.ledger.snapshot) -----------------------------------------------
     def extra(self) -> dict[str, np.ndarray]:
         """Everything beside the rows, as arrays."""
-        def flat(d: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            keys = np.array(list(d), np.int64)
-            lengths = np.array([len(v) for v in d.values()], np.int64)
-            return keys, lengths, np.frombuffer(b"".join(d.values()), np.uint8)
         pending = self._pending_table()
-        hk, hp, hv = flat(self.many_hosts)
-        ek, ep, ev = flat(self.far_epochs)
         hl = np.array([(a, h, s) for (a, h), s in sorted(self.host_last.items())],
                       np.int64).reshape(-1, 3)
         return {"level_keys": np.array(list(self.levels), np.int64),
                 "level_values": np.array(list(self.levels.values()), np.int64),
-                "host_keys": hk, "host_bytes": hp, "host_values": hv,
-                "epoch_keys": ek, "epoch_bytes": ep, "epoch_values": ev,
+                **self.many_hosts.arrays("host"), **self.far_epochs.arrays("epoch"),
                 "watermark": np.array([self.watermark], np.int64),
                 "pending_keys": pending[0], "pending_steps": pending[1],
                 "host_last": hl,
@@ -580,14 +559,8 @@ class RunState:
     def restore_extra(self, x: dict[str, np.ndarray]) -> None:
         self.levels = dict(zip(x["level_keys"].tolist(), x["level_values"].tolist(),
                                strict=True))
-        def unflat(keys: np.ndarray, lengths: np.ndarray, values: np.ndarray
-                   ) -> dict[int, bytes]:
-            buf, ends = values.tobytes(), np.cumsum(lengths).tolist()
-            return dict(zip(keys.tolist(), [buf[b - n: b] for b, n in
-                                            zip(ends, lengths.tolist(), strict=True)],
-                            strict=True))
-        self.many_hosts = unflat(x["host_keys"], x["host_bytes"], x["host_values"])
-        self.far_epochs = unflat(x["epoch_keys"], x["epoch_bytes"], x["epoch_values"])
+        self.many_hosts = SetMap.from_arrays(x, "host")
+        self.far_epochs = SetMap.from_arrays(x, "epoch")
         self.watermark = int(x["watermark"][0])
         keys = x["pending_keys"].astype(np.int64)
         self.pending = [(keys, x["pending_steps"].astype(np.int64).reshape(-1, 3))] \
@@ -599,6 +572,6 @@ class RunState:
         """Memory of the state by part (approximate for the maps' Python objects)."""
         return {"rows": int(self.size * COMPACT.itemsize),
                 "levels": 100 * len(self.levels),
-                "many_hosts": sum(100 + len(v) for v in self.many_hosts.values()),
-                "far_epochs": sum(100 + len(v) for v in self.far_epochs.values()),
+                "many_hosts": self.many_hosts.nbytes(),
+                "far_epochs": self.far_epochs.nbytes(),
                 "pending": sum(int(k.nbytes + v.nbytes) for k, v in self.pending)}

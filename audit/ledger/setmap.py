@@ -1,0 +1,169 @@
+"""A map from record keys to small sets of integers, for millions of keys, in numpy.
+
+The per-record state (audit.ledger.state) keeps what does not fit a record's 8-byte row here:
+the hosts of records on three or more hosts, the epochs of records seen outside the row's epoch
+window. A Python dict of them cost ~100 bytes and a microsecond or two per record, read one at
+a time in Python (bench/state_size.py, before: 137 bytes a record on 3+ hosts, and a snapshot
+restore spent seconds rebuilding the dict). Here the map is a few sorted layers of
+(keys, CSR of values), newest last: an update is one new layer (a batch's records, set or
+removed), a lookup one binary search per layer, and layers merge size-tiered (the newest into
+the one before while it is at least a quarter of its size), so a key is rewritten O(log n)
+times and lookups see O(log n) layers. Values are int32 (hosts < 65,536; epochs are int32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MERGE_RATIO = 4
+
+
+@dataclass
+class _Layer:
+    keys: np.ndarray  # int64, sorted, unique
+    ptr: np.ndarray  # int64 [n + 1]
+    values: np.ndarray  # int32
+    dead: np.ndarray  # bool: removed (a tombstone over older layers)
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The positions starts[i] .. starts[i] + counts[i] - 1, for every i in order."""
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
+    return np.repeat(starts - (ends - counts), counts) + np.arange(total)
+
+
+class SetMap:
+    """key -> a sorted set of int32 values."""
+
+    def __init__(self) -> None:
+        self.layers: list[_Layer] = []
+
+    # ---- reading ---------------------------------------------------------------------------
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(counts, values) of `keys` (any order; each must be in the map): the values of
+        key i are values[sum(counts[:i]):][:counts[i]]."""
+        keys = np.asarray(keys, np.int64)
+        n = len(keys)
+        counts = np.full(n, -1, np.int64)
+        found: list[tuple[_Layer, np.ndarray, np.ndarray]] = []
+        todo = np.arange(n)
+        for layer in reversed(self.layers):
+            if not len(todo):
+                break
+            pos = np.minimum(np.searchsorted(layer.keys, keys[todo]), layer.size - 1)
+            hit = layer.keys[pos] == keys[todo]
+            idx, p = todo[hit], pos[hit]
+            if layer.dead[p].any():
+                raise KeyError(f"record {int(keys[idx][layer.dead[p]][0])} is not in the map")
+            counts[idx] = layer.ptr[p + 1] - layer.ptr[p]
+            found.append((layer, idx, p))
+            todo = todo[~hit]
+        if len(todo):
+            raise KeyError(f"record {int(keys[todo[0]])} is not in the map")
+        out_ptr = np.zeros(n + 1, np.int64)
+        np.cumsum(counts, out=out_ptr[1:])
+        values = np.empty(int(out_ptr[-1]), np.int32)
+        for layer, idx, p in found:
+            c = counts[idx]
+            values[_spans(out_ptr[idx], c)] = layer.values[_spans(layer.ptr[p], c)]
+        return counts, values
+
+    def keys(self) -> np.ndarray:
+        """The keys in the map, sorted."""
+        self.compact()
+        return self.layers[0].keys.copy() if self.layers else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def nbytes(self) -> int:
+        return sum(x.keys.nbytes + x.ptr.nbytes + x.values.nbytes + x.dead.nbytes
+                   for x in self.layers)
+
+    # ---- writing ---------------------------------------------------------------------------
+    def update(self, keys: np.ndarray, ptr: np.ndarray, values: np.ndarray,
+               removed: np.ndarray) -> None:
+        """Set the values of `keys` (sorted; CSR `ptr`, `values`) and remove `removed` (keys
+        in the map, none of `keys`)."""
+        keys, removed = np.asarray(keys, np.int64), np.asarray(removed, np.int64)
+        if not len(keys) and not len(removed):
+            return
+        all_keys = np.r_[keys, removed]
+        counts = np.r_[np.diff(ptr), np.zeros(len(removed), np.int64)]
+        order = np.argsort(all_keys, kind="stable")
+        starts = np.r_[ptr[:-1], np.zeros(len(removed), np.int64)][order]
+        counts = counts[order]
+        new_ptr = np.zeros(len(order) + 1, np.int64)
+        np.cumsum(counts, out=new_ptr[1:])
+        layer = _Layer(all_keys[order], new_ptr,
+                       np.asarray(values, np.int32)[_spans(starts, counts)],
+                       np.r_[np.zeros(len(keys), bool), np.ones(len(removed), bool)][order])
+        self.layers.append(layer)
+        while len(self.layers) >= 2 and \
+                self.layers[-1].size * MERGE_RATIO >= self.layers[-2].size:
+            bottom = len(self.layers) == 2
+            self.layers[-2:] = [_merge(self.layers[-2], self.layers[-1], drop_dead=bottom)]
+
+    def compact(self) -> None:
+        """One layer (for a snapshot, or to count)."""
+        while len(self.layers) >= 2:
+            bottom = len(self.layers) == 2
+            self.layers[-2:] = [_merge(self.layers[-2], self.layers[-1], drop_dead=bottom)]
+        if self.layers and self.layers[0].dead.any():
+            self.layers[0] = _merge(self.layers[0], _empty(), drop_dead=True)
+
+    # ---- persistence -----------------------------------------------------------------------
+    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        self.compact()
+        x = self.layers[0] if self.layers else _empty()
+        return {f"{prefix}_keys": x.keys, f"{prefix}_ptr": x.ptr, f"{prefix}_values": x.values}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], prefix: str) -> SetMap:
+        out = cls()
+        keys = arrays[f"{prefix}_keys"].astype(np.int64)
+        if len(keys):
+            out.layers = [_Layer(keys, arrays[f"{prefix}_ptr"].astype(np.int64),
+                                 arrays[f"{prefix}_values"].astype(np.int32),
+                                 np.zeros(len(keys), bool))]
+        return out
+
+
+def _empty() -> _Layer:
+    return _Layer(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int32),
+                  np.zeros(0, bool))
+
+
+def _merge(old: _Layer, new: _Layer, *, drop_dead: bool) -> _Layer:
+    """`new` over `old`: a key in both takes `new`'s entry; tombstones go when nothing older
+    remains below (`drop_dead`)."""
+    keys = np.r_[old.keys, new.keys]
+    which = np.r_[np.zeros(old.size, np.int8), np.ones(new.size, np.int8)]
+    order = np.lexsort((-which, keys))  # by key, the newer first
+    keep = order[np.r_[True, keys[order][1:] != keys[order][:-1]]] if len(order) else order
+    src_new = keep >= old.size
+    idx = np.where(src_new, keep - old.size, keep)
+    dead = np.empty(len(keep), bool)
+    counts = np.empty(len(keep), np.int64)
+    for src, mask in ((new, src_new), (old, ~src_new)):
+        i = idx[mask]
+        dead[mask] = src.dead[i]
+        counts[mask] = src.ptr[i + 1] - src.ptr[i]
+    if drop_dead:
+        live = ~dead
+        keep, idx, src_new, dead, counts = (x[live] for x in (keep, idx, src_new, dead, counts))
+    ptr = np.zeros(len(keep) + 1, np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    values = np.empty(int(ptr[-1]), np.int32)
+    for src, mask in ((new, src_new), (old, ~src_new)):
+        if mask.any():
+            values[_spans(ptr[:-1][mask], counts[mask])] = \
+                src.values[_spans(src.ptr[idx[mask]], counts[mask])]
+    return _Layer(keys[keep], ptr, values, dead)
