@@ -2,10 +2,10 @@
 
 The per-record state (audit.ledger.state) keeps what does not fit a record's 8-byte row here:
 the hosts of records on three or more hosts, the epochs of records seen outside the row's epoch
-window. A Python dict of them cost ~100 bytes and a microsecond or two per record, read one at
-a time in Python (bench/state_size.py, before: 137 bytes a record on 3+ hosts, and a snapshot
-restore spent seconds rebuilding the dict). Here the map is a few sorted layers of
-(keys, CSR of values), newest last: an update is one new layer (a batch's records, set or
+window. A Python dict of them cost ~100 bytes a record and Python work per record (measured
+with bench/state_size.py: 107 bytes a record on 3+ hosts, and a restore of 2.7M entries took
+seconds; here ~16 + 4 a value, and a restore is the arrays' read). The map is a few sorted
+layers of (keys, CSR of values), newest last: an update is one new layer (a batch's records, set or
 removed), a lookup one binary search per layer, and layers merge size-tiered (the newest into
 the one before while it is at least a quarter of its size), so a key is rewritten O(log n)
 times and lookups see O(log n) layers. Values are int32 (hosts < 65,536; epochs are int32).
@@ -77,8 +77,7 @@ class SetMap:
 
     def keys(self) -> np.ndarray:
         """The keys in the map, sorted."""
-        self.compact()
-        return self.layers[0].keys.copy() if self.layers else np.zeros(0, np.int64)
+        return self._whole().keys.copy()
 
     def __len__(self) -> int:
         return len(self.keys())
@@ -111,18 +110,20 @@ class SetMap:
             bottom = len(self.layers) == 2
             self.layers[-2:] = [_merge(self.layers[-2], self.layers[-1], drop_dead=bottom)]
 
-    def compact(self) -> None:
-        """One layer (for a snapshot, or to count)."""
-        while len(self.layers) >= 2:
-            bottom = len(self.layers) == 2
-            self.layers[-2:] = [_merge(self.layers[-2], self.layers[-1], drop_dead=bottom)]
-        if self.layers and self.layers[0].dead.any():
-            self.layers[0] = _merge(self.layers[0], _empty(), drop_dead=True)
+    def _whole(self) -> _Layer:
+        """The map as one layer, without tombstones; the map itself is left as it is (a
+        snapshot writes it while readers of the state look keys up)."""
+        layers = list(self.layers)
+        while len(layers) >= 2:
+            layers[-2:] = [_merge(layers[-2], layers[-1], drop_dead=len(layers) == 2)]
+        if not layers:
+            return _empty()
+        return _merge(layers[0], _empty(), drop_dead=True) if layers[0].dead.any() \
+            else layers[0]
 
     # ---- persistence -----------------------------------------------------------------------
     def arrays(self, prefix: str) -> dict[str, np.ndarray]:
-        self.compact()
-        x = self.layers[0] if self.layers else _empty()
+        x = self._whole()
         return {f"{prefix}_keys": x.keys, f"{prefix}_ptr": x.ptr, f"{prefix}_values": x.values}
 
     @classmethod

@@ -5,10 +5,11 @@ aggregates).
 Eight bytes a record key (COMPACT): a saturating exposure level, a few flags, the record's
 epochs 0..15 as a bit mask and up to two hosts. Whatever does not fit lives in three sparse
 maps beside the rows, exact: the exposures of records seen 255+ times, the host sets of records
-on three or more hosts and the epoch sets of records seen in an epoch outside 0..15. A loader's
-faults leave most records on one or two hosts (sampling with replacement on 128 hosts puts
-~1.1 exposures on a record, ~3% of records on 3+ hosts), so the maps stay small next to the
-rows; a run of many epochs over a small corpus fills them (README: what each answer costs).
+on three or more hosts and the epoch sets of records seen in an epoch outside 0..15 (the sets
+in audit.ledger.setmap). A loader's faults leave most records on one or two hosts (sampling
+with replacement on 128 hosts at 1.1 exposures a record puts ~10% of records on 3+ hosts: 3
+bytes a record on average, bench/state_size.py), so the maps stay small next to the rows; a
+run of many epochs over a small corpus fills them (README: what each answer costs).
 
 The three earliest exposure steps of a record (the `agg_ranks` of coverage as of a step) are
 not kept per record. Record starts are settled in step order behind a watermark W (`settle`):
