@@ -342,3 +342,28 @@ def test_files_in_any_order_restarts_and_reopening_match_sql(tmp_path, seed):
             state = ledger._aggregates.runs[1]
     with Ledger(path) as ledger:
         assert_same_state(state, Aggregates.load(ledger, use_snapshots=False).runs[1])
+
+
+def test_a_run_that_grows_beyond_32_hosts_keeps_its_host_sets(tmp_path):
+    """Up to 32 hosts a record's hosts are a mask in its row (any number of them); the first
+    host beyond turns the run's rows to two slots and the map. Attempt 0 on 4 hosts puts
+    records on 3 and 4 hosts; attempt 1 resumes on 40 hosts (an elastic resize) from step 20,
+    rolling part of attempt 0 back; every answer agrees with SQL before and after, and with a
+    state rebuilt from the ledger."""
+    spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
+    common = {"n": N + 3, "flush_every": 4}
+    with Ledger(path) as ledger, Server(create_app(ledger, records=N)) as srv:
+        for h in range(4):
+            write_steps(spool, "r", host=h, hosts=4, steps=range(0, 30), seed=h, **common)
+        ingest(spool, ledger)
+        state = ledger._aggregates.runs[1]
+        assert state.host_mask and not len(state.many_hosts)
+        assert (np.bitwise_count(state.data["host1"]) >= 3).any()  # 3+ hosts in the row
+        check(srv, ledger, "r")
+        for h in range(40):
+            write_steps(spool, "r", host=h, hosts=40, steps=range(20, 40), seed=50 + h,
+                        attempt=1, resumed=20, per_step=2, **common)
+        ingest(spool, ledger)
+        assert not state.host_mask and len(state.many_hosts) > 0
+        check(srv, ledger, "r")
+        assert_same_state(state, Aggregates.load(ledger, use_snapshots=False).runs[1])

@@ -112,7 +112,7 @@ def test_seed_scale_benchmark_runs(tmp_path):
 def test_state_size_benchmark_runs():
     from bench import state_size
 
-    res = state_size.main(["--records", "4000", "--hosts", "16", "--rows-per-batch", "1000"])
+    res = state_size.main(["--records", "4000", "--hosts", "40", "--rows-per-batch", "1000"])
     healthy, faulty, long = res["healthy"], res["per_host_seed"], res["many_epochs"]
     # A healthy loader keeps nearly everything in the 8-byte rows; sampling with replacement
     # spills the records on 3+ hosts, a 20-epoch run the epochs beyond 15.

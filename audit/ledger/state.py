@@ -50,6 +50,11 @@ MANY_HOSTS = 2  # its hosts are in RunState.hosts (3+ hosts, or a host beyond HO
 FAR_EPOCHS = 4  # its epochs are in RunState.epochs (an epoch outside the window)
 EPOCH_WINDOW = 16
 HOST_CAP = 65534  # hosts 0..HOST_CAP fit a row as host + 1
+# While a run has seen no host beyond 31, its rows' four host bytes are a mask of its hosts
+# instead (RunState.host_mask): every record's host set fits, however many epochs (3 epochs on 8
+# hosts put most records on 3 hosts, which two slots would spill to the map: bench/restart.py
+# measured 32 bytes a record that way). The first host beyond turns the run's rows to slots.
+MASK_HOSTS = 32
 
 
 def csr(rows: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,6 +98,23 @@ def _from_counts(counts: np.ndarray) -> np.ndarray:
 _LOWEST_BIT = np.zeros(1 << 16, np.int64)
 for _b in range(15, -1, -1):
     _LOWEST_BIT[(np.arange(1 << 16) >> _b & 1).astype(bool)] = _b
+
+
+def bits(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The set bits of each mask (up to 52 bits), ascending, as a CSR (pointers, positions)."""
+    masks = np.asarray(masks, np.int64)
+    ptr = np.zeros(len(masks) + 1, np.int64)
+    np.cumsum(np.bitwise_count(masks), out=ptr[1:])
+    out = np.empty(int(ptr[-1]), np.int64)
+    idx = np.flatnonzero(masks)
+    pos, m = ptr[idx], masks[idx]
+    while len(idx):
+        low = m & -m  # the lowest set bit; a power of two, exact in float64
+        out[pos] = np.log2(low.astype(np.float64)).astype(np.int64)
+        m = m ^ low
+        more = m != 0
+        idx, pos, m = idx[more], pos[more] + 1, m[more]
+    return ptr, out
 
 
 def rows_of(ptr: np.ndarray) -> np.ndarray:
@@ -321,6 +343,7 @@ class RunState:
     levels: dict[int, int] = field(default_factory=dict)  # exposures of level-255 records
     # The host sets of MANY_HOSTS records and the epoch sets of FAR_EPOCHS records.
     many_hosts: SetMap = field(default_factory=SetMap)
+    host_mask: bool = True  # the rows' host bytes are a mask of hosts < MASK_HOSTS
     far_epochs: SetMap = field(default_factory=SetMap)
     watermark: int = SETTLED  # starts below it are settled; none is, at first
     # The pending table as runs of (sorted keys, their triples), one a batch, disjoint: a new
@@ -385,21 +408,12 @@ class RunState:
             pos = np.minimum(np.searchsorted(pk, keys), len(pk) - 1)
             hit = pk[pos] == keys
             out.steps[hit] = ps[pos[hit]]
-        # Hosts: the row's two (stored in order), else the map's; assembled in row order.
-        many = (flags & MANY_HOSTS) != 0
-        h1, h2 = rows["host1"].astype(np.int64), rows["host2"].astype(np.int64)
-        counts = (h1 > 0).astype(np.int64) + (h2 > 0)
-        if many.any():
-            counts[many], spilled = self.many_hosts.get(keys[many])
-        out.host_ptr = _from_counts(counts)
-        out.hosts = np.empty(int(out.host_ptr[-1]), np.int64)
-        at = out.host_ptr[:-1]
-        one = (h1 > 0) & ~many
-        out.hosts[at[one]] = h1[one] - 1
-        two = (h2 > 0) & ~many
-        out.hosts[at[two] + 1] = h2[two] - 1
-        if many.any():
-            out.hosts[spans(at[many], counts[many])] = spilled
+        # Hosts: the row's mask, or its two (stored in order) else the map's; in row order.
+        if self.host_mask:
+            out.host_ptr, out.hosts = bits(rows["host1"].astype(np.int64)
+                                           | rows["host2"].astype(np.int64) << 16)
+        else:
+            self._slot_hosts(out, keys, rows, flags)
         # Epochs: the row's window (lowest bit first), else the map's.
         far = (flags & FAR_EPOCHS) != 0
         mask = rows["epochs"].astype(np.int64)
@@ -421,6 +435,24 @@ class RunState:
         out.dup = (flags & DUP) != 0
         return out
 
+    def _slot_hosts(self, out: Records, keys: np.ndarray, rows: np.ndarray,
+                    flags: np.ndarray) -> None:
+        """`out`'s hosts from rows in slots: the row's two (stored in order), else the map's."""
+        many = (flags & MANY_HOSTS) != 0
+        h1, h2 = rows["host1"].astype(np.int64), rows["host2"].astype(np.int64)
+        counts = (h1 > 0).astype(np.int64) + (h2 > 0)
+        if many.any():
+            counts[many], spilled = self.many_hosts.get(keys[many])
+        out.host_ptr = _from_counts(counts)
+        out.hosts = np.empty(int(out.host_ptr[-1]), np.int64)
+        at = out.host_ptr[:-1]
+        one = (h1 > 0) & ~many
+        out.hosts[at[one]] = h1[one] - 1
+        two = (h2 > 0) & ~many
+        out.hosts[at[two] + 1] = h2[two] - 1
+        if many.any():
+            out.hosts[spans(at[many], counts[many])] = spilled
+
     # ---- writing ---------------------------------------------------------------------------
     def put(self, r: Records) -> None:
         """The records' new state (their steps below the watermark become SETTLED)."""
@@ -430,6 +462,8 @@ class RunState:
         self.reserve(top + 1)
         self.top = max(self.top, top)
         n = len(r.keys)
+        if self.host_mask and len(r.hosts) and int(r.hosts.max()) >= MASK_HOSTS:
+            self._to_slots()
         before = np.take(self.data.view(np.uint64), r.keys).view(COMPACT)
         old, old_capped = before["flags"], before["level"] == LEVEL_CAP
         rows = np.zeros(n, COMPACT)
@@ -440,20 +474,25 @@ class RunState:
         self.levels.update(zip(r.keys[capped].tolist(), r.exposures[capped].tolist(),
                                strict=True))
         flags = np.where(r.dup, DUP, 0).astype(np.uint8)
-        # Hosts: up to two in the row, sorted; else the map.
-        hc = r.host_counts
-        has = hc > 0
-        largest = np.zeros(n, np.int64)
-        largest[has] = r.hosts[r.host_ptr[1:][has] - 1]
-        many = (hc > 2) | (largest > HOST_CAP)
-        one = has & ~many
-        rows["host1"][one] = r.hosts[r.host_ptr[:-1][one]] + 1
-        two = (hc == 2) & ~many
-        rows["host2"][two] = r.hosts[r.host_ptr[:-1][two] + 1] + 1
-        flags[many] |= MANY_HOSTS
-        self.many_hosts.update(r.keys[many], *_take_csr(r.host_ptr, r.hosts,
-                                                        np.flatnonzero(many)),
-                               removed=r.keys[((old & MANY_HOSTS) != 0) & ~many])
+        # Hosts: the run's mask, or up to two in the row (sorted), else the map.
+        if self.host_mask:
+            m = np.bincount(rows_of(r.host_ptr), minlength=n,
+                            weights=np.left_shift(1, r.hosts).astype(np.float64)).astype(np.int64)
+            rows["host1"], rows["host2"] = m & 0xFFFF, m >> 16
+        else:
+            hc = r.host_counts
+            has = hc > 0
+            largest = np.zeros(n, np.int64)
+            largest[has] = r.hosts[r.host_ptr[1:][has] - 1]
+            many = (hc > 2) | (largest > HOST_CAP)
+            one = has & ~many
+            rows["host1"][one] = r.hosts[r.host_ptr[:-1][one]] + 1
+            two = (hc == 2) & ~many
+            rows["host2"][two] = r.hosts[r.host_ptr[:-1][two] + 1] + 1
+            flags[many] |= MANY_HOSTS
+            self.many_hosts.update(r.keys[many], *_take_csr(r.host_ptr, r.hosts,
+                                                            np.flatnonzero(many)),
+                                   removed=r.keys[((old & MANY_HOSTS) != 0) & ~many])
         # Epochs: the window's bits in the row; else the map.
         erow = rows_of(r.epoch_ptr)
         outside = (r.epochs < 0) | (r.epochs >= EPOCH_WINDOW)
@@ -470,6 +509,27 @@ class RunState:
         rows["flags"] = flags
         np.put(self.data.view(np.uint64), r.keys, rows.view(np.uint64))
         self._pend(r.keys, r.steps)
+
+    def _to_slots(self) -> None:
+        """The run's rows from host masks to two host slots and the map (a host beyond
+        MASK_HOSTS arrived): one pass over the rows, once per run."""
+        self.host_mask = False
+        data = self.data[: self.size]
+        mask = data["host1"].astype(np.int64) | data["host2"].astype(np.int64) << 16
+        keys = np.flatnonzero(mask)
+        ptr, hosts = bits(mask[keys])
+        counts = np.diff(ptr)
+        h1, h2 = np.zeros(len(keys), np.uint16), np.zeros(len(keys), np.uint16)
+        few = counts <= 2
+        h1[few] = hosts[ptr[:-1][few]] + 1
+        two = counts == 2
+        h2[two] = hosts[ptr[:-1][two] + 1] + 1
+        data["host1"][keys], data["host2"][keys] = h1, h2
+        flags = data["flags"][keys]
+        flags[~few] |= MANY_HOSTS
+        data["flags"][keys] = flags
+        self.many_hosts.update(keys[~few], *_take_csr(ptr, hosts, np.flatnonzero(~few)),
+                               removed=np.zeros(0, np.int64))
 
     def _pend(self, keys: np.ndarray, steps: np.ndarray) -> None:
         """The pending table takes these records' triples (settled below the watermark)."""
@@ -553,6 +613,7 @@ class RunState:
                 "level_values": np.array(list(self.levels.values()), np.int64),
                 **self.many_hosts.arrays("host"), **self.far_epochs.arrays("epoch"),
                 "watermark": np.array([self.watermark], np.int64),
+                "host_mask": np.array([int(self.host_mask)], np.int64),
                 "pending_keys": pending[0], "pending_steps": pending[1],
                 "host_last": hl,
                 "host_count": np.array(sorted(self.host_count.items()), np.int64).reshape(-1, 2)}
@@ -563,6 +624,7 @@ class RunState:
         self.many_hosts = SetMap.from_arrays(x, "host")
         self.far_epochs = SetMap.from_arrays(x, "epoch")
         self.watermark = int(x["watermark"][0])
+        self.host_mask = bool(x["host_mask"][0]) if "host_mask" in x else False
         keys = x["pending_keys"].astype(np.int64)
         self.pending = [(keys, x["pending_steps"].astype(np.int64).reshape(-1, 3))] \
             if len(keys) else []
