@@ -3,7 +3,8 @@ run, so that each batch of files updates the aggregates by what it touches (audi
 aggregates).
 
 Eight bytes a record key (COMPACT): a saturating exposure level, a few flags, the record's
-epochs 0..15 as a bit mask and up to two hosts. Whatever does not fit lives in three sparse
+epochs 0..15 as a bit mask and its hosts (a mask while the run has no host beyond 31, else up
+to two: MASK_HOSTS). Whatever does not fit lives in three sparse
 maps beside the rows, exact: the exposures of records seen 255+ times, the host sets of records
 on three or more hosts and the epoch sets of records seen in an epoch outside 0..15 (the sets
 in audit.ledger.setmap). A loader's faults leave most records on one or two hosts (sampling
