@@ -18,6 +18,14 @@ def distinct(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The positions starts[i] .. starts[i] + counts[i] - 1, for every i in order (gathering
+    or scattering variable-length slices of a CSR in one indexing)."""
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
+    return np.repeat(starts - (ends - counts), counts) + np.arange(total)
+
+
 # Records seen by more hosts than this go through one dense product; the others through their
 # explicit host pairs (k^2 for a record on k hosts). A loader's faults leave most records on a
 # few hosts (sampling with replacement: about 1 + C / N on average), and a loader that shards

@@ -36,7 +36,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import host_overlap
+from audit.core.arrays import host_overlap, spans
 from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger
 from audit.ledger.snapshot import Applied, Invalid, Snapshots, lowered_cuts
@@ -50,7 +50,6 @@ from audit.ledger.state import (
     csr,
     group,
     rows_of,
-    spans,
 )
 
 log = logging.getLogger("tally.state")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from audit.core.arrays import spans
+
 MERGE_RATIO = 4
 
 
@@ -30,13 +32,6 @@ class _Layer:
     @property
     def size(self) -> int:
         return len(self.keys)
-
-
-def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The positions starts[i] .. starts[i] + counts[i] - 1, for every i in order."""
-    ends = np.cumsum(counts)
-    total = int(ends[-1]) if len(ends) else 0
-    return np.repeat(starts - (ends - counts), counts) + np.arange(total)
 
 
 class SetMap:
@@ -72,7 +67,7 @@ class SetMap:
         values = np.empty(int(out_ptr[-1]), np.int32)
         for layer, idx, p in found:
             c = counts[idx]
-            values[_spans(out_ptr[idx], c)] = layer.values[_spans(layer.ptr[p], c)]
+            values[spans(out_ptr[idx], c)] = layer.values[spans(layer.ptr[p], c)]
         return counts, values
 
     def keys(self) -> np.ndarray:
@@ -102,7 +97,7 @@ class SetMap:
         new_ptr = np.zeros(len(order) + 1, np.int64)
         np.cumsum(counts, out=new_ptr[1:])
         layer = _Layer(all_keys[order], new_ptr,
-                       np.asarray(values, np.int32)[_spans(starts, counts)],
+                       np.asarray(values, np.int32)[spans(starts, counts)],
                        np.r_[np.zeros(len(keys), bool), np.ones(len(removed), bool)][order])
         self.layers.append(layer)
         while len(self.layers) >= 2 and \
@@ -165,6 +160,6 @@ def _merge(old: _Layer, new: _Layer, *, drop_dead: bool) -> _Layer:
     values = np.empty(int(ptr[-1]), np.int32)
     for src, mask in ((new, src_new), (old, ~src_new)):
         if mask.any():
-            values[_spans(ptr[:-1][mask], counts[mask])] = \
-                src.values[_spans(src.ptr[idx[mask]], counts[mask])]
+            values[spans(ptr[:-1][mask], counts[mask])] = \
+                src.values[spans(src.ptr[idx[mask]], counts[mask])]
     return _Layer(keys[keep], ptr, values, dead)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from audit.core.arrays import spans
 from audit.core.exposure import effective_before, starts
 from audit.ledger.setmap import SetMap
 
@@ -93,12 +94,6 @@ def _from_counts(counts: np.ndarray) -> np.ndarray:
     ptr = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=ptr[1:])
     return ptr
-
-
-# The index of the lowest set bit of each 16-bit mask (the epochs of a row, one at a time).
-_LOWEST_BIT = np.zeros(1 << 16, np.int64)
-for _b in range(15, -1, -1):
-    _LOWEST_BIT[(np.arange(1 << 16) >> _b & 1).astype(bool)] = _b
 
 
 def bits(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -326,13 +321,6 @@ def _live(steps: np.ndarray) -> np.ndarray:
     return ((steps != SETTLED) & (steps != NO_STEP)).any(axis=1)
 
 
-def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The positions starts[i] .. starts[i] + counts[i] - 1, for every i in order."""
-    ends = np.cumsum(counts)
-    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
-                                                                   else 0)
-
-
 @dataclass
 class RunState:
     """Per-record state of one run, indexed by record key (keys are manifest rows, so dense).
@@ -415,23 +403,18 @@ class RunState:
                                            | rows["host2"].astype(np.int64) << 16)
         else:
             self._slot_hosts(out, keys, rows, flags)
-        # Epochs: the row's window (lowest bit first), else the map's.
+        # Epochs: the row's window, else the map's.
         far = (flags & FAR_EPOCHS) != 0
         mask = rows["epochs"].astype(np.int64)
         mask[far] = 0
-        counts = np.bitwise_count(mask).astype(np.int64)
+        out.epoch_ptr, out.epochs = bits(mask)
         if far.any():
+            counts = np.diff(out.epoch_ptr)
+            window = out.epochs
             counts[far], spilled = self.far_epochs.get(keys[far])
-        out.epoch_ptr = _from_counts(counts)
-        out.epochs = np.empty(int(out.epoch_ptr[-1]), np.int64)
-        idx = np.flatnonzero(mask)
-        pos, m = out.epoch_ptr[idx], mask[idx]
-        while len(idx):
-            out.epochs[pos] = _LOWEST_BIT[m]
-            m &= m - 1
-            more = m != 0
-            idx, pos, m = idx[more], pos[more] + 1, m[more]
-        if far.any():
+            out.epoch_ptr = _from_counts(counts)
+            out.epochs = np.empty(int(out.epoch_ptr[-1]), np.int64)
+            out.epochs[spans(out.epoch_ptr[:-1][~far], counts[~far])] = window
             out.epochs[spans(out.epoch_ptr[:-1][far], counts[far])] = spilled
         out.dup = (flags & DUP) != 0
         return out
