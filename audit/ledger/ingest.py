@@ -18,7 +18,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +131,8 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
                    file=sys.stderr)
         batch: list[_File] = []
         rows = 0
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-rows") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-rows") as pool, \
+                _Indexer(ledger) as index:
             for (item, st), read in _read_ahead(todo):
                 bar.update()
                 if isinstance(read, BadFile):
@@ -141,10 +142,9 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
                 rows += read[0].num_rows
                 if rows >= batch_rows or len(batch) >= BATCH_FILES:
                     _ingest_batch(ledger, cur, agg, pool, batch, result)
-                    _index(ledger, cur)
+                    index.kick()
                     batch, rows = [], 0
             _ingest_batch(ledger, cur, agg, pool, batch, result)
-            _index(ledger, cur)
         bar.close()
     finally:
         cur.close()
@@ -157,13 +157,46 @@ def _step_order(entry: tuple) -> tuple:
     return (1, item.rel)
 
 
-def _index(ledger: Ledger, cur) -> None:
-    """The record lookup index catches up with the committed files. It only speeds lookups up
-    (files it does not cover are scanned), so a failure here is logged, never raised."""
-    try:
-        lookup.for_ledger(ledger).catch_up(cur)
-    except Exception as exc:  # noqa: BLE001 (a disk full, a damaged run: lookups scan instead)
-        log.warning("lookup index not updated: %s: %s", type(exc).__name__, exc)
+class _Indexer:
+    """The record lookup index catches up with the committed files in a thread of its own,
+    while the next batch goes in: its sorts and writes were a quarter of the ingesting thread's
+    time (10M rows from 128 hosts on this 2-core box), and they release the GIL. On leaving,
+    it catches up with every file committed, so an ingest returns with the index current. The
+    index only speeds lookups up (files it does not cover are scanned), so a failure here is
+    logged, never raised."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-index")
+        self.running: Future | None = None
+
+    def __enter__(self) -> _Indexer:
+        return self
+
+    def kick(self) -> None:
+        """Start a catch-up unless one is running (the next one takes what this one missed)."""
+        if self.running is None or self.running.done():
+            self.running = self.pool.submit(self._catch_up)
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.running is not None:
+                self.running.result()
+            if exc[0] is None:
+                self.pool.submit(self._catch_up).result()
+        finally:
+            self.pool.shutdown(wait=True)
+
+    def _catch_up(self) -> None:
+        cur = self.ledger.cursor()
+        try:
+            index = lookup.for_ledger(self.ledger)
+            while index.catch_up(cur):
+                pass
+        except Exception as exc:  # noqa: BLE001 (a disk full, a damaged run: lookups scan)
+            log.warning("lookup index not updated: %s: %s", type(exc).__name__, exc)
+        finally:
+            cur.close()
 
 
 def _read(item: sp.SpoolFile | sp.Stray
@@ -335,10 +368,11 @@ def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]
     """
     out: list[tuple[_File, str]] = []
     kept: dict[tuple, list[_File]] = {}
-    for f in batch:
+    overlapping = _overlapping(cur, batch)
+    for n, f in enumerate(batch):
         i = f.info
         key = (i["run_id"], i["attempt"], i["host"], f.item.kind)
-        why = _already(cur, key, f)
+        why = _already(cur, f, overlapping.get(n, []))
         for other in kept.get(key, []):
             if why is None and i["first_step"] <= other.info["last_step"] and \
                     other.info["first_step"] <= i["last_step"]:
@@ -352,16 +386,39 @@ def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]
     return out
 
 
-def _already(cur, key: tuple, f: _File) -> str | None:
+def _overlapping(cur, batch: list[_File]) -> dict[int, list[tuple[int, str]]]:
+    """For each file of the batch (by position), the ledger's files of its run, attempt, host
+    and kind whose step ranges overlap its own: one query for the batch (one a file cost ~8 ms,
+    6 s of a 10M-row backfill of 128 hosts' files on this box)."""
+    if not batch:
+        return {}
+    cur.register("incoming_ranges", pa.table({
+        "n": pa.array(range(len(batch)), pa.int64()),
+        "run_id": [f.info["run_id"] for f in batch],
+        "attempt": pa.array([f.info["attempt"] for f in batch], pa.int64()),
+        "host": pa.array([f.info["host"] for f in batch], pa.int64()),
+        "kind": [f.item.kind for f in batch],
+        "first_step": pa.array([f.info["first_step"] for f in batch], pa.int64()),
+        "last_step": pa.array([f.info["last_step"] for f in batch], pa.int64())}))
+    try:
+        found = cur.execute("""
+            SELECT i.n, g.file_id, g.path FROM incoming_ranges i
+            JOIN runs r ON r.run_id = i.run_id
+            JOIN segments g ON g.run = r.run AND g.attempt = i.attempt AND g.host = i.host
+              AND g.kind = i.kind AND g.first_step <= i.last_step AND g.last_step >= i.first_step
+            ORDER BY i.n, g.file_id""").fetchall()
+    finally:
+        cur.unregister("incoming_ranges")
+    out: dict[int, list[tuple[int, str]]] = {}
+    for n, file_id, path in found:
+        out.setdefault(n, []).append((file_id, path))
+    return out
+
+
+def _already(cur, f: _File, overlapping: list[tuple[int, str]]) -> str | None:
     """Why `f` repeats a file already in the ledger (None: it does not). Files are compared by
-    step range first (the `segments` table); rows only where ranges overlap."""
-    run_id, attempt, host, kind = key
-    overlapping = cur.execute("""
-        SELECT g.file_id, g.path FROM segments g JOIN runs r USING (run)
-        WHERE r.run_id = ? AND g.attempt = ? AND g.host = ? AND g.kind = ?
-          AND g.first_step <= ? AND g.last_step >= ? ORDER BY g.file_id""",
-                              [run_id, attempt, host, kind, f.info["last_step"],
-                               f.info["first_step"]]).fetchall()
+    step range first (`_overlapping`); rows only where ranges overlap."""
+    kind = f.item.kind
     for file_id, path in overlapping:
         table = "consumption" if kind == "seg" else "metrics"
         column = '"row"' if kind == "seg" else "name"
