@@ -304,17 +304,18 @@ def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
             assert unique == {p["host"]: p["unique"] for p in h["per_host"]}
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_files_in_any_order_restarts_and_reopening_match_sql(tmp_path, seed):
+@pytest.mark.parametrize(("seed", "hosts"), [(1, 4), (2, 4), (3, 70)])
+def test_files_in_any_order_restarts_and_reopening_match_sql(tmp_path, seed, hosts):
     """The watermark's exceptions, against the SQL definitions after every round: the spool
     files reach the ingester in random order over several rounds (a host's files out of step
     order: starts below the watermark), a restart rolls back while attempt-0 files are still
     arriving, the ledger is closed and reopened between rounds (the snapshot's pending steps
     and watermark), and the epochs cross the edge of the row's window (steps 140..: epochs
-    14..21)."""
+    14..21). On 4 hosts (the rows' host mask) and on 70 (two slots a row, the map beyond: the
+    host pairs added and removed at 64+ hosts, aggregates._added_pairs)."""
     rng = np.random.default_rng(seed)
     stage, spool, path = tmp_path / "stage", tmp_path / "spool", tmp_path / "ledger.duckdb"
-    base, hosts = 140, 4
+    base = 140
     common = {"n": N + 3, "flush_every": 3, "metrics": False}
     for h in range(hosts):
         write_steps(stage, "r", host=h, hosts=hosts, steps=range(base, base + 42), seed=h,

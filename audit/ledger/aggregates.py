@@ -49,7 +49,6 @@ from audit.ledger.state import (
     Starts,
     csr,
     group,
-    rows_of,
 )
 
 log = logging.getLogger("tally.state")
@@ -608,6 +607,42 @@ def _mask_pairs(old: Records, new: Records, ch: np.ndarray) -> tuple[tuple, tupl
     return (a.astype(np.int32), b.astype(np.int32), m[a, b]), (h.astype(np.int32), sh[h])
 
 
+def _added_pairs(small: Records, big: Records, rows: np.ndarray, hosts: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Host-pair and shared-record counts that the records `rows` gain from `small`'s host sets
+    to `big`'s (each a superset of the other's): the ordered pairs with at least one added
+    host, the records each added host now holds (the diagonal), and per host the records that
+    become shared. Only the pairs an added host is in
+    (2 |added| |kept| + |added|^2 a record) instead of all pairs of both sets: at 128 hosts, the
+    ~3 hosts of a record of a multi-epoch run make that ~3x fewer."""
+    ks, kb = small.host_counts[rows], big.host_counts[rows]
+    s_at, b_at = small.host_ptr[:-1][rows], big.host_ptr[:-1][rows]
+    s_hosts = small.hosts[spans(s_at, ks)]
+    b_row = np.repeat(np.arange(len(rows)), kb)
+    b_hosts = big.hosts[spans(b_at, kb)]
+    # A pair of `big` is added where its (row, host) is not in `small`.
+    s_codes = np.repeat(np.arange(len(rows)), ks) * hosts + s_hosts
+    added = ~np.isin(b_row * hosts + b_hosts, s_codes, assume_unique=True)
+    a_row, a_host = b_row[added], b_hosts[added]
+    # added x kept, both ways
+    s_ptr = np.r_[0, np.cumsum(ks)]
+    reps = ks[a_row]
+    x = np.repeat(a_host, reps)
+    y = s_hosts[spans(s_ptr[a_row], reps)]
+    m = np.bincount(np.r_[x * hosts + y, y * hosts + x], minlength=hosts * hosts)
+    # added x added (records with two or more added hosts), off the diagonal
+    ka = np.bincount(a_row, minlength=len(rows))
+    _, _, both = host_overlap(a_row, a_host, ka[a_row], hosts)
+    np.fill_diagonal(both, 0)
+    m = m.reshape(hosts, hosts) + both
+    m[np.diag_indices(hosts)] += np.bincount(a_host, minlength=hosts)  # the diagonal: records seen
+    # shared: every host of a record that becomes shared; the added hosts of one already was
+    became = (ks <= 1) & (kb > 1)
+    sh = np.bincount(b_hosts[became[b_row]], minlength=hosts)
+    sh += np.bincount(a_host[(ks > 1)[a_row]], minlength=hosts)
+    return m.astype(np.int64), sh.astype(np.int64)
+
+
 def deltas(old: Records, new: Records) -> Deltas:
     """The agg-table changes between two states of the same records (numpy only)."""
     ranks = _rank_deltas(old.steps, new.steps)
@@ -626,16 +661,16 @@ def deltas(old: Records, new: Records) -> Deltas:
         if hosts <= 64:
             pairs, shared = _mask_pairs(old, new, ch)
         else:
-            counts = []
-            for r, k in ((old, ok_), (new, nk)):
-                row = rows_of(r.host_ptr)
-                pick = ch[row]  # the pairs of the changed records (grouped by record already)
-                counts.append(host_overlap(row[pick], r.hosts[pick], k[row[pick]], hosts))
-            (_, o_sh, o_m), (_, n_sh, n_m) = counts
-            m = n_m - o_m
+            m = np.zeros((hosts, hosts), np.int64)
+            sh = np.zeros(hosts, np.int64)
+            for sign, pick in ((1, ch & (nk > ok_)), (-1, ch & (nk < ok_))):
+                if pick.any():  # grown with the batch; shrunk by a restart's rollback
+                    small, big = (old, new) if sign > 0 else (new, old)
+                    dm, dsh = _added_pairs(small, big, np.flatnonzero(pick), hosts)
+                    m += sign * dm
+                    sh += sign * dsh
             a, b = np.nonzero(m)
             pairs = (a.astype(np.int32), b.astype(np.int32), m[a, b])
-            sh = n_sh - o_sh
             h = np.flatnonzero(sh)
             shared = (h.astype(np.int32), sh[h])
         multi = int((nk[ch] > 1).sum()) - int((ok_[ch] > 1).sum())

@@ -56,7 +56,6 @@ class IngestResult:
         return s
 
 
-_SEGMENT_SELECT, _METRIC_SELECT = sql_select(SEGMENT_COLUMNS_ALL), sql_select(METRIC_COLUMNS)
 BATCH_ROWS = 1_000_000  # rows per transaction (fewer when the backlog is shorter)
 BATCH_FILES = 64
 READ_AHEAD_BYTES = 64 << 20  # spool bytes read ahead of the transactions
@@ -453,10 +452,22 @@ def _repeat(f: _File, theirs: pa.Table, path: str) -> str | None:
 
 
 def _insert_rows(cur, batch: list[_File], ids: list[int]) -> None:
-    for f, fid in zip(batch, ids, strict=True):
-        cur.register("incoming", f.table)
-        table, columns = (("consumption", _SEGMENT_SELECT) if f.item.kind == "seg" else
-                          ("metrics", _METRIC_SELECT))
-        cur.execute(f"INSERT INTO {table} SELECT $1, $2, {columns}, $3 FROM incoming",
-                    [f.run, f.info["attempt"], fid])
+    """The batch's rows, one INSERT a kind: the files' chunks side by side with their run,
+    attempt and file id columns. One INSERT a file cost 2.6x as much for 128 hosts' files of
+    ~13k rows (7.8M rows: 4.5 s against 1.7 s on this box). Their schemas are the contract's
+    exactly (audit.hook.spool.read_checked)."""
+    for kind, (table, columns) in (("seg", ("consumption", SEGMENT_COLUMNS_ALL)),
+                                   ("met", ("metrics", METRIC_COLUMNS))):
+        files = [(f, fid) for f, fid in zip(batch, ids, strict=True) if f.item.kind == kind]
+        if not files:
+            continue
+        data = {c.name: pa.chunked_array([k for f, _ in files for k in f.table[c.name].chunks],
+                                         c.arrow) for c in columns}
+        for name, of in (("run", lambda f, _: f.run), ("attempt", lambda f, _: f.info["attempt"]),
+                         ("file_id", lambda _, fid: fid)):
+            data[f"_{name}"] = pa.chunked_array(
+                [np.full(f.table.num_rows, of(f, fid), np.int32) for f, fid in files], pa.int32())
+        cur.register("incoming", pa.table(data))
+        cur.execute(f"INSERT INTO {table} SELECT _run, _attempt, {sql_select(columns)}, _file_id "
+                    "FROM incoming")
         cur.unregister("incoming")
