@@ -139,32 +139,40 @@ def _empty() -> _Layer:
 
 def _merge(old: _Layer, new: _Layer, *, drop_dead: bool) -> _Layer:
     """`new` over `old`: a key in both takes `new`'s entry; tombstones go when nothing older
-    remains below (`drop_dead`). Both layers are sorted and their keys unique, so this is two
-    binary searches and scatters, no sort (a lexsort of both layers' keys was most of a merge:
-    ~4 s of a 10M-row ingest from 128 hosts on this box)."""
-    kept_old = np.arange(old.size)
+    remains below (`drop_dead`). Both layers are sorted with unique keys: one binary search of
+    `new`'s keys in `old`'s places them, and the values move by boolean masks repeated over
+    the counts (one byte a value) rather than gathered through index arrays (a lexsort, then
+    int64 spans, took 0.8 s to merge 685k keys into 2M of 3.4 hosts each on this box;
+    0.15 s this way)."""
+    pos = np.searchsorted(old.keys, new.keys)  # old keys before each new one
+    drop_old = np.zeros(old.size, bool)
     if old.size and new.size:
-        pos = np.minimum(np.searchsorted(new.keys, old.keys), new.size - 1)
-        kept_old = kept_old[new.keys[pos] != old.keys]
-    kept_new = np.arange(new.size)
+        inside = np.flatnonzero(pos < old.size)
+        drop_old[pos[inside][old.keys[pos[inside]] == new.keys[inside]]] = True
+    keep_new = np.ones(new.size, bool)
     if drop_dead:
-        kept_old, kept_new = kept_old[~old.dead[kept_old]], kept_new[~new.dead]
-    old_keys, new_keys = old.keys[kept_old], new.keys[kept_new]
-    at_new = np.searchsorted(old_keys, new_keys) + np.arange(len(new_keys))
-    is_new = np.zeros(len(old_keys) + len(new_keys), bool)
+        drop_old |= old.dead
+        keep_new = ~new.dead
+    keep_old = ~drop_old
+    kept_before = np.zeros(old.size + 1, np.int64)
+    np.cumsum(keep_old, out=kept_before[1:])
+    at_new = kept_before[pos[keep_new]] + np.arange(int(keep_new.sum()))
+    is_new = np.zeros(int(kept_before[-1]) + len(at_new), bool)
     is_new[at_new] = True
+    is_old = ~is_new
     keys = np.empty(len(is_new), np.int64)
-    keys[at_new], keys[~is_new] = new_keys, old_keys
+    keys[is_new], keys[is_old] = new.keys[keep_new], old.keys[keep_old]
     dead = np.empty(len(is_new), bool)
-    dead[at_new], dead[~is_new] = new.dead[kept_new], old.dead[kept_old]
+    dead[is_new], dead[is_old] = new.dead[keep_new], old.dead[keep_old]
+    old_counts, new_counts = np.diff(old.ptr), np.diff(new.ptr)
     counts = np.empty(len(is_new), np.int64)
-    for src, kept, mask in ((new, kept_new, is_new), (old, kept_old, ~is_new)):
-        counts[mask] = src.ptr[kept + 1] - src.ptr[kept]
+    counts[is_new], counts[is_old] = new_counts[keep_new], old_counts[keep_old]
     ptr = np.zeros(len(keys) + 1, np.int64)
     np.cumsum(counts, out=ptr[1:])
     values = np.empty(int(ptr[-1]), np.int32)
-    for src, kept, mask in ((new, kept_new, is_new), (old, kept_old, ~is_new)):
-        if len(kept):
-            c = counts[mask]
-            values[spans(ptr[:-1][mask], c)] = src.values[spans(src.ptr[kept], c)]
+    value_is_new = np.repeat(is_new, counts)
+    values[value_is_new] = new.values if keep_new.all() else \
+        new.values[np.repeat(keep_new, new_counts)]
+    values[~value_is_new] = old.values if keep_old.all() else \
+        old.values[np.repeat(keep_old, old_counts)]
     return _Layer(keys, ptr, values, dead)
