@@ -124,10 +124,10 @@ class SetMap:
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], prefix: str) -> SetMap:
         out = cls()
-        keys = arrays[f"{prefix}_keys"].astype(np.int64)
+        keys = arrays[f"{prefix}_keys"].astype(np.int64, copy=False)  # as saved: no copy
         if len(keys):
-            out.layers = [_Layer(keys, arrays[f"{prefix}_ptr"].astype(np.int64),
-                                 arrays[f"{prefix}_values"].astype(np.int32),
+            out.layers = [_Layer(keys, arrays[f"{prefix}_ptr"].astype(np.int64, copy=False),
+                                 arrays[f"{prefix}_values"].astype(np.int32, copy=False),
                                  np.zeros(len(keys), bool))]
         return out
 
