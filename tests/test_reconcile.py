@@ -293,3 +293,27 @@ def test_a_run_spanning_more_than_max_run_steps_is_refused_in_one_line(tmp_path)
         reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "out",
                   spool=tmp_path / "spool")
     assert not (tmp_path / "out").exists()
+
+
+def test_host_step_ranges_of_a_file_match_a_plain_set_of_steps():
+    """host_steps.per_file's covered step ranges, per (attempt, host), against Python sets of
+    the steps: rows in any order, several attempts and hosts, repeated steps, gaps; and a file
+    with no rows."""
+    from audit.reconcile import host_steps
+
+    rng = np.random.default_rng(7)
+    n = 3000
+    cols = {"attempt": rng.integers(0, 3, n), "host": rng.integers(0, 4, n),
+            "step": rng.integers(0, 400, n), "epoch": np.full(n, -1),
+            "offset": np.ones(n, np.int64), "record_key": np.arange(n)}
+    want: dict[tuple[int, int], set[int]] = {}
+    for a, h, s in zip(cols["attempt"], cols["host"], cols["step"], strict=True):
+        want.setdefault((int(a), int(h)), set()).add(int(s))
+    got: dict[tuple[int, int], set[int]] = {}
+    for a, h, lo, hi in host_steps.per_file(cols, 10)["host_step_ranges"]:
+        steps = got.setdefault((a, h), set())
+        assert not steps & set(range(lo, hi + 1))  # ranges are disjoint
+        steps |= set(range(lo, hi + 1))
+    assert got == want
+    empty = {k: v[:0] for k, v in cols.items()}
+    assert host_steps.per_file(empty, 10)["host_step_ranges"] == []
