@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from api import docs, errors, models
 from api.alerts import Thresholds, Webhook, evaluate, status
 from api.findings import LiveFindings
-from api.metrics import exposition, registry
+from api.metrics import Exposition
 from api.posthoc_routes import add_routes as add_posthoc_routes
 from api.preflight_routes import add_routes as add_preflight_routes
 from audit.core.errors import NotFound, TallyError, Unavailable
@@ -89,6 +89,7 @@ class Service:
             uni = q.Universe(None, "unknown")
         self.ledger = ledger
         self.live = LiveLedger(ledger, uni)
+        self.live.revalidate = spool is not None  # the ingest loop refreshes the answers
         self.manifest = manifest
         self.reports = reports
         self.thresholds = thresholds
@@ -116,8 +117,8 @@ class Service:
                                 outside=outside)
         return Response(body, media_type="application/json")
 
-    def summary(self, run_id: str) -> dict[str, Any]:
-        f = self.live.facts(run_id)
+    def summary(self, run_id: str, *, fresh: bool = False) -> dict[str, Any]:
+        f = self.live.facts(run_id, fresh=fresh)
         t, cov = f["totals"], f["coverage"]
         n = cov["train_records"]
         first_pass = n is None or cov["exposures"] <= n
@@ -168,7 +169,7 @@ class Service:
 
     def check_alerts(self) -> None:
         for run_id in self.live.run_ids():
-            self.webhook.update(run_id, self.summary(run_id)["alerts"])
+            self.webhook.update(run_id, self.summary(run_id, fresh=True)["alerts"])
 
 
 class FiniteJSONResponse(JSONResponse):
@@ -271,6 +272,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 svc.findings.stop()
             if svc.loop is not None:
                 svc.loop.stop()
+            svc.live.close()
             # A clean stop leaves the per-record state's snapshot current enough for a restart
             # in seconds (audit.ledger.snapshot); a kill leaves the last one, which catches up.
             # A state dropped meanwhile (invalidated) is not reloaded only to be saved.
@@ -289,7 +291,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     app.state.service = svc
     docs.install(app)  # /docs and /redoc, offline
     errors.install(app)
-    scrape = registry(svc)
+    scrape = Exposition(svc)
     auth = (401,) if token is not None else ()  # documented where they can occur
     ERRORS = errors.responses(*auth, 404, 409, 422)
 
@@ -461,7 +463,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     def prometheus(request: Request) -> Response:
         """Coverage and duplicate ratios, ingest lag, rows ingested, alerts, per-host series
         and `tally_build_info`, for Prometheus (api/metrics.py)."""
-        body, content_type = exposition(scrape, request.headers.get("accept"))
+        body, content_type = scrape(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
     return app

@@ -3,11 +3,17 @@
 A custom collector reads the live answers at scrape time (prometheus_client's pattern for
 numbers kept elsewhere), so nothing is updated twice. Counts that only grow are counters (their
 names end `_total`); numbers that can go down (a resumed attempt rolls steps back) are gauges;
-shares are named `_ratio`; `tally_build_info` says which Tally answers."""
+shares are named `_ratio`; `tally_build_info` says which Tally answers.
+
+The per-host series are most of a scrape (640 of 693 lines at 128 hosts, 12 ms of a scrape's
+13 ms on this box) and change only with the ledger's version: they are a second registry, whose
+encoding is kept until the answers it was made from change (`Exposition`)."""
 
 from __future__ import annotations
 
+import functools
 import platform
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +28,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from audit.extras import version
 
+OPENMETRICS_EOF = b"# EOF\n"
+
 INTEGRITY = ("hash_mismatches", "unknown_keys", "unknown_segments", "heldout_consumed_records",
              "heldout_exposures")
 
@@ -33,8 +41,7 @@ class TallyCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         svc = self.svc
         yield InfoMetricFamily("tally_build", "The Tally that serves these numbers",
-                               value={"version": version(),
-                                      "python": platform.python_version()})
+                               value=_build())
         yield GaugeMetricFamily("tally_ingest_lag_seconds",
                                 "Age of the oldest spool file waiting for ingest",
                                 value=svc.loop.lag_seconds() if svc.loop is not None else 0.0)
@@ -54,7 +61,7 @@ class TallyCollector(Collector):
 
     def _runs(self) -> Iterator[Metric]:
         svc = self.svc
-        run, host = ["run"], ["run", "host"]
+        run = ["run"]
         m = {
             "coverage": GaugeMetricFamily("tally_coverage_ratio",
                                           "Share of train records seen at least once",
@@ -83,17 +90,6 @@ class TallyCollector(Collector):
             "integrity": GaugeMetricFamily(
                 "tally_integrity", "Integrity against the manifest, as the live reconcile "
                 "found it", labels=["run", "kind"]),
-            "h_rows": CounterMetricFamily("tally_host_rows_ingested",
-                                          "Segment rows in the ledger, per host", labels=host),
-            "h_exp": GaugeMetricFamily("tally_host_exposures", "Effective exposures per host",
-                                       labels=host),
-            "h_unique": GaugeMetricFamily("tally_host_unique_records",
-                                          "Distinct records per host", labels=host),
-            "h_shared": GaugeMetricFamily("tally_host_shared_records",
-                                          "Records a host saw that another host saw too",
-                                          labels=host),
-            "h_last": GaugeMetricFamily("tally_host_last_step",
-                                        "Latest effective step per host", labels=host),
         }
 
         def add(key: str, labels: list[str], value: float | None) -> None:
@@ -101,8 +97,7 @@ class TallyCollector(Collector):
                 m[key].add_metric(labels, value)
 
         for run_id in svc.live.run_ids():
-            s, hs = svc.summary(run_id), svc.live.hosts(run_id)
-            host_rows = svc.live.host_rows(run_id)
+            s = svc.summary(run_id)
             c, ex = s["coverage"], max(1, s["exposures"])
             add("coverage", [run_id], c["coverage"])
             add("ideal", [run_id], (c.get("ideal") or {}).get("coverage"))
@@ -119,24 +114,82 @@ class TallyCollector(Collector):
             integ = (s.get("findings") or {}).get("integrity")
             for kind in INTEGRITY if integ else ():
                 add("integrity", [run_id, kind], integ[kind])
-            for h in hs["per_host"]:
-                lab = [run_id, str(h["host"])]
-                add("h_rows", lab, host_rows.get(h["host"], 0))
-                add("h_exp", lab, h["exposures"])
-                add("h_unique", lab, h["unique"])
-                add("h_shared", lab, h["overlap_with_others"])
-                add("h_last", lab, h["last_step"])
         yield from (family for family in m.values() if family.samples)
 
 
-def registry(svc: Any) -> CollectorRegistry:
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(TallyCollector(svc))
-    return reg
+class HostCollector(Collector):
+    """The per-host series of every run, from the answers given (`Exposition` sets them)."""
+
+    def __init__(self) -> None:
+        self.answers: tuple = ()  # (run id, its hosts answer, its rows per host) for each run
+
+    def collect(self) -> Iterator[Metric]:
+        host = ["run", "host"]
+        m = {
+            "rows": CounterMetricFamily("tally_host_rows_ingested",
+                                        "Segment rows in the ledger, per host", labels=host),
+            "exp": GaugeMetricFamily("tally_host_exposures", "Effective exposures per host",
+                                     labels=host),
+            "unique": GaugeMetricFamily("tally_host_unique_records",
+                                        "Distinct records per host", labels=host),
+            "shared": GaugeMetricFamily("tally_host_shared_records",
+                                        "Records a host saw that another host saw too",
+                                        labels=host),
+            "last": GaugeMetricFamily("tally_host_last_step",
+                                      "Latest effective step per host", labels=host),
+        }
+        for run_id, hs, host_rows in self.answers:
+            for h in hs["per_host"]:
+                lab = [run_id, str(h["host"])]
+                m["rows"].add_metric(lab, host_rows.get(h["host"], 0))
+                for key, name in (("exp", "exposures"), ("unique", "unique"),
+                                  ("shared", "overlap_with_others"), ("last", "last_step")):
+                    if h[name] is not None:
+                        m[key].add_metric(lab, h[name])
+        yield from (family for family in m.values() if family.samples)
 
 
-def exposition(reg: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
-    """The scrape body and its content type: OpenMetrics when the scraper asks for it (as
-    Prometheus does), else the text format."""
-    encode, content_type = choose_encoder(accept or "")
-    return encode(reg), content_type
+class Exposition:
+    """The scrape: the service's and each run's series encoded now, then the per-host series,
+    encoded again only when the answers they come from are other objects (cached answers are
+    the same object for as long as the ledger's version holds)."""
+
+    def __init__(self, svc: Any) -> None:
+        self.svc = svc
+        self.live = CollectorRegistry(auto_describe=False)
+        self.live.register(TallyCollector(svc))
+        self.hosts = HostCollector()
+        self.host_registry = CollectorRegistry(auto_describe=False)
+        self.host_registry.register(self.hosts)
+        self._encoded: dict[str, tuple[tuple, bytes]] = {}  # content type -> (answers, body)
+        self._lock = threading.Lock()  # one encoding of the per-host series at a time
+
+    def __call__(self, accept: str | None) -> tuple[bytes, str]:
+        """The scrape body and its content type: OpenMetrics when the scraper asks for it (as
+        Prometheus does), else the text format."""
+        encode, content_type = choose_encoder(accept or "")
+        live = self.svc.live
+        answers = tuple((run_id, live.hosts(run_id), live.host_rows(run_id))
+                        for run_id in live.run_ids())
+        head = encode(self.live)
+        with self._lock:
+            kept = self._encoded.get(content_type)
+            if kept is not None and _same(kept[0], answers):
+                tail = kept[1]
+            else:
+                self.hosts.answers = answers
+                tail = encode(self.host_registry)
+                self._encoded[content_type] = (answers, tail)
+        if head.endswith(OPENMETRICS_EOF) and tail.endswith(OPENMETRICS_EOF):
+            head = head[:-len(OPENMETRICS_EOF)]  # one EOF, at the end
+        return head + tail, content_type
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(
+        x[0] == y[0] and x[1] is y[1] and x[2] is y[2] for x, y in zip(a, b, strict=True))
+
+
+@functools.cache
+def _build() -> dict[str, str]:
+    return {"version": version(), "python": platform.python_version()}

@@ -334,3 +334,52 @@ def test_answers_asked_for_are_ready_after_each_ingest_round(tmp_path):
             assert poll(ready)
             after = srv.get("/v1/runs/r/steps?bucket=2").json()
             assert after["step"] == [0, 2, 4, 6, 8] and after["step"][:3] == first["step"]
+
+
+def test_an_answer_is_computed_once_for_concurrent_requests_and_refreshed_behind_them(tmp_path):
+    """Requests for one answer of one version compute it once; while the service ingests
+    (`revalidate`), a request after a new version gets the previous answer at once while the
+    refresh thread computes the new one, never one older than STALE_S; without ingest, each
+    answer is of the request's own snapshot."""
+    from audit.ledger import queries as q
+    from audit.ledger.live import LiveLedger
+
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(4), n=N, seed=1, flush_every=4)
+    with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        ingest(spool, ledger)
+        live = LiveLedger(ledger, q.Universe(N, "records option"))
+        calls: list[int] = []
+
+        def last_step(snap) -> int:
+            calls.append(snap.gen)
+            threading.Event().wait(0.3)  # long enough for every request to arrive meanwhile
+            return snap.cur.execute("SELECT max(step) FROM consumption").fetchone()[0]
+
+        def ask() -> int:
+            return live.answer(("last",), "r", last_step)
+
+        def together(n: int) -> list[int]:
+            got: list[int] = []
+            threads = [threading.Thread(target=lambda: got.append(ask())) for _ in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return got
+
+        assert together(4) == [3] * 4 and len(calls) == 1
+        more = lambda steps, seed: (write_steps(  # noqa: E731
+            spool, "r", host=0, hosts=1, steps=steps, n=N, seed=seed, flush_every=4),
+            ingest(spool, ledger))
+        more(range(4, 6), 2)
+        assert together(3) == [5] * 3 and len(calls) == 2  # read only: the new version, once
+
+        live.revalidate = True
+        more(range(6, 8), 3)
+        assert ask() == 5 and len(calls) == 2  # the previous one, its refresh under way
+        assert poll(lambda: ask() == 7, timeout=10) and len(calls) == 3  # refreshed, once
+        live.STALE_S = 0.0  # too old to serve: the request computes the new version itself
+        more(range(8, 10), 4)
+        assert ask() == 9 and len(calls) == 4
+        live.close()

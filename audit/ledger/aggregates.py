@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from audit.core.arrays import host_overlap, spans
 from audit.core.exposure import effective_sql, start_sql
-from audit.ledger.database import Ledger
+from audit.ledger.database import Ledger, one
 from audit.ledger.snapshot import Applied, Invalid, Snapshots, lowered_cuts
 from audit.ledger.state import (
     COMPACT,
@@ -101,6 +101,9 @@ class Aggregates:
         self._pending: list[_Staged] = []
         self.max_state_bytes = max_state_bytes or default_max_state_bytes()
         self.snapshots: Snapshots | None = None  # set by load() for a ledger on disk
+        # The newest file id committed: the ledger's version, as a snapshot's max(file_id)
+        # (audit.ledger.live answers a cached request by it, without opening a snapshot).
+        self.version = 0
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -114,6 +117,7 @@ class Aggregates:
         agg.snapshots = Snapshots(ledger.path, ledger.ledger_id)
         cur = ledger.cursor()
         try:
+            agg.version = one(cur, "SELECT coalesce(max(file_id), 0) FROM segments")[0]
             counts = dict(cur.execute("""
                 SELECT run, count(*) FROM segments WHERE kind = 'seg' GROUP BY ALL""").fetchall())
             names = dict(cur.execute("SELECT run, run_id FROM runs").fetchall())

@@ -345,6 +345,7 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
             agg.reserve()  # memory for the new state first: nothing may fail after COMMIT
             cur.execute("COMMIT")
             committed = True
+            agg.version = max(agg.version, *ids)
             agg.commit()
     except BaseException:
         if committed:  # the ledger has the batch; the state in memory is rebuilt from it

@@ -89,8 +89,7 @@ class IngestLoop:
             self._full = time.monotonic() - self._full_at >= FULL_LISTING_S
             if self._full:
                 self._full_at = time.monotonic()
-            new = [(f, st) for f, st in sp.scan(self.spool, self._settled)
-                   if f.rel not in self._done]
+            new = list(sp.scan(self.spool, self._settled, self._done))
             # Before quarantined files are set aside: a directory holding one stays listed,
             # so that the file rewritten in place (same name, no mtime change) is seen.
             self._settle(new)
