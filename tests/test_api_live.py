@@ -302,12 +302,24 @@ def test_coverage_universe_from_writer_metadata_and_cached_answers(tmp_path):
         with Server(create_app(ledger)) as srv:
             before = srv.get("/v1/runs/w/steps?bucket=1").json()
             assert srv.get("/v1/runs/w/steps?bucket=1").json() == before
+            om = {"Accept": "application/openmetrics-text"}
+            scraped = [host_rows(srv.get("/metrics", headers=h).text) for h in ({}, om)]
             write_steps(spool, "w", host=0, hosts=1, steps=range(10, 15), n=N, seed=3,
                         flush_every=5, records_per_epoch=N)
             ingest(spool, ledger)
             after = srv.get("/v1/runs/w/steps?bucket=1").json()
             assert after["step"] == before["step"] + list(range(10, 15))
             assert srv.get("/v1/runs/w").json()["last_step"] == 14
+            # The per-host series, kept encoded between versions, follow the new one.
+            for h, old in zip(({}, om), scraped, strict=True):
+                assert host_rows(srv.get("/metrics", headers=h).text) == {
+                    **old, "w": old["w"] + 5 * 8}
+
+
+def host_rows(scrape: str) -> dict[str, float]:
+    """tally_host_rows_ingested of host 0, per run, from a scrape."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^tally_host_rows_ingested(?:_total)?\{host="0",run="([^"]+)"\} (\S+)$', scrape, re.M)}
 
 
 def test_answers_asked_for_are_ready_after_each_ingest_round(tmp_path):
