@@ -189,3 +189,54 @@ def test_a_writer_killed_between_the_kinds_leaves_no_gap(tmp_path):
         lookup._path(d, "key", r.lo, r.hi).unlink()
     index = _check(path)  # same answers as a scan
     assert index.coverage.upto == a.lo  # both kinds whole up to there; the rest is scanned
+
+
+def test_a_lookup_walked_page_by_page_is_the_sql_of_its_definition(tmp_path):
+    """The lookup's order, pages, totals and rolled-back marks (worked out in numpy) against
+    one plain SQL query each, on a run restarted twice, by key and by content hash."""
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    _spool(spool)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=300)
+        cur = ledger.cursor()
+        index = lookup.for_ledger(ledger)
+        hashes = [h for (h,) in cur.execute(
+            "SELECT DISTINCT content_hash FROM consumption ORDER BY 1 LIMIT 12").fetchall()]
+        asked = [("record_key", k) for k in range(0, N + 5, 37)] + [
+            ("content_hash", h) for h in hashes]
+        rolled = 0
+        for col, val in asked:
+            want = cur.execute(f"""
+                SELECT c.record_key, c.step, c.host, c.attempt, c.epoch, c."row", c."offset",
+                       c.n_tokens, c.content_hash,
+                       coalesce(c.step >= a.rolled_back_from_step, false) AS rolled_back
+                FROM consumption c JOIN attempts a USING (run, attempt)
+                WHERE c.run = 1 AND c.{col} = ?
+                ORDER BY c.record_key, c.step, c.host, c.attempt, c."row", c."offset", c.rowid""",
+                               [val]).fetchall()
+            by_epoch = dict(cur.execute(f"""
+                SELECT c.epoch::VARCHAR, count(*) FROM consumption c JOIN attempts a
+                USING (run, attempt) WHERE c.run = 1 AND c.{col} = ? AND c."offset" = 0
+                AND NOT coalesce(c.step >= a.rolled_back_from_step, false)
+                GROUP BY c.epoch ORDER BY c.epoch""", [val]).fetchall())
+            if not want:
+                continue
+            got, cursor, pages = [], None, 0
+            while True:
+                page = q.record(cur, 1, limit=3, cursor=cursor, index=index,
+                                **{col: val})
+                assert page["segments_total"] == len(want)
+                assert page["exposures_by_epoch"] == by_epoch
+                assert page["exposures"] == sum(by_epoch.values())
+                assert page["record_keys"] == sorted({r[0] for r in want})
+                got += page["segments"]
+                pages += 1
+                cursor = page["next_cursor"]
+                if cursor is None:
+                    break
+            assert pages == -(-len(want) // 3)
+            assert [tuple(s.values()) for s in got] == [
+                (*r[:8], f"{r[8]:#018x}", r[9]) for r in want]
+            rolled += sum(r[9] for r in want)
+        assert rolled > 0
+        cur.close()
