@@ -1,6 +1,7 @@
 """Ingest: exactly once, quarantine of bad files, restart lineage, ledger versioning."""
 
 import shutil
+import threading
 import time
 
 import pyarrow as pa
@@ -213,3 +214,34 @@ def test_records_per_epoch_is_kept_per_attempt_and_checked(spool, tmp_path):
         got = ledger.query("SELECT attempt, records_per_epoch FROM attempts ORDER BY attempt")
         assert [(r["attempt"], r["records_per_epoch"]) for r in got] == [
             (0, 1000), (1, 1000), (2, None)]
+
+
+class _StopAfter(threading.Event):
+    """A stop that is set once the ingest has looked at it `n` times (mid-backlog)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def is_set(self) -> bool:
+        self.n -= 1
+        return self.n < 0 or super().is_set()
+
+
+def test_a_stopped_ingest_ends_after_its_batch_and_the_next_takes_the_rest_once(tmp_path):
+    """`tally serve`'s stop: the ingest ends between two batches, each whole, and the next
+    ingest takes exactly the files left; the aggregates equal a rebuild from the ledger."""
+    from audit.ledger.aggregates import Aggregates
+    from tests.test_api_aggregates import assert_same_state
+
+    spool = tmp_path / "spool"
+    _write(spool, "r", range(40), flush_every=2)  # 2 hosts x 20 files
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        first = ingest(spool, ledger, batch_rows=1, stop=_StopAfter(7))
+        assert 0 < first.files < 40 and _count(ledger, "segments") == first.files
+        rest = ingest(spool, ledger, batch_rows=1)
+        assert first.files + rest.files == 40 and rest.already == first.files
+        assert _count(ledger) == first.rows + rest.rows == sum(
+            pq.read_metadata(p).num_rows for p in spool.rglob("*.parquet"))
+        assert_same_state(ledger._aggregates.runs[1],
+                          Aggregates.load(ledger, use_snapshots=False).runs[1])

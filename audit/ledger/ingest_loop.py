@@ -133,7 +133,7 @@ class IngestLoop:
         pending = self._pending()
         if pending:
             self._oldest_pending = min(st.st_mtime for _, st in pending)
-            res = ingest(self.spool, self.ledger, listing=pending)
+            res = ingest(self.spool, self.ledger, listing=pending, stop=self._stop)
             self.files += res.files
             self.rows += res.rows
             self.quarantined += len(res.quarantined)
