@@ -272,10 +272,16 @@ def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None =
     rolled = ~exposure.effective(got["step"], got["attempt"], cutoffs)
     epochs, counts = np.unique(got["epoch"][~rolled & exposure.starts(got["offset"])],
                                return_counts=True)
-    places = list(zip(*(got[c].tolist() for c in _RECORD_ORDER), strict=True))
+    total = len(got["rid"])
+
+    def place(i: int) -> tuple[int, ...]:  # a row's place in the order, as the cursor says it
+        return tuple(int(got[c][i]) for c in _RECORD_ORDER)
+
+    # The page's first row by bisection (log n places built, not one a row: a content hash
+    # shared by many records can match millions of rows).
     first = 0 if cursor is None else bisect.bisect_right(
-        places, tuple(int(v) for v in cursor.split(".")))
-    page = range(first, min(first + limit, len(places)))
+        range(total), tuple(int(v) for v in cursor.split(".")), key=place)
+    page = range(first, min(first + limit, total))
     columns = {c: got[c][first:page.stop].tolist() for c in _RECORD_COLS[:-1]}
     columns["rolled_back"] = rolled[first:page.stop].tolist()
     segs = [dict(zip(_RECORD_COLS, r, strict=True)) for r in zip(*columns.values(), strict=True)]
@@ -285,9 +291,9 @@ def record(cur: duckdb.DuckDBPyConnection, run: int, *, record_key: int | None =
             "exposures": int(counts.sum()),
             "exposures_by_epoch": {str(e): int(n) for e, n in zip(epochs.tolist(), counts,
                                                                  strict=True)},
-            "segments_total": len(places), "segments": segs,
-            "next_cursor": ".".join(map(str, places[page.stop - 1]))
-            if page and page.stop < len(places) else None}
+            "segments_total": total, "segments": segs,
+            "next_cursor": ".".join(map(str, place(page.stop - 1)))
+            if page and page.stop < total else None}
 
 
 def metrics(cur: duckdb.DuckDBPyConnection, run: int, points: int = 500) -> dict[str, Any]:
