@@ -341,7 +341,7 @@ def test_answers_asked_for_are_ready_after_each_ingest_round(tmp_path):
             def ready() -> bool:  # the new version's answer, computed with no request
                 g = newest()
                 key = (g, "steps", "r", None, None, 2, 500)
-                return g > gen and svc.live._cached(key) is not None
+                return g > gen and key in svc.live._answers
 
             assert poll(ready)
             after = srv.get("/v1/runs/r/steps?bucket=2").json()

@@ -196,9 +196,8 @@ class LiveLedger:
         agg = getattr(self.ledger, "_aggregates", None)  # None: being reloaded, not here
         if not fresh and agg is not None:  # by the version in memory: no snapshot to open
             with self._answers_lock:
-                hit = self._answers.get((agg.version, *key))
+                hit = self._hit((agg.version, *key))
                 if hit is not None:
-                    self._answers.move_to_end((agg.version, *key))
                     return hit
                 if self.revalidate:
                     stale = self._stale(key, spec)
@@ -207,9 +206,8 @@ class LiveLedger:
         with self.read(run_id) as snap:
             full = (snap.gen, *key)
             with self._answers_lock:
-                hit = self._answers.get(full)
+                hit = self._hit(full)
                 if hit is not None:
-                    self._answers.move_to_end(full)
                     return hit
                 if not fresh and self.revalidate:
                     stale = self._stale(key, spec)
@@ -311,12 +309,12 @@ class LiveLedger:
         if self._refresher is not None:
             self._refresher.join(30.0)
 
-    def _cached(self, key: tuple) -> Any:
-        with self._answers_lock:
-            hit = self._answers.get(key)
-            if hit is not None:
-                self._answers.move_to_end(key)
-            return hit
+    def _hit(self, full: tuple) -> Any:
+        """The answer cached under (version, *key), or None (under `_answers_lock`)."""
+        hit = self._answers.get(full)
+        if hit is not None:
+            self._answers.move_to_end(full)
+        return hit
 
     # ---- answers several endpoints share ---------------------------------------------------
     def facts(self, run_id: str, *, fresh: bool = False) -> dict[str, Any]:
