@@ -14,7 +14,7 @@ from audit.core.arrays import PAIRS_UP_TO
 from audit.ledger.aggregates import Aggregates
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
-from audit.ledger.state import NO_STEP, RunState, Starts, group
+from audit.ledger.state import NO_STEP, HostLayout, RunState, Starts, _host_word, _slots, group
 from tests.api_helpers import Server, write_steps
 
 N = 150  # train records; keys 150.. are outside (held out or unknown)
@@ -346,26 +346,43 @@ def test_files_in_any_order_restarts_and_reopening_match_sql(tmp_path, seed, hos
         assert_same_state(state, Aggregates.load(ledger, use_snapshots=False).runs[1])
 
 
-def test_a_run_that_grows_beyond_32_hosts_keeps_its_host_sets(tmp_path):
-    """Up to 32 hosts a record's hosts are a mask in its row (any number of them); the first
-    host beyond turns the run's rows to two slots and the map. Attempt 0 on 4 hosts puts
-    records on 3 and 4 hosts; attempt 1 resumes on 40 hosts (an elastic resize) from step 20,
-    rolling part of attempt 0 back; every answer agrees with SQL before and after, and with a
-    state rebuilt from the ledger."""
+def test_a_run_that_grows_to_more_hosts_keeps_its_host_sets(tmp_path):
+    """A row holds a record's hosts as a mask up to 32 hosts (any number of them), in four
+    one-byte slots up to 255 hosts, in two two-byte slots beyond; the hosts that do not fit
+    go to the map. Attempt 0 on 4 hosts puts records on 3 and 4 hosts (the mask); attempt 1
+    resumes on 40 hosts from step 20 (an elastic resize: four slots, records on 3 or 4 hosts
+    kept in the row); attempt 2 on 300 hosts from step 35 (two slots: those move to the map).
+    Every answer agrees with SQL after each, and the state with one rebuilt from the
+    ledger."""
     spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
-    common = {"n": N + 3, "flush_every": 4}
+
+    def hosts_in_row(state: RunState) -> np.ndarray:
+        word = _host_word(state.data[: state.top + 1])
+        if not state.hosts_in_rows.slots:
+            return np.bitwise_count(word)
+        return (_slots(word, state.hosts_in_rows) > 0).sum(axis=1)
+
     with Ledger(path) as ledger, Server(create_app(ledger, records=N)) as srv:
         for h in range(4):
-            write_steps(spool, "r", host=h, hosts=4, steps=range(0, 30), seed=h, **common)
+            write_steps(spool, "r", host=h, hosts=4, steps=range(0, 30), seed=h, n=N + 3,
+                        flush_every=4)
         ingest(spool, ledger)
         state = ledger._aggregates.runs[1]
-        assert state.host_mask and not len(state.many_hosts)
-        assert (np.bitwise_count(state.data["host1"]) >= 3).any()  # 3+ hosts in the row
+        assert state.hosts_in_rows == HostLayout(0) and not len(state.many_hosts)
+        assert (hosts_in_row(state) >= 3).any()  # 3+ hosts in the row
         check(srv, ledger, "r")
         for h in range(40):
             write_steps(spool, "r", host=h, hosts=40, steps=range(20, 40), seed=50 + h,
-                        attempt=1, resumed=20, per_step=2, **common)
+                        attempt=1, resumed=20, per_step=2, n=2000, flush_every=10)
         ingest(spool, ledger)
-        assert not state.host_mask and len(state.many_hosts) > 0
+        assert state.hosts_in_rows == HostLayout(4) and len(state.many_hosts) > 0
+        assert (hosts_in_row(state) >= 3).any()
+        check(srv, ledger, "r")
+        for h in range(300):
+            write_steps(spool, "r", host=h, hosts=300, steps=range(35, 41), seed=500 + h,
+                        attempt=2, resumed=35, per_step=1, n=2000, flush_every=10,
+                        metrics=False)
+        ingest(spool, ledger)
+        assert state.hosts_in_rows == HostLayout(2) and hosts_in_row(state).max() == 2
         check(srv, ledger, "r")
         assert_same_state(state, Aggregates.load(ledger, use_snapshots=False).runs[1])

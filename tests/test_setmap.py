@@ -37,3 +37,36 @@ def test_setmap_agrees_with_a_dict(seed):
     assert again.keys().tolist() == m.keys().tolist() == sorted(want)
     counts, values = again.get(np.array(sorted(want)))
     assert values.tolist() == [x for k in sorted(want) for x in want[k]]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_runs_host_sets_read_back_through_every_host_layout(seed):
+    """RunState's rows hold host sets as a mask, in four one-byte slots or in two two-byte
+    slots (the map beyond): random sets put in rounds whose largest host moves the run
+    through the layouts (hosts up to 65,535, which no slot holds) read back as put, every
+    round, against a dict."""
+    from audit.ledger.state import LAYOUTS, Records, RunState, csr
+
+    rng = np.random.default_rng(seed)
+    st, want = RunState(), {}
+    for top in (31, 31, 200, 254, 255, 9000, 65535):
+        keys = np.unique(rng.integers(0, 5000, 800))
+        sizes = rng.choice([0, 1, 2, 3, 4, 5, 9], len(keys))
+        rows, hosts = [], []
+        for i, k in enumerate(keys.tolist()):
+            # The first two records on the round's largest host, alone and with another.
+            hs = [top] if i == 0 else [0, top] if i == 1 else \
+                sorted(set(rng.integers(0, top + 1, sizes[i]).tolist()))
+            want[k] = hs
+            rows += [i] * len(hs)
+            hosts += hs
+        r = Records.empty(keys)
+        r.exposures[:] = 1
+        r.host_ptr, r.hosts = csr(np.array(rows, np.int64), np.array(hosts, np.int64),
+                                  len(keys))
+        st.put(r)
+        assert st.hosts_in_rows == next(x for x in LAYOUTS if top <= x.cap or x is LAYOUTS[-1])
+        every = np.array(sorted(want), np.int64)
+        got = st.get(every)
+        for i, k in enumerate(every.tolist()):
+            assert got.hosts[got.host_ptr[i]: got.host_ptr[i + 1]].tolist() == want[k], (top, k)

@@ -48,7 +48,9 @@ import xxhash
 log = logging.getLogger("tally.state")
 
 MAGIC = b"TLYSNAP1"
-FORMAT = 2  # 2: the compact rows and, after them, the sparse maps and the watermark
+# 2: the compact rows and, after them, the sparse maps and the watermark; 3: the rows' host
+# layout among them (four one-byte host slots; a format-2 file read as two slots would be wrong)
+FORMAT = 3
 ALIGN = 4096  # rows start on a page boundary: the mapping is aligned for every field
 SLICE = 64 << 20  # bytes hashed and written at a time
 MAX_HEADER = 1 << 20

@@ -3,14 +3,16 @@ run, so that each batch of files updates the aggregates by what it touches (audi
 aggregates).
 
 Eight bytes a record key (COMPACT): a saturating exposure level, a few flags, the record's
-epochs 0..15 as a bit mask and its hosts (a mask while the run has no host beyond 31, else up
-to two: MASK_HOSTS). Whatever does not fit lives in three sparse
-maps beside the rows, exact: the exposures of records seen 255+ times, the host sets of records
-on three or more hosts and the epoch sets of records seen in an epoch outside 0..15 (the sets
-in audit.ledger.setmap). A loader's faults leave most records on one or two hosts (sampling
-with replacement on 128 hosts at 1.1 exposures a record puts ~10% of records on 3+ hosts: 3
-bytes a record on average, bench/state_size.py), so the maps stay small next to the rows; a
-run of many epochs over a small corpus fills them (README: what each answer costs).
+epochs 0..15 as a bit mask and its hosts in four bytes, laid out by the run's largest host
+(HostLayout): a mask while it is below 32, four one-byte slots below 255, else two two-byte
+slots. Whatever does not fit lives in three sparse maps beside the rows, exact: the exposures
+of records seen 255+ times, the host sets of records on more hosts than the row has slots and
+the epoch sets of records seen in an epoch outside 0..15 (the sets in audit.ledger.setmap). A
+record is on about as many hosts as it has exposures, so four slots hold every record of a
+healthy run of up to four epochs on 128 hosts (two slots put 99.6% of those of a 3.85-epoch
+run in the map: 40 bytes a record, bench/state_size.py) and a loader's faults leave few beyond
+(sampling with replacement at 1.1 exposures a record: ~0.5% of records on 5+ hosts); a run of
+many epochs over a small corpus fills the maps (README: what each answer costs).
 
 The three earliest exposure steps of a record (the `agg_ranks` of coverage as of a step) are
 not kept per record. Record starts are settled in step order behind a watermark W (`settle`):
@@ -48,15 +50,42 @@ COMPACT = np.dtype([("level", "u1"),  # exposures, saturating at LEVEL_CAP
                     ("host2", "<u2")])  # host + 1 (0: none)
 LEVEL_CAP = 255  # level 255: the exposures are in RunState.levels
 DUP = 1  # the record was seen twice in one epoch
-MANY_HOSTS = 2  # its hosts are in RunState.hosts (3+ hosts, or a host beyond HOST_CAP)
+MANY_HOSTS = 2  # its hosts are in RunState.many_hosts (more than the row's slots hold)
 FAR_EPOCHS = 4  # its epochs are in RunState.epochs (an epoch outside the window)
 EPOCH_WINDOW = 16
-HOST_CAP = 65534  # hosts 0..HOST_CAP fit a row as host + 1
-# While a run has seen no host beyond 31, its rows' four host bytes are a mask of its hosts
-# instead (RunState.host_mask): every record's host set fits, however many epochs (3 epochs on 8
-# hosts put most records on 3 hosts, which two slots would spill to the map: bench/restart.py
-# measured 32 bytes a record that way). The first host beyond turns the run's rows to slots.
+HOST_CAP = 65534  # hosts 0..HOST_CAP fit a row (two slots) as host + 1
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """How a run's rows hold each record's hosts in their four host bytes (`host1` the low
+    two, `host2` the high two, read as one 32-bit word): `slots` == 0, a mask of hosts
+    0..MASK_HOSTS-1 (any number of them a record: 3 epochs on 8 hosts put most records on 3
+    hosts, which two slots spilled to the map, 32 bytes a record in bench/restart.py); else
+    `slots` slots of 32 / slots bits, each host + 1 (0: empty), ascending from the lowest,
+    for hosts 0..cap. A run starts with the mask; its first host beyond a layout moves its
+    rows to the next (`RunState._relayout`), never back."""
+
+    slots: int
+
+    @property
+    def bits(self) -> int:
+        return 32 // self.slots
+
+    @property
+    def cap(self) -> int:
+        """The largest host a slot holds (as host + 1, below 2^bits)."""
+        return MASK_HOSTS - 1 if not self.slots else (1 << self.bits) - 2
+
+    @staticmethod
+    def for_host(host: int) -> HostLayout:
+        """The narrowest layout that holds `host` (the widest for a host beyond HOST_CAP:
+        its records go to the map)."""
+        return next((x for x in LAYOUTS if host <= x.cap), LAYOUTS[-1])
+
+
 MASK_HOSTS = 32
+LAYOUTS = (HostLayout(0), HostLayout(4), HostLayout(2))  # the order a run moves through them
 
 
 def csr(rows: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -321,6 +350,34 @@ def _live(steps: np.ndarray) -> np.ndarray:
     return ((steps != SETTLED) & (steps != NO_STEP)).any(axis=1)
 
 
+def _host_word(rows: np.ndarray) -> np.ndarray:
+    """The four host bytes of COMPACT rows as one integer each (int64)."""
+    return rows["host1"].astype(np.int64) | rows["host2"].astype(np.int64) << 16
+
+
+def _slots(word: np.ndarray, layout: HostLayout) -> np.ndarray:
+    """Host words in slots as [n, slots] of host + 1 (0: empty)."""
+    shift = np.arange(layout.slots, dtype=np.int64) * layout.bits
+    return (word[:, None] >> shift) & ((1 << layout.bits) - 1)
+
+
+def _to_slots(ptr: np.ndarray, hosts: np.ndarray, layout: HostLayout
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Records' host sets (a CSR, each sorted) as host words in `layout`'s slots, and which do
+    not fit (more hosts than slots, or a host beyond its cap: their word is 0)."""
+    counts = np.diff(ptr)
+    n = len(counts)
+    largest = np.zeros(n, np.int64)
+    has = counts > 0
+    largest[has] = hosts[ptr[1:][has] - 1]
+    many = (counts > layout.slots) | (largest > layout.cap)
+    word = np.zeros(n, np.int64)
+    for i in range(layout.slots):
+        at = np.flatnonzero((counts > i) & ~many)
+        word[at] |= (hosts[ptr[at] + i] + 1) << (i * layout.bits)
+    return word, many
+
+
 @dataclass
 class RunState:
     """Per-record state of one run, indexed by record key (keys are manifest rows, so dense).
@@ -332,7 +389,7 @@ class RunState:
     levels: dict[int, int] = field(default_factory=dict)  # exposures of level-255 records
     # The host sets of MANY_HOSTS records and the epoch sets of FAR_EPOCHS records.
     many_hosts: SetMap = field(default_factory=SetMap)
-    host_mask: bool = True  # the rows' host bytes are a mask of hosts < MASK_HOSTS
+    hosts_in_rows: HostLayout = LAYOUTS[0]  # how the rows hold hosts (a mask, at first)
     far_epochs: SetMap = field(default_factory=SetMap)
     watermark: int = SETTLED  # starts below it are settled; none is, at first
     # The pending table as runs of (sorted keys, their triples), one a batch, disjoint: a new
@@ -397,12 +454,12 @@ class RunState:
             pos = np.minimum(np.searchsorted(pk, keys), len(pk) - 1)
             hit = pk[pos] == keys
             out.steps[hit] = ps[pos[hit]]
-        # Hosts: the row's mask, or its two (stored in order) else the map's; in row order.
-        if self.host_mask:
-            out.host_ptr, out.hosts = bits(rows["host1"].astype(np.int64)
-                                           | rows["host2"].astype(np.int64) << 16)
+        # Hosts: the row's mask, or its slots (stored in order) else the map's; in row order.
+        word = _host_word(rows)
+        if not self.hosts_in_rows.slots:
+            out.host_ptr, out.hosts = bits(word)
         else:
-            self._slot_hosts(out, keys, rows, flags)
+            self._slot_hosts(out, keys, word, flags)
         # Epochs: the row's window, else the map's.
         far = (flags & FAR_EPOCHS) != 0
         mask = rows["epochs"].astype(np.int64)
@@ -419,21 +476,21 @@ class RunState:
         out.dup = (flags & DUP) != 0
         return out
 
-    def _slot_hosts(self, out: Records, keys: np.ndarray, rows: np.ndarray,
+    def _slot_hosts(self, out: Records, keys: np.ndarray, word: np.ndarray,
                     flags: np.ndarray) -> None:
-        """`out`'s hosts from rows in slots: the row's two (stored in order), else the map's."""
+        """`out`'s hosts from rows in slots: the row's (stored in order), else the map's."""
         many = (flags & MANY_HOSTS) != 0
-        h1, h2 = rows["host1"].astype(np.int64), rows["host2"].astype(np.int64)
-        counts = (h1 > 0).astype(np.int64) + (h2 > 0)
+        slot = _slots(word, self.hosts_in_rows)
+        filled = slot > 0
+        counts = filled.sum(axis=1)
         if many.any():
+            filled[many] = False
             counts[many], spilled = self.many_hosts.get(keys[many])
         out.host_ptr = _from_counts(counts)
         out.hosts = np.empty(int(out.host_ptr[-1]), np.int64)
         at = out.host_ptr[:-1]
-        one = (h1 > 0) & ~many
-        out.hosts[at[one]] = h1[one] - 1
-        two = (h2 > 0) & ~many
-        out.hosts[at[two] + 1] = h2[two] - 1
+        # Row-major order of the filled slots is each record's hosts in order, record by record.
+        out.hosts[spans(at[~many], counts[~many])] = slot[filled] - 1
         if many.any():
             out.hosts[spans(at[many], counts[many])] = spilled
 
@@ -446,8 +503,10 @@ class RunState:
         self.reserve(top + 1)
         self.top = max(self.top, top)
         n = len(r.keys)
-        if self.host_mask and len(r.hosts) and int(r.hosts.max()) >= MASK_HOSTS:
-            self._to_slots()
+        if len(r.hosts) and int(r.hosts.max()) > self.hosts_in_rows.cap:
+            wider = HostLayout.for_host(int(r.hosts.max()))
+            if LAYOUTS.index(wider) > LAYOUTS.index(self.hosts_in_rows):
+                self._relayout(wider)
         before = np.take(self.data.view(np.uint64), r.keys).view(COMPACT)
         old, old_capped = before["flags"], before["level"] == LEVEL_CAP
         rows = np.zeros(n, COMPACT)
@@ -458,25 +517,17 @@ class RunState:
         self.levels.update(zip(r.keys[capped].tolist(), r.exposures[capped].tolist(),
                                strict=True))
         flags = np.where(r.dup, DUP, 0).astype(np.uint8)
-        # Hosts: the run's mask, or up to two in the row (sorted), else the map.
-        if self.host_mask:
+        # Hosts: the run's mask, or up to its slots in the row (sorted), else the map.
+        if not self.hosts_in_rows.slots:
             m = np.bincount(rows_of(r.host_ptr), minlength=n,
                             weights=np.left_shift(1, r.hosts).astype(np.float64)).astype(np.int64)
-            rows["host1"], rows["host2"] = m & 0xFFFF, m >> 16
         else:
-            hc = r.host_counts
-            has = hc > 0
-            largest = np.zeros(n, np.int64)
-            largest[has] = r.hosts[r.host_ptr[1:][has] - 1]
-            many = (hc > 2) | (largest > HOST_CAP)
-            one = has & ~many
-            rows["host1"][one] = r.hosts[r.host_ptr[:-1][one]] + 1
-            two = (hc == 2) & ~many
-            rows["host2"][two] = r.hosts[r.host_ptr[:-1][two] + 1] + 1
+            m, many = _to_slots(r.host_ptr, r.hosts, self.hosts_in_rows)
             flags[many] |= MANY_HOSTS
             self.many_hosts.update(r.keys[many], *_take_csr(r.host_ptr, r.hosts,
                                                             np.flatnonzero(many)),
                                    removed=r.keys[((old & MANY_HOSTS) != 0) & ~many])
+        rows["host1"], rows["host2"] = m & 0xFFFF, m >> 16
         # Epochs: the window's bits in the row; else the map.
         erow = rows_of(r.epoch_ptr)
         outside = (r.epochs < 0) | (r.epochs >= EPOCH_WINDOW)
@@ -494,26 +545,32 @@ class RunState:
         np.put(self.data.view(np.uint64), r.keys, rows.view(np.uint64))
         self._pend(r.keys, r.steps)
 
-    def _to_slots(self) -> None:
-        """The run's rows from host masks to two host slots and the map (a host beyond
-        MASK_HOSTS arrived): one pass over the rows, once per run."""
-        self.host_mask = False
-        data = self.data[: self.size]
-        mask = data["host1"].astype(np.int64) | data["host2"].astype(np.int64) << 16
-        keys = np.flatnonzero(mask)
-        ptr, hosts = bits(mask[keys])
-        counts = np.diff(ptr)
-        h1, h2 = np.zeros(len(keys), np.uint16), np.zeros(len(keys), np.uint16)
-        few = counts <= 2
-        h1[few] = hosts[ptr[:-1][few]] + 1
-        two = counts == 2
-        h2[two] = hosts[ptr[:-1][two] + 1] + 1
-        data["host1"][keys], data["host2"][keys] = h1, h2
-        flags = data["flags"][keys]
-        flags[~few] |= MANY_HOSTS
-        data["flags"][keys] = flags
-        self.many_hosts.update(keys[~few], *_take_csr(ptr, hosts, np.flatnonzero(~few)),
-                               removed=np.zeros(0, np.int64))
+    RELAYOUT_ROWS = 1 << 24  # rows moved to a new host layout at a time (bounded temporaries)
+
+    def _relayout(self, layout: HostLayout) -> None:
+        """The run's rows to a wider host layout (a host beyond the current one's cap arrived):
+        each record's hosts from its row into the new one, or into the map where they no longer
+        fit. One pass over the rows, at most twice in a run's life. Records already in the map
+        stay there: they had more hosts than the old slots, so more than the new ones."""
+        old, self.hosts_in_rows = self.hosts_in_rows, layout
+        for lo in range(0, self.size, self.RELAYOUT_ROWS):
+            data = self.data[lo: lo + self.RELAYOUT_ROWS]
+            word = _host_word(data)
+            keys = np.flatnonzero((word != 0) & ((data["flags"] & MANY_HOSTS) == 0))
+            if not len(keys):
+                continue
+            if not old.slots:
+                ptr, hosts = bits(word[keys])
+            else:
+                slot = _slots(word[keys], old)
+                ptr, hosts = _from_counts((slot > 0).sum(axis=1)), slot[slot > 0] - 1
+            m, many = _to_slots(ptr, hosts, layout)
+            data["host1"][keys], data["host2"][keys] = m & 0xFFFF, m >> 16
+            flags = data["flags"][keys]
+            flags[many] |= MANY_HOSTS
+            data["flags"][keys] = flags
+            self.many_hosts.update(lo + keys[many], *_take_csr(ptr, hosts, np.flatnonzero(many)),
+                                   removed=np.zeros(0, np.int64))
 
     def _pend(self, keys: np.ndarray, steps: np.ndarray) -> None:
         """The pending table takes these records' triples (settled below the watermark)."""
@@ -597,7 +654,7 @@ class RunState:
                 "level_values": np.array(list(self.levels.values()), np.int64),
                 **self.many_hosts.arrays("host"), **self.far_epochs.arrays("epoch"),
                 "watermark": np.array([self.watermark], np.int64),
-                "host_mask": np.array([int(self.host_mask)], np.int64),
+                "host_slots": np.array([self.hosts_in_rows.slots], np.int64),
                 "pending_keys": pending[0], "pending_steps": pending[1],
                 "host_last": hl,
                 "host_count": np.array(sorted(self.host_count.items()), np.int64).reshape(-1, 2)}
@@ -608,7 +665,7 @@ class RunState:
         self.many_hosts = SetMap.from_arrays(x, "host")
         self.far_epochs = SetMap.from_arrays(x, "epoch")
         self.watermark = int(x["watermark"][0])
-        self.host_mask = bool(x["host_mask"][0]) if "host_mask" in x else False
+        self.hosts_in_rows = HostLayout(int(x["host_slots"][0]))
         keys = x["pending_keys"].astype(np.int64)
         self.pending = [(keys, x["pending_steps"].astype(np.int64).reshape(-1, 3))] \
             if len(keys) else []
