@@ -72,6 +72,8 @@ def test_sigkill_mid_write_loses_nothing_durable_and_shows_no_partial_file(tmp_p
 INGEST = """
 import sys
 import audit.ledger.ingest
+import audit.ledger.lookup
+audit.ledger.lookup.MEMORY_ROWS = 0  # each batch's run to disk at once: kills land among them
 write = audit.ledger.ingest._write_batch
 def announced(*args):
     write(*args)

@@ -20,6 +20,14 @@ from tests.api_helpers import write_steps
 N = 400
 
 
+@pytest.fixture(autouse=True)
+def runs_on_disk(request, monkeypatch):
+    """Every batch's run written at once (no run held in memory), so that these tests see the
+    runs and merges on disk that a long ingest makes; the test of the memory tail opts out."""
+    if "memory_tail" not in request.keywords:
+        monkeypatch.setattr(lookup, "MEMORY_ROWS", 0)
+
+
 def _stage(spool, stage: int) -> None:
     """Two runs; run r restarts twice (rows of rolled-back attempts stay in the ledger, marked),
     keys beyond N now and then, duplicates (write_steps samples with replacement)."""
@@ -240,3 +248,27 @@ def test_a_lookup_walked_page_by_page_is_the_sql_of_its_definition(tmp_path):
             rolled += sum(r[9] for r in want)
         assert rolled > 0
         cur.close()
+
+
+@pytest.mark.memory_tail
+def test_runs_held_in_memory_answer_and_reach_disk_when_the_ledger_closes(tmp_path):
+    """Below MEMORY_ROWS a run stays in memory, merged there: lookups use it at once, the
+    ledger's closing writes it as one run, and a process that ends without closing (a kill)
+    leaves nothing on disk for those files, which the next ingest indexes again."""
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    _spool(spool)
+    d = path.parent / "l.duckdb.lookup"
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=200)
+        index = lookup.for_ledger(ledger)
+        top = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
+        assert index.coverage.upto == top and not any(d.glob("*.run"))
+        assert _answers(ledger, index) == _answers(ledger, None)
+        del ledger._lookup  # as if killed: the memory runs are lost, not written
+    assert _check(path).coverage.upto == 0  # nothing on disk: every lookup scans
+    with Ledger(path) as ledger:
+        ingest(spool, ledger)  # no new file; the index catches up from the ledger
+        assert lookup.for_ledger(ledger).coverage.upto == top
+    index = _check(path)  # written by the close: one run a kind, covering every file
+    assert index.coverage.upto == top
+    assert [len(t) for t in index.coverage.runs.values()] == [1, 1]

@@ -624,9 +624,15 @@ def _added_pairs(small: Records, big: Records, rows: np.ndarray, hosts: int
     s_hosts = small.hosts[spans(s_at, ks)]
     b_row = np.repeat(np.arange(len(rows)), kb)
     b_hosts = big.hosts[spans(b_at, kb)]
-    # A pair of `big` is added where its (row, host) is not in `small`.
+    # A pair of `big` is added where its (row, host) is not in `small`. Both code lists are
+    # sorted (rows ascend, each record's hosts are sorted) and small's are among big's, so a
+    # binary search places them (np.isin sorted both again: 23 of 62 ms a batch here).
     s_codes = np.repeat(np.arange(len(rows)), ks) * hosts + s_hosts
-    added = ~np.isin(b_row * hosts + b_hosts, s_codes, assume_unique=True)
+    b_codes = b_row * hosts + b_hosts
+    added = np.ones(len(b_codes), bool)
+    added[np.minimum(np.searchsorted(b_codes, s_codes), len(b_codes) - 1)] = False
+    if len(s_codes) and not np.array_equal(b_codes[~added], s_codes):  # never, by the caller
+        added = ~np.isin(b_codes, s_codes, assume_unique=True)
     a_row, a_host = b_row[added], b_hosts[added]
     # added x kept, both ways
     s_ptr = np.r_[0, np.cumsum(ks)]

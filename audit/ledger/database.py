@@ -13,6 +13,7 @@ from audit.core.schema.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -29,6 +30,8 @@ from audit.core.schema import (
     SEGMENT_COLUMNS_ALL,
     sql_columns,
 )
+
+log = logging.getLogger("tally.lookup")
 
 SCHEMA_VERSION = 4
 
@@ -228,6 +231,14 @@ class Ledger:
         return self.con.cursor()
 
     def close(self) -> None:
+        # The lookup index's runs still in memory go to disk (audit.ledger.lookup.flush): the
+        # next process then indexes none of those files again.
+        index = getattr(self, "_lookup", None)
+        if index is not None:
+            try:
+                index.flush()
+            except Exception as exc:  # noqa: BLE001 (derived data: lookups scan instead)
+                log.warning("lookup index not written: %s: %s", type(exc).__name__, exc)
         self.con.close()
 
     def __enter__(self) -> Ledger:

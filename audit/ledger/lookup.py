@@ -37,11 +37,20 @@ log = logging.getLogger("tally.lookup")
 KINDS = {"key": ("record_key", np.dtype("<i8")), "hash": ("content_hash", np.dtype("<u8"))}
 FENCE = 4096  # values per fence entry: a lookup reads at most 8 pages of a run
 RUN_ROWS = 2**25  # runs stop merging at this size: a merge holds ~2 x 400 MB at most
+# Runs of fewer rows stay in memory, merged there, until a merge reaches this size (or the
+# ledger closes: `flush`); only then is one written. Merging from each batch's run (~0.4M rows
+# at 128 hosts) up to RUN_ROWS rewrote each pair ~8 times on disk at 100M rows; the first ~3 of
+# those rewrites now happen in memory (at most ~100 MB of pairs a kind). A crash loses them,
+# and the next process indexes those files again from the ledger.
+MEMORY_ROWS = 2**22
 CHUNK_ROWS = 2**23  # rows indexed per catch_up call at most: a backlog drains between batches
 MERGE_RATIO = 4  # a run merges into the one before it once it is at least 1/4 of its size
-_MAGIC = b"TLYLKP1\0"
+# 2: `rows` counts the segment rows indexed, `pairs` the distinct (value, file) pairs kept (a
+# record's segments within one file, a document cut across rows of one step, are one pair)
+_MAGIC = b"TLYLKP2\0"
 _HEADER = np.dtype([("magic", "S8"), ("lo", "<i8"), ("hi", "<i8"), ("rows", "<i8"),
-                    ("files", "<i8"), ("owner", "<i8"), ("pad", "<i8", (2,))])  # 64 bytes
+                    ("files", "<i8"), ("owner", "<i8"), ("pairs", "<i8"),
+                    ("pad", "<i8")])  # 64 bytes
 _NAME = re.compile(r"^(key|hash)-(\d{12})-(\d{12})\.run$")
 
 
@@ -53,19 +62,21 @@ class Run:
     lo: int
     hi: int
     files: int
-    values: np.ndarray  # sorted; memory-mapped
+    rows: int  # the files' segment rows (the pairs are fewer where one file repeats a value)
+    values: np.ndarray  # sorted; memory-mapped (or in memory: `on_disk` false)
     file_ids: np.ndarray  # int32, beside each value
     fence: np.ndarray  # values[::FENCE], in memory
+    on_disk: bool = True
 
     @property
-    def rows(self) -> int:
+    def pairs(self) -> int:
         return len(self.values)
 
     def find(self, value: int) -> np.ndarray:
         """File ids of this run's pairs with `value`."""
         v = self.values.dtype.type(value)
         a = max(int(np.searchsorted(self.fence, v, "left")) - 1, 0) * FENCE
-        b = min(int(np.searchsorted(self.fence, v, "right")) * FENCE, self.rows)
+        b = min(int(np.searchsorted(self.fence, v, "right")) * FENCE, self.pairs)
         block = self.values[a:b]
         i, j = a + int(np.searchsorted(block, v, "left")), a + int(np.searchsorted(block, v,
                                                                                    "right"))
@@ -105,8 +116,8 @@ class LookupIndex:
                 if run is None:
                     # The same file and row counts are no proof: another ledger's index at
                     # this path (a copy, a restore) would agree with them and answer wrong.
-                    log.warning("lookup index: %s is damaged or of another ledger; it is "
-                                "rebuilt", path.name)
+                    log.warning("lookup index: %s is damaged, of another ledger or of an "
+                                "earlier version; it is rebuilt", path.name)
                     path.unlink(missing_ok=True)
                     continue
                 found[run.kind].append(run)
@@ -159,17 +170,36 @@ class LookupIndex:
                 fid = np.asarray(got["file_id"], np.int32)
                 runs = dict(cov.runs)
                 for kind, (col, dtype) in KINDS.items():
-                    values = np.asarray(got[col]).astype(dtype, copy=False)
-                    order = np.argsort(values, kind="stable")
-                    new = _write_run(self.dir, kind, cov.upto, hi, last, values[order],
-                                     fid[order], self.owner)
+                    values, ids = _sorted_pairs(np.asarray(got[col]).astype(dtype, copy=False),
+                                                fid)
+                    new = _new_run(self.dir, kind, cov.upto, hi, last, values, ids, self.owner,
+                                   want, on_disk=want >= MEMORY_ROWS)
                     runs[kind] = _merged(self.dir, (*cov.runs[kind], new), self.owner)
                 self.coverage = Coverage(hi, runs)
                 done += want
             return done
 
+    def flush(self) -> None:
+        """Write the runs held in memory, as one run a kind (the ledger's closing: the next
+        process need not index those files again)."""
+        with self._write:
+            cov = self.coverage
+            runs = dict(cov.runs)
+            for kind, t in cov.runs.items():
+                disk = [r for r in t if r.on_disk]
+                mem = t[len(disk):]
+                if not mem:
+                    continue
+                values = np.concatenate([r.values for r in mem])
+                order = np.argsort(values, kind="stable")  # sorted runs: one timsort pass
+                runs[kind] = (*disk, _write_run(
+                    self.dir, kind, mem[0].lo, mem[-1].hi, sum(r.files for r in mem),
+                    values[order], np.concatenate([r.file_ids for r in mem])[order], self.owner,
+                    rows=sum(r.rows for r in mem)))
+            self.coverage = Coverage(cov.upto, runs)
+
     def size_bytes(self) -> int:
-        return sum(r.rows * 12 for t in self.coverage.runs.values() for r in t)
+        return sum(r.pairs * 12 for t in self.coverage.runs.values() for r in t)
 
 
 def for_ledger(ledger) -> LookupIndex:
@@ -198,17 +228,46 @@ def _owner(cur: duckdb.DuckDBPyConnection) -> int:
     return xxhash.xxh3_64_intdigest(str(row[0][0]).encode()) >> 1 if row else 0
 
 
+def _sorted_pairs(values: np.ndarray, file_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value, file id) pairs sorted by value, each distinct pair once. Values and file ids
+    packed in one int64 where they fit (record keys: a plain sort, no argsort and gathers);
+    else by an argsort of the values (content hashes; numpy's default sort, 6 ms for 430k
+    values on this box against 33 ms for a stable one), keeping repeats."""
+    if not len(values):
+        return values, file_ids
+    lo = int(file_ids.min())
+    width = (int(file_ids.max()) - lo).bit_length()
+    if values.dtype.kind == "i" and int(values.min()) >= 0 and \
+            int(values.max()).bit_length() + width <= 63:
+        code = np.sort(values.astype(np.int64) << width | (file_ids - lo))
+        code = code[np.r_[True, code[1:] != code[:-1]]]
+        return (code >> width).astype(values.dtype), (code & ((1 << width) - 1)).astype(
+            np.int32) + lo
+    order = np.argsort(values)
+    return values[order], file_ids[order]
+
+
+def _new_run(directory: Path, kind: str, lo: int, hi: int, files: int, values: np.ndarray,
+             file_ids: np.ndarray, owner: int, rows: int, *, on_disk: bool) -> Run:
+    if on_disk:
+        return _write_run(directory, kind, lo, hi, files, values, file_ids, owner, rows)
+    return Run(kind, lo, hi, files, rows, values, file_ids, np.array(values[::FENCE]), False)
+
+
 def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, values: np.ndarray,
-               file_ids: np.ndarray, owner: int = 0) -> Run:
+               file_ids: np.ndarray, owner: int = 0, rows: int | None = None) -> Run:
+    """`rows`: the segment rows the pairs index (len(values) unless pairs were merged)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = _path(directory, kind, lo, hi)
     tmp = directory / f".{path.name}.{os.getpid()}.tmp"
     header = np.zeros(1, _HEADER)
-    header[0] = (_MAGIC, lo, hi, len(values), files, owner, (0, 0))
+    header[0] = (_MAGIC, lo, hi, len(values) if rows is None else rows, files, owner,
+                 len(values), 0)
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
-        f.write(np.ascontiguousarray(values, KINDS[kind][1]).tobytes())
-        f.write(np.ascontiguousarray(file_ids, np.int32).tobytes())
+        # The arrays' own buffers: a tobytes() copy of each cost as much as the write.
+        f.write(np.ascontiguousarray(values, KINDS[kind][1]).data)
+        f.write(np.ascontiguousarray(file_ids, np.int32).data)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
@@ -233,10 +292,10 @@ def _read_run(path: Path, owner: int = 0) -> Run | None:
         if size < _HEADER.itemsize:
             return None
         header = np.fromfile(path, _HEADER, count=1)[0]
-        n = int(header["rows"])
+        n = int(header["pairs"])
         if (bytes(header["magic"]) != _MAGIC.rstrip(b"\0") or int(header["lo"]) != lo
                 or int(header["hi"]) != hi or n < 0 or size != _HEADER.itemsize + 12 * n
-                or int(header["owner"]) != owner):
+                or int(header["owner"]) != owner or int(header["rows"]) < n):
             return None
         dtype = KINDS[kind][1]
         if n == 0:
@@ -245,7 +304,7 @@ def _read_run(path: Path, owner: int = 0) -> Run | None:
             values = np.memmap(path, dtype, "r", offset=_HEADER.itemsize, shape=(n,))
             file_ids = np.memmap(path, np.int32, "r", offset=_HEADER.itemsize + 8 * n,
                                  shape=(n,))
-        return Run(kind, lo, hi, int(header["files"]), values, file_ids,
+        return Run(kind, lo, hi, int(header["files"]), int(header["rows"]), values, file_ids,
                    np.array(values[::FENCE]))
     except (OSError, ValueError):
         return None
@@ -306,13 +365,20 @@ def _merged(directory: Path, runs: tuple[Run, ...], owner: int = 0) -> tuple[Run
     runs = list(runs)
     while len(runs) >= 2:
         a, b = runs[-2], runs[-1]
+        # By rows, not pairs: both kinds' runs then tile the file ids alike, so that losing
+        # one kind's newest run costs the other kind's coverage only that far back.
         if b.rows * MERGE_RATIO < a.rows or a.rows + b.rows > RUN_ROWS:
             break
         values = np.concatenate([a.values, b.values])
+        # Two sorted runs: the stable sort (a timsort) finds them and merges them in one pass.
         order = np.argsort(values, kind="stable")
-        merged = _write_run(directory, a.kind, a.lo, b.hi, a.files + b.files, values[order],
-                            np.concatenate([a.file_ids, b.file_ids])[order], owner)
+        # On disk once either was (its file goes: the merged one must cover it) or at size.
+        merged = _new_run(directory, a.kind, a.lo, b.hi, a.files + b.files, values[order],
+                          np.concatenate([a.file_ids, b.file_ids])[order], owner,
+                          a.rows + b.rows, on_disk=a.on_disk or b.on_disk
+                          or a.rows + b.rows >= MEMORY_ROWS)
         for old in (a, b):
-            _path(directory, old.kind, old.lo, old.hi).unlink(missing_ok=True)
+            if old.on_disk:
+                _path(directory, old.kind, old.lo, old.hi).unlink(missing_ok=True)
         runs[-2:] = [merged]
     return tuple(runs)
