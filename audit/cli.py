@@ -593,7 +593,9 @@ _CHILD = "TALLY_SUPERVISED"
 
 def main(argv: Sequence[str] | None = None) -> int:
     from audit import extras
+    from audit.core import allocator
 
+    allocator.tune()  # before the work's first allocations, and inherited by its workers
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     # Beam logs optional-dependency warnings at import; they are noise on a terminal.
