@@ -302,7 +302,7 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
             raise BadFile(f"columns of {decoded:,} bytes uncompressed, more than the "
                           f"{MAX_DECODED_BYTES:,} a spool file may hold")
         try:
-            table = pf.read()
+            table = pf.read(use_threads=False)  # small files: threads cost more than they give
         except Exception as exc:
             raise BadFile(f"corrupt data pages: {exc}") from None
     if table.num_rows != info["rows"] or table.num_rows == 0:

@@ -58,7 +58,10 @@ class IngestResult:
 
 
 BATCH_ROWS = 1_000_000  # rows per transaction (fewer when the backlog is shorter)
-BATCH_FILES = 64
+# Files per transaction at most: a batch's fixed costs (its statements, the aggregate upserts,
+# the state's passes over its records) are paid per batch, and 128 hosts' files of ~6.5k rows
+# filled 64 files at 0.42M rows: 10M rows ingested in 8.7 s that way, 7.35 s in 1M-row batches.
+BATCH_FILES = 256
 READ_AHEAD_BYTES = 64 << 20  # spool bytes read ahead of the transactions
 
 
