@@ -245,3 +245,31 @@ def test_a_stopped_ingest_ends_after_its_batch_and_the_next_takes_the_rest_once(
             pq.read_metadata(p).num_rows for p in spool.rglob("*.parquet"))
         assert_same_state(ledger._aggregates.runs[1],
                           Aggregates.load(ledger, use_snapshots=False).runs[1])
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_files_per_step_counts_are_a_group_by_of_its_rows(in_order):
+    """agg_steps' rows of one file (audit.ledger.ingest._per_step, reduced over each step's
+    run of rows) against pyarrow's group_by, for a writer's file (steps in order) and for a
+    file of another writer with its rows in any order."""
+    import numpy as np
+
+    from audit.core.exposure import starts
+    from audit.ledger.ingest import _per_step
+
+    rng = np.random.default_rng(3)
+    n = 5000
+    step = np.sort(rng.integers(2**40, 2**40 + 50, n)).astype(np.int64)
+    offset = rng.choice([0, 0, 7], n).astype(np.int32)
+    tokens = rng.integers(1, 100, n).astype(np.int32)
+    if not in_order:
+        p = rng.permutation(n)
+        step, offset, tokens = step[p], offset[p], tokens[p]
+    t = pa.table({"step": step, "host": np.full(n, 3, np.int32), "offset": offset,
+                  "n_tokens": tokens})
+    want = t.append_column("start", pa.array(starts(offset).astype(np.int64))).group_by(
+        ["host", "step"]).aggregate([("n_tokens", "count"), ("n_tokens", "sum"),
+                                     ("start", "sum")]).sort_by("step")
+    got = _per_step(t, 3)
+    assert got.select(want.column_names).to_pylist() == want.to_pylist()
+    assert len(got) == len(np.unique(step)) > 40

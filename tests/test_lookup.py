@@ -14,7 +14,7 @@ from audit.ledger import lookup
 from audit.ledger import queries as q
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
-from audit.ledger.lookup import LookupIndex
+from audit.ledger.lookup import LookupIndex, Run
 from tests.api_helpers import write_steps
 
 N = 400
@@ -159,13 +159,13 @@ def test_a_merge_killed_before_it_removed_its_inputs_counts_nothing_twice(tmp_pa
         cur.close()
     run = lookup._read_run(first, owner)
     # The merge's inputs as they were: the merged run split in two, both kept beside it.
-    ids = np.unique(np.asarray(run.file_ids))
+    fids = lookup.file_ids(run, np.asarray(run.codes))
+    ids = np.unique(fids)
     mid = int(ids[len(ids) // 2])
     assert 0 < mid < run.hi
-    for lo, hi, sel in ((0, mid, run.file_ids <= mid), (mid, run.hi, run.file_ids > mid)):
-        order = np.argsort(np.asarray(run.values)[sel], kind="stable")
-        lookup._write_run(d, "key", lo, hi, 0, np.asarray(run.values)[sel][order],
-                          np.asarray(run.file_ids)[sel][order], owner)
+    for lo, hi, sel in ((0, mid, fids <= mid), (mid, run.hi, fids > mid)):
+        part = Run("key", run.lo, run.hi, 0, 0, run.width, np.asarray(run.codes)[sel], None)
+        lookup._write_run(d, "key", lo, hi, 0, lookup._recoded([part], lo, hi), owner)
     index = _check(path)
     assert [r.hi for r in index.coverage.runs["key"]][0] == run.hi  # the widest was kept
 
@@ -189,10 +189,8 @@ def test_a_writer_killed_between_the_kinds_leaves_no_gap(tmp_path):
     a, b = runs["key"][-2:]
     # The hash kind's newest run never written; the key kind's merged with the one before.
     lookup._path(d, "hash", b.lo, b.hi).unlink()
-    values = np.concatenate([np.asarray(a.values), np.asarray(b.values)])
-    ids = np.concatenate([np.asarray(a.file_ids), np.asarray(b.file_ids)])
-    order = np.argsort(values, kind="stable")
-    lookup._write_run(d, "key", a.lo, b.hi, a.files + b.files, values[order], ids[order])
+    lookup._write_run(d, "key", a.lo, b.hi, a.files + b.files,
+                      lookup._recoded((a, b), a.lo, b.hi))
     for r in (a, b):
         lookup._path(d, "key", r.lo, r.hi).unlink()
     index = _check(path)  # same answers as a scan
@@ -272,3 +270,36 @@ def test_runs_held_in_memory_answer_and_reach_disk_when_the_ledger_closes(tmp_pa
     index = _check(path)  # written by the close: one run a kind, covering every file
     assert index.coverage.upto == top
     assert [len(t) for t in index.coverage.runs.values()] == [1, 1]
+
+
+@pytest.mark.parametrize("kind", ["key", "hash"])
+@pytest.mark.parametrize("span", [40, 1 << 24, 1 << 30])
+def test_a_runs_codes_name_every_file_that_holds_a_value(kind, span):
+    """A run keeps each (value, file) pair as one code: the value's top bits above the file id's.
+    Whatever the run's span of file ids (record keys whole up to 2^24 file ids, then their low
+    bits dropped; hashes always a prefix), a lookup names every file holding the value, and
+    exactly those where the value fits whole; merged runs keep that."""
+    rng = np.random.default_rng(span)
+    n = 20_000
+    values = (rng.integers(0, 1 << 40, n) if kind == "key" else
+              rng.integers(0, 2**63, n).astype(np.uint64) * np.uint64(2) + np.uint64(1))
+    values[: n // 4] = values[n // 4: n // 2]  # values held by several files
+    fids = rng.integers(1, span + 1, n)
+    mid = span // 2
+    first = fids <= mid
+    a = lookup._new_run(None, kind, 0, mid, 1, lookup._codes(kind, values[first], fids[first],
+                                                                 0, mid), 0, n, on_disk=False)
+    b = lookup._new_run(None, kind, mid, span, 1, lookup._codes(kind, values[~first],
+                                                                    fids[~first], mid, span),
+                        0, n, on_disk=False)
+    whole = lookup._new_run(None, kind, 0, span, 2, lookup._recoded((a, b), 0, span), 0, 2 * n,
+                            on_disk=False)
+    assert whole.width == (span - 1).bit_length()
+    for v in [*values[:300].tolist(), 12345]:
+        for run, part in ((a, first), (b, ~first), (whole, slice(None))):
+            mine = set(fids[part][values[part] == v].tolist())
+            got = set(run.find(int(v)).tolist())
+            # Every file that holds it; beyond those, only a prefix shared by chance.
+            assert mine <= got and len(got) <= len(mine) + 2, (v, run.width)
+            if kind == "key" and run.width <= 24:
+                assert got == mine

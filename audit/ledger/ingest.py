@@ -227,11 +227,31 @@ def _read_file(item: sp.SpoolFile
     table, info = read_checked(item)
     if item.kind != "seg":
         return table, info, None, None, 0
-    start = pa.array(starts(table["offset"].to_numpy()).astype(np.int64))
-    steps = table.append_column("start", start).group_by(["host", "step"]).aggregate(
-        [("n_tokens", "count"), ("n_tokens", "sum"), ("start", "sum")])
+    steps = _per_step(table, info["host"])
     starts_of = Starts.from_table(table, info["host"], info["attempt"], info["host_count"])
     return table, info, steps, starts_of, pc.sum(table["n_tokens"]).as_py()
+
+
+def _per_step(table: pa.Table, host: int) -> pa.Table:
+    """A segment file's rows, starts and tokens per step (its `agg_steps` rows; one host a
+    file, checked at read). A writer's file holds its steps in order, so each step's rows are
+    one run: reduced in place (pyarrow's group_by took 12.5 s of a 100M-row ingest's reading
+    thread); any other order is sorted first."""
+    step = table["step"].to_numpy()
+    tokens = table["n_tokens"].to_numpy().astype(np.int64)
+    start = starts(table["offset"].to_numpy()).astype(np.int64)
+    if len(step) > 1 and (step[1:] < step[:-1]).any():
+        order = np.argsort(step, kind="stable")
+        step, tokens, start = step[order], tokens[order], start[order]
+    head = np.flatnonzero(np.r_[True, step[1:] != step[:-1]]) if len(step) else \
+        np.zeros(0, np.int64)
+    return pa.table({"host": pa.array(np.full(len(head), host, np.int32)),
+                     "step": step[head],
+                     "n_tokens_count": np.diff(np.r_[head, len(step)]).astype(np.int64),
+                     "n_tokens_sum": np.add.reduceat(tokens, head) if len(head) else
+                     np.zeros(0, np.int64),
+                     "start_sum": np.add.reduceat(start, head) if len(head) else
+                     np.zeros(0, np.int64)})
 
 
 def _read_ahead(todo: list) -> Iterator:

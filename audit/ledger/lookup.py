@@ -34,7 +34,10 @@ import xxhash
 
 log = logging.getLogger("tally.lookup")
 
-KINDS = {"key": ("record_key", np.dtype("<i8")), "hash": ("content_hash", np.dtype("<u8"))}
+# Each kind's column, and the left shift that puts its values' bits at the top of 64 (keys are
+# below audit.core.schema.MAX_RECORD_KEY, 2^40; hashes fill 64 bits).
+KINDS = {"key": ("record_key", 24), "hash": ("content_hash", 0)}
+_KEY_LIMIT = 1 << 40
 FENCE = 4096  # values per fence entry: a lookup reads at most 8 pages of a run
 RUN_ROWS = 2**25  # runs stop merging at this size: a merge holds ~2 x 400 MB at most
 # Runs of fewer rows stay in memory, merged there, until a merge reaches this size (or the
@@ -45,42 +48,75 @@ RUN_ROWS = 2**25  # runs stop merging at this size: a merge holds ~2 x 400 MB at
 MEMORY_ROWS = 2**22
 CHUNK_ROWS = 2**23  # rows indexed per catch_up call at most: a backlog drains between batches
 MERGE_RATIO = 4  # a run merges into the one before it once it is at least 1/4 of its size
-# 2: `rows` counts the segment rows indexed, `pairs` the distinct (value, file) pairs kept (a
-# record's segments within one file, a document cut across rows of one step, are one pair)
+# 2: one uint64 a pair (`Run`), `rows` the segment rows indexed and `pairs` the distinct codes
+# kept (a record's segments within one file, a document cut across rows of one step, are one)
 _MAGIC = b"TLYLKP2\0"
 _HEADER = np.dtype([("magic", "S8"), ("lo", "<i8"), ("hi", "<i8"), ("rows", "<i8"),
                     ("files", "<i8"), ("owner", "<i8"), ("pairs", "<i8"),
-                    ("pad", "<i8")])  # 64 bytes
+                    ("width", "<i8")])  # 64 bytes
 _NAME = re.compile(r"^(key|hash)-(\d{12})-(\d{12})\.run$")
 
 
 @dataclass(frozen=True)
 class Run:
-    """Sorted (value, file id) pairs of the segment files with ids in (lo, hi]."""
+    """The (value, file id) pairs of the segment files with ids in (lo, hi], as sorted uint64
+    codes: the value's top bits (`top`) above `width` bits of the file id (minus lo + 1), so
+    that one plain sort orders them, with no index arrays to gather, and a pair takes 8 bytes.
+    A record key fits whole (40 bits) while a run spans at most 2^24 file ids; a content hash
+    keeps its top 64 - width bits. A code names the files whose rows *may* hold the value: a
+    lookup reads only those files' rows and filters them by the exact value (audit.ledger.
+    queries.record), so a shared prefix costs a few rows read, never a wrong answer."""
 
     kind: str
     lo: int
     hi: int
     files: int
     rows: int  # the files' segment rows (the pairs are fewer where one file repeats a value)
-    values: np.ndarray  # sorted; memory-mapped (or in memory: `on_disk` false)
-    file_ids: np.ndarray  # int32, beside each value
-    fence: np.ndarray  # values[::FENCE], in memory
+    width: int  # bits of file id in a code
+    codes: np.ndarray  # uint64, sorted; memory-mapped (or in memory: `on_disk` false)
+    fence: np.ndarray  # codes[::FENCE], in memory
     on_disk: bool = True
 
     @property
     def pairs(self) -> int:
-        return len(self.values)
+        return len(self.codes)
 
     def find(self, value: int) -> np.ndarray:
-        """File ids of this run's pairs with `value`."""
-        v = self.values.dtype.type(value)
-        a = max(int(np.searchsorted(self.fence, v, "left")) - 1, 0) * FENCE
-        b = min(int(np.searchsorted(self.fence, v, "right")) * FENCE, self.pairs)
-        block = self.values[a:b]
-        i, j = a + int(np.searchsorted(block, v, "left")), a + int(np.searchsorted(block, v,
-                                                                                   "right"))
-        return np.asarray(self.file_ids[i:j])
+        """File ids of this run's pairs that may hold `value`."""
+        first = np.uint64(top(self.kind, value, self.width))
+        last = np.uint64(int(first) | ((1 << self.width) - 1))
+        a = max(int(np.searchsorted(self.fence, first, "left")) - 1, 0) * FENCE
+        b = min(int(np.searchsorted(self.fence, last, "right")) * FENCE, self.pairs)
+        block = self.codes[a:b]
+        i, j = (a + int(np.searchsorted(block, first, "left")),
+                a + int(np.searchsorted(block, last, "right")))
+        return file_ids(self, np.asarray(self.codes[i:j]))
+
+
+def top(kind: str, values, width: int):
+    """The bits of `values` (an int or an array) that codes of `width` file-id bits keep,
+    in place: the rest of a code."""
+    shift = KINDS[kind][1]
+    if isinstance(values, np.ndarray):
+        v = values.astype(np.uint64) << np.uint64(shift)
+        return v >> np.uint64(width) << np.uint64(width)
+    return ((int(values) << shift) & 0xFFFF_FFFF_FFFF_FFFF) >> width << width
+
+
+def file_ids(run: Run, codes: np.ndarray) -> np.ndarray:
+    return (codes & np.uint64((1 << run.width) - 1)).astype(np.int64) + run.lo + 1
+
+
+def _width(lo: int, hi: int) -> int:
+    return max(hi - lo - 1, 0).bit_length()
+
+
+def _codes(kind: str, values: np.ndarray, fids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Sorted distinct codes of (value, file id) pairs of files in (lo, hi]."""
+    width = _width(lo, hi)
+    code = top(kind, values, width) | (np.asarray(fids, np.int64) - lo - 1).astype(np.uint64)
+    code.sort()  # numpy's default sort (SIMD): 2 ms for 430k, against 33 ms for a stable argsort
+    return code[np.r_[True, code[1:] != code[:-1]]] if len(code) else code
 
 
 @dataclass(frozen=True)
@@ -138,7 +174,7 @@ class LookupIndex:
         indexed yet and must be scanned."""
         cov = self.coverage
         found = [r.find(value) for r in cov.runs[kind]]
-        ids = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int32)
+        ids = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
         return ids.tolist(), cov.upto
 
     # ---- writing (the ingesting thread) ----------------------------------------------------
@@ -167,13 +203,15 @@ class LookupIndex:
                 if len(got["file_id"]) != want:
                     raise RuntimeError(f"lookup index: files {cov.upto + 1}..{hi} hold "
                                        f"{len(got['file_id'])} rows, their segments say {want}")
-                fid = np.asarray(got["file_id"], np.int32)
+                fid = np.asarray(got["file_id"], np.int64)
+                keys = np.asarray(got["record_key"])
+                if len(keys) and not 0 <= int(keys.min()) <= int(keys.max()) < _KEY_LIMIT:
+                    raise RuntimeError(f"lookup index: a record key beyond 0..{_KEY_LIMIT - 1}")
                 runs = dict(cov.runs)
-                for kind, (col, dtype) in KINDS.items():
-                    values, ids = _sorted_pairs(np.asarray(got[col]).astype(dtype, copy=False),
-                                                fid)
-                    new = _new_run(self.dir, kind, cov.upto, hi, last, values, ids, self.owner,
-                                   want, on_disk=want >= MEMORY_ROWS)
+                for kind, (col, _) in KINDS.items():
+                    codes = _codes(kind, np.asarray(got[col]), fid, cov.upto, hi)
+                    new = _new_run(self.dir, kind, cov.upto, hi, last, codes, self.owner, want,
+                                   on_disk=want >= MEMORY_ROWS)
                     runs[kind] = _merged(self.dir, (*cov.runs[kind], new), self.owner)
                 self.coverage = Coverage(hi, runs)
                 done += want
@@ -190,16 +228,13 @@ class LookupIndex:
                 mem = t[len(disk):]
                 if not mem:
                     continue
-                values = np.concatenate([r.values for r in mem])
-                order = np.argsort(values, kind="stable")  # sorted runs: one timsort pass
                 runs[kind] = (*disk, _write_run(
                     self.dir, kind, mem[0].lo, mem[-1].hi, sum(r.files for r in mem),
-                    values[order], np.concatenate([r.file_ids for r in mem])[order], self.owner,
-                    rows=sum(r.rows for r in mem)))
+                    _recoded(mem, mem[0].lo, mem[-1].hi), self.owner, sum(r.rows for r in mem)))
             self.coverage = Coverage(cov.upto, runs)
 
     def size_bytes(self) -> int:
-        return sum(r.pairs * 12 for t in self.coverage.runs.values() for r in t)
+        return sum(r.pairs * 8 for t in self.coverage.runs.values() for r in t)
 
 
 def for_ledger(ledger) -> LookupIndex:
@@ -228,46 +263,43 @@ def _owner(cur: duckdb.DuckDBPyConnection) -> int:
     return xxhash.xxh3_64_intdigest(str(row[0][0]).encode()) >> 1 if row else 0
 
 
-def _sorted_pairs(values: np.ndarray, file_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(value, file id) pairs sorted by value, each distinct pair once. Values and file ids
-    packed in one int64 where they fit (record keys: a plain sort, no argsort and gathers);
-    else by an argsort of the values (content hashes; numpy's default sort, 6 ms for 430k
-    values on this box against 33 ms for a stable one), keeping repeats."""
-    if not len(values):
-        return values, file_ids
-    lo = int(file_ids.min())
-    width = (int(file_ids.max()) - lo).bit_length()
-    if values.dtype.kind == "i" and int(values.min()) >= 0 and \
-            int(values.max()).bit_length() + width <= 63:
-        code = np.sort(values.astype(np.int64) << width | (file_ids - lo))
-        code = code[np.r_[True, code[1:] != code[:-1]]]
-        return (code >> width).astype(values.dtype), (code & ((1 << width) - 1)).astype(
-            np.int32) + lo
-    order = np.argsort(values)
-    return values[order], file_ids[order]
-
-
-def _new_run(directory: Path, kind: str, lo: int, hi: int, files: int, values: np.ndarray,
-             file_ids: np.ndarray, owner: int, rows: int, *, on_disk: bool) -> Run:
+def _new_run(directory: Path, kind: str, lo: int, hi: int, files: int, codes: np.ndarray,
+             owner: int, rows: int, *, on_disk: bool) -> Run:
     if on_disk:
-        return _write_run(directory, kind, lo, hi, files, values, file_ids, owner, rows)
-    return Run(kind, lo, hi, files, rows, values, file_ids, np.array(values[::FENCE]), False)
+        return _write_run(directory, kind, lo, hi, files, codes, owner, rows)
+    return Run(kind, lo, hi, files, rows, _width(lo, hi), codes, np.array(codes[::FENCE]), False)
 
 
-def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, values: np.ndarray,
-               file_ids: np.ndarray, owner: int = 0, rows: int | None = None) -> Run:
-    """`rows`: the segment rows the pairs index (len(values) unless pairs were merged)."""
+def _recoded(runs: list[Run] | tuple[Run, ...], lo: int, hi: int) -> np.ndarray:
+    """The codes of consecutive runs as one run's over (lo, hi]: a wider file-id field, fewer
+    bits of value."""
+    width = _width(lo, hi)
+    parts = []
+    for r in runs:
+        codes = np.asarray(r.codes)
+        if r.width == width and r.lo == lo:
+            parts.append(codes)
+            continue
+        keep = codes >> np.uint64(width) << np.uint64(width)  # its value bits that still fit
+        parts.append(keep | (file_ids(r, codes) - lo - 1).astype(np.uint64))
+    code = np.concatenate(parts)
+    code.sort()
+    return code[np.r_[True, code[1:] != code[:-1]]] if len(code) else code
+
+
+def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, codes: np.ndarray,
+               owner: int = 0, rows: int | None = None) -> Run:
+    """`rows`: the segment rows the codes index (len(codes) unless pairs repeated)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = _path(directory, kind, lo, hi)
     tmp = directory / f".{path.name}.{os.getpid()}.tmp"
     header = np.zeros(1, _HEADER)
-    header[0] = (_MAGIC, lo, hi, len(values) if rows is None else rows, files, owner,
-                 len(values), 0)
+    header[0] = (_MAGIC, lo, hi, len(codes) if rows is None else rows, files, owner,
+                 len(codes), _width(lo, hi))
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
-        # The arrays' own buffers: a tobytes() copy of each cost as much as the write.
-        f.write(np.ascontiguousarray(values, KINDS[kind][1]).data)
-        f.write(np.ascontiguousarray(file_ids, np.int32).data)
+        # The array's own buffer: a tobytes() copy cost as much as the write.
+        f.write(np.ascontiguousarray(codes, np.uint64).data)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
@@ -294,18 +326,14 @@ def _read_run(path: Path, owner: int = 0) -> Run | None:
         header = np.fromfile(path, _HEADER, count=1)[0]
         n = int(header["pairs"])
         if (bytes(header["magic"]) != _MAGIC.rstrip(b"\0") or int(header["lo"]) != lo
-                or int(header["hi"]) != hi or n < 0 or size != _HEADER.itemsize + 12 * n
-                or int(header["owner"]) != owner or int(header["rows"]) < n):
+                or int(header["hi"]) != hi or n < 0 or size != _HEADER.itemsize + 8 * n
+                or int(header["owner"]) != owner or int(header["rows"]) < n
+                or int(header["width"]) != _width(lo, hi)):
             return None
-        dtype = KINDS[kind][1]
-        if n == 0:
-            values, file_ids = np.zeros(0, dtype), np.zeros(0, np.int32)
-        else:
-            values = np.memmap(path, dtype, "r", offset=_HEADER.itemsize, shape=(n,))
-            file_ids = np.memmap(path, np.int32, "r", offset=_HEADER.itemsize + 8 * n,
-                                 shape=(n,))
-        return Run(kind, lo, hi, int(header["files"]), int(header["rows"]), values, file_ids,
-                   np.array(values[::FENCE]))
+        codes = np.zeros(0, np.uint64) if n == 0 else \
+            np.memmap(path, np.uint64, "r", offset=_HEADER.itemsize, shape=(n,))
+        return Run(kind, lo, hi, int(header["files"]), int(header["rows"]), _width(lo, hi),
+                   codes, np.array(codes[::FENCE]))
     except (OSError, ValueError):
         return None
 
@@ -369,14 +397,10 @@ def _merged(directory: Path, runs: tuple[Run, ...], owner: int = 0) -> tuple[Run
         # one kind's newest run costs the other kind's coverage only that far back.
         if b.rows * MERGE_RATIO < a.rows or a.rows + b.rows > RUN_ROWS:
             break
-        values = np.concatenate([a.values, b.values])
-        # Two sorted runs: the stable sort (a timsort) finds them and merges them in one pass.
-        order = np.argsort(values, kind="stable")
         # On disk once either was (its file goes: the merged one must cover it) or at size.
-        merged = _new_run(directory, a.kind, a.lo, b.hi, a.files + b.files, values[order],
-                          np.concatenate([a.file_ids, b.file_ids])[order], owner,
-                          a.rows + b.rows, on_disk=a.on_disk or b.on_disk
-                          or a.rows + b.rows >= MEMORY_ROWS)
+        merged = _new_run(directory, a.kind, a.lo, b.hi, a.files + b.files,
+                          _recoded((a, b), a.lo, b.hi), owner, a.rows + b.rows,
+                          on_disk=a.on_disk or b.on_disk or a.rows + b.rows >= MEMORY_ROWS)
         for old in (a, b):
             if old.on_disk:
                 _path(directory, old.kind, old.lo, old.hi).unlink(missing_ok=True)
