@@ -94,12 +94,19 @@ def test_index_answers_as_a_scan_does_as_it_grows_and_when_behind(tmp_path):
             assert index.coverage.upto == top
         index = _check(path, rolled=stage > 0)
         assert index.coverage.upto == top
-        # Few runs (a log-structured merge), tiling the file ids from the first.
+        # Few runs (a log-structured merge: fewer than FAN_IN of a size tier), tiling the
+        # file ids from the first.
         for runs in index.coverage.runs.values():
             assert runs[0].lo == 0
             assert all(a.hi == b.lo for a, b in zip(runs[:-1], runs[1:], strict=True))
-            assert len(runs) <= 8
+            tiers = [lookup._tier(r) for r in runs]
+            assert max(tiers.count(t) for t in tiers) < lookup.FAN_IN, tiers
     # An index behind the ledger (its newest runs lost): the rest is scanned, same answers.
+    # A last small ingest (another run's files) leaves a newer run beside the merged ones.
+    write_steps(spool, "t", host=0, hosts=1, steps=range(0, 6), seed=99, n=N, flush_every=3)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=200)
+        top = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
     newest = max(p for p in (path.parent / "l.duckdb.lookup").iterdir())
     newest.unlink()
     index = _check(path)

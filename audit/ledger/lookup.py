@@ -39,7 +39,7 @@ log = logging.getLogger("tally.lookup")
 KINDS = {"key": ("record_key", 24), "hash": ("content_hash", 0)}
 _KEY_LIMIT = 1 << 40
 FENCE = 4096  # values per fence entry: a lookup reads at most 8 pages of a run
-RUN_ROWS = 2**25  # runs stop merging at this size: a merge holds ~2 x 400 MB at most
+RUN_ROWS = 2**26  # runs stop merging at this size: a merge holds ~512 MB of codes at most
 # Runs of fewer rows stay in memory, merged there, until a merge reaches this size (or the
 # ledger closes: `flush`); only then is one written. Merging from each batch's run (~0.4M rows
 # at 128 hosts) up to RUN_ROWS rewrote each pair ~8 times on disk at 100M rows; the first ~3 of
@@ -47,7 +47,11 @@ RUN_ROWS = 2**25  # runs stop merging at this size: a merge holds ~2 x 400 MB at
 # and the next process indexes those files again from the ledger.
 MEMORY_ROWS = 2**22
 CHUNK_ROWS = 2**23  # rows indexed per catch_up call at most: a backlog drains between batches
-MERGE_RATIO = 4  # a run merges into the one before it once it is at least 1/4 of its size
+# Runs merge FAN_IN at a time, once the newest FAN_IN are of one size tier (tiers a factor of
+# FAN_IN apart): a pair is sorted again once a tier, log4 of RUN_ROWS over a batch's rows (~4
+# times from 1M-row batches), where merging two at a time sorted it log2 times (~6: the sorts
+# were half the index's 56 s at 100M rows); a lookup searches at most FAN_IN - 1 runs a tier.
+FAN_IN = 4
 # 2: one uint64 a pair (`Run`), `rows` the segment rows indexed and `pairs` the distinct codes
 # kept (a record's segments within one file, a document cut across rows of one step, are one)
 _MAGIC = b"TLYLKP2\0"
@@ -274,17 +278,22 @@ def _recoded(runs: list[Run] | tuple[Run, ...], lo: int, hi: int) -> np.ndarray:
     """The codes of consecutive runs as one run's over (lo, hi]: a wider file-id field, fewer
     bits of value."""
     width = _width(lo, hi)
-    parts = []
+    code = np.empty(sum(r.pairs for r in runs), np.uint64)  # filled in place: one copy at most
+    at = 0
     for r in runs:
-        codes = np.asarray(r.codes)
+        part = code[at: at + r.pairs]
         if r.width == width and r.lo == lo:
-            parts.append(codes)
-            continue
-        keep = codes >> np.uint64(width) << np.uint64(width)  # its value bits that still fit
-        parts.append(keep | (file_ids(r, codes) - lo - 1).astype(np.uint64))
-    code = np.concatenate(parts)
+            part[:] = r.codes
+        else:
+            np.right_shift(r.codes, np.uint64(width), out=part)  # its value bits that still fit
+            part <<= np.uint64(width)
+            part |= (file_ids(r, np.asarray(r.codes)) - lo - 1).astype(np.uint64)
+        at += r.pairs
     code.sort()
-    return code[np.r_[True, code[1:] != code[:-1]]] if len(code) else code
+    # The runs hold other files: a repeat is two values sharing what the wider field kept.
+    if len(code) > 1 and (code[1:] == code[:-1]).any():
+        code = code[np.r_[True, code[1:] != code[:-1]]]
+    return code
 
 
 def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, codes: np.ndarray,
@@ -387,22 +396,29 @@ def _agreeing(cur: duckdb.DuckDBPyConnection, runs: dict[str, tuple[Run, ...]]) 
     return upto
 
 
+def _tier(run: Run) -> int:
+    return max(run.rows, 1).bit_length() // (FAN_IN.bit_length() - 1)
+
+
 def _merged(directory: Path, runs: tuple[Run, ...], owner: int = 0) -> tuple[Run, ...]:
-    """Merge the newest runs while the newest is at least 1 / MERGE_RATIO of the one before
-    (and the result stays under RUN_ROWS): O(log rows) runs, each pair rewritten O(log) times."""
+    """Merge the newest FAN_IN runs while none is of a lower tier than the oldest of them (a
+    small run left behind by larger batches after it goes with them) and together they stay
+    within RUN_ROWS. Tiers are by rows, not pairs: both kinds' runs then tile the file ids
+    alike, so that losing one kind's newest run costs the other's coverage only that far
+    back."""
     runs = list(runs)
-    while len(runs) >= 2:
-        a, b = runs[-2], runs[-1]
-        # By rows, not pairs: both kinds' runs then tile the file ids alike, so that losing
-        # one kind's newest run costs the other kind's coverage only that far back.
-        if b.rows * MERGE_RATIO < a.rows or a.rows + b.rows > RUN_ROWS:
+    while len(runs) >= FAN_IN:
+        tail = runs[-FAN_IN:]
+        if _tier(tail[0]) > min(_tier(r) for r in tail[1:]) or \
+                sum(r.rows for r in tail) > RUN_ROWS:
             break
-        # On disk once either was (its file goes: the merged one must cover it) or at size.
-        merged = _new_run(directory, a.kind, a.lo, b.hi, a.files + b.files,
-                          _recoded((a, b), a.lo, b.hi), owner, a.rows + b.rows,
-                          on_disk=a.on_disk or b.on_disk or a.rows + b.rows >= MEMORY_ROWS)
-        for old in (a, b):
+        lo, hi, rows = tail[0].lo, tail[-1].hi, sum(r.rows for r in tail)
+        # On disk once any was (its file goes: the merged one must cover it) or at size.
+        merged = _new_run(directory, tail[0].kind, lo, hi, sum(r.files for r in tail),
+                          _recoded(tail, lo, hi), owner, rows,
+                          on_disk=any(r.on_disk for r in tail) or rows >= MEMORY_ROWS)
+        for old in tail:
             if old.on_disk:
                 _path(directory, old.kind, old.lo, old.hi).unlink(missing_ok=True)
-        runs[-2:] = [merged]
+        runs[-FAN_IN:] = [merged]
     return tuple(runs)
