@@ -63,7 +63,7 @@ def feed(shape: str, records: int, hosts: int, epochs: float, batch: int) -> dic
                  for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(h)], strict=True)]
         t0 = time.perf_counter()  # the state's work only, not the batch's preparation
         inc = agg.increments(1, parts)
-        agg._pending.append(_Staged(1, inc.new, inc.seen))
+        agg._pending.append(_Staged(1, inc.new, inc.seen, once=inc.once))
         agg.reserve()
         agg.commit()
         seconds += time.perf_counter() - t0

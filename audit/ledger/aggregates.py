@@ -44,6 +44,7 @@ from audit.ledger.state import (
     COMPACT,
     NO_STEP,
     SETTLED,
+    Once,
     Records,
     RunState,
     Starts,
@@ -70,10 +71,11 @@ class Deltas:
 class Increment:
     """A batch's effect on one run, worked out before its rows are in the ledger."""
 
-    new: Records  # the new state of the records the batch touches
+    new: Records  # the new state of the records the batch touches (but `once`'s)
     deltas: Deltas
-    late: np.ndarray  # bool per record: a start below the watermark (ranks from the ledger)
+    late: np.ndarray  # bool per record of `new`: a start below the watermark (ranks later)
     seen: list[tuple[int, int, int, int | None]]  # (attempt, host, hosts, last step) per file
+    once: Once  # the records started once, the short way (RunState.once)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class _Staged:
     new: Records
     seen: list[tuple[int, int, int, int | None]]
     lower: int | None = None  # a restart's watermark
+    once: Once | None = None
 
 
 class Aggregates:
@@ -209,13 +212,14 @@ class Aggregates:
                 host, attempt, last, hosts = meta[f]
                 parts.append(Starts(keys[a:b], steps[a:b], epochs[a:b], host, attempt, last,
                                     hosts))
-            inc = _increment(parts, st.watermark, st.get)
+            inc = _increment(parts, st.watermark, st.get, st)
             if inc.late.any():
                 self._settle_late(cur, run, inc, int(part[0]), int(part[-1]))
             for seen in inc.seen:
                 st.observe(*seen)
             st.advance()
             st.put(inc.new)
+            st.put_once(inc.once)
             st.settle()
         return int(sizes.sum())
 
@@ -302,7 +306,10 @@ class Aggregates:
         st = self._state(run)
         w = min([st.watermark] + [s.lower for s in self._pending
                                   if s.run == run and s.lower is not None])
-        return _increment(parts, w, lambda keys: self.get(run, keys))
+        staged = [s.new.keys for s in self._pending if s.run == run] + \
+            [s.once.keys for s in self._pending if s.run == run and s.once is not None]
+        return _increment(parts, w, lambda keys: self.get(run, keys), st,
+                          np.concatenate(staged) if staged else None)
 
     def add(self, cur: duckdb.DuckDBPyConnection, run: int, inc: Increment, seg_files: int,
             files: tuple[int, int]) -> None:
@@ -311,7 +318,7 @@ class Aggregates:
             inc.deltas.ranks = _cat_ranks(inc.deltas.ranks,
                                           self._settle_late(cur, run, inc, *files))
         write_deltas(cur, run, inc.deltas, seg_files=seg_files)
-        self._pending.append(_Staged(run, inc.new, inc.seen))
+        self._pending.append(_Staged(run, inc.new, inc.seen, once=inc.once))
 
     @staticmethod
     def _settle_late(cur: duckdb.DuckDBPyConnection, run: int, inc: Increment, lo: int,
@@ -340,8 +347,10 @@ class Aggregates:
         """Grow the state for the pending changes (before the COMMIT: what can fail, such as
         an allocation, fails while the transaction can still roll back)."""
         for s in self._pending:
-            if len(s.new.keys):
-                self._state(s.run).reserve(int(s.new.keys[-1]) + 1)
+            top = max([int(k[-1]) for k in (s.new.keys, None if s.once is None else s.once.keys)
+                       if k is not None and len(k)], default=-1)
+            if top >= 0:
+                self._state(s.run).reserve(top + 1)
 
     def commit(self) -> None:
         # A restart's lower watermark first, then the files' hosts (the watermark rises
@@ -358,6 +367,8 @@ class Aggregates:
             self.runs[run].advance()
         for s in self._pending:
             self.runs[s.run].put(s.new)
+            if s.once is not None:
+                self.runs[s.run].put_once(s.once)
         for run in touched:
             self.runs[run].settle()
         self._pending = []
@@ -377,6 +388,8 @@ class Aggregates:
         for s in self._pending:
             if s.run == run:
                 out = out.overlay(s.new)
+                if s.once is not None and len(s.once):
+                    out = out.overlay(s.once.records())
         return out
 
 
@@ -397,17 +410,26 @@ def for_ledger(ledger: Ledger) -> Aggregates:
     return agg
 
 
-def _increment(parts: list[Starts], watermark: int,
-               get: Callable[[np.ndarray], Records]) -> Increment:
-    """What `parts` change, given the state before them (`get`)."""
+def _increment(parts: list[Starts], watermark: int, get: Callable[[np.ndarray], Records],
+               state: RunState | None = None, exclude: np.ndarray | None = None) -> Increment:
+    """What `parts` change, given the state before them (`get`; `state`'s rows for the
+    records that take the short way, RunState.once, but those in `exclude`)."""
     inc = group(parts)
+    once = Once.empty()
+    if state is not None:
+        mine, once = state.once(inc, watermark, exclude)
+        if len(once):
+            inc = inc.take(np.flatnonzero(~mine))
     old = get(inc.keys)
     new = old.merged(inc)
     late = inc.steps[:, 0] < watermark
     if late.any():  # their ranks come from the ledger once the batch's rows are in
         new.steps[late] = old.steps[late]
     seen = [(p.attempt, p.host, p.host_count, p.last_step) for p in parts]
-    return Increment(new, deltas(old, new), late, seen)
+    d = deltas(old, new)
+    if len(once):
+        d = _sum_deltas(d, once_deltas(once))
+    return Increment(new, d, late, seen, once)
 
 
 def _watch(cur: duckdb.DuckDBPyConnection, run: int, st: RunState) -> None:
@@ -690,6 +712,61 @@ def deltas(old: Records, new: Records) -> Deltas:
               int((new.epoch_dups - old.epoch_dups).sum(dtype=np.int64)),
               int(new.dup.sum()) - int(old.dup.sum()), multi]
     return Deltas(ranks, levels, pairs, shared, totals)
+
+
+def once_deltas(q: Once) -> Deltas:
+    """The agg-table changes of records started once (RunState.once), from what their rows
+    said: the same quantities as `deltas`, without the records' host and epoch sets."""
+    first3 = q.level < 3
+    rank, step, rec = [], [], []
+    for j in range(3):
+        s, d = _tally(q.step[first3 & (q.level == j)])
+        rank.append(np.full(len(s), j + 1, np.int8))
+        step.append(s)
+        rec.append(d)
+    levels = _net(q.level + 1, q.level[q.level > 0])
+    # A host added: pairs with each host the record was on, both ways, and itself (the
+    # diagonal: records the host saw); the record becomes shared when it was on one host.
+    add = np.flatnonzero(q.added)
+    k = np.diff(q.before_ptr)[add]
+    hosts = int(max(q.host.max(initial=-1), q.before.max(initial=-1))) + 1
+    x = np.repeat(q.host[add], k)
+    y = q.before[spans(q.before_ptr[:-1][add], k)]
+    code, count = _tally(np.r_[x * hosts + y, y * hosts + x, q.host[add] * (hosts + 1)])
+    one = k == 1
+    first = q.before[q.before_ptr[:-1][add][one]]
+    shared = _tally(np.r_[first, q.host[add][k >= 1]])
+    new_dups = q.repeat & ~q.was_dup
+    totals = [int((q.level == 0).sum()), len(q), int(q.repeat.sum()), int(new_dups.sum()),
+              int(one.sum())]
+    return Deltas((np.concatenate(rank), np.concatenate(step), np.concatenate(rec)), levels,
+                  ((code // hosts).astype(np.int32), (code % hosts).astype(np.int32), count),
+                  (shared[0].astype(np.int32), shared[1]), totals)
+
+
+def _sum_by(cols: list[np.ndarray], counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """`counts` summed over equal rows of `cols`, non-zero sums only."""
+    if not len(counts):
+        return cols, counts
+    order = np.lexsort(cols[::-1])
+    cols, counts = [np.asarray(c)[order] for c in cols], np.asarray(counts)[order]
+    head = np.ones(len(counts), bool)
+    head[1:] = np.any([c[1:] != c[:-1] for c in cols], axis=0)
+    at = np.flatnonzero(head)
+    total = np.add.reduceat(counts, at)
+    nz = total != 0
+    return [c[at][nz] for c in cols], total[nz]
+
+
+def _sum_deltas(a: Deltas, b: Deltas) -> Deltas:
+    def both(x: tuple, y: tuple) -> tuple:
+        cols, n = _sum_by([np.r_[p, q] for p, q in zip(x[:-1], y[:-1], strict=True)],
+                          np.r_[x[-1], y[-1]].astype(np.int64))
+        return (*cols, n)
+
+    return Deltas(both(a.ranks, b.ranks), both(a.levels, b.levels), both(a.pairs, b.pairs),
+                  both(a.shared, b.shared), [p + q for p, q in zip(a.totals, b.totals,
+                                                                   strict=True)])
 
 
 def _upsert(cur, table: str, data: dict, conflict: str, update: str) -> None:
