@@ -77,7 +77,9 @@ def test_lookup_latency_benchmark_runs(tmp_path):
 
     res = lookup_latency.main(["--rows", "20000", "--records", "3000", "--hosts", "2",
                                "--batch", "100", "--lookups", "5", "--dir", str(tmp_path / "l")])
-    assert res["rows"] >= 20000 and res["runs"] >= 1 and res["index_bytes"] == 2 * 12 * res["rows"]
+    # A code a (value, file) pair; a record key repeated within a file is one.
+    assert res["rows"] >= 20000 and res["runs"] >= 1
+    assert 0 < res["index_bytes"] <= 2 * 8 * res["rows"]
     assert res["key"]["index_p99"] > 0 and res["hash"]["scan_p99"] > 0 and res["build_s"] > 0
     assert not (tmp_path / "l").exists()  # the benchmark removes its data
 
