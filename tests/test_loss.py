@@ -84,6 +84,14 @@ def test_repeats_that_score_lower_flatter_the_loss_and_are_found(tmp_path, first
                       ledger=tmp_path / "l.duckdb")
     (g,) = [x for x in again["findings"] if x["code"] == "loss_flattered"]
     assert g["numbers"] == f["numbers"]
+    # The held-out milestones: read by the job from the metric files, by SQL from the ledger.
+    assert len(r["loss"]["milestones"]) > 3 and all(
+        m["train_loss"] is not None for m in r["loss"]["milestones"])
+    assert [m["step"] for m in again["loss"]["milestones"]] == [
+        m["step"] for m in r["loss"]["milestones"]]
+    for m, n in zip(again["loss"]["milestones"], r["loss"]["milestones"], strict=True):
+        assert (m["heldout_loss"], m["train_loss"]) == pytest.approx(
+            (n["heldout_loss"], n["train_loss"]))
 
 
 def test_repeats_that_score_the_same_are_not_called_flattering(tmp_path):

@@ -317,3 +317,24 @@ def test_host_step_ranges_of_a_file_match_a_plain_set_of_steps():
     assert got == want
     empty = {k: v[:0] for k, v in cols.items()}
     assert host_steps.per_file(empty, 10)["host_step_ranges"] == []
+
+
+def test_input_files_are_cut_into_tasks_of_whole_files_in_order():
+    """The job reads its inputs a chunk of files at a time (audit.reconcile.plan.chunks):
+    every file once, in order, whole, about CHUNK_ROWS rows a chunk, or fewer rows where a
+    small job would otherwise be too few tasks for its workers."""
+    from audit.reconcile.plan import CHUNK_ROWS, TASKS, InputFile, chunks
+
+    rng = np.random.default_rng(7)
+    for n, most in ((3, 10), (400, 200_000), (300, 40_000_000)):
+        files = [InputFile(f"f{i}", rows=int(r)) for i, r in
+                 enumerate(rng.integers(1, most, n))]
+        got = chunks(files)
+        assert [f for c in got for f in c] == files
+        total = sum(f.rows for f in files)
+        target = min(CHUNK_ROWS, max(1, total // TASKS))
+        # A chunk stops before the file that would take it past the target (a file alone may).
+        assert all(sum(f.rows for f in c) <= target or len(c) == 1 for c in got)
+        assert all(sum(f.rows for f in c) + nxt[0].rows > target
+                   for c, nxt in zip(got[:-1], got[1:], strict=True))
+        assert len(got) >= min(n, TASKS // 2)

@@ -33,7 +33,7 @@ from audit.reconcile.job import (
     write_part,
 )
 from audit.reconcile.partials import Partial, merge_all
-from audit.reconcile.plan import MAX_RUN_STEPS, Plan, bucket_records_for, make_plan
+from audit.reconcile.plan import MAX_RUN_STEPS, Plan, bucket_records_for, chunks, make_plan
 from pipeline.runners import RunnerSpec, pipeline
 
 WINDOWS = 20  # windows of steps when --window is not given: about this many over the runs
@@ -128,11 +128,11 @@ def run_diff(plan: DiffPlan, work: Path, runner: RunnerSpec | None = None) -> Di
     """Run the pipeline; return the merged partials. Workers write bucket files, per-record
     parts and partial results under `work`, which must be reachable from every worker."""
     (work / "records").mkdir(parents=True)
-    files = sum(len(p.files) for p in plan.runs.values())
-    with pipeline(runner or RunnerSpec(), partitions=max(2, files)) as p:
+    tasks = {r: chunks(plan.runs[r].files) for r in RUNS}
+    with pipeline(runner or RunnerSpec(), partitions=max(2, sum(map(len, tasks.values())))) as p:
         refs, tagged = {}, []
         for r in RUNS:
-            read = (p | f"files {r}" >> beam.Create(plan.runs[r].files)
+            read = (p | f"files {r}" >> beam.Create(tasks[r])
                     | f"read {r}" >> beam.ParDo(ReadConsumption(plan.runs[r],
                                                                 str(work / f"buckets-{r}"))))
             refs[r] = read | f"by_bucket {r}" >> beam.FlatMap(of_kind, "by_bucket")

@@ -36,7 +36,18 @@ from audit.core.exposure import effective, starts
 from audit.hook.spool import BadFile, read_checked
 from audit.reconcile import bucket_stats, buckets, host_steps
 from audit.reconcile.partials import Partial, Spans, merge_all
-from audit.reconcile.plan import COLUMNS, InputFile, Plan, ledger_inputs, make_plan, spool_inputs
+from audit.reconcile.plan import (
+    COLUMNS,
+    InputFile,
+    Plan,
+    chunks,
+    ledger_inputs,
+    make_plan,
+    metric_facts,
+    milestones,
+    run_finished,
+    spool_inputs,
+)
 from pipeline.corpus import read_rows
 from pipeline.progress import Progress
 from pipeline.runners import RunnerSpec, pipeline
@@ -60,6 +71,29 @@ def _name(path: str) -> str:
     return xxhash.xxh3_64_hexdigest(path.encode())
 
 
+def _chunk_name(chunk: tuple) -> str:
+    """A chunk's name, from its files' paths (the same on a retried bundle)."""
+    return _name("\n".join(f.path for f in chunk))
+
+
+class ReadMetrics(beam.DoFn):
+    """A chunk of the run's metric files -> its partial of metric facts (NaN or infinite
+    losses, hosts that said they finished, losses per step for the milestones)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def process(self, files: tuple):
+        facts = metric_facts(list(files), self.plan.cutoffs)
+        count, first = facts["non_finite"]
+        yield f"metrics-{_name(chr(10).join(str(f.path) for f in files))}", Partial(
+            non_finite_losses=count, non_finite_first_step=first,
+            finished_at=facts["finished"], loss_sums=facts["loss_sums"])
+
+
+METRIC_FILES_A_TASK = 512
+
+
 def _rows_where(cols: Columns, mask: np.ndarray) -> Columns:
     return {k: v[mask] for k, v in cols.items()}
 
@@ -70,35 +104,41 @@ def of_kind(item: tuple[str, Any], kind: str) -> list[Any]:
 
 
 class ReadConsumption(beam.DoFn):
-    """One input file -> (kind, value): its effective rows written as a bucket file and one
-    reference per bucket, its per-step and per-host partial, replay rows, or the reason the
-    file was skipped."""
+    """One chunk of input files (audit.reconcile.plan.chunks) -> (kind, value): their
+    effective rows written as one bucket file and one reference per bucket, their per-step and
+    per-host partial (each file's, merged), replay rows, and the files skipped with why."""
 
     def __init__(self, plan: Plan, folder: str) -> None:
         self.plan, self.folder = plan, folder
 
-    def process(self, f: InputFile):
+    def process(self, chunk: tuple[InputFile, ...]):
         plan = self.plan
-        try:
-            cols = _read_file(f)
-        except BadFile as exc:
-            yield "partials", (f"skipped-{_name(f.path)}",
-                               Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
-            return
-        if plan.at_step is not None:
-            cols = _rows_where(cols, cols["step"] <= plan.at_step)
-        kept = effective(cols["step"], cols["attempt"], plan.cutoffs)
-        rolled = _rows_where(cols, ~kept)
-        if not kept.all():
-            cols = _rows_where(cols, kept)
+        parts, kept_cols, partial = [], [], Partial()
+        for f in chunk:
+            try:
+                cols = _read_file(f)
+            except BadFile as exc:
+                partial = partial.merge(Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
+                continue
+            if plan.at_step is not None:
+                cols = _rows_where(cols, cols["step"] <= plan.at_step)
+            kept = effective(cols["step"], cols["attempt"], plan.cutoffs)
+            rolled = _rows_where(cols, ~kept)
+            if not kept.all():
+                cols = _rows_where(cols, kept)
+            yield from self._replay_rows(cols, rolled)
+            if len(cols["step"]):
+                parts.append(self._per_file(cols))
+                kept_cols.append(cols)
         refs = []
-        if len(cols["step"]):
+        if kept_cols:
+            cols = {k: np.concatenate([c[k] for c in kept_cols]) for k in COLUMNS}
             Path(self.folder).mkdir(parents=True, exist_ok=True)
             refs = buckets.write(cols, plan.bucket_size, plan.buckets,
-                                 Path(self.folder, f"{_name(f.path)}.bin"))
-        yield from self._replay_rows(cols, rolled)
-        if len(cols["step"]):
-            yield "partials", (f"file-{_name(f.path)}", self._per_file(cols, len(refs)))
+                                 Path(self.folder, f"{_chunk_name(chunk)}.bin"))
+        partial = merge_all(parts, partial)
+        partial.slices_written = len(refs)
+        yield "partials", (f"chunk-{_chunk_name(chunk)}", partial)
         for ref in refs:
             yield "by_bucket", ref
 
@@ -113,7 +153,7 @@ class ReadConsumption(beam.DoFn):
             for step in np.unique(part["step"]):
                 yield "replay", (int(step), (tag, _rows_where(part, part["step"] == step)))
 
-    def _per_file(self, cols: Columns, slices: int) -> Partial:
+    def _per_file(self, cols: Columns) -> Partial:
         """The per-step and per-host counts of one file's effective rows."""
         steps, host, row = cols["step"], cols["host"], cols["row"]
         start, n_tokens = starts(cols["offset"]), cols["n_tokens"]
@@ -147,7 +187,7 @@ class ReadConsumption(beam.DoFn):
                        bucket_stats.bincount(host, n_tokens, n=n)]
         return Partial(
             **host_steps.per_file(cols, self.plan.train_records),
-            segments=len(steps), slices_written=slices, first_step=lo, last_step=hi,
+            segments=len(steps), first_step=lo, last_step=hi,
             step_segments=Spans([(lo, bucket_stats.bincount(rel))]),
             step_tokens=Spans([(lo, bucket_stats.bincount(rel, n_tokens))]),
             step_rows=Spans([(lo, rows.astype(np.int64))]),
@@ -228,9 +268,12 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
     """Run the pipeline; return the merged partials. Workers write bucket files, per-record
     parts and partial results under `work`, which must be reachable from every worker."""
     (work / "records").mkdir(parents=True)
-    with pipeline(runner or RunnerSpec(), partitions=max(2, len(plan.files))) as p:
+    tasks = chunks(plan.files)
+    metric_tasks = [tuple(plan.metric_files[i: i + METRIC_FILES_A_TASK])
+                    for i in range(0, len(plan.metric_files), METRIC_FILES_A_TASK)]
+    with pipeline(runner or RunnerSpec(), partitions=max(2, len(tasks))) as p:
         # Create spreads its elements over the workers itself (a Reshuffle inside).
-        read = (p | "files" >> beam.Create(plan.files)
+        read = (p | "files" >> beam.Create(tasks)
                   | "read" >> beam.ParDo(ReadConsumption(plan, str(work / "buckets"))))
         # Outputs are (kind, value) pairs split by FlatMaps, not tagged outputs: the Dask
         # runner sends every tagged output to the main one.
@@ -244,8 +287,17 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
         stats = joined | "stats" >> beam.ParDo(BucketStats(plan, str(work / "records")))
         replay = (out["replay"] | "by step" >> beam.GroupByKey()
                   | "compare" >> beam.ParDo(CompareReplay()))
-        save_partials((stats, replay, out["partials"]), work)
+        results = [stats, replay, out["partials"]]
+        if metric_tasks:
+            results.append(p | "metric files" >> beam.Create(metric_tasks)
+                           | "metrics" >> beam.ParDo(ReadMetrics(plan)))
+        save_partials(tuple(results), work)
     merged = merge_all(load_partials(work / "partials", finished=work / "saved"))
+    if plan.metric_files:  # the run's metric facts, as ledger_inputs reads them by SQL
+        plan.non_finite_losses = {"count": merged.non_finite_losses,
+                                  "first_step": merged.non_finite_first_step}
+        plan.finished, plan.finished_step = run_finished(plan.attempts, merged.finished_at)
+        plan.milestones = milestones(merged.loss_sums)
     joined = merged.unknown_segments + merged.hash_checked + merged.hash_unverifiable
     if (merged.segments, merged.slices_written) != (joined, merged.slices_joined):
         raise TallyError(f"the reconcile job lost rows: {merged.segments:,} effective rows "
@@ -375,7 +427,8 @@ def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
                          at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
                          left_out=inputs.left_out,
                          non_finite_losses=inputs.non_finite_losses,
-                         finished=inputs.finished, milestones=inputs.milestones)
+                         finished=inputs.finished, milestones=inputs.milestones,
+                         metric_files=inputs.metric_files)
         parts = work / "records"
         bar.stage("key buckets", total=plan.buckets + 1,
                   count=lambda: sum(1 for _ in parts.glob("part-*.parquet")))

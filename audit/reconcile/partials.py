@@ -137,6 +137,12 @@ def spans(a: dict, b: dict) -> dict:
     return out
 
 
+def largest_each(a: dict, b: dict) -> dict:
+    """Per key, the larger value of both."""
+    return {k: max(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k))
+            for k in a.keys() | b.keys()}
+
+
 def merged_by(merge: Callable[[Any, Any], Any], default: Any = None,
               factory: Callable[[], Any] | None = None) -> Any:
     """A dataclass field of a `Mergeable` that merges with `merge`."""
@@ -231,6 +237,13 @@ class Partial(Mergeable):
     # ---- per replayed step ----
     replay: dict[int, np.ndarray] = summed(dict)  # attempt -> (rolled back, replayed, same)
     first_differing_step: dict[int, int] = merged_by(smallest, factory=dict)
+
+    # ---- per chunk of metric files (audit.reconcile.plan.metric_facts) ----
+    non_finite_losses: int = summed()
+    non_finite_first_step: int | None = merged_by(smallest)
+    finished_at: dict[tuple[int, int], int] = merged_by(largest_each, factory=dict)
+    loss_sums: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = merged_by(
+        joined, factory=list)  # (name, steps, sums, counts)
 
 
 def merge_all(parts: Iterable[M], into: M | None = None) -> M:
