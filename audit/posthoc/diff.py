@@ -51,6 +51,11 @@ class DiffPlan:
     def layout(self) -> Plan:
         return self.runs["a"]
 
+    def for_workers(self) -> DiffPlan:
+        """Without the runs' lists of input files (Plan.for_workers)."""
+        return DiffPlan({r: p.for_workers() for r, p in self.runs.items()}, self.sources,
+                        self.window)
+
     @property
     def first_step(self) -> int:
         """The first step either run consumed: the job's per-step series start here."""
@@ -129,11 +134,12 @@ def run_diff(plan: DiffPlan, work: Path, runner: RunnerSpec | None = None) -> Di
     parts and partial results under `work`, which must be reachable from every worker."""
     (work / "records").mkdir(parents=True)
     tasks = {r: chunks(plan.runs[r].files) for r in RUNS}
+    slim = plan.for_workers()
     with pipeline(runner or RunnerSpec(), partitions=max(2, sum(map(len, tasks.values())))) as p:
         refs, tagged = {}, []
         for r in RUNS:
             read = (p | f"files {r}" >> beam.Create(tasks[r])
-                    | f"read {r}" >> beam.ParDo(ReadConsumption(plan.runs[r],
+                    | f"read {r}" >> beam.ParDo(ReadConsumption(slim.runs[r],
                                                                 str(work / f"buckets-{r}"))))
             refs[r] = read | f"by_bucket {r}" >> beam.FlatMap(of_kind, "by_bucket")
             tagged.append(read | f"partials {r}" >> beam.FlatMap(of_kind, "partials")
@@ -143,7 +149,7 @@ def run_diff(plan: DiffPlan, work: Path, runner: RunnerSpec | None = None) -> Di
             [(b, b) for b in range(plan.layout.buckets + 1)], reshuffle=False)
         joined = ({"a": refs["a"], "b": refs["b"], "manifest": every}
                   | "join" >> beam.CoGroupByKey())
-        stats = joined | "compare" >> beam.ParDo(CompareBucket(plan, str(work / "records")))
+        stats = joined | "compare" >> beam.ParDo(CompareBucket(slim, str(work / "records")))
         save_partials((stats, *tagged), work)
     merged = merge_all(load_partials(work / "partials", finished=work / "saved"), DiffPartial())
     for r in RUNS:

@@ -271,10 +271,11 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
     tasks = chunks(plan.files)
     metric_tasks = [tuple(plan.metric_files[i: i + METRIC_FILES_A_TASK])
                     for i in range(0, len(plan.metric_files), METRIC_FILES_A_TASK)]
+    slim = plan.for_workers()
     with pipeline(runner or RunnerSpec(), partitions=max(2, len(tasks))) as p:
         # Create spreads its elements over the workers itself (a Reshuffle inside).
         read = (p | "files" >> beam.Create(tasks)
-                  | "read" >> beam.ParDo(ReadConsumption(plan, str(work / "buckets"))))
+                  | "read" >> beam.ParDo(ReadConsumption(slim, str(work / "buckets"))))
         # Outputs are (kind, value) pairs split by FlatMaps, not tagged outputs: the Dask
         # runner sends every tagged output to the main one.
         out = {kind: read | kind >> beam.FlatMap(of_kind, kind)
@@ -284,13 +285,13 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
                                               reshuffle=False)  # the join shuffles them
         joined = ({"consumption": out["by_bucket"], "manifest": every}
                   | "join" >> beam.CoGroupByKey())
-        stats = joined | "stats" >> beam.ParDo(BucketStats(plan, str(work / "records")))
+        stats = joined | "stats" >> beam.ParDo(BucketStats(slim, str(work / "records")))
         replay = (out["replay"] | "by step" >> beam.GroupByKey()
                   | "compare" >> beam.ParDo(CompareReplay()))
         results = [stats, replay, out["partials"]]
         if metric_tasks:
             results.append(p | "metric files" >> beam.Create(metric_tasks)
-                           | "metrics" >> beam.ParDo(ReadMetrics(plan)))
+                           | "metrics" >> beam.ParDo(ReadMetrics(slim)))
         save_partials(tuple(results), work)
     merged = merge_all(load_partials(work / "partials", finished=work / "saved"))
     if plan.metric_files:  # the run's metric facts, as ledger_inputs reads them by SQL

@@ -4,7 +4,7 @@ buckets sized to the memory budget. Decided once, before the pipeline starts (`P
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,12 @@ class Plan:
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def for_workers(self) -> Plan:
+        """This plan without its lists of input files, which the workers get as their tasks:
+        every transform that holds the plan is pickled into the pipeline and sent to each
+        worker (at the seed run's 500k spool files, the lists alone were hundreds of MB)."""
+        return replace(self, files=[], metric_files=[], left_out=[])
 
 
 # ---- inputs -------------------------------------------------------------------------------
