@@ -132,18 +132,13 @@ class Aggregates:
                     agg._restore(cur, run, names[run])
                 except Invalid as why:
                     rebuild[run] = str(why)
-            if rebuild:
+            for run, why in rebuild.items():
                 t0 = time.monotonic()
-                every = set(rebuild) == set(counts)  # the plain scan when all runs rebuild
-                for run in rebuild:
-                    _watch(cur, run, agg._state(run))
-                for run, rec in _ledger_batches(cur, None if every else list(rebuild)):
-                    agg._state(run).put(rec)
-                seconds = time.monotonic() - t0
-                for run, why in rebuild.items():
-                    if use_snapshots:
-                        log.warning("run %s: per-record state rebuilt from the ledger (%s) in "
-                                    "%.2f s", names[run], why, seconds)
+                agg.runs[run] = RunState()
+                rows = agg._catch_up(cur, run, None)
+                if use_snapshots:
+                    log.warning("run %s: per-record state rebuilt from the ledger (%s): %s rows "
+                                "in %.2f s", names[run], why, f"{rows:,}", time.monotonic() - t0)
             for run in counts:
                 agg._state(run)  # a run with no exposure yet has a state (and a snapshot) too
             applied = dict(cur.execute("SELECT run, seg_files FROM agg_runs").fetchall())
@@ -171,22 +166,31 @@ class Aggregates:
                  "ingested after it in %.2f s", run_id, f"{st.size:,}", f"{rows:,}",
                  time.monotonic() - t0)
 
-    def _catch_up(self, cur: duckdb.DuckDBPyConnection, run: int, since: Applied) -> int:
+    def _catch_up(self, cur: duckdb.DuckDBPyConnection, run: int, since: Applied | None
+                  ) -> int:
         """Apply to the run's state what the ledger holds beyond `since` (what a snapshot
         covers): first the records whose rows left the lineage since, recomputed as of the
         snapshot's files, then the record starts of later segment files in file id order, as
-        the ingest applied them. Returns the rows read."""
+        the ingest applied them. Returns the rows read.
+
+        `since` None: from nothing, a rebuild of a fresh state: every file replayed in file id
+        order, the order the ingest applied them in, its rows cut to today's lineage, and the
+        watermark lowered to where each new attempt resumed, at its first file, as its ingest
+        did. Memory and disk stay bounded by CATCH_UP_ROWS: one aggregate over the ledger's
+        rows (each record's host and epoch lists) spilled more than 40 GB at 500M rows."""
         st = self.runs[run]
-        lowered = lowered_cuts(since.lineage, self.cuts(cur, run))
-        if lowered:
-            keys = _rolled_back_keys(cur, run, lowered)
-            new = _ledger_records(cur, [run], keys, upto=since.max_file_id).get(run)
-            st.lower(min(st.watermark, min(cut for _, cut, _ in lowered)))
-            st.put(_complete(keys, new))
+        if since is not None:
+            lowered = lowered_cuts(since.lineage, self.cuts(cur, run))
+            if lowered:
+                keys = _rolled_back_keys(cur, run, lowered)
+                new = _ledger_records(cur, [run], keys, upto=since.max_file_id).get(run)
+                st.lower(min(st.watermark, min(cut for _, cut, _ in lowered)))
+                st.put(_complete(keys, new))
         files = cur.execute("""SELECT s.file_id, s.n_rows, s.host, s.attempt, s.last_step,
-                a.host_count FROM segments s JOIN attempts a USING (run, attempt)
+                a.host_count, a.resumed_from_step FROM segments s JOIN attempts a
+                USING (run, attempt)
             WHERE s.run = ? AND s.kind = 'seg' AND s.file_id > ? ORDER BY s.file_id""",
-                            [run, since.max_file_id]).fetchnumpy()
+                            [run, 0 if since is None else since.max_file_id]).fetchnumpy()
         ids, sizes = np.asarray(files["file_id"], np.int64), np.asarray(files["n_rows"], np.int64)
         meta = {int(f): (int(h), int(a), int(s), int(c)) for f, h, a, s, c in zip(
             ids, files["host"], files["attempt"], files["last_step"], files["host_count"],
@@ -194,8 +198,18 @@ class Aggregates:
         # File id ranges of about CATCH_UP_ROWS rows each bound the memory of a long catch-up;
         # consumption is in file id order, so each range reads few row groups.
         cuts = np.searchsorted(np.cumsum(sizes), np.arange(1, 1 + sizes.sum() // CATCH_UP_ROWS)
-                               * CATCH_UP_ROWS)
-        for part in np.split(ids, np.unique(np.minimum(cuts + 1, len(ids)))):
+                               * CATCH_UP_ROWS) + 1
+        resumes: dict[int, int] = {}  # a rebuild: the index of each resumed attempt's first file
+        if since is None:
+            attempt = np.asarray(files["attempt"], np.int64)
+            for _, i in zip(*np.unique(attempt, return_index=True), strict=True):
+                cut = files["resumed_from_step"][i]
+                if cut is not None and not np.ma.is_masked(cut) and i > 0:
+                    resumes[int(i)] = int(cut)
+        at = np.unique(np.r_[np.minimum(cuts, len(ids)), list(resumes)]).astype(np.int64)
+        for first, part in zip(np.r_[0, at].tolist(), np.split(ids, at), strict=True):
+            if first in resumes:
+                st.lower(min(st.watermark, resumes[first]))
             if not len(part):
                 continue
             got = cur.execute(f"""SELECT record_key, step, epoch, file_id
@@ -430,16 +444,6 @@ def _increment(parts: list[Starts], watermark: int, get: Callable[[np.ndarray], 
     if len(once):
         d = _sum_deltas(d, once_deltas(once))
     return Increment(new, d, late, seen, once)
-
-
-def _watch(cur: duckdb.DuckDBPyConnection, run: int, st: RunState) -> None:
-    """What the watermark needs, for a state rebuilt from the ledger: each host's last step
-    per attempt, and each attempt's hosts."""
-    for a, h, s, c in cur.execute("""SELECT s.attempt, s.host, max(s.last_step), a.host_count
-            FROM segments s JOIN attempts a USING (run, attempt)
-            WHERE s.run = ? AND s.kind = 'seg' GROUP BY ALL""", [run]).fetchall():
-        st.observe(int(a), int(h), int(c), None if s is None else int(s))
-    st.settle()
 
 
 def _complete(keys: np.ndarray, found: Records | None) -> Records:
