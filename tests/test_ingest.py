@@ -273,3 +273,22 @@ def test_a_files_per_step_counts_are_a_group_by_of_its_rows(in_order):
     got = _per_step(t, 3)
     assert got.select(want.column_names).to_pylist() == want.to_pylist()
     assert len(got) == len(np.unique(step)) > 40
+
+
+def test_a_ledgers_duckdb_memory_is_bounded(tmp_path, monkeypatch):
+    """DuckDB's buffer pool of a ledger: a quarter of the machine by default (DuckDB's own
+    80% let a long ingest's pages pile up), TALLY_DUCKDB_MEMORY_GB when set."""
+    import os
+
+    from audit.ledger.database import memory_limit_mb
+
+    def limit() -> str:
+        with Ledger(tmp_path / "l.duckdb") as ledger:
+            return ledger.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+
+    monkeypatch.delenv("TALLY_DUCKDB_MEMORY_GB", raising=False)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert memory_limit_mb() == max(1024, total // 4 // 2**20)
+    assert float(limit().split()[0]) < total / 2**30 / 2  # GiB: well below DuckDB's 80%
+    monkeypatch.setenv("TALLY_DUCKDB_MEMORY_GB", "0.5")
+    assert limit() == "512.0 MiB"
