@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import psutil
 import pyarrow as pa
@@ -71,6 +72,50 @@ def make_spool(spool: Path, rows: int, manifest: tuple[np.ndarray, np.ndarray],
                     row=np.arange(per_file) % 1024, record_key=keys,
                     n_tokens=lengths[keys], content_hash=hashes[keys],
                     epoch=np.zeros(per_file)))
+
+
+def spool_query(spool: Path, run_id: str, manifest: Path, tmp: Path) -> dict:
+    """The issue's reconcile reference: one DuckDB query over the run's spool files and the
+    manifest computing the exposure histogram (0, 1, 2, 3+; 0 is never seen), the hash
+    mismatches and the records seen by 2+ hosts (with their (record, host) pairs, what the
+    report's per-host `overlap_with_others` sums to). Every segment file counts: it is for a
+    spool of one attempt, where every row is effective (seed_scale's); the oracle with
+    rollbacks is tests/sql_reference.py. DuckDB's own defaults (threads, 80% of the memory),
+    spilling under `tmp`."""
+    files = str(Path(spool) / run_id / "attempt=*" / "host=*" / "seg-*.parquet")
+    con = duckdb.connect(config={"temp_directory": str(tmp)})
+    try:
+        row = con.execute(f"""
+            WITH starts AS (
+                SELECT record_key, host, n_tokens, content_hash
+                FROM read_parquet('{files}', hive_partitioning = false) WHERE "offset" = 0),
+            per AS (
+                SELECT count(s.record_key) AS e, count(DISTINCT s.host) AS hosts,
+                    count(*) FILTER (WHERE s.n_tokens = m.n_tokens
+                                     AND s.content_hash <> m.content_hash) AS mismatches
+                FROM read_parquet('{manifest}') m LEFT JOIN starts s USING (record_key)
+                WHERE m.split = 'train' GROUP BY m.record_key)
+            SELECT count(*) FILTER (WHERE e = 0), count(*) FILTER (WHERE e = 1),
+                count(*) FILTER (WHERE e = 2), count(*) FILTER (WHERE e >= 3),
+                coalesce(sum(e), 0), coalesce(sum(mismatches), 0),
+                count(*) FILTER (WHERE hosts >= 2),
+                coalesce(sum(hosts) FILTER (WHERE hosts >= 2), 0)
+            FROM per""").fetchone()
+    finally:
+        con.close()
+    h0, h1, h2, h3, exposures, mismatches, multi, multi_pairs = map(int, row)
+    return {"histogram": [h0, h1, h2, h3], "never_seen": h0, "exposures": exposures,
+            "hash_mismatches": mismatches, "multi_host_records": multi,
+            "multi_host_pairs": multi_pairs}
+
+
+def spool_query_agrees(report: dict, ref: dict) -> bool:
+    """Whether a reconcile report gives the spool query's numbers."""
+    cov, hosts = report["coverage"], report["hosts"]["per_host"]
+    return ((cov["exposures"], list(cov["histogram"].values())) == (ref["exposures"],
+                                                                     ref["histogram"])
+            and report["integrity"]["hash_mismatches"] == ref["hash_mismatches"]
+            and sum(h["overlap_with_others"] for h in hosts) == ref["multi_host_pairs"])
 
 
 class PeakRSS:

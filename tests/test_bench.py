@@ -106,6 +106,10 @@ def test_seed_scale_benchmark_runs(tmp_path):
     assert res["rows"] >= 30000 and res["epochs"] > 1  # several epochs of packed documents
     assert res["state_bytes_per_record"] > 0 and res["reconcile_rate"] > 0
     assert res["verdict"] == "PASS"  # a healthy packed loader: exact epochs, hashes match
+    # The one-query reference over the spool agreed with the report (asserted in the bench).
+    q = res["spool_query"]
+    assert q["exposures"] == res["exposures"] and q["multi_host_records"] > 0
+    assert res["reconcile_ratio"] > 0 and q["hash_mismatches"] == 0
     assert set(res["live"]["p99_concurrent"]) == set(res["live"]["p99"])
     assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
     assert not (tmp_path / "s").exists()  # the data is removed
