@@ -292,3 +292,6 @@ def test_a_ledgers_duckdb_memory_is_bounded(tmp_path, monkeypatch):
     assert float(limit().split()[0]) < total / 2**30 / 2  # GiB: well below DuckDB's 80%
     monkeypatch.setenv("TALLY_DUCKDB_MEMORY_GB", "0.5")
     assert limit() == "512.0 MiB"
+    monkeypatch.setenv("TALLY_DUCKDB_MEMORY_GB", "lots")  # a user's mistake: one clear error
+    with pytest.raises(TallyError, match="TALLY_DUCKDB_MEMORY_GB='lots' is not a number"):
+        limit()

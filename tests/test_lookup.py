@@ -279,6 +279,32 @@ def test_runs_held_in_memory_answer_and_reach_disk_when_the_ledger_closes(tmp_pa
     assert [len(t) for t in index.coverage.runs.values()] == [1, 1]
 
 
+@pytest.mark.memory_tail
+def test_runs_in_memory_before_a_run_on_disk_reach_disk_when_the_ledger_closes(tmp_path,
+                                                                              monkeypatch):
+    """A catch-up chunk of MEMORY_ROWS or more goes to disk at once, after the runs still held
+    in memory (an indexer fallen behind); the closing writes those as their own run, so the
+    next process keeps every file indexed (a flush that took the runs on disk to come first
+    dropped them and rewrote the disk run: the next open found a gap and indexed it all again)."""
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    monkeypatch.setattr(lookup, "MEMORY_ROWS", 2000)
+    _stage(spool, 0)  # 1,600 rows in small batches: runs held (and merged) in memory
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=200)
+        index = lookup.for_ledger(ledger)
+        assert not any(r.on_disk for t in index.coverage.runs.values() for r in t)
+        for h in (0, 1):  # 3,200 rows more, one chunk: a run on disk after the memory ones
+            write_steps(spool, "t", host=h, hosts=2, steps=range(100), seed=70 + h, n=N + 5,
+                        per_step=16, flush_every=10)
+        ingest(spool, ledger)
+        top = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
+        for t in index.coverage.runs.values():  # memory runs, then the chunk's on disk
+            assert len(t) > 2 and [r.on_disk for r in t] == [False] * (len(t) - 1) + [True]
+    index = _check(path, rolled=False)  # as a new process: nothing to index again
+    assert index.coverage.upto == top  # the memory runs as one, then the chunk's
+    assert [len(t) for t in index.coverage.runs.values()] == [2, 2]
+
+
 @pytest.mark.parametrize("kind", ["key", "hash"])
 @pytest.mark.parametrize("span", [40, 1 << 24, 1 << 30])
 def test_a_runs_codes_name_every_file_that_holds_a_value(kind, span):

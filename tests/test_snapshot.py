@@ -14,6 +14,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 
 from api.app import create_app
 from audit.ledger.aggregates import Aggregates
@@ -100,8 +101,8 @@ def _truncate(path):
         f.truncate(path.stat().st_size - 48)
 
 
-def _rewritten(**change):
-    """A snapshot with the same rows and a header that says something else."""
+def _rewritten(extra: dict | None = None, **change):
+    """A snapshot with the same rows and a header (or maps) that says something else."""
     def do(path, ledger_path, other_ledger_id=None):
         with Ledger(ledger_path) as ledger:
             agg = Aggregates.load(ledger)
@@ -111,13 +112,15 @@ def _rewritten(**change):
                       "files_digest": applied.files_digest, "lineage": applied.lineage}
             fields.update(change)
             write_snapshot(path.parent, 1, "r", other_ledger_id or ledger.ledger_id,
-                           st.data[: st.top + 1], st.top, Applied(**fields))
+                           st.data[: st.top + 1], st.top, Applied(**fields),
+                           None if extra is None else {**st.extra(), **extra})
     return do
 
 
 SPOILED = [("corrupt", "checksum mismatch"), ("truncate", "truncated snapshot"),
            ("garbage", "not a snapshot"), ("foreign", "snapshot of another ledger"),
-           ("lineage", "another restart lineage"), ("files", "does not hold the files")]
+           ("lineage", "another restart lineage"), ("files", "does not hold the files"),
+           ("layout", "unreadable snapshot maps")]
 
 
 def test_an_unusable_snapshot_is_ignored_with_one_line_and_rebuilt(tmp_path, caplog):
@@ -139,8 +142,10 @@ def test_an_unusable_snapshot_is_ignored_with_one_line_and_rebuilt(tmp_path, cap
             _rewritten()(snap, path, other_ledger_id="0" * 32)
         elif spoil == "lineage":  # attempt 0 cut at step 5: never so in this ledger
             _rewritten(lineage={0: 5, 1: None})(snap, path)
-        else:  # it says it covers a file the ledger does not hold
+        elif spoil == "files":  # it says it covers a file the ledger does not hold
             _rewritten(seg_files=999)(snap, path)
+        else:  # its rows in a host layout this Tally does not have (a checksum that holds)
+            _rewritten(extra={"host_slots": np.array([3], np.int64)})(snap, path)
         agg, said = loaded(path, caplog)  # equal to a rebuild (checked there)
         assert len(said) == 1 and "rebuilt from the ledger" in said[0], said
         assert reason in said[0], (spoil, said)

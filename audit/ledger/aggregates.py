@@ -4,8 +4,8 @@ Two layers:
 - the `agg_*` tables of the ledger (schema in audit/ledger/database.py), written in the same
   transaction as the segment files they count, so a reader sees a file's effect entirely or not
   at all;
-- per-record state (audit/ledger/state.py) in memory, rebuilt from `effective_consumption` when
-  a process first ingests.
+- per-record state (audit/ledger/state.py) in memory, restored from its snapshot or rebuilt by
+  replaying the ledger's segment files in file id order when a process first ingests.
 
 From the per-record state, each batch of files changes only what it touches: the step at which
 a record was first, second and third seen (`agg_ranks`: coverage and the 0/1/2/3+ histogram as
@@ -156,7 +156,11 @@ class Aggregates:
         snap = self.snapshots.open(cur, run, run_id, COMPACT)
         st = self.runs[run] = RunState.over(snap.rows, snap.top)
         try:
-            st.restore_extra(snap.extra)
+            try:
+                st.restore_extra(snap.extra)
+            except (KeyError, ValueError, TypeError) as exc:  # checksummed, yet not ours
+                raise Invalid(f"unreadable snapshot maps ({type(exc).__name__}: {exc})"
+                              ) from None
             rows = self._catch_up(cur, run, snap.applied)
         except BaseException:
             del self.runs[run]

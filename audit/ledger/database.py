@@ -171,7 +171,10 @@ def memory_limit_mb() -> int:
     (61 against 75 s, the same peak)."""
     gb = os.environ.get("TALLY_DUCKDB_MEMORY_GB")
     if gb:
-        return max(64, int(float(gb) * 1024))
+        try:
+            return max(64, int(float(gb) * 1024))
+        except (ValueError, OverflowError):
+            raise TallyError(f"TALLY_DUCKDB_MEMORY_GB={gb!r} is not a number of GB") from None
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(1024, total // 4 // 2**20)
 

@@ -21,6 +21,7 @@ contiguous runs from the start. Rows ingested after it are indexed again from `c
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -189,21 +190,29 @@ class LookupIndex:
             done = 0
             while done < budget_rows:
                 cov = self.coverage
-                files = cur.execute("""SELECT file_id, n_rows FROM segments WHERE kind = 'seg'
-                    AND file_id > ? ORDER BY file_id""", [cov.upto]).fetchall()
-                top = cur.execute("SELECT coalesce(max(file_id), 0) FROM segments").fetchall()
-                top = int(top[0][0])
-                if not files:
-                    if top > cov.upto:  # only metric files beyond: nothing to index in them
-                        self.coverage = Coverage(top, cov.runs)
-                    return done
-                ids = np.array([f for f, _ in files], np.int64)
-                rows = np.cumsum([n for _, n in files])
-                last = max(int(np.searchsorted(rows, budget_rows - done, "right")), 1)
-                hi = int(ids[last - 1]) if last < len(ids) else top
-                want = int(rows[last - 1])
-                got = cur.execute("""SELECT record_key, content_hash, file_id FROM consumption
-                    WHERE file_id > ? AND file_id <= ?""", [cov.upto, hi]).fetchnumpy()
+                # The listing, the end and the rows from one snapshot: the ingester commits
+                # beside this. The end was once a query of its own (max(file_id)): a batch
+                # committed between it and the listing moved the watermark past files never
+                # listed, which were then never indexed (their lookups missed rows).
+                cur.execute("BEGIN TRANSACTION")
+                try:
+                    listed = cur.execute("""SELECT file_id, n_rows, kind = 'seg' FROM segments
+                        WHERE file_id > ? ORDER BY file_id""", [cov.upto]).fetchall()
+                    files = [(f, n) for f, n, seg in listed if seg]
+                    if not files:
+                        if listed:  # only metric files beyond: nothing to index in them
+                            self.coverage = Coverage(int(listed[-1][0]), cov.runs)
+                        return done
+                    ids = np.array([f for f, _ in files], np.int64)
+                    rows = np.cumsum([n for _, n in files])
+                    last = max(int(np.searchsorted(rows, budget_rows - done, "right")), 1)
+                    hi = int(ids[last - 1]) if last < len(ids) else int(listed[-1][0])
+                    want = int(rows[last - 1])
+                    got = cur.execute("""SELECT record_key, content_hash, file_id
+                        FROM consumption WHERE file_id > ? AND file_id <= ?""",
+                                      [cov.upto, hi]).fetchnumpy()
+                finally:
+                    cur.execute("COMMIT")
                 if len(got["file_id"]) != want:
                     raise RuntimeError(f"lookup index: files {cov.upto + 1}..{hi} hold "
                                        f"{len(got['file_id'])} rows, their segments say {want}")
@@ -228,13 +237,22 @@ class LookupIndex:
             cov = self.coverage
             runs = dict(cov.runs)
             for kind, t in cov.runs.items():
-                disk = [r for r in t if r.on_disk]
-                mem = t[len(disk):]
-                if not mem:
+                if all(r.on_disk for r in t):
                     continue
-                runs[kind] = (*disk, _write_run(
-                    self.dir, kind, mem[0].lo, mem[-1].hi, sum(r.files for r in mem),
-                    _recoded(mem, mem[0].lo, mem[-1].hi), self.owner, sum(r.rows for r in mem)))
+                # Runs held in memory need not all follow those on disk: a catch-up chunk of
+                # MEMORY_ROWS or more goes to disk at once, after runs still in memory. Each
+                # unbroken stretch of them becomes one run, so the runs still tile the files.
+                out: list = []
+                for on_disk, group in itertools.groupby(t, key=lambda r: r.on_disk):
+                    group = list(group)
+                    if on_disk:
+                        out += group
+                        continue
+                    lo, hi = group[0].lo, group[-1].hi
+                    out.append(_write_run(self.dir, kind, lo, hi, sum(r.files for r in group),
+                                          _recoded(group, lo, hi), self.owner,
+                                          sum(r.rows for r in group)))
+                runs[kind] = tuple(out)
             self.coverage = Coverage(cov.upto, runs)
 
     def size_bytes(self) -> int:

@@ -44,13 +44,14 @@ NO_STEP = np.iinfo(np.int64).max  # fewer than three exposures: steps are int64 
 SETTLED = np.iinfo(np.int64).min  # an exposure below the watermark, already counted
 
 COMPACT = np.dtype([("level", "u1"),  # exposures, saturating at LEVEL_CAP
-                    ("flags", "u1"),  # DUP | MANY_HOSTS | FAR_EPOCHS
+                    ("flags", "u1"),  # DUP | MANY_HOSTS | FAR_EPOCHS | PENDING
                     ("epochs", "<u2"),  # mask of the epochs 0..EPOCH_WINDOW-1 seen
-                    ("host1", "<u2"),  # host + 1 (0: none)
-                    ("host2", "<u2")])  # host + 1 (0: none)
+                    ("host1", "<u2"),  # the hosts' four bytes, as the run's HostLayout says:
+                    ("host2", "<u2")])  # a mask, or slots of host + 1 (0: empty)
 LEVEL_CAP = 255  # level 255: the exposures are in RunState.levels
 DUP = 1  # the record was seen twice in one epoch
-MANY_HOSTS = 2  # its hosts are in RunState.many_hosts (more than the row's slots hold)
+MANY_HOSTS = 2  # its hosts are in RunState.many_hosts (more than the row's slots hold, or
+# a host beyond the widest layout's cap)
 FAR_EPOCHS = 4  # its epochs are in RunState.epochs (an epoch outside the window)
 # Its steps are in RunState.pending (one of its first three exposures at or after the
 # watermark): a lookup searches the pending table for these records only. A batch's records
@@ -835,7 +836,10 @@ class RunState:
         self.many_hosts = SetMap.from_arrays(x, "host")
         self.far_epochs = SetMap.from_arrays(x, "epoch")
         self.watermark = int(x["watermark"][0])
-        self.hosts_in_rows = HostLayout(int(x["host_slots"][0]))
+        layout = HostLayout(int(x["host_slots"][0]))
+        if layout not in LAYOUTS:
+            raise ValueError(f"host layout of {layout.slots} slots")
+        self.hosts_in_rows = layout
         keys = x["pending_keys"].astype(np.int64)
         self.pending = [(keys, x["pending_steps"].astype(np.int64).reshape(-1, 3))] \
             if len(keys) else []
