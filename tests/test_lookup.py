@@ -279,6 +279,55 @@ def test_runs_held_in_memory_answer_and_reach_disk_when_the_ledger_closes(tmp_pa
     assert [len(t) for t in index.coverage.runs.values()] == [1, 1]
 
 
+def test_a_batch_committed_while_the_index_lists_files_is_indexed_after_it(tmp_path):
+    """The ingester commits beside the index's catch-up. A batch committed right after the
+    index listed the files beyond its watermark is indexed by a later listing, never skipped
+    nor a failure. (The end of a chunk once came from a query of its own, which saw the new
+    batch: with files listed, their rows no longer matched; with none, the watermark moved
+    past files never indexed, and their lookups missed rows.)"""
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    _stage(spool, 0)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger)
+        cur = ledger.cursor()
+        index = LookupIndex(tmp_path / "other.lookup", lookup._owner(cur))
+
+        class CommitAfterListing:  # the indexer's cursor, a stage committed as it lists files
+            def __init__(self, stage: int) -> None:
+                self.stage, self.fired = stage, False
+
+            def execute(self, sql, params=None):
+                got = cur.execute(sql, params) if params is not None else cur.execute(sql)
+                if "FROM segments" in sql and not self.fired:
+                    self.fired = True
+                    got = _Rows(got.fetchall())
+                    _stage(spool, self.stage)
+                    ingest(spool, ledger)  # commits on its own cursor, beside this one
+                return got
+
+        # First with files listed (the new batch's come after them), then with none listed
+        # (the index current when the batch commits).
+        for stage in (1, 2):
+            before = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
+            proxy = CommitAfterListing(stage)
+            index.catch_up(proxy)
+            assert proxy.fired and index.coverage.upto >= (0 if stage == 2 else before)
+            while index.catch_up(cur):
+                pass
+            top = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
+            assert top > before and index.coverage.upto == top
+            assert _answers(ledger, index) == _answers(ledger, None)
+        cur.close()
+
+
+class _Rows:
+    def __init__(self, rows: list) -> None:
+        self.rows = rows
+
+    def fetchall(self) -> list:
+        return self.rows
+
+
 @pytest.mark.memory_tail
 def test_runs_in_memory_before_a_run_on_disk_reach_disk_when_the_ledger_closes(tmp_path,
                                                                               monkeypatch):
