@@ -211,6 +211,9 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
     server = subprocess.Popen([sys.executable, "-c", _SERVE, str(path), str(spool), str(port),
                                str(records), memory_limit], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said: list[str] = []  # read as it comes: a full pipe would block the server's next line
+    reader = threading.Thread(target=lambda: said.extend(server.stdout), daemon=True)
+    reader.start()
     base = f"http://127.0.0.1:{port}"
     stop = threading.Event()
     live = {"rows": 0}
@@ -223,7 +226,8 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
                     break
             except httpx.TransportError:
                 if server.poll() is not None:
-                    raise RuntimeError(server.stdout.read()) from None
+                    reader.join(60)
+                    raise RuntimeError("".join(said)) from None
                 time.sleep(0.2)
         start_s = time.perf_counter() - t0
         print(f"server up in {start_s:.1f} s")

@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +72,11 @@ def serve_once(ledger: Path, records: int, label: str) -> dict:
     t0 = time.perf_counter()
     p = _tally("serve", "--ledger", str(ledger), "--records", str(records), "--port", str(port),
                "--log-level", "info")
+    # Its output read as it comes: a pipe nobody reads fills (64 KiB), and the service then
+    # blocks on its next log line (the 500M-row rebuild's progress did, for two minutes).
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
+    reader.start()
     try:
         while True:
             try:
@@ -78,13 +84,16 @@ def serve_once(ledger: Path, records: int, label: str) -> dict:
                     break
             except httpx.TransportError:
                 if p.poll() is not None:
-                    raise RuntimeError(p.stdout.read()) from None
+                    reader.join(60)
+                    raise RuntimeError("".join(out)) from None
                 time.sleep(0.05)
         first = time.perf_counter() - t0
         answers = {u: httpx.get(base + u, timeout=60).json() for u in ANSWERS}
     finally:
         p.send_signal(signal.SIGTERM)
-        log, _ = p.communicate(timeout=600)
+        p.wait(timeout=600)
+        reader.join(60)
+    log = "".join(out)
     said = [s for s in log.splitlines() if "per-record state" in s]
     load = re.search(r" in ([0-9.]+) s", said[0]) if said else None
     print(f"{label:44s} first answer {first:6.1f} s; {said[0] if said else 'no state log'}")
