@@ -134,6 +134,23 @@ class PackedLoader:
         self.doc, self.consumed = 0, 0  # the next document and its tokens already in rows
         self.step, self.per_host = -1, []
 
+    def skip_to(self, step: int) -> None:
+        """Stand where `segments(step, ...)` comes next, as if steps 0..step-1 had been made:
+        the document holding the first token not consumed, and its tokens consumed (a reused
+        spool's run goes on from there; documents' lengths summed a chunk at a time)."""
+        tokens, first, start, chunk = step * self.hosts * self.batch * self.seq_len, 0, 0, 1 << 24
+        while True:
+            d = first + np.arange(chunk, dtype=np.int64)
+            epoch, i = np.divmod(d, self.n)
+            lens = record_length((self.a * i + 7_919 * epoch) % self.n)
+            ends = start + np.cumsum(lens)
+            if ends[-1] > tokens:
+                j = int(np.searchsorted(ends, tokens, "right"))  # the first ending beyond
+                self.doc, self.consumed = int(d[j]), int(tokens - (ends[j] - lens[j]))
+                self.step, self.per_host = step - 1, []
+                return
+            first, start = first + chunk, int(ends[-1])
+
     def segments(self, step: int, host: int) -> Segments:
         if step != self.step:
             if step != self.step + 1:
@@ -202,6 +219,9 @@ class Stages:
         return "\n".join(lines)
 
 
+STAGES = ("restart", "serve", "lookup", "reconcile")  # after the build (or --reuse)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=100_000_000)
@@ -229,11 +249,26 @@ def main(argv: list[str] | None = None) -> dict:
                          "reference over the spool always runs")
     ap.add_argument("--dir", default="bench/out/seed")
     ap.add_argument("--keep", action="store_true", help="keep the data")
+    ap.add_argument("--reuse", action="store_true",
+                    help="the manifest, spool and ledger a --keep run left in --dir (same "
+                         "--records, --hosts, --batch, --seq-len): instead of stages 1-3, one "
+                         "`tally ingest` brings the state and lookup index up to date")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"which of {', '.join(STAGES)} to run (comma-separated)")
     args = ap.parse_args(argv)
+    args.stages = set(args.stages.split(","))
+    if not args.stages <= set(STAGES):
+        ap.error(f"--stages: one of {', '.join(STAGES)} each")
     logging.getLogger().setLevel(logging.ERROR)
     out = Path(args.dir)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if args.reuse:
+        missing = [n for n in ("manifest.parquet", "spool", "ledger.duckdb")
+                   if not (out / n).exists()]
+        if missing:
+            ap.error(f"--reuse: {out} has no {', '.join(missing)} (a run with --keep leaves them)")
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
     try:
         return _run(args, out)
     finally:
@@ -246,6 +281,51 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
     res: dict = {"records": args.records, "hosts": args.hosts}
     manifest, spool, ledger = out / "manifest.parquet", out / "spool", out / "ledger.duckdb"
 
+    loader = PackedLoader(args.records, args.hosts, args.batch, args.seq_len)
+    if args.reuse:
+        steps, state_bytes = _reused(args, st, res, loader, spool, ledger)
+    else:
+        steps, state_bytes = _build(args, out, st, res, loader, manifest, spool, ledger)
+    if "restart" in args.stages:
+        _restart(args, out, st, res, ledger)
+    if "serve" in args.stages:
+        _serve(args, st, res, loader, spool, ledger, steps, state_bytes)
+    if "lookup" in args.stages:
+        _lookups(args, st, res, ledger)
+    if "reconcile" in args.stages:
+        _reconcile(args, out, st, res, manifest, spool, ledger)
+    res["peak_disk"] = st.peak_disk
+    print(f"\npeak disk {st.peak_disk / 1e9:.2f} GB (sampled after each stage)\n")
+    print(st.table())
+    res["table"] = st.table()
+    (out / "result.json").write_text(json.dumps(res, default=str))
+    return res
+
+
+def _reused(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledger: Path
+            ) -> tuple[int, int]:
+    """A kept run's data: the loader stands after its last step; one `tally ingest` brings
+    the per-record state (rebuilt when it has no snapshot) and the lookup index up to date."""
+    with Ledger(ledger, read_only=True) as led:
+        got = led.query("SELECT count(*) AS n, max(step) AS s FROM consumption")[0]
+    rows, steps = int(got["n"]), int(got["s"]) + 1
+    t0 = time.perf_counter()
+    loader.skip_to(steps)
+    skip_s = time.perf_counter() - t0
+    with PeakRSS() as mem:
+        ingest_s = restart._ingest(spool, ledger)
+    state_bytes = _disk(Path(f"{ledger}.state"))
+    res.update(rows=rows, steps=steps, epochs=(loader.doc + (loader.consumed > 0)) / args.records,
+               state_bytes_per_record=state_bytes / args.records)
+    st.add("reused data: `tally ingest` bringing state and lookup index up to date",
+           f"{rows:,} rows, {steps:,} steps, {res['epochs']:.2f} epochs: {ingest_s:.1f} s, peak "
+           f"RSS {mem.peak / 2**30:.2f} GiB (loader moved to step {steps:,} in {skip_s:.1f} s)")
+    return steps, state_bytes
+
+
+def _build(args, out: Path, st: Stages, res: dict, loader: PackedLoader, manifest: Path,
+           spool: Path, ledger: Path) -> tuple[int, int]:
+    """Stages 1-3: manifest, spool, ingest."""
     # 1. Manifest: the Beam job on a corpus that fits, against a plain process; then the seed's.
     corpus_records = min(args.corpus_records, args.records)
     synth_corpus(out / "corpus", records=max(corpus_records, 2), seed=0, shards=8)
@@ -269,7 +349,6 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
            f"{manifest.stat().st_size / 1e9:.2f} GB")
 
     # 2. Spool through the real writer.
-    loader = PackedLoader(args.records, args.hosts, args.batch, args.seq_len)
     probe = PackedLoader(args.records, args.hosts, args.batch, args.seq_len)
     per_step = sum(len(probe.segments(0, h).record_key) for h in range(args.hosts))
     steps = max(1, -(-args.rows // per_step))
@@ -307,6 +386,10 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
            f"DuckDB INSERT of {got:,} of the Arrow rows {got / ref_s / 1e6:.2f} M rows/s",
            (rows / ingest_s) / (got / ref_s))
 
+    return steps, state_bytes
+
+
+def _restart(args, out: Path, st: Stages, res: dict, ledger: Path) -> None:
     # 4. Restart: state rebuilt from the ledger vs restored from the snapshot.
     snapshots, aside = Path(f"{ledger}.state"), out / "state.aside"
     snapshots.rename(aside)
@@ -322,6 +405,10 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
            f"(state {restored['state_load_s']} s)", "the rebuild's start",
            rebuilt["first_answer_s"] / restored["first_answer_s"])
 
+
+
+def _serve(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledger: Path,
+           steps: int, state_bytes: int) -> None:
     # 5. Endpoints while a writer goes on, against one SQL scan per answer.
     with Ledger(ledger) as led:
         ref = api_latency.references(led, 1)
@@ -349,6 +436,9 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
            f"record; per-record state {state_bytes / args.records:.0f} bytes a record "
            f"({state_bytes / 2**30:.2f} GiB)")
 
+
+
+def _lookups(args, st: Stages, res: dict, ledger: Path) -> None:
     # 6. Record lookups, with the index and by a scan.
     with Ledger(ledger) as led:
         index = lookup.for_ledger(led)
@@ -369,6 +459,10 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
                    f"scan p50 / p99 {np.percentile(scan_ms, 50):.1f} / {s99:.1f} ms", s99 / p99)
         cur.close()
 
+
+
+def _reconcile(args, out: Path, st: Stages, res: dict, manifest: Path, spool: Path,
+               ledger: Path) -> None:
     # 7. Reconcile: the rows the live writer added go into the ledger first, so that the SQL
     # oracle (ledger) and the Beam job (spool) see the same rows. The Beam job runs first: a
     # reference that fails at the full size (the oracle's memory) leaves its numbers printed.
@@ -419,12 +513,6 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
                f"Beam {beam_s:.1f} s, the same numbers",
                f"DuckDB SQL {sql_s:.1f} s, {mem_ref.cpu:.0f} CPU s, peak RSS "
                f"{mem_ref.peak / 2**30:.2f} GiB", sql_s / beam_s)
-    res["peak_disk"] = st.peak_disk
-    print(f"\npeak disk {st.peak_disk / 1e9:.2f} GB (sampled after each stage)\n")
-    print(st.table())
-    res["table"] = st.table()
-    (out / "result.json").write_text(json.dumps(res, default=str))
-    return res
 
 
 if __name__ == "__main__":

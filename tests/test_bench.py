@@ -1,5 +1,7 @@
 """The benchmarks still run (at toy sizes) and report what they claim to measure."""
 
+import numpy as np
+
 from bench import hook_cost, ingest_rate, preflight_rate
 
 
@@ -113,6 +115,32 @@ def test_seed_scale_benchmark_runs(tmp_path):
     assert set(res["live"]["p99_concurrent"]) == set(res["live"]["p99"])
     assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
     assert not (tmp_path / "s").exists()  # the data is removed
+
+
+def test_seed_scale_reuses_a_kept_run_and_its_loader_goes_on_where_it_stopped(tmp_path):
+    from bench import seed_scale
+
+    # The loader moved to a step makes what the loader that made every step before it makes.
+    walked = seed_scale.PackedLoader(997, 3, 4, 256)
+    for step in range(40):
+        for h in range(3):
+            walked.segments(step, h)
+    jumped = seed_scale.PackedLoader(997, 3, 4, 256)
+    jumped.skip_to(40)
+    assert (jumped.doc, jumped.consumed) == (walked.doc, walked.consumed)
+    for h in range(3):
+        a, b = walked.segments(40, h), jumped.segments(40, h)
+        assert np.array_equal(a.record_key, b.record_key) and np.array_equal(a.offset, b.offset)
+
+    common = ["--records", "3000", "--rows", "30000", "--hosts", "4", "--batch", "4",
+              "--flush-every", "10", "--corpus-records", "300", "--requests", "2", "--clients",
+              "2", "--lookups", "3", "--live-rows-per-s", "3000", "--live-flush-every", "5",
+              "--dir", str(tmp_path / "s")]
+    first = seed_scale.main([*common, "--keep", "--stages", "lookup"])
+    assert (tmp_path / "s" / "ledger.duckdb").exists() and "reconcile_rate" not in first
+    again = seed_scale.main([*common, "--reuse", "--stages", "serve,reconcile"])
+    assert again["rows"] == first["rows"] and again["verdict"] == "PASS"  # the run went on
+    assert again["live"]["live_rows"] > 0 and not (tmp_path / "s").exists()
 
 
 def test_state_size_benchmark_runs():
