@@ -122,14 +122,16 @@ class PeakRSS:
     """Peak resident memory of this process and all its children, and their CPU seconds,
     sampled every 0.2 s (a child's CPU time is its last sample)."""
 
-    def __init__(self) -> None:
-        self.peak, self._stop = 0, threading.Event()
+    def __init__(self, children_only: bool = False) -> None:
+        # children_only: a job run as its own process (`tally ...`), without this process's
+        # memory (a long bench holds DuckDB's buffers and mapped index runs of earlier stages).
+        self.peak, self._stop, self.children_only = 0, threading.Event(), children_only
         self._cpu: dict[int, float] = {}
 
     def __enter__(self):
         me = psutil.Process()
         t = me.cpu_times()
-        self._cpu0 = t.user + t.system
+        self._cpu0 = 0.0 if self.children_only else t.user + t.system
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
         return self
@@ -137,7 +139,7 @@ class PeakRSS:
     def _sample(self) -> None:
         me = psutil.Process()
         total = 0
-        for p in [me, *me.children(recursive=True)]:
+        for p in [*([] if self.children_only else [me]), *me.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 total += p.memory_info().rss
                 t = p.cpu_times()
