@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="skip the SQL oracle (every reconcile number from the ledger: hours "
                          "and more memory than 24 GiB at the full size); the one-query "
                          "reference over the spool always runs")
+    ap.add_argument("--no-spool-query", action="store_true",
+                    help="skip the one-query reference over the spool (the reconcile's ratio)")
     ap.add_argument("--dir", default="bench/out/seed")
     ap.add_argument("--keep", action="store_true", help="keep the data")
     ap.add_argument("--reuse", action="store_true",
@@ -491,21 +493,22 @@ def _reconcile(args, out: Path, st: Stages, res: dict, manifest: Path, spool: Pa
            f"{total:,} rows in {beam_s:.1f} s = {total / beam_s / 1e6:.2f} M rows/s, "
            f"{mem.cpu:.0f} CPU s, peak RSS {mem.peak / 2**30:.2f} GiB; verdict "
            f"{report.get('verdict')}, {cov['exposures']:,} exposures")
-    # The reference: one DuckDB query over the same spool and manifest.
-    tmp = out / "duckdb.tmp"
-    t0 = time.perf_counter()
-    with PeakRSS() as mem_q:
-        q = spool_query(spool, RUN, manifest, tmp)
-    q_s = time.perf_counter() - t0
-    shutil.rmtree(tmp, ignore_errors=True)
-    assert spool_query_agrees(report, q), (q, cov)
-    res.update(spool_query_s=q_s, reconcile_ratio=q_s / beam_s, spool_query=q)
-    st.add("reconcile vs one DuckDB query over the spool",
-           f"Beam {beam_s:.1f} s; the query's histogram {q['histogram']}, "
-           f"{q['hash_mismatches']:,} hash mismatches, {q['multi_host_records']:,} records on "
-           f"2+ hosts: the report's",
-           f"the query {q_s:.1f} s, {mem_q.cpu:.0f} CPU s, peak RSS "
-           f"{mem_q.peak / 2**30:.2f} GiB", q_s / beam_s)
+    if not args.no_spool_query:
+        # The reference: one DuckDB query over the same spool and manifest.
+        tmp = out / "duckdb.tmp"
+        t0 = time.perf_counter()
+        with PeakRSS() as mem_q:
+            q = spool_query(spool, RUN, manifest, tmp)
+        q_s = time.perf_counter() - t0
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert spool_query_agrees(report, q), (q, cov)
+        res.update(spool_query_s=q_s, reconcile_ratio=q_s / beam_s, spool_query=q)
+        st.add("reconcile vs one DuckDB query over the spool",
+               f"Beam {beam_s:.1f} s; the query's histogram {q['histogram']}, "
+               f"{q['hash_mismatches']:,} hash mismatches, {q['multi_host_records']:,} records on "
+               f"2+ hosts: the report's",
+               f"the query {q_s:.1f} s, {mem_q.cpu:.0f} CPU s, peak RSS "
+               f"{mem_q.peak / 2**30:.2f} GiB", q_s / beam_s)
     if not args.no_sql_reference:
         sys.path.insert(0, str(ROOT))
         from tests.sql_reference import reference
