@@ -320,6 +320,33 @@ def test_a_batch_committed_while_the_index_lists_files_is_indexed_after_it(tmp_p
         cur.close()
 
 
+def test_a_failed_catch_up_leaves_the_cursor_usable_and_the_next_one_indexes_all(tmp_path):
+    """A catch-up that fails (a full disk, a read error) ends its read transaction: the same
+    cursor catches up next time, and nothing it had listed is skipped."""
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    _stage(spool, 0)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger)
+        cur = ledger.cursor()
+        index = LookupIndex(tmp_path / "other.lookup", lookup._owner(cur))
+
+        class FailingRead:
+            def execute(self, sql, params=None):
+                if "FROM consumption" in sql:
+                    raise OSError("read failed")
+                return cur.execute(sql, params) if params is not None else cur.execute(sql)
+
+        with pytest.raises(OSError):
+            index.catch_up(FailingRead())
+        assert index.coverage.upto == 0
+        while index.catch_up(cur):  # the same connection: no transaction left open
+            pass
+        top = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
+        assert index.coverage.upto == top
+        assert _answers(ledger, index) == _answers(ledger, None)
+        cur.close()
+
+
 class _Rows:
     def __init__(self, rows: list) -> None:
         self.rows = rows

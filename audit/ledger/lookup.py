@@ -195,6 +195,7 @@ class LookupIndex:
                 # committed between it and the listing moved the watermark past files never
                 # listed, which were then never indexed (their lookups missed rows).
                 cur.execute("BEGIN TRANSACTION")
+                ended = False
                 try:
                     listed = cur.execute("""SELECT file_id, n_rows, kind = 'seg' FROM segments
                         WHERE file_id > ? ORDER BY file_id""", [cov.upto]).fetchall()
@@ -211,8 +212,13 @@ class LookupIndex:
                     got = cur.execute("""SELECT record_key, content_hash, file_id
                         FROM consumption WHERE file_id > ? AND file_id <= ?""",
                                       [cov.upto, hi]).fetchnumpy()
+                except BaseException:
+                    ended = True
+                    cur.execute("ROLLBACK")  # a read: nothing to keep, whatever failed
+                    raise
                 finally:
-                    cur.execute("COMMIT")
+                    if not ended:
+                        cur.execute("COMMIT")
                 if len(got["file_id"]) != want:
                     raise RuntimeError(f"lookup index: files {cov.upto + 1}..{hi} hold "
                                        f"{len(got['file_id'])} rows, their segments say {want}")

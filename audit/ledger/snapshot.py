@@ -2,8 +2,8 @@
 
 The ingesting process keeps one row per record key of each run in memory
 (audit.ledger.state); rebuilding it replays every segment file of the ledger through the
-ingest's path (66 s at 100M rows from 128 hosts on the 2-core box). A snapshot is that state written
-next to the ledger, `<ledger>.state/run-<run>.state`, one file per run:
+ingest's path (66 s at 100M rows from 128 hosts on the 2-core box, 825 s at 500M). A snapshot
+is that state written next to the ledger, `<ledger>.state/run-<run>.state`, one file per run:
 
     b"TLYSNAP1" | uint64 header length | header (JSON) | zeros up to a 4 KiB boundary | rows
     | maps (an .npz: the state's sparse maps, pending steps and watermark, RunState.extra)
