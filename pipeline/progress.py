@@ -17,8 +17,8 @@ class Progress:
 
     def __init__(self, desc: str, enabled: bool = True, every: float | None = None) -> None:
         # Twice a second on a terminal; into a pipe or a file (a container's log, a service
-        # manager's journal) twice a minute: each redraw is a line there, and a 14-minute
-        # rebuild of the live state at 500M rows wrote 1,700 of them.
+        # manager's journal) twice a minute: each redraw is a line there, and the 825 s
+        # rebuild of the live state at 500M rows wrote ~1,650 of them.
         self.desc, self.enabled = desc, enabled
         self.every = every if every is not None else 0.5 if _terminal() else 30.0
         self._count: Callable[[], int] | None = None
