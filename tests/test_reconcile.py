@@ -338,3 +338,46 @@ def test_input_files_are_cut_into_tasks_of_whole_files_in_order():
         assert all(sum(f.rows for f in c) + nxt[0].rows > target
                    for c, nxt in zip(got[:-1], got[1:], strict=True))
         assert len(got) >= min(n, TASKS // 2)
+
+
+def test_bucket_files_give_back_every_row_with_int64_steps_and_losses_where_logged(tmp_path):
+    """Rows cut into bucket files and read back, bucket by bucket, from two files: one with
+    losses (some NaN) at steps beyond 2^40, one without (its loss column left out of the file,
+    read back as NaN beside the other's); keys beyond the last bucket in the overflow bucket."""
+    from audit.core.exposure import starts
+    from audit.reconcile import buckets
+
+    rng = np.random.default_rng(3)
+    size, n_buckets = 100, 4
+    files = []
+    for i, (base, losses) in enumerate(((2**40 + 7, True), (5, False))):
+        n = 5_000
+        cols = {"record_key": rng.integers(0, size * n_buckets + 50, n),
+                "step": base + rng.integers(0, 1_000, n), "host": rng.integers(0, 1024, n),
+                "offset": rng.integers(0, 3, n) * 7, "n_tokens": rng.integers(1, 900, n),
+                "content_hash": rng.integers(0, 2**63, n, dtype=np.uint64),
+                "epoch": rng.integers(-1, 3, n),
+                "loss": np.where(rng.random(n) < 0.3, np.nan, rng.random(n)) if losses
+                else np.full(n, np.nan)}
+        cols = {k: v.astype(np.dtype(buckets.COLUMNS.get(k, v.dtype))) if k not in
+                ("record_key", "step", "offset") else v for k, v in cols.items()}
+        refs = buckets.write(cols, size, n_buckets, tmp_path / f"{i}.bin")
+        assert all(s.loss == losses and s.step_base == cols["step"].min() for _, s in refs)
+        files.append((cols, refs))
+    assert (tmp_path / "1.bin").stat().st_size < (tmp_path / "0.bin").stat().st_size
+    for b in range(n_buckets + 1):
+        got = buckets.read([s for _, refs in files for k, s in refs if k == b],
+                           overflow=b == n_buckets)
+        want: dict[str, list] = {}
+        for cols, _ in sorted(files, key=lambda f: str(f[1][0][1].path)):
+            mine = np.minimum(cols["record_key"] // size, n_buckets) == b
+            key = cols["record_key"][mine]
+            parts = {"key": key if b == n_buckets else key - b * size,
+                     "start": starts(cols["offset"][mine]),
+                     **{k: cols[k][mine] for k in ("step", "host", "n_tokens", "content_hash",
+                                                    "epoch", "loss")}}
+            for k, v in parts.items():
+                want.setdefault(k, []).append(v)
+        assert got["step"].dtype == np.int64
+        for k, v in want.items():
+            assert np.array_equal(got[k], np.concatenate(v), equal_nan=k == "loss"), (b, k)

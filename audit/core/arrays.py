@@ -48,15 +48,21 @@ def host_overlap(rec: np.ndarray, host: np.ndarray, k: np.ndarray,
     others = np.bincount(host[k > 1], minlength=hosts).astype(np.int64)
     overlap = np.diag(unique)
     few = (k > 1) & (k <= PAIRS_UP_TO)
-    if few.any():  # every ordered pair of distinct hosts of each such record
-        r, h, kk = rec[few], host[few], k[few]
-        start = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])  # the record's first pair
-        first = np.repeat(start, np.diff(np.r_[start, len(r)]))
-        a = np.repeat(np.arange(len(r)), kk)
-        b = np.repeat(first, kk) + (np.arange(len(a)) - np.repeat(np.cumsum(kk) - kk, kk))
-        off = a != b
-        overlap += np.bincount(h[a[off]] * hosts + h[b[off]],
-                               minlength=hosts * hosts).reshape(hosts, hosts)
+    if few.any():
+        # Each record's pairs of hosts, by distance within its run of pairs: position i with
+        # i + d for d = 1, 2, ... while both are the same record (hosts ascend within a record,
+        # so each unordered pair once; the matrix adds its transpose). No k^2 index arrays:
+        # those were most of a 128-host bucket's time (0.30 of 0.50 s at 1.6M pairs).
+        r, h = rec[few], host[few]
+        pairs = np.zeros(hosts * hosts, np.int64)
+        i, d = np.flatnonzero(r[1:] == r[:-1]), 1
+        while i.size:
+            pairs += np.bincount(h[i] * hosts + h[i + d], minlength=hosts * hosts)
+            d += 1
+            i = i[i + d < len(r)]
+            i = i[r[i + d] == r[i]]
+        upper = pairs.reshape(hosts, hosts)
+        overlap += upper + upper.T
     many = k > PAIRS_UP_TO
     if many.any():  # records on many hosts: one product over them, in bounded chunks
         r, h = rec[many], host[many]

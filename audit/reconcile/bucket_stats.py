@@ -63,7 +63,7 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
     if not known.all():
         c = {k: v[known] for k, v in c.items()}
         j = j[known]
-    step = c["step"].astype(np.int64)
+    step = c["step"].astype(np.int64, copy=False)
     starts = c["start"]  # record starts (audit.core.exposure.starts, flagged in the bucket file)
     j_starts = j[starts]
     full = starts & (c["n_tokens"] == man["n_tokens"][j])
