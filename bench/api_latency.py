@@ -63,10 +63,12 @@ class Loader:
 
 
 def write(spool: Path, loader: Loader, steps: range, flush_every: int,
-          pace_rows_per_s: float | None = None, stop: threading.Event | None = None) -> int:
+          pace_rows_per_s: float | None = None, stop: threading.Event | None = None,
+          count: dict[str, int] | None = None) -> int:
     """All hosts' rows for `steps`; paced when asked (rows per second, all hosts together).
     `loader`: anything with `hosts` and `segments(step, host)` (bench.seed_scale's packed loader
-    too); returns the segments written."""
+    too); returns the segments written, and keeps `count["rows"]` at the rows handed to the
+    writers so far."""
     writers = [LedgerWriter(spool, RUN, host=h, host_count=loader.hosts, flush_every=flush_every,
                             fsync=False, queue_size=4) for h in range(loader.hosts)]
     rows, t0 = 0, time.perf_counter()
@@ -78,6 +80,8 @@ def write(spool: Path, loader: Loader, steps: range, flush_every: int,
                 segments = loader.segments(step, h)
                 w.write_segments(step, segments)
                 rows += len(segments)
+                if count is not None:
+                    count["rows"] = rows
                 if step % 10 == 0:
                     w.log_metric(step, "train_loss", 3.0 + 1.0 / (1 + step))
             if pace_rows_per_s:
@@ -165,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="then the same requests from this many client processes at once "
                          "(1: sequential only)")
     ap.add_argument("--live-rows-per-s", type=float, default=100_000)
+    ap.add_argument("--clients-seconds", type=float, default=0.0,
+                    help="the clients go on at least this long (the live ingest beside them "
+                         "is timed over that window)")
     ap.add_argument("--ref-repeats", type=int, default=3)
     ap.add_argument("--memory-limit", default="6GB", help="DuckDB memory limit")
     ap.add_argument("--dir", default="bench/out/api")
@@ -194,17 +201,20 @@ def main(argv: list[str] | None = None) -> dict:
                          requests=args.requests, clients=args.clients,
                          live_rows_per_s=args.live_rows_per_s,
                          live_flush_every=args.live_flush_every,
+                         min_seconds=args.clients_seconds,
                          memory_limit=args.memory_limit)
     return {"rows": rows, **res}
 
 
 def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dict[str, float],
                    *, records: int, requests: int, clients: int, live_rows_per_s: float,
-                   live_flush_every: int, memory_limit: str) -> dict:
+                   live_flush_every: int, memory_limit: str, min_seconds: float = 0.0) -> dict:
     """Start the service on the ledger at `path` in its own process, keep writing spool files
     from step `steps` on (about `live_rows_per_s` rows a second), time `requests` requests per
     endpoint sequentially, then from `clients` processes at once; print p50 and p99 per
-    endpoint against the references (`ref`: seconds per scan, from `references`)."""
+    endpoint against the references (`ref`: seconds per scan, from `references`). The clients
+    go on for `min_seconds` at least; the writer's and the service's ingest rates are timed
+    over their window (the service's from its /healthz row count)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     t0 = time.perf_counter()
@@ -233,7 +243,7 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
         print(f"server up in {start_s:.1f} s")
         writer = threading.Thread(target=lambda: live.__setitem__("rows", write(
             spool, loader, range(steps, 10**9), live_flush_every, live_rows_per_s,
-            stop)))
+            stop, count=live)))
         writer.start()
         last = steps - 1
         endpoints = {
@@ -264,15 +274,25 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
                 assert r.status_code in (200, 404), (u, r.text)
             lat[name] = np.array(times) * 1e3
         together: dict[str, np.ndarray] = {}
+        window: dict[str, float] = {}
         if clients > 1:
             # The same requests from `--clients` processes at once, each walking the endpoints
             # in its own order, while the writer goes on.
-            jobs = [(base, endpoints, requests, record, keys[(c + 1) * requests:],
-                     c) for c in range(clients)]
-            with multiprocessing.get_context("spawn").Pool(clients) as pool:
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(clients) as pool:
+                pool.map(abs, range(clients))  # the clients started before the window opens
+                t_open, w_open = time.perf_counter(), live["rows"]
+                i_open = client.get("/healthz").json()["ingest"]["rows"]
+                until = time.time() + min_seconds
+                jobs = [(base, endpoints, requests, record, keys[(c + 1) * requests:], c, until)
+                        for c in range(clients)]
                 for got in pool.starmap(_client, jobs):
                     for name, t in got.items():
                         together[name] = np.r_[together.get(name, np.zeros(0)), t]
+                i_close = client.get("/healthz").json()["ingest"]["rows"]
+                span = time.perf_counter() - t_open
+                window = {"seconds": span, "written_rows_per_s": (live["rows"] - w_open) / span,
+                          "ingested_rows_per_s": (i_close - i_open) / span}
         health = client.get("/healthz").json()
         summary = client.get(f"/v1/runs/{RUN}").json()
         rss_bytes = _peak_rss_bytes(server.pid)
@@ -287,6 +307,10 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
           f"{summary['rows_ingested']:,} rows; "
           f"lag at the end {health['ingest']['lag_seconds']:.1f} s"
           + (f"; server peak RSS {rss_bytes / 2**30:.1f} GiB" if rss_bytes else ""))
+    if window:
+        print(f"beside {clients} clients, over {window['seconds']:.1f} s: the writer published "
+              f"{window['written_rows_per_s']:,.0f} rows/s, the service ingested "
+              f"{window['ingested_rows_per_s']:,.0f} rows/s")
     conc = f" {clients} clients p50 / p99 ms" if together else ""
     print(f"{'endpoint':24s} {'p50 ms':>8s} {'p99 ms':>8s} {conc:>30s}  reference / p50")
     ratios = {}
@@ -317,23 +341,30 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
             "p99_concurrent": {k: float(np.percentile(v, 99)) for k, v in together.items()},
             "ratios": ratios, "live_rows": live["rows"], "ingested_live": health["ingest"]["rows"],
             "lag_s": health["ingest"]["lag_seconds"], "server_start_s": start_s,
+            "window": window,
             "peak_rss_bytes": rss_bytes}
 
 
 def _client(base: str, endpoints: dict[str, str], requests: int, record: str,
-            keys: np.ndarray, seed: int) -> dict[str, np.ndarray]:
+            keys: np.ndarray, seed: int, until: float = 0.0) -> dict[str, np.ndarray]:
     """One client process: `requests` requests per endpoint, the endpoints interleaved in a
-    random order (so that the clients ask for different things at the same moment)."""
-    names = np.repeat(np.array(list(endpoints)), requests)
-    np.random.default_rng(seed).shuffle(names)
+    random order (so that the clients ask for different things at the same moment); more such
+    rounds while the clock is before `until`."""
+    rng = np.random.default_rng(seed)
     times: dict[str, list[float]] = {n: [] for n in endpoints}
+    i = 0
     with httpx.Client(base_url=base, timeout=60) as client:
-        for i, name in enumerate(names.tolist()):
-            u = record.format(keys[i % len(keys)]) if name == "record_by_key" else endpoints[name]
-            t = time.perf_counter()
-            r = client.get(u)
-            times[name].append(time.perf_counter() - t)
-            assert r.status_code in (200, 404), (u, r.text)
+        while i == 0 or time.time() < until:
+            names = np.repeat(np.array(list(endpoints)), requests)
+            rng.shuffle(names)
+            for name in names.tolist():
+                u = record.format(keys[i % len(keys)]) if name == "record_by_key" \
+                    else endpoints[name]
+                i += 1
+                t = time.perf_counter()
+                r = client.get(u)
+                times[name].append(time.perf_counter() - t)
+                assert r.status_code in (200, 404), (u, r.text)
     return {n: np.array(t) * 1e3 for n, t in times.items()}
 
 

@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=200, help="per endpoint (and client)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--live-rows-per-s", type=float, default=100_000)
+    ap.add_argument("--clients-seconds", type=float, default=60.0,
+                    help="the clients go on at least this long (the window the live ingest "
+                         "beside them is timed over)")
     ap.add_argument("--live-flush-every", type=int, default=25,
                     help="steps per spool file while serving (at 128 hosts: ~28 files a "
                          "second at 100k rows/s)")
@@ -417,7 +420,8 @@ def _serve(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledge
     live = api_latency.serve_and_time(
         ledger, spool, loader, steps, ref, records=args.records, requests=args.requests,
         clients=args.clients, live_rows_per_s=args.live_rows_per_s,
-        live_flush_every=args.live_flush_every, memory_limit=args.memory_limit)
+        live_flush_every=args.live_flush_every, memory_limit=args.memory_limit,
+        min_seconds=args.clients_seconds)
     res["live"] = live
     scan = {"summary": "coverage", "coverage": "coverage", "steps_full_range": "steps",
             "hosts": "hosts"}
@@ -433,6 +437,12 @@ def _serve(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledge
     st.add("live writer while timing", f"{live['live_rows']:,} rows published, "
            f"{live['ingested_live']:,} ingested by the service, lag at the end "
            f"{live['lag_s']:.1f} s")
+    w = live["window"]
+    if w:
+        st.add(f"live ingest beside {args.clients} clients",
+               f"{w['ingested_rows_per_s']:,.0f} rows/s ingested by the service over "
+               f"{w['seconds']:.1f} s", f"the writer published {w['written_rows_per_s']:,.0f} "
+               "rows/s", w["ingested_rows_per_s"] / max(w["written_rows_per_s"], 1.0))
     res["rss_bytes_per_record"] = rss / args.records
     st.add("serve memory", f"peak RSS {rss / 2**30:.2f} GiB = {rss / args.records:.0f} bytes a "
            f"record; per-record state {state_bytes / args.records:.0f} bytes a record "

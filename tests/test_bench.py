@@ -104,7 +104,7 @@ def test_seed_scale_benchmark_runs(tmp_path):
                            "4", "--flush-every", "10", "--corpus-records", "300",
                            "--requests", "2", "--clients", "2", "--lookups", "3",
                            "--live-rows-per-s", "3000", "--live-flush-every", "5",
-                           "--dir", str(tmp_path / "s")])
+                           "--clients-seconds", "4", "--dir", str(tmp_path / "s")])
     assert res["rows"] >= 30000 and res["epochs"] > 1  # several epochs of packed documents
     assert res["state_bytes_per_record"] > 0 and res["reconcile_rate"] > 0
     assert res["verdict"] == "PASS"  # a healthy packed loader: exact epochs, hashes match
@@ -113,6 +113,10 @@ def test_seed_scale_benchmark_runs(tmp_path):
     assert q["exposures"] == res["exposures"] and q["multi_host_records"] > 0
     assert res["reconcile_ratio"] > 0 and q["hash_mismatches"] == 0
     assert set(res["live"]["p99_concurrent"]) == set(res["live"]["p99"])
+    # The clients went on for the window; the writer's and the service's rates timed over it.
+    window = res["live"]["window"]
+    assert window["seconds"] >= 4 and window["written_rows_per_s"] > 0
+    assert window["ingested_rows_per_s"] > 0
     assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
     assert not (tmp_path / "s").exists()  # the data is removed
 
