@@ -241,9 +241,14 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
                 time.sleep(0.2)
         start_s = time.perf_counter() - t0
         print(f"server up in {start_s:.1f} s")
-        writer = threading.Thread(target=lambda: live.__setitem__("rows", write(
-            spool, loader, range(steps, 10**9), live_flush_every, live_rows_per_s,
-            stop, count=live)))
+        def keep_writing() -> None:
+            try:
+                live["rows"] = write(spool, loader, range(steps, 10**9), live_flush_every,
+                                     live_rows_per_s, stop, count=live)
+            except BaseException as exc:  # raised below: timings without a writer are void
+                live["error"] = exc
+
+        writer = threading.Thread(target=keep_writing)
         writer.start()
         last = steps - 1
         endpoints = {
@@ -302,6 +307,8 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
         server.wait(60)
         if writer is not None:
             writer.join(60)
+    if "error" in live:
+        raise RuntimeError(f"the live writer failed: {live['error']}") from live["error"]
     print(f"while timing: the writer published {live['rows']:,} more rows; the server ingested "
           f"{health['ingest']['rows']:,} of them in {health['ingest']['files']} files; ledger now "
           f"{summary['rows_ingested']:,} rows; "

@@ -309,16 +309,17 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
 
 def _reused(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledger: Path
             ) -> tuple[int, int]:
-    """A kept run's data: the loader stands after its last step; one `tally ingest` brings
-    the per-record state (rebuilt when it has no snapshot) and the lookup index up to date."""
+    """A kept run's data: one `tally ingest` brings the ledger (the files a live writer
+    published after the last ingest), the per-record state (rebuilt when it has no snapshot)
+    and the lookup index up to date; the loader then stands after the ledger's last step."""
+    with PeakRSS() as mem:
+        ingest_s = restart._ingest(spool, ledger)
     with Ledger(ledger, read_only=True) as led:
         got = led.query("SELECT count(*) AS n, max(step) AS s FROM consumption")[0]
     rows, steps = int(got["n"]), int(got["s"]) + 1
     t0 = time.perf_counter()
     loader.skip_to(steps)
     skip_s = time.perf_counter() - t0
-    with PeakRSS() as mem:
-        ingest_s = restart._ingest(spool, ledger)
     state_bytes = _disk(Path(f"{ledger}.state"))
     res.update(rows=rows, steps=steps, epochs=(loader.doc + (loader.consumed > 0)) / args.records,
                state_bytes_per_record=state_bytes / args.records)
