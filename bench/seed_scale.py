@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-sql-reference", action="store_true",
                     help="skip the SQL oracle (every reconcile number from the ledger: hours "
                          "and more memory than 24 GiB at the full size); the one-query "
-                         "reference over the spool always runs")
+                         "reference over the spool still runs (--no-spool-query skips it)")
     ap.add_argument("--no-spool-query", action="store_true",
                     help="skip the one-query reference over the spool (the reconcile's ratio)")
     ap.add_argument("--dir", default="bench/out/seed")
