@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +158,10 @@ class LedgerWriter:
         """
         self._put(("batch", self._new_step(step), batch, layout, loss))
 
-    def write_segments(self, step: int, segments: Segments) -> None:
-        """Record precomputed segments (hashes already known) consumed at `step`."""
+    def write_segments(self, step: int, segments: Segments | Callable[[], Segments]) -> None:
+        """Record the segments consumed at `step`: precomputed (hashes already known), or a
+        function that computes them, called on the writer's thread (so that reading records
+        back and hashing them costs the training thread nothing; `pipeline.grain_attach`)."""
         self._put(("segments", self._new_step(step), segments))
 
     def _new_step(self, step: int) -> int:
@@ -284,7 +286,8 @@ class LedgerWriter:
                                        **layout)
             self._add(step, segs)
         elif kind == "segments":
-            self._add(item[1], item[2])
+            segs = item[2]
+            self._add(item[1], segs if isinstance(segs, Segments) else segs())
         elif kind == "metrics":
             self._touch()
             self._metrics.extend(item[1])

@@ -1,0 +1,425 @@
+"""Audit a user's `grain.DataLoader` as it is, with one line, from the loader's index contract.
+
+    loader = grain.DataLoader(data_source=src, sampler=sampler, operations=[..., Batch(B)],
+                              shard_options=ShardOptions(h, H), worker_count=W)
+    loader = tally_grain.audited(loader, "spool", run_id="exp1")   # the one line
+    for batch in loader: ...                                         # the same batches as before
+
+Which records a batch holds is read from the loader's own contract, never from the batch's
+fields (MaxText's OLMo pipeline drops the instance id before the trainer sees a batch):
+
+- the loader's local position p on host h reads `sampler[p * H + h]` (`ShardOptions(h, H)`),
+  whose `record_key` names the record `data_source[record_key]`;
+- with W worker processes, worker w reads local positions w, w + W, w + 2W, ... and the
+  loader takes one batch from each worker in turn; without workers one stream reads them all;
+- `Batch(B)` groups B consecutive positions of one stream; every other operation must map one
+  element to one element (`Map`, `RandomMap`, `TfRandomMap`), else positions stop naming
+  records and the loader is refused (`AttachError`), never silently mis-recorded.
+
+Where the next batch starts is read from the iterator's own checkpoint state before each batch
+(`last_seen_indices`, `last_worker_index`: the JSON Grain saves as `process_<i>-of-<n>.json`),
+so a loader restored by `set_state`, by Grain's checkpoint handler or by Orbax continues its keys
+exactly, and the step of a batch is `start_step` plus the loader's own batch ordinal. Replay
+(`pipeline.replay`) reads the same contract from the same states without running the loader.
+
+Content hashes: by default of what the data source returns for the record, read again on the
+writer's thread (`tokens_field` names the field of a dict record; an array record is the tokens);
+or from the manifest (`hashes=ManifestHashes(path)`: nothing is read again, and the hash
+integrity check then proves nothing about the corpus). Epochs are exact for Grain's
+`IndexSampler` and `SequentialSampler`; for another sampler, -1 (unknown) unless it has a
+`tally_epochs(indices)` method or the caller gives `epoch_of`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from audit.core.errors import TallyError
+from audit.core.hashing import as_token_array, hash_runs
+from audit.hook.segments import Segments
+from pipeline.manifest_file import manifest_info
+
+# The operations that map one element to one element (checked by exact class or subclass).
+ONE_TO_ONE = (grain.transforms.Map, grain.transforms.RandomMap, grain.transforms.TfRandomMap)
+
+
+class AttachError(TallyError):
+    """A loader Tally cannot audit from its index contract (the message says what to do)."""
+
+
+# ---- the index contract ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Contract:
+    """How one host's loader turns positions into sampler indices and batches."""
+
+    shard_index: int
+    shard_count: int
+    workers: int  # Grain's worker_count (0: the loader reads in the calling process)
+    batch_size: int
+    drop_remainder: bool
+    positions: int  # local positions the loader reads: len(sampler) // shard_count
+
+    @property
+    def streams(self) -> int:
+        return max(self.workers, 1)
+
+    def stream_length(self, w: int) -> int:
+        """Elements stream (worker) w reads: local positions w, w + W, ... below `positions`."""
+        return max(0, -(-(self.positions - w) // self.streams))
+
+    def cursor(self, state: Mapping[str, Any] | None) -> Cursor:
+        """Where the next batch starts, from the iterator's checkpoint state (None: a fresh
+        iterator). The inverse of how Grain writes `last_seen_indices`."""
+        if state is None:
+            return Cursor([0] * self.streams, 0)
+        seen = state["last_seen_indices"]
+        if int(state.get("worker_count", 0)) != self.workers or len(seen) != self.streams:
+            raise AttachError(f"loader state for {state.get('worker_count')} worker(s), this "
+                              f"loader has {self.workers}")
+        g = self.streams * self.shard_count
+        nxt = [(int(seen[str(w)]) + g - self.shard_index - w * self.shard_count) // g
+               for w in range(self.streams)]
+        return Cursor(nxt, (int(state["last_worker_index"]) + 1) % self.streams)
+
+    def next_batch(self, cur: Cursor) -> tuple[np.ndarray, int, Cursor] | None:
+        """(sampler indices of the next batch, its ordinal, the cursor after it), or None when
+        the loader is exhausted. Streams with no batch left are passed over in turn, as
+        Grain's round robin does."""
+        for k in range(self.streams):
+            w = (cur.next_stream + k) % self.streams
+            start, left = cur.next[w], self.stream_length(w) - cur.next[w]
+            if left <= 0 or (self.drop_remainder and left < self.batch_size):
+                continue
+            j = np.arange(start, start + min(self.batch_size, left), dtype=np.int64)
+            indices = (w + j * self.streams) * self.shard_count + self.shard_index
+            after = list(cur.next)
+            after[w] = start + len(j)
+            ordinal = (start // self.batch_size) * self.streams + w
+            return indices, ordinal, Cursor(after, (w + 1) % self.streams)
+        return None
+
+
+@dataclass(frozen=True)
+class Cursor:
+    next: list[int]  # per stream: elements read so far
+    next_stream: int  # the stream the next batch comes from
+
+
+def contract_of(loader: grain.DataLoader) -> Contract:
+    """The loader's index contract, or AttachError when its operations are not 1:1."""
+    if not isinstance(loader, grain.DataLoader):
+        raise AttachError(f"expected a grain.DataLoader, got {type(loader).__name__}")
+    batch: grain.transforms.Batch | None = None
+    for i, op in enumerate(loader._operations):
+        if isinstance(op, grain.transforms.Batch):
+            if batch is not None:
+                raise AttachError(f"operation {i} is a second Batch: one Batch is supported "
+                                  "(batch once, then reshape in a Map)")
+            batch = op
+        elif not isinstance(op, ONE_TO_ONE):
+            raise AttachError(
+                f"operation {i} ({type(op).__name__}) is not 1:1: after it a loader position "
+                "no longer names one record, so Tally cannot read the keys from the loader. "
+                "Filter in the data source or the sampler instead, or carry the record key "
+                "through the pipeline and write batches with LedgerWriter.write_batch "
+                "(README: 'IterDataset pipelines with packing')")
+    if batch is None:
+        raise AttachError("the loader has no Batch operation: Tally records batches (add "
+                          "grain.transforms.Batch(batch_size=...) as the last operation)")
+    shard = loader._shard_options
+    mp = loader.multiprocessing_options
+    sampler_size = _sampler_size(loader._sampler)
+    return Contract(int(shard.shard_index), int(shard.shard_count), int(mp.num_workers),
+                    int(batch.batch_size), bool(batch.drop_remainder),
+                    sampler_size // int(shard.shard_count))
+
+
+def _sampler_size(sampler: Any) -> int:
+    """len(sampler), or the first index it refuses (Grain's own rule for samplers without a
+    length; an endless sampler reads as sys.maxsize)."""
+    if hasattr(sampler, "__len__"):
+        return int(len(sampler))
+    lo, hi = 0, sys.maxsize
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            sampler[mid]
+            lo = mid + 1
+        except IndexError:
+            hi = mid
+    return lo
+
+
+# ---- record keys and epochs of sampler indices -----------------------------------------
+
+class SamplerKeys:
+    """record keys (and epochs) of sampler indices: vectorised for Grain's samplers where
+    the sampler allows it and for a sampler with `tally_record_keys(indices)`, one
+    `sampler[i]` a record otherwise."""
+
+    def __init__(self, sampler: Any, epoch_of: Callable[[np.ndarray], np.ndarray] | None = None
+                 ) -> None:
+        self.sampler, self.epoch_of = sampler, epoch_of
+
+    def keys(self, indices: np.ndarray) -> np.ndarray:
+        s = self.sampler
+        if hasattr(s, "tally_record_keys"):
+            return np.asarray(s.tally_record_keys(indices), np.int64)
+        if isinstance(s, grain.samplers.SequentialSampler):
+            return indices.astype(np.int64)
+        if isinstance(s, grain.samplers.IndexSampler):
+            ds, per = s._record_keys, _shards_of(s)
+            at = indices // per
+            if not s._shuffle:
+                return _unshuffled_keys(ds, at, s._num_records)
+            get = ds.__getitem__  # skips the Philox generator sampler[i] builds per record
+            return np.fromiter((get(i) for i in at.tolist()), np.int64, len(at))
+        return np.fromiter((s[i].record_key for i in indices.tolist()), np.int64, len(indices))
+
+    def epochs(self, indices: np.ndarray) -> np.ndarray:
+        s = self.sampler
+        if self.epoch_of is not None:
+            return np.asarray(self.epoch_of(indices), np.int64)
+        if hasattr(s, "tally_epochs"):
+            return np.asarray(s.tally_epochs(indices), np.int64)
+        if isinstance(s, grain.samplers.IndexSampler):
+            return (indices // _shards_of(s)) // len(s._record_keys)
+        if isinstance(s, grain.samplers.SequentialSampler):
+            return np.zeros(len(indices), np.int64)
+        return np.full(len(indices), -1, np.int64)
+
+
+def _shards_of(sampler: grain.samplers.IndexSampler) -> int:
+    opts = sampler._shard_options
+    return 1 if isinstance(opts, grain.sharding.NoSharding) else int(opts.shard_count)
+
+
+def _unshuffled_keys(ds: Any, at: np.ndarray, n: int) -> np.ndarray:
+    """IndexSampler without shuffle: range(n), or one host's contiguous block of it."""
+    length = len(ds)
+    epoch, within = np.divmod(at, length)
+    start = getattr(ds, "_start", 0)
+    if start or length != n:  # a sharded sampler: its block, repeated epoch after epoch
+        return start + within
+    return within
+
+
+# ---- content hashes ----------------------------------------------------------------------
+
+class SourceHashes:
+    """Segments of records read back from the data source and hashed (the default)."""
+
+    def __init__(self, source: Any, tokens_field: str = "tokens") -> None:
+        self.source, self.field = source, tokens_field
+
+    def tokens(self, key: int) -> np.ndarray:
+        rec = self.source[key]
+        if isinstance(rec, Mapping):
+            if self.field not in rec:
+                raise AttachError(f"record {key} of the data source has no field "
+                                  f"{self.field!r} (fields: {sorted(rec)}): name the token "
+                                  "field with tokens_field=")
+            rec = rec[self.field]
+        return as_token_array(np.asarray(rec).reshape(-1))
+
+    def segments(self, keys: np.ndarray, epochs: np.ndarray) -> Segments:
+        toks = [self.tokens(k) for k in keys.tolist()]
+        lengths = np.array([len(t) for t in toks], np.int64)
+        flat = np.concatenate(toks) if toks else np.zeros(0, np.int32)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(toks) else lengths
+        return Segments.build(row=np.arange(len(keys)), record_key=keys, n_tokens=lengths,
+                              content_hash=hash_runs(flat, starts, lengths), epoch=epochs)
+
+
+class ManifestHashes:
+    """Hashes and lengths from the manifest's train split (8 + 4 bytes a record in memory);
+    nothing is read from the corpus, so integrity figures prove only the keys."""
+
+    def __init__(self, manifest: str | os.PathLike) -> None:
+        info = manifest_info(manifest)
+        table = pq.read_table(manifest, columns=["record_key", "content_hash", "n_tokens",
+                                                 "split"])
+        train = table.filter(pc.equal(table["split"], "train"))
+        keys = train["record_key"].to_numpy()
+        if not np.array_equal(keys, np.arange(len(keys))):
+            raise TallyError(f"manifest {manifest}: train record keys are not "
+                             f"0..{len(keys) - 1} in order")
+        self.hash = train["content_hash"].to_numpy()
+        self.n_tokens = train["n_tokens"].to_numpy()
+        self.fingerprint = info["manifest_fingerprint"]
+
+    def __len__(self) -> int:
+        return len(self.hash)
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(content hashes, lengths) of record keys, or TallyError for keys beyond the split."""
+        if len(keys) and (keys.min() < 0 or keys.max() >= len(self.hash)):
+            bad = keys[(keys < 0) | (keys >= len(self.hash))][0]
+            raise TallyError(f"record key {bad} is outside the manifest's train split "
+                             f"(0..{len(self.hash) - 1}): is it this corpus' manifest?")
+        return self.hash[keys], self.n_tokens[keys]
+
+    def segments(self, keys: np.ndarray, epochs: np.ndarray) -> Segments:
+        h, n = self.lookup(keys)
+        return Segments.build(row=np.arange(len(keys)), record_key=keys, n_tokens=n,
+                              content_hash=h, epoch=epochs)
+
+
+# ---- the live attach -------------------------------------------------------------------
+
+def _private_copy(obj: Any) -> Any:
+    """A copy for the writer's thread (samplers cache an epoch's permutation and sources keep
+    open files: sharing them with the loader's thread would race); the object itself when it
+    does not pickle."""
+    try:
+        return pickle.loads(pickle.dumps(obj))
+    except Exception:
+        return obj
+
+
+def _inner_state(it: Any) -> dict[str, Any]:
+    """The iterator's checkpoint state as a dict (without Grain's JSON round trip when the
+    iterator keeps it as one)."""
+    inner = getattr(it, "_iterator", None)
+    if inner is not None and hasattr(inner, "get_state"):
+        return inner.get_state()
+    return json.loads(it.get_state())
+
+
+def _leading_rows(batch: Any) -> int | None:
+    """The leading dimension of the batch's first array (dicts, tuples and lists walked)."""
+    if hasattr(batch, "shape"):
+        return int(batch.shape[0]) if batch.shape else None
+    values = batch.values() if isinstance(batch, Mapping) else \
+        batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        rows = _leading_rows(v)
+        if rows is not None:
+            return rows
+    return None
+
+
+class AuditedIterator(Iterator[Any]):
+    """The loader's iterator, recording each batch it hands out (same objects, same order).
+    `get_state`, `set_state`, `save`, `load` and `start_prefetch` are the iterator's own."""
+
+    def __init__(self, it: Any, loader: grain.DataLoader, writer: Any, contract: Contract,
+                 keys: SamplerKeys, hashes: SourceHashes | ManifestHashes, start_step: int
+                 ) -> None:
+        self._it, self._loader, self._writer = it, loader, writer
+        self.contract, self._keys, self._hashes = contract, keys, hashes
+        self.start_step = start_step
+
+    def __iter__(self) -> AuditedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        nxt = self.contract.next_batch(self.contract.cursor(_inner_state(self._it)))
+        batch = next(self._it)
+        if nxt is None:
+            raise AttachError("the loader gave a batch after the positions its sampler holds "
+                              "ran out: its length is not what Tally computed")
+        indices, ordinal, _ = nxt
+        rows = _leading_rows(batch)
+        if rows is not None and rows != len(indices):
+            raise AttachError(f"batch {ordinal} has {rows} rows, the loader's contract says "
+                              f"{len(indices)}: an operation changed the element count")
+        keys, hashes = self._keys, self._hashes
+
+        def segments() -> Segments:  # on the writer's thread
+            return hashes.segments(keys.keys(indices), keys.epochs(indices))
+
+        self._writer.write_segments(self.start_step + ordinal, segments)
+        return batch
+
+    # The iterator's own state API, unchanged (a checkpoint holds what it held before).
+    def get_state(self) -> Any:
+        return self._it.get_state()
+
+    def set_state(self, state: Any) -> None:
+        self._it.set_state(state)
+
+    async def save(self, directory: Any) -> Any:
+        return await self._it.save(directory)
+
+    async def load(self, directory: Any) -> Any:
+        return await self._it.load(directory)
+
+    def start_prefetch(self) -> None:
+        self._it.start_prefetch()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
+class AuditedLoader:
+    """A `grain.DataLoader` whose iterators record what they hand out; anything else is the
+    loader's own (`__getattr__`)."""
+
+    def __init__(self, loader: grain.DataLoader, writer: Any, *, start_step: int = 0,
+                 tokens_field: str = "tokens", hashes: ManifestHashes | None = None,
+                 epoch_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        self.loader, self.writer, self.start_step = loader, writer, start_step
+        self.contract = contract_of(loader)
+        self._keys = SamplerKeys(_private_copy(loader._sampler), epoch_of)
+        self._hashes = hashes or SourceHashes(_private_copy(loader._data_source), tokens_field)
+
+    def __iter__(self) -> AuditedIterator:
+        return AuditedIterator(iter(self.loader), self.loader, self.writer, self.contract,
+                               self._keys, self._hashes, self.start_step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+def audited(loader: grain.DataLoader, spool: Any, run_id: str | None = None, *,
+            start_step: int = 0, tokens_field: str = "tokens",
+            hashes: ManifestHashes | str | os.PathLike | None = None,
+            epoch_of: Callable[[np.ndarray], np.ndarray] | None = None,
+            **writer_options: Any) -> AuditedLoader:
+    """`loader`, recording every batch its iterators hand out.
+
+    `spool`: a spool directory (a `LedgerWriter` is made for this host: host and host count
+    from the loader's `ShardOptions`, records_per_epoch from the data source, `run_id` and
+    `writer_options` as `LedgerWriter` takes them) or a `LedgerWriter` already made.
+    `start_step`: the training step of the loader's first batch (MaxText's `initial_step`
+    resume: the step the run resumed at); a loader restored from its own state continues
+    from its batch ordinal. `hashes`: a manifest path to take hashes from instead of reading
+    records back. Raises AttachError for a loader whose operations are not 1:1."""
+    from audit.hook.writer import LedgerWriter
+
+    contract = contract_of(loader)
+    if isinstance(hashes, (str, os.PathLike)):
+        hashes = ManifestHashes(hashes)
+    writer = spool
+    if not isinstance(spool, LedgerWriter):
+        if run_id is None:
+            raise AttachError("audited(loader, spool, run_id): a spool directory needs a run id")
+        writer_options.setdefault("records_per_epoch", _length(loader._data_source))
+        if hashes is not None:
+            writer_options.setdefault("manifest_fingerprint", hashes.fingerprint)
+        writer = LedgerWriter(Path(spool), run_id, host=contract.shard_index,
+                              host_count=contract.shard_count, **writer_options)
+    return AuditedLoader(loader, writer, start_step=start_step, tokens_field=tokens_field,
+                         hashes=hashes, epoch_of=epoch_of)
+
+
+def _length(source: Any) -> int | None:
+    try:
+        n = len(source)
+    except TypeError:
+        return None
+    return n if n > 0 else None
