@@ -10,8 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from audit.core.errors import TallyError
 
@@ -140,7 +142,8 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
     from pipeline.manifest import build_manifest
 
     summary = build_manifest(args.corpus, args.output, runner=_runner(args),
-                             chunk_records=args.chunk_records, progress=not args.quiet)
+                             chunk_records=args.chunk_records, progress=not args.quiet,
+                             sequence_length=args.sequence_length, dtype=args.dtype)
     if args.json:
         _print_json({"path": str(summary.path), "records": summary.records,
                      "train_records": summary.train_records, "tokens": summary.tokens,
@@ -190,7 +193,7 @@ def _cmd_exposure(args: argparse.Namespace) -> int:
     from audit.posthoc.exposure import exposure, summary
 
     result = exposure(manifest=args.manifest, docs=args.docs, runs=args.run, out=args.output,
-                      spool=args.spool, ledger=args.ledger)
+                      spool=args.spool, ledger=args.ledger, eos_token_id=args.eos_token_id)
     if args.json:
         _print_json(result)
     else:
@@ -238,7 +241,9 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
                "  tally exposure --manifest m.parquet --spool spool --run exp1 --docs evalset "
                "-o exposure\n"
                "  tally exposure --manifest m.parquet --ledger ledger.duckdb --run exp1 --run "
-               "exp2 --docs hashes.parquet -o exposure")
+               "exp2 --docs hashes.parquet -o exposure\n"
+               "  tally exposure --manifest mix.parquet --spool spool --run exp1 --docs "
+               "evalset.parquet --eos-token-id 100257 -o exposure")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--spool", help="spool directory the runs were written to")
     src.add_argument("--ledger", help="DuckDB ledger file (opened read-only)")
@@ -248,6 +253,10 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--docs", required=True,
                    help="the documents: a corpus directory in Tally's formats, or a Parquet "
                         "file with a content_hash, record_key or tokens column")
+    s.add_argument("--eos-token-id", type=int,
+                   help="an OLMo mix's manifest: look for each document inside the mix, as "
+                        "the tokens between two EOS tokens, and match it to the instances that "
+                        "hold them")
     s.add_argument("-o", "--output", required=True, help="output directory")
     _quiet_json(s)
     s.set_defaults(func=_cmd_exposure)
@@ -343,6 +352,64 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     return verdict.exit_code
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from pipeline.replay import ReplaySpec, replay
+
+    spec = ReplaySpec(loader=args.loader, hosts=args.hosts, steps=args.steps,
+                      spool=Path(args.spool), run_id=args.run,
+                      manifest=Path(args.manifest) if args.manifest else None,
+                      hashes=args.hashes, start_step=args.start_step,
+                      states=Path(args.states) if args.states else None)
+    t0 = time.perf_counter()
+    hosts = replay(spec, workers=args.workers)
+    seconds = time.perf_counter() - t0
+    rows = sum(h.rows for h in hosts)
+    steps = [h.last_step for h in hosts if h.last_step is not None]
+    out = {"run": args.run, "spool": args.spool, "hosts": len(hosts), "rows": rows,
+           "files": sum(h.files for h in hosts),
+           "first_step": min((h.first_step for h in hosts if h.first_step is not None),
+                             default=None),
+           "last_step": max(steps, default=None), "seconds": round(seconds, 3),
+           "keys_per_second": round(rows / seconds) if seconds > 0 else None,
+           "hashes": args.hashes, "replayed": True}
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"replayed run {args.run}: {rows:,} record keys of {len(hosts)} host(s), steps "
+              f"{out['first_step']}..{out['last_step']}, into {args.spool} in {seconds:.1f} s "
+              f"({out['keys_per_second'] or 0:,} keys/s; hashes from the {args.hashes})")
+    return 0
+
+
+def _add_replay_parser(sub: Any) -> None:
+    s = sub.add_parser("replay", help="write the spool a run's Grain DataLoader fed, from the "
+                                      "loader's own contract, without running the run")
+    s.add_argument("--loader", required=True,
+                   help="MODULE:FUNCTION; FUNCTION(host, host_count) returns that host's "
+                        "grain.DataLoader (MODULE importable from here or PYTHONPATH)")
+    s.add_argument("--hosts", type=int, required=True, help="host count of the run")
+    s.add_argument("--steps", type=int, required=True, help="steps to replay on every host")
+    s.add_argument("--spool", required=True, help="spool directory to write")
+    s.add_argument("--run", required=True, help="run id of the replayed spool")
+    s.add_argument("--manifest", help="manifest Parquet file: content hashes and lengths")
+    s.add_argument("--hashes", choices=("manifest", "source"), default="manifest",
+                   help="take hashes from the manifest (default) or read every record from "
+                        "the loader's data source and hash it")
+    s.add_argument("--start-step", type=int, default=0,
+                   help="the step of each host's first replayed batch when the loader starts "
+                        "fresh (a sampler resumed by its own start offset)")
+    s.add_argument("--states", help="directory of the loader states a run checkpointed "
+                                    "(Grain's process_<h>-of-<H>.json): replay from there")
+    s.add_argument("--workers", type=int, help="processes (default: one per core for large "
+                                               "replays)")
+    _quiet_json(s, quiet=None)
+    _examples(s, "tally replay --loader my_job.data:make_loader --hosts 64 --steps 10000 "
+                 "--spool spool --run exp1-replay --manifest manifest.parquet",
+              "tally replay --loader my_job.data:make_loader --hosts 8 --steps 500 --spool "
+              "spool --run exp1-r2 --manifest m.parquet --states ckpt/1000/data_iter --json")
+    s.set_defaults(func=_cmd_replay)
+
+
 def _add_runner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Beam runner")
     g.add_argument("--runner", default="direct",
@@ -435,15 +502,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser("manifest", help="Beam job: the corpus manifest with its fingerprint")
-    s.add_argument("corpus", help="corpus directory (*.array_record and/or *.parquet shards)")
+    s.add_argument("corpus", nargs="+",
+                   help="corpus directory (*.array_record and/or *.parquet shards), an OLMo "
+                        "numpy token mix's index (*.json), or OLMo token files (several, or a "
+                        "directory of *.npy) with --sequence-length and --dtype")
     s.add_argument("-o", "--output", required=True, help="manifest Parquet file to write")
     s.add_argument("--chunk-records", type=int, default=20_000,
                    help="records per pipeline element (default 20000)")
+    g = s.add_argument_group("OLMo token files without an index")
+    g.add_argument("--sequence-length", type=int,
+                   help="tokens per instance: each file holds n_tokens // L instances")
+    g.add_argument("--dtype", help="the files' token dtype, little-endian: uint16 or uint32 "
+                                   "(also uint8, int32)")
     _quiet_json(s)
     _add_runner_args(s)
     _examples(s, "tally manifest corpus -o manifest.parquet",
               "tally manifest /data/corpus -o /data/manifest.parquet --runner dask --workers 4 "
-              "-q --json")
+              "-q --json",
+              "tally manifest /data/mix/index.json -o /data/mix-manifest.parquet",
+              "tally manifest /data/mix/*.npy --sequence-length 8192 --dtype uint32 "
+              "-o mix-manifest.parquet")
     s.set_defaults(func=_cmd_manifest)
 
     s = sub.add_parser("reconcile", help="Beam job: a run's consumption vs the manifest, "
@@ -558,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_preflight)
 
     _add_posthoc_parsers(sub)
+    _add_replay_parser(sub)
 
     s = sub.add_parser("demo", help="a small end-to-end run on embedded defaults")
     s.add_argument("--out", default="tally-demo", help="working directory (default: tally-demo)")
@@ -587,7 +666,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 # reconcile). They run as a child in a session of its own, so the terminal's Ctrl-C reaches
 # only this process, which stops the child's whole process group and says so in one line.
 SUPERVISED = {"reconcile", "manifest", "train", "demo", "preflight", "compare", "diff",
-              "exposure"}
+              "exposure", "replay"}
 _CHILD = "TALLY_SUPERVISED"
 
 

@@ -27,6 +27,7 @@ COMMAND_NEEDS = {
     "train": ("jax", "flax", "optax", "grain", "orbax"),
     "compare": ("jax", "flax", "orbax"),
     "preflight": ("grain", "orbax"),
+    "replay": ("grain",),
     "serve": ("fastapi", "uvicorn", "fastapi_offline", "prometheus_client"),
     "demo": ("apache_beam", "jax", "flax", "grain", "fastapi", "uvicorn", "fastapi_offline"),
 }

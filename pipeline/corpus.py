@@ -1,4 +1,5 @@
-"""Tokenized corpora: ArrayRecord shards (Grain's native format) and Parquet files.
+"""Tokenized corpora: ArrayRecord shards (Grain's native format), Parquet files, and OLMo numpy
+token mixes (`pipeline.olmo`).
 
 A corpus is a directory of shards. Shards whose name starts with `heldout` hold the held-out
 split, all others the train split. The corpus' global order, which defines record keys, is:
@@ -10,29 +11,33 @@ ArrayRecord record layout (one record per document):
     | domain (UTF-8) | token ids
 Parquet layout: a `tokens` column of list<int32> (other integer widths are accepted when the
 values fit) and a `domain` string column.
+
+An OLMo numpy token mix is given as its index JSON, or as token files (a list of them, or a
+directory holding them, `*.npy` at any depth in path order) with their sequence length and
+dtype. Each token file is one shard (format 'olmo', train split) whose records are the file's
+fixed-length instances; its base key is the file's instance offset, so record keys are the
+mix's global instance ids.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.core.errors import TallyError
+from audit.core.errors import CorpusError
 from audit.core.hashing import TOKEN_DTYPE, content_hash, hash_runs
+from pipeline import olmo
 
 MAGIC = b"TLY1"
 _HEADER = len(MAGIC) + 2
 FORMATS = {".array_record": "array_record", ".parquet": "parquet"}
-
-
-class CorpusError(TallyError):
-    """Bad corpus input; the message names the file and, where it applies, the record."""
+TOKEN_FILE_SUFFIX = ".npy"  # an OLMo mix's token files
 
 
 def encode_record(tokens: np.ndarray | Sequence[int], domain: str) -> bytes:
@@ -61,10 +66,35 @@ def decode_record(raw: bytes, where: str) -> tuple[np.ndarray, str]:
 @dataclass(frozen=True)
 class Shard:
     path: Path
-    fmt: str  # 'array_record' | 'parquet'
+    fmt: str  # 'array_record' | 'parquet' | 'olmo'
     split: str  # 'train' | 'heldout'
     num_records: int
     base_key: int  # record key of the shard's first record
+    olmo: olmo.OlmoFile | None = None  # fmt 'olmo': the token file, its label and layout
+
+    @property
+    def source(self) -> str:
+        """The manifest's `source`: the file's name (an OLMo file: its path relative to the
+        mix's common directory, as names repeat across a mix's directories)."""
+        return self.olmo.source if self.olmo is not None else self.path.name
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the file the shard's records read."""
+        if self.olmo is not None:
+            f = self.olmo
+            return f.n_instances * f.sequence_length * np.dtype(f.dtype).itemsize
+        return self.path.stat().st_size
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What a manifest reads: its shards in global order, what `tally.corpus` names, and the
+    metadata that says more about it (an OLMo mix's fingerprint, sequence length, dtype)."""
+
+    shards: list[Shard]
+    name: str
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 def _split_of(path: Path) -> str:
@@ -92,12 +122,87 @@ def _count(path: Path, fmt: str) -> int:
         raise CorpusError(f"{path}: unreadable {fmt} shard: {exc}") from None
 
 
-def list_shards(corpus: str | Path) -> list[Shard]:
+CorpusArg = str | Path | Sequence[str | Path]
+
+
+def list_shards(corpus: CorpusArg, *, sequence_length: int | None = None,
+                dtype: str | None = None) -> list[Shard]:
     """The corpus' shards in global order, with record counts and base keys."""
-    root = Path(corpus)
-    if not root.is_dir():
-        raise CorpusError(f"corpus {root} is not a directory")
+    return open_corpus(corpus, sequence_length=sequence_length, dtype=dtype).shards
+
+
+def open_corpus(corpus: CorpusArg, *, sequence_length: int | None = None,
+                dtype: str | None = None) -> Corpus:
+    """The corpus a manifest reads: a directory of ArrayRecord / Parquet shards, an OLMo mix's
+    index (`*.json`), or token files (several, or a directory of `*.npy`) with their
+    `sequence_length` and `dtype`. CorpusError, in one line, for anything else."""
+    paths = [Path(corpus)] if isinstance(corpus, str | Path) else [Path(p) for p in corpus]
+    flags = sequence_length is not None or dtype is not None
+    if not paths:
+        raise CorpusError("no corpus given")
+    if len(paths) == 1 and paths[0].suffix == ".json":
+        return _olmo_corpus(olmo.load_index(paths[0]), paths[0], sequence_length, dtype)
+    if len(paths) == 1 and paths[0].is_dir():
+        root = paths[0]
+        if not flags:
+            return Corpus(_tally_shards(root), str(root.resolve()))
+        tokens = _token_files_in(root)
+        if not tokens:
+            raise CorpusError(f"corpus {root} holds no token files (*{TOKEN_FILE_SUFFIX}) "
+                              "for --sequence-length/--dtype")
+        return _token_files(tokens, root, sequence_length, dtype)
+    if len(paths) == 1 and not paths[0].exists() and not flags and (
+            paths[0].suffix != TOKEN_FILE_SUFFIX):
+        raise CorpusError(f"corpus {paths[0]} is not a directory")
+    dirs = [p for p in paths if p.is_dir()]
+    if dirs:
+        raise CorpusError(f"corpus {dirs[0]} is a directory: give one directory, an OLMo "
+                          "index .json, or token files")
+    if not flags:
+        raise CorpusError(f"token files ({paths[0]}{' ...' if len(paths) > 1 else ''}) need "
+                          "--sequence-length and --dtype (or give the mix's index .json)")
+    return _token_files(paths, None, sequence_length, dtype)
+
+
+def _token_files(paths: Sequence[Path], root: Path | None, sequence_length: int | None,
+                 dtype: str | None) -> Corpus:
+    if sequence_length is None or dtype is None:
+        raise CorpusError("token files need both --sequence-length and --dtype")
+    index = olmo.index_from_files(paths, sequence_length, dtype)
+    name = root.resolve() if root is not None else olmo.common_dir(
+        [f.path for f in index.files]).resolve()
+    return _olmo_corpus(index, name, None, None)
+
+
+def _olmo_corpus(index: olmo.OlmoIndex, name: Path, sequence_length: int | None,
+                 dtype: str | None) -> Corpus:
+    if sequence_length is not None and sequence_length != index.sequence_length:
+        raise CorpusError(f"OLMo index {index.path} says sequence_length "
+                          f"{index.sequence_length}, not --sequence-length {sequence_length}")
+    if dtype is not None and dtype != index.dtype.name:
+        raise CorpusError(f"OLMo index {index.path} says dtype {index.dtype.name}, not "
+                          f"--dtype {dtype}")
+    if not index.total_instances:
+        where = f"OLMo index {index.path}" if index.path else "OLMo token files"
+        raise CorpusError(f"{where}: no file holds a whole instance of "
+                          f"{index.sequence_length:,} tokens")
+    shards = [Shard(f.path, "olmo", "train", f.n_instances, f.instance_offset, f)
+              for f in index.files]
+    return Corpus(shards, str(Path(name).resolve()), index.metadata())
+
+
+def _token_files_in(root: Path) -> list[Path]:
+    """The token files under `root`, at any depth, in path order (hidden ones left out)."""
+    return sorted(p for p in root.rglob(f"*{TOKEN_FILE_SUFFIX}") if p.is_file() and not
+                  any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def _tally_shards(root: Path) -> list[Shard]:
     paths = [p for p in root.iterdir() if p.suffix in FORMATS and not p.name.startswith(".")]
+    if not paths and _token_files_in(root):
+        raise CorpusError(f"corpus {root} holds token files (*{TOKEN_FILE_SUFFIX}) and no "
+                          "ArrayRecord or Parquet shards: give --sequence-length and --dtype "
+                          "to read them as an OLMo token mix, or the mix's index .json")
     if not paths:
         raise CorpusError(f"corpus {root} holds no shards (*.array_record or *.parquet)")
     paths.sort(key=lambda p: (_split_of(p) != "train", p.name))
@@ -110,9 +215,14 @@ def list_shards(corpus: str | Path) -> list[Shard]:
     return shards
 
 
-def hash_range(shard: Shard, start: int, end: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def hash_range(shard: Shard, start: int, end: int
+               ) -> tuple[np.ndarray, np.ndarray, list[str] | pa.Array]:
     """Content hashes (uint64), lengths (int32) and domains of records [start, end)."""
     try:
+        if shard.olmo is not None:  # one label per file: the domains as one Arrow array
+            n = end - start
+            return (shard.olmo.hashes(start, end),
+                    np.full(n, shard.olmo.sequence_length, np.int32), repeat(shard.olmo.label, n))
         if shard.fmt == "array_record":
             return _hash_array_record(shard, start, end)
         values, offsets, domains = _read_parquet(shard, start, end)
@@ -122,6 +232,11 @@ def hash_range(shard: Shard, start: int, end: int) -> tuple[np.ndarray, np.ndarr
         raise
     except Exception as exc:
         raise CorpusError(f"{shard.path}: cannot read records {start}..{end - 1}: {exc}") from None
+
+
+def repeat(value: str, n: int) -> pa.Array:
+    """`n` times the string `value`, as an Arrow string array built without a list of n."""
+    return pa.array([value], pa.string()).take(pa.array(np.zeros(n, np.int32)))
 
 
 def _hash_array_record(shard: Shard, start: int, end: int):
@@ -220,6 +335,8 @@ class TokenSource:
         s = int(np.searchsorted(self._ends, i, side="right"))
         shard = self.shards[s]
         local = i - (int(self._ends[s - 1]) if s else 0)
+        if shard.olmo is not None:
+            return shard.olmo.instances(local, local + 1)[0], shard.olmo.label
         if shard.fmt == "parquet":
             values, offsets, domains = _read_parquet(shard, local, local + 1)
             return values, domains[0]

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import xxhash
 from tqdm import tqdm
 
-from pipeline.corpus import CorpusError, Shard, hash_range, list_shards
+from pipeline.corpus import CorpusArg, CorpusError, Shard, hash_range, open_corpus, repeat
 from pipeline.manifest_file import (  # noqa: F401
     FINGERPRINT_KEY,
     MANIFEST_SCHEMA,
@@ -70,8 +70,8 @@ def manifest_rows(shard: Shard, start: int, end: int) -> pa.Table:
         "content_hash": hashes,
         "n_tokens": lengths,
         "domain": domains,
-        "split": [shard.split] * n,
-        "source": [shard.path.name] * n,
+        "split": repeat(shard.split, n),
+        "source": repeat(shard.source, n),
         "source_index": np.arange(start, end, dtype=np.int64),
     }, schema=MANIFEST_SCHEMA)
 
@@ -114,13 +114,21 @@ class ManifestSummary:
                 f"{self.bytes_read / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)")
 
 
-def build_manifest(corpus: str | Path, out: str | Path, *, runner: RunnerSpec | None = None,
-                   chunk_records: int = 20_000, progress: bool = False) -> ManifestSummary:
-    """Run the manifest job over `corpus` and write `out` (Parquet) atomically."""
+def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | None = None,
+                   chunk_records: int = 20_000, progress: bool = False,
+                   sequence_length: int | None = None, dtype: str | None = None
+                   ) -> ManifestSummary:
+    """Run the manifest job over `corpus` and write `out` (Parquet) atomically.
+
+    `corpus`: a directory of shards, an OLMo mix's index JSON, or OLMo token files (a list, or
+    a directory of them) with their `sequence_length` and `dtype` (`pipeline.corpus`)."""
     runner = runner or RunnerSpec()
     t0 = time.perf_counter()
     # Absolute paths: workers of a cluster do not share this process's working directory.
-    shards = list_shards(Path(corpus).absolute())
+    source = open_corpus([Path(c).absolute() for c in (
+        [corpus] if isinstance(corpus, str | Path) else corpus)],
+        sequence_length=sequence_length, dtype=dtype)
+    shards = source.shards
     chunks = [(s, a, min(a + chunk_records, s.num_records))
               for s in shards for a in range(0, s.num_records, chunk_records)]
     out = Path(out)
@@ -139,15 +147,16 @@ def build_manifest(corpus: str | Path, out: str | Path, *, runner: RunnerSpec | 
             raise CorpusError(errors[0].read_text()
                               + (f" (and {len(errors) - 1} more bad ranges)" if len(errors) > 1
                                  else ""))
-        summary = _concatenate(parts, out, shards, corpus)
+        summary = _concatenate(parts, out, shards, source.name, source.metadata)
     finally:
         shutil.rmtree(parts, ignore_errors=True)
     summary.seconds = time.perf_counter() - t0
-    summary.bytes_read = sum(s.path.stat().st_size for s in shards)
+    summary.bytes_read = sum(s.size_bytes for s in shards)
     return summary
 
 
-def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus) -> ManifestSummary:
+def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus: str,
+                 metadata: dict[str, str]) -> ManifestSummary:
     total = sum(s.num_records for s in shards)
     fp = Fingerprint()
     tmp = out.with_name(f".{out.name}.tmp")
@@ -178,7 +187,8 @@ def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus) -> Manifes
             FINGERPRINT_KEY.decode(): fp.hexdigest(),
             "tally.records": str(total),
             "tally.train_records": str(n_train),
-            "tally.corpus": str(Path(corpus).resolve()),
+            "tally.corpus": corpus,
+            **metadata,
         })
     os.replace(tmp, out)
     return ManifestSummary(out, total, n_train, tokens, fp.hexdigest(), 0.0, 0)

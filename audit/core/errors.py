@@ -12,3 +12,10 @@ class NotFound(TallyError):
 
 class Unavailable(TallyError):
     """The answer needs something the service was not given, such as a manifest (HTTP 409)."""
+
+
+class CorpusError(TallyError):
+    """Bad corpus input; the message names the file and, where it applies, the record.
+
+    Defined here so that corpus readers that import only `audit.core` (`pipeline.olmo`) raise
+    it; `pipeline.corpus.CorpusError` is this class."""

@@ -64,6 +64,7 @@ META_KEYS = (
 OPTIONAL_META_KEYS = (
     "records_per_epoch",  # train records N the loader cycles through; "" when the run did not say
     "checkpoint_dir",  # where the run saves its checkpoints (the service may read only there)
+    "replayed",  # "1": written by `tally replay` from the loader's contract, not by the run
 )
 META_PREFIX = "tally."
 # A metric row a writer publishes when its host's share of the attempt ended at the run's last
@@ -350,6 +351,7 @@ def _info(meta: dict[str, str], f: SpoolFile) -> dict[str, Any]:
         "records_per_epoch": (_int(meta, "records_per_epoch") if meta["records_per_epoch"]
                               else None),
         "checkpoint_dir": meta["checkpoint_dir"] or None,
+        "replayed": meta["replayed"] == "1",
     }
     for key, from_path in (("run_id", f.run_id), ("attempt", f.attempt), ("host", f.host)):
         if info[key] != from_path:

@@ -207,6 +207,60 @@ def load_documents(path: str | Path, manifest: ManifestHashes) -> Documents:
                      f"{', '.join(names)})")
 
 
+def load_document_tokens(path: str | Path, eos: int, manifest: ManifestHashes
+                         ) -> tuple[Documents, np.ndarray | None]:
+    """Documents to look for inside an OLMo mix (`--eos-token-id`): their content hashes and
+    lengths, from a Parquet file's `tokens` column (a trailing EOS token dropped) or a corpus
+    directory; from a `content_hash` column, hashes only (every document of the mix is then
+    hashed to compare)."""
+    from audit.core.hashing import hash_runs
+    from pipeline.corpus import hash_range, list_shards
+
+    p = Path(path)
+    if p.is_dir():
+        parts = [hash_range(s, lo, min(lo + DOC_CHUNK, s.num_records))[:2]
+                 for s in list_shards(p) for lo in range(0, s.num_records, DOC_CHUNK)]
+        h = np.concatenate([x[0] for x in parts]) if parts else np.zeros(0, np.uint64)
+        n = np.concatenate([x[1] for x in parts]) if parts else np.zeros(0, np.int32)
+        return Documents(str(p), "corpus", "tokens", h, np.ones(len(h), bool)), n
+    if not p.is_file():
+        raise TallyError(f"documents {p}: no such corpus directory or Parquet file")
+    try:
+        names = pq.read_schema(p).names
+    except Exception as exc:
+        raise TallyError(f"documents {p}: not a Parquet file ({exc})") from None
+    if "tokens" not in names:
+        if "content_hash" in names:
+            return load_documents(p, manifest), None
+        raise TallyError(f"documents {p}: --eos-token-id needs a tokens or content_hash column "
+                         f"(has {', '.join(names)})")
+    pf = pq.ParquetFile(p)
+    hashes, lengths = [], []
+    for batch in pf.iter_batches(batch_size=DOC_CHUNK, columns=["tokens"]):
+        col = batch.column(0)
+        if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
+            raise TallyError(f"documents {p}: column tokens is {col.type}, expected a list of "
+                             "token ids")
+        if col.null_count:
+            raise TallyError(f"documents {p}: column tokens has nulls")
+        offsets = np.asarray(col.offsets, np.int64)
+        values = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        flat = np.asarray(values.to_numpy(zero_copy_only=False))
+        if flat.size and flat.dtype.kind not in "iu":
+            raise TallyError(f"documents {p}: token ids of type {flat.dtype}")
+        flat = flat.astype(np.int32)
+        starts = offsets[:-1] - offsets[0]
+        n = np.diff(offsets)
+        ends_eos = n > 0
+        ends_eos[ends_eos] = flat[(starts + n - 1)[ends_eos]] == eos
+        n = n - ends_eos
+        hashes.append(hash_runs(flat, starts, n))
+        lengths.append(n)
+    h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
+    return (Documents(str(p), "parquet", "tokens", h, np.ones(len(h), bool)),
+            np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+
+
 # ---- the run side: exposures of the matched records ------------------------------------------
 
 def consumed_in_ledger(cur: duckdb.DuckDBPyConnection, run: int,
@@ -350,9 +404,14 @@ def summarize(table: pa.Table, documents: int, run_ids: list[str]) -> dict[str, 
 
 
 def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: str | Path,
-             spool: str | Path | None = None, ledger: str | Path | None = None) -> dict:
+             spool: str | Path | None = None, ledger: str | Path | None = None,
+             eos_token_id: int | None = None) -> dict:
     """Documents -> matched records -> each run's exposures; writes OUT/exposure.parquet and
-    OUT/exposure.json, returns the latter's content."""
+    OUT/exposure.json, returns the latter's content.
+
+    With `eos_token_id`, the manifest is an OLMo mix's (built from its index) and a document
+    matches the instances that hold its tokens: every run of tokens between two EOS tokens of
+    the mix with the document's content (`pipeline.olmo.find_documents`)."""
     from audit.ledger.database import Ledger
     from audit.ledger.queries import run_of
 
@@ -362,9 +421,13 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
         raise TallyError("give at least one --run")
     runs = list(dict.fromkeys(runs))
     index = ManifestHashes.load(manifest)
-    docs_ = load_documents(docs, index)
-    doc, key = index.match(docs_.content_hash[docs_.known])
-    doc = np.flatnonzero(docs_.known)[doc]
+    occurrences = None
+    if eos_token_id is None:
+        docs_ = load_documents(docs, index)
+        doc, key = index.match(docs_.content_hash[docs_.known])
+        doc = np.flatnonzero(docs_.known)[doc]
+    else:
+        docs_, doc, key, occurrences = _inside_mix(index, docs, eos_token_id)
     consumed, skipped = {}, {}
     if spool is not None:
         if not Path(spool).is_dir():
@@ -395,11 +458,31 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
         **summarize(table, len(docs_), runs),
         "skipped_files": {r: s[:MAX_EXAMPLES] for r, s in skipped.items() if s},
     }
+    if occurrences is not None:  # documents found inside an OLMo mix
+        result["docs"]["eos_token_id"] = eos_token_id
+        result["occurrences"] = int(occurrences.sum())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out / "exposure.parquet")
     (out / "exposure.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _inside_mix(manifest: ManifestHashes, docs: str | Path, eos: int
+                ) -> tuple[Documents, np.ndarray, np.ndarray, np.ndarray]:
+    """(documents, document index, record key, occurrences per document) of documents found
+    as runs of tokens between EOS tokens in the OLMo mix the manifest was built from."""
+    from pipeline.manifest_file import manifest_info
+    from pipeline.olmo import find_documents, load_index
+
+    mix = manifest_info(manifest.path).get("olmo_index")
+    if not mix:
+        raise TallyError(f"manifest {manifest.path} is not of an OLMo mix built from its index "
+                         "(no tally.olmo_index): --eos-token-id looks for documents inside one")
+    index = load_index(mix)
+    docs_, lengths = load_document_tokens(docs, eos, manifest)
+    doc, key, occurrences = find_documents(index, docs_.content_hash, lengths, eos)
+    return docs_, doc, key, occurrences
 
 
 def summary(result: dict, out: Path | None = None) -> str:

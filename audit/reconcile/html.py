@@ -533,6 +533,21 @@ def evidence_html(ev: dict[str, list[dict[str, Any]]] | None) -> str:
     return '<div class="evidence">' + "".join(parts) + "</div>"
 
 
+def _replayed_banner(r: dict[str, Any]) -> str:
+    """A run whose spool `tally replay` wrote says so above everything else."""
+    k = r.get("replayed_files", 0)
+    if not k:
+        return ""
+    what = ("Replayed: this consumption was written by <code>tally replay</code> from the "
+            "loader's contract, not recorded while the run trained. It shows what the loader "
+            "feeds; a restore that misbehaved inside the run only shows in a live audit."
+            if r.get("replayed") else
+            f"{k:,} of {r['consumption']['files']:,} spool files were written by "
+            "<code>tally replay</code>, the rest recorded live.")
+    return f'<p class="replayed" data-replayed="{str(bool(r.get("replayed"))).lower()}">' \
+           f"<strong>{what}</strong></p>\n"
+
+
 def findings_html(found: list[dict[str, Any]]) -> str:
     if not found:
         return ('<ul class="findings"><li>No findings: every train record was seen as often '
@@ -586,7 +601,7 @@ def render_html(r: dict, steps: pa.Table) -> str:
 <title>Tally report: {_e(r['run_id'])} {r['verdict']}</title><style>{CSS}</style></head><body>
 <h1>Run {_e(r['run_id'])}: <span class="verdict {r['verdict']}" data-verdict="{r['verdict']}">
 {r['verdict']}</span></h1>
-<div class="facts">{facts_html}</div>
+{_replayed_banner(r)}<div class="facts">{facts_html}</div>
 <p><small>Manifest {_e(r['manifest']['fingerprint'])}{' as of step ' + str(r['at_step'])
 if r['at_step'] is not None else ''}. Links open the live API (<code>tally serve</code>:
 <a href="{api}">{api}</a>).</small></p>

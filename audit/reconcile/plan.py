@@ -100,6 +100,8 @@ class Plan:
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # Segment files written by `tally replay` from the loader's contract, not by the run.
+    replayed_files: int = 0
 
     def for_workers(self) -> Plan:
         """This plan without its lists of input files, which the workers get as their tasks:
@@ -126,6 +128,7 @@ class Inputs:
     milestones: list[dict[str, Any]] = field(default_factory=list)
     # A spool's metric files: the facts above are read from them by the job instead.
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
+    replayed_files: int = 0  # written by `tally replay` (file metadata tally.replayed = 1)
 
 
 def _footer(f: sp.SpoolFile) -> dict[str, str]:
@@ -142,6 +145,7 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
     step) of a file before it, the rule ingest applies (each host-step counts once)."""
     files, attempts, fingerprint, left_out, metric_files = [], {}, None, [], []
+    replayed = 0
     kept: dict[tuple[int, int], list[tuple[int, int, str]]] = {}  # (attempt, host) -> ranges
     listed = [f for f, _ in sp.scan(spool)]
     segs = [f for f in listed if not isinstance(f, sp.Stray) and f.kind == "seg"
@@ -174,6 +178,7 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
             info["first_step"] = min(info["first_step"], first)
             info["rows"] = info.get("rows", 0) + rows
             fingerprint = fingerprint or md.get("tally.manifest_fingerprint") or None
+            replayed += md.get("tally.replayed") == "1"
         except Exception:
             pass  # the worker re-checks the file and reports why it was skipped
         if first is not None:
@@ -186,7 +191,8 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
         files.append(InputFile(str(f.path), f, rows))
     if not files:
         raise TallyError(f"no segment files for run {run_id!r} in spool {spool}")
-    return Inputs(files, attempts, fingerprint, left_out, metric_files=metric_files)
+    return Inputs(files, attempts, fingerprint, left_out, metric_files=metric_files,
+                  replayed_files=replayed)
 
 
 MILESTONE_LOSSES = ("heldout_loss", "train_loss")
@@ -360,7 +366,8 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
               non_finite_losses: dict[str, Any] | None = None,
               finished: dict[tuple[int, int], int] | None = None,
               milestones: list[dict[str, Any]] | None = None,
-              metric_files: list[sp.SpoolFile] | None = None) -> Plan:
+              metric_files: list[sp.SpoolFile] | None = None, replayed_files: int = 0
+              ) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers."""
     from pipeline.manifest_file import manifest_info, uniform_row_groups
@@ -386,6 +393,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     plan.finished, plan.finished_step = run_finished(attempts, finished or {})
     plan.milestones = milestones or []
     plan.metric_files = metric_files or []
+    plan.replayed_files = replayed_files
     last = max([a["last_step"] for a in attempts.values()] + [0])
     if at_step is not None:
         last = min(last, at_step)

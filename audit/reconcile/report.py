@@ -113,6 +113,10 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "run_id": plan.run_id,
         "at_step": plan.at_step,
+        # Written by `tally replay` from the loader's contract: what the loader would have fed,
+        # not what the run consumed (README, "What replay cannot prove").
+        "replayed": bool(plan.files) and plan.replayed_files == len(plan.files),
+        "replayed_files": plan.replayed_files,
         "manifest": {"path": plan.manifest, "fingerprint": plan.fingerprint,
                      "records": plan.records, "train_records": n},
         "run_manifest_fingerprint": plan.run_fingerprint,
@@ -255,12 +259,23 @@ def json_default(o: Any) -> Any:
     raise TypeError(type(o).__name__)
 
 
+def _replayed_note(report: dict) -> str:
+    """What the consumption rests on when `tally replay` wrote some or all of it."""
+    k = report.get("replayed_files", 0)
+    if not k:
+        return ""
+    if report.get("replayed"):
+        return " — replayed from the loader's contract, not recorded live"
+    return f" — {k:,} of {report['consumption']['files']:,} spool files replayed"
+
+
 def summary(report: dict, out: Path | None = None) -> str:
     c = report["coverage"]
     f = c["histogram_fraction"]
     lines = [
         f"run {report['run_id']}: {report['verdict']}"
-        + (f" (as of step {report['at_step']})" if report["at_step"] is not None else ""),
+        + (f" (as of step {report['at_step']})" if report["at_step"] is not None else "")
+        + _replayed_note(report),
         f"  coverage {100 * c['coverage']:.1f}% of {c['train_records']:,} train records; "
         f"never seen {100 * f['0']:.1f}%, seen once {100 * f['1']:.1f}%, "
         f"seen 2+ {100 * (f['2'] + f['3+']):.1f}% ({c['exposures']:,} exposures; ideal "

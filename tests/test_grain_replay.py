@@ -1,0 +1,192 @@
+"""The reference incident, end to end, on MaxText's OLMo stack as users run it (real Grain, an
+OLMo numpy token mix): a sampler that already takes each host's contiguous block of the epoch's
+permutation, and a DataLoader also given ShardOptions for the host (sharded twice). Audited live
+with one line and by `tally replay` from the loader's contract; reconcile names the cause with
+the true never-seen and seen-2+ fractions; the same stack sharded once is PASS."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from absl import flags
+
+from audit import LedgerWriter
+from pipeline.grain_attach import audited
+from pipeline.olmo import write_mix
+from tests import olmo_stack
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 16
+N = 4096  # instances in the mix: 2,048 of each file
+
+
+def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=900, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    flags.FLAGS.mark_as_parsed()
+    d = tmp_path_factory.mktemp("mix")
+    rng = np.random.default_rng(5)
+    index = write_mix(d / "mix", [("web", rng.integers(0, 60_000, N // 2 * SEQ + 7)),
+                                  ("code", rng.integers(0, 60_000, N // 2 * SEQ))],
+                      SEQ, "uint32")
+    r = tally("manifest", str(index), "-o", str(d / "manifest.parquet"), "-q")
+    assert r.returncode == 0, r.stderr
+    source = olmo_stack.MixSource(index)
+    by_tokens = {source[i]["tokens"].astype(np.int32).tobytes(): i for i in range(N)}
+    assert len(by_tokens) == N  # random instances: the tokens name the instance
+    return {"index": index, "manifest": d / "manifest.parquet", "by_tokens": by_tokens,
+            "dir": d}
+
+
+def live(mix, spool, run, hosts, batch, steps, sharding):
+    """Every host's loader wrapped in one line; the truth read from the batches' tokens."""
+    truth = np.zeros(N, np.int64)
+    for h in range(hosts):
+        loader = olmo_stack.build(mix["index"], h, hosts, batch=batch, sharding=sharding)
+        with LedgerWriter(spool, run, host=h, host_count=hosts, records_per_epoch=N,
+                          flush_every=1000, fsync=False) as w:
+            it = iter(audited(loader, w))
+            for _ in range(steps):
+                b = next(it)
+                assert set(b) == {"inputs", "targets", "inputs_segmentation"}
+                for row in b["inputs"]:
+                    truth[mix["by_tokens"][row.astype(np.int32).tobytes()]] += 1
+    return truth
+
+
+def reconcile(mix, spool, run, out):
+    r = tally("reconcile", "--spool", str(spool), "--manifest", str(mix["manifest"]), "--run",
+              run, "-o", str(out), "-q", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads((out / "report.json").read_text())
+
+
+def spool_table(spool, run):
+    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
+    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
+    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
+    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
+                                   ("row", "ascending")])
+
+
+def fractions(counts):
+    return (counts == 0).mean(), (counts >= 2).mean()
+
+
+@pytest.mark.parametrize("hosts,batch", [(8, 4), (64, 2)])
+def test_sharded_twice_is_named_live_and_by_replay(mix, tmp_path, hosts, batch):
+    steps = N // (hosts * batch)  # one epoch's worth of consumption
+    truth = live(mix, tmp_path / "spool", "twice", hosts, batch, steps, "twice")
+    never, twice = fractions(truth)
+    assert 0.3 < never < 0.4 and 0.2 < twice < 0.32  # the incident's shape
+
+    rep = reconcile(mix, tmp_path / "spool", "twice", tmp_path / "live")
+    assert rep["verdict"] == "FAIL"
+    codes = [f["code"] for f in rep["findings"]]
+    assert "with_replacement" in codes, codes
+    cov = rep["coverage"]
+    assert abs(cov["never_seen_fraction"] - never) < 0.005
+    seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
+    assert abs(seen2 - twice) < 0.005
+    assert not rep.get("replayed")
+
+    # The same spool without the run: the loader factory replayed from its contract.
+    env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_SHARDING": "twice",
+           "TALLY_TEST_BATCH": str(batch)}
+    r = tally("replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", str(hosts),
+              "--steps", str(steps), "--spool", str(tmp_path / "replay"), "--run", "twice",
+              "--manifest", str(mix["manifest"]), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["rows"] == N and out["hosts"] == hosts and out["replayed"] is True
+    a, b = spool_table(tmp_path / "spool", "twice"), spool_table(tmp_path / "replay", "twice")
+    assert a.equals(b)  # row for row what the live audit recorded
+    rep2 = reconcile(mix, tmp_path / "replay", "twice", tmp_path / "replayed")
+    assert rep2["replayed"] is True
+    assert [f["code"] for f in rep2["findings"]] == codes
+    assert rep2["coverage"]["never_seen"] == cov["never_seen"]
+
+
+def test_sharded_once_passes_live_and_by_replay(mix, tmp_path):
+    hosts, batch = 8, 4
+    steps = N // (hosts * batch)
+    truth = live(mix, tmp_path / "spool", "once", hosts, batch, steps, "once")
+    assert (truth == 1).all()
+    rep = reconcile(mix, tmp_path / "spool", "once", tmp_path / "live")
+    assert rep["verdict"] == "PASS", rep["findings"]
+    assert rep["coverage"]["never_seen"] == 0
+    env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_SHARDING": "once",
+           "TALLY_TEST_BATCH": str(batch)}
+    r = tally("replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", str(hosts),
+              "--steps", str(steps), "--spool", str(tmp_path / "replay"), "--run", "once",
+              "--manifest", str(mix["manifest"]), "--hashes", "source", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "replayed run once: 4,096 record keys of 8 host(s)" in r.stdout
+    assert spool_table(tmp_path / "spool", "once").equals(
+        spool_table(tmp_path / "replay", "once"))
+    assert reconcile(mix, tmp_path / "replay", "once", tmp_path / "rr")["verdict"] == "PASS"
+
+
+def test_replay_from_checkpointed_loader_states(mix, tmp_path):
+    """Grain's per-host checkpoint files: a replay from them continues where the run was."""
+    hosts, batch = 4, 4
+    env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_SHARDING": "once",
+           "TALLY_TEST_BATCH": str(batch), "TALLY_TEST_WORKERS": "0"}
+    states = tmp_path / "ckpt"
+    states.mkdir()
+    for h in range(hosts):
+        loader = olmo_stack.build(mix["index"], h, hosts, batch=batch, sharding="once")
+        with LedgerWriter(tmp_path / "spool", "ck", host=h, host_count=hosts,
+                          records_per_epoch=N, fsync=False) as w:
+            it = iter(audited(loader, w))
+            for _ in range(10):
+                next(it)
+            (states / f"process_{h}-of-{hosts}.json").write_bytes(it.get_state())
+            for _ in range(7):
+                next(it)
+    r = tally("replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", str(hosts),
+              "--steps", "7", "--spool", str(tmp_path / "replay"), "--run", "ck",
+              "--manifest", str(mix["manifest"]), "--states", str(states), env=env)
+    assert r.returncode == 0, r.stderr
+    live_rows = spool_table(tmp_path / "spool", "ck")
+    after = live_rows.filter(pa.compute.greater_equal(live_rows["step"], 10))
+    assert after.equals(spool_table(tmp_path / "replay", "ck"))
+
+
+def test_replay_bad_input_is_one_line(mix, tmp_path):
+    env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_BATCH": "4"}
+    base = ["replay", "--hosts", "4", "--steps", "3", "--spool", str(tmp_path / "s"),
+            "--run", "bad", "--manifest", str(mix["manifest"])]
+    cases = {
+        "no_such_module:f": "cannot import 'no_such_module'",
+        "tests.olmo_stack:nope": "has no function 'nope'",
+        "tests.olmo_stack": "expected MODULE:FUNCTION",
+    }
+    for spec, said in cases.items():
+        r = tally(*base, "--loader", spec, env=env)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    # A state saved for another sampler (Grain's repr check).
+    states = tmp_path / "st"
+    states.mkdir()
+    for h in range(4):
+        (states / f"process_{h}-of-4.json").write_text(json.dumps(
+            {"last_seen_indices": {"0": 3}, "last_worker_index": 0, "worker_count": 0,
+             "sampler": "BlockSampler(total=1, seed=0, shard=0/1)",
+             "data_source": "x"}))
+    r = tally(*base, "--loader", "tests.olmo_stack:make_loader", "--states", str(states),
+              env=env)
+    assert r.returncode == 2 and "saved for sampler BlockSampler(total=1" in r.stderr
+    assert not list((tmp_path / "s").rglob("*.parquet"))
