@@ -325,6 +325,15 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     from audit.preflight import PreflightVerdict, record_verdict, run_preflight
 
     try:
+        if args.loader:
+            verdict = _loader_preflight(args)
+            print(verdict.to_json() if args.json else verdict.summary())
+            return verdict.exit_code
+        if args.checkpoint is None:
+            raise TallyError("give --checkpoint (a run of Tally's keyed loader) or --loader "
+                             "MODULE:FUNCTION (your own grain.DataLoader factory)")
+        if args.states or args.at_step is not None:
+            raise TallyError("--states and --at-step go with --loader")
         cfg = None
         if args.config:
             from trainer.config import TrainConfig
@@ -408,6 +417,27 @@ def _add_replay_parser(sub: Any) -> None:
               "tally replay --loader my_job.data:make_loader --hosts 8 --steps 500 --spool "
               "spool --run exp1-r2 --manifest m.parquet --states ckpt/1000/data_iter --json")
     s.set_defaults(func=_cmd_replay)
+
+
+def _loader_preflight(args: argparse.Namespace) -> Any:
+    from audit.ledger.database import Ledger
+    from audit.preflight import record_verdict
+    from audit.preflight.loader_check import run_loader_preflight
+
+    if args.checkpoint or args.config:
+        raise TallyError("--loader plans your own loader: --checkpoint and --config are for "
+                         "Tally's keyed loader (give --states or --at-step)")
+    call = dict(run_id=args.run, manifest=args.manifest, loader=args.loader,
+                new_hosts=args.hosts, at_step=args.at_step, states=args.states,
+                horizon=args.horizon)
+    if not args.record:
+        return run_loader_preflight(args.ledger, **call)
+    if not Path(args.ledger).is_file():
+        raise TallyError(f"no ledger at {args.ledger}")
+    with Ledger(args.ledger) as ledger:
+        verdict = run_loader_preflight(ledger, **call)
+        record_verdict(ledger, verdict, requested_by="cli")
+    return verdict
 
 
 def _add_runner_args(p: argparse.ArgumentParser) -> None:
@@ -615,8 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run", required=True, help="run id")
     s.add_argument("--ledger", required=True, help="DuckDB ledger file (opened read-only)")
     s.add_argument("--manifest", required=True, help="manifest Parquet file of the run's corpus")
-    s.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory (latest step) or one step's directory")
+    s.add_argument("--checkpoint",
+                   help="checkpoint directory (latest step) or one step's directory, of a run "
+                        "on Tally's keyed loader")
     s.add_argument("--hosts", type=int, required=True, help="host count to resume on")
     s.add_argument("--global-batch", type=int, help="global batch on the new topology "
                                                     "(default: the config's)")
@@ -628,11 +659,22 @@ def build_parser() -> argparse.ArgumentParser:
                                                "per core for large plans)")
     s.add_argument("--record", action="store_true",
                    help="record the verdict in the ledger (opens it for writing)")
+    g = s.add_argument_group("your own grain.DataLoader (instead of --checkpoint)")
+    g.add_argument("--loader", help="MODULE:FUNCTION; FUNCTION(host, host_count) returns the "
+                                    "relaunched job's loader for that host")
+    g.add_argument("--states", help="directory of the loader states the run checkpointed "
+                                    "(Grain's process_<i>-of-<n>.json); new host h restores "
+                                    "old host h %% n's")
+    g.add_argument("--at-step", type=int, help="the step of the relaunched loaders' first "
+                                               "batch (they start fresh: a sampler resumed "
+                                               "by its own start offset)")
     _quiet_json(s, json_="machine-readable verdict")
     _examples(s, "tally preflight --run exp1 --ledger ledger.duckdb --manifest manifest.parquet "
                  "--checkpoint ckpt --hosts 1",
               "tally preflight --run exp1 --ledger ledger.duckdb --manifest manifest.parquet "
-              "--checkpoint ckpt/6 --hosts 4 --global-batch 32 --record -q --json")
+              "--checkpoint ckpt/6 --hosts 4 --global-batch 32 --record -q --json",
+              "tally preflight --run olmo1 --ledger ledger.duckdb --manifest manifest.parquet "
+              "--loader my_job.data:make_loader --hosts 4 --at-step 1200")
     s.set_defaults(func=_cmd_preflight)
 
     _add_posthoc_parsers(sub)

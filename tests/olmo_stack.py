@@ -8,7 +8,9 @@ rows into inputs/targets, then `Batch`.
 imports. The environment picks the mix and the mistake, as a job's flags would:
 TALLY_TEST_MIX (index JSON), TALLY_TEST_SHARDING (`twice`: the sampler takes the host's block
 *and* the loader is given ShardOptions for the host, the reference incident; `once`: a global
-permutation, sharded by the loader only), TALLY_TEST_BATCH (rows per host), TALLY_TEST_WORKERS.
+permutation, sharded by the loader only), TALLY_TEST_BATCH (rows per host), TALLY_TEST_WORKERS,
+TALLY_TEST_START (the sampler's start offset, MaxText's `initial_step`: the first absolute index
+the sampler gives; global for `once`, per host for `twice`).
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ class BlockSampler:
     """Per-host index i -> this host's contiguous block of epoch e's global permutation
     (e = i // block); endless. With shard_count 1 it is the global permutation itself."""
 
-    def __init__(self, total: int, seed: int, shard_index: int = 0, shard_count: int = 1) -> None:
-        self.total, self.seed = total, seed
+    def __init__(self, total: int, seed: int, shard_index: int = 0, shard_count: int = 1,
+                 start: int = 0) -> None:
+        self.total, self.seed, self.start = total, seed, start
         self.shard_index, self.shard_count = shard_index, shard_count
         self.block = total // shard_count
         self._cache: tuple[int, np.ndarray] | None = None
@@ -73,7 +76,7 @@ class BlockSampler:
     def __getitem__(self, index: int) -> grain.RecordMetadata:
         if index < 0:
             raise IndexError(index)
-        epoch, within = divmod(int(index), self.block)
+        epoch, within = divmod(int(index) + self.start, self.block)
         return grain.RecordMetadata(index=index, record_key=int(self._perm(epoch)[within]))
 
     def __repr__(self) -> str:
@@ -95,12 +98,12 @@ class InputsTargets(grain.transforms.Map):
 
 def build(index_path: str | os.PathLike, host: int, host_count: int, *, batch: int,
           sharding: str = "twice", seed: int = 7, workers: int = 0,
-          operations: list | None = None) -> grain.DataLoader:
+          operations: list | None = None, start: int = 0) -> grain.DataLoader:
     source = MixSource(index_path)
     if sharding == "twice":
-        sampler = BlockSampler(len(source), seed, host, host_count)
+        sampler = BlockSampler(len(source), seed, host, host_count, start)
     else:
-        sampler = BlockSampler(len(source), seed)
+        sampler = BlockSampler(len(source), seed, start=start)
     ops = operations if operations is not None else [DropId(), InputsTargets()]
     return grain.DataLoader(
         data_source=source, sampler=sampler,
@@ -114,4 +117,5 @@ def make_loader(host: int, host_count: int) -> grain.DataLoader:
     return build(os.environ["TALLY_TEST_MIX"], host, host_count,
                  batch=int(os.environ.get("TALLY_TEST_BATCH", "4")),
                  sharding=os.environ.get("TALLY_TEST_SHARDING", "twice"),
-                 workers=int(os.environ.get("TALLY_TEST_WORKERS", "0")))
+                 workers=int(os.environ.get("TALLY_TEST_WORKERS", "0")),
+                 start=int(os.environ.get("TALLY_TEST_START", "0")))

@@ -190,3 +190,80 @@ def test_replay_bad_input_is_one_line(mix, tmp_path):
               env=env)
     assert r.returncode == 2 and "saved for sampler BlockSampler(total=1" in r.stderr
     assert not list((tmp_path / "s").rglob("*.parquet"))
+
+
+@pytest.fixture(scope="module")
+def eight_host_run(mix, tmp_path_factory):
+    """40 steps of the stack sharded once on 8 hosts (4 rows each), ingested; each host's
+    loader state saved at step 40 as Grain's checkpoint files."""
+    d = tmp_path_factory.mktemp("run8")
+    states = d / "states"
+    states.mkdir()
+    for h in range(8):
+        loader = olmo_stack.build(mix["index"], h, 8, batch=4, sharding="once")
+        with LedgerWriter(d / "spool", "olmo8", host=h, host_count=8, records_per_epoch=N,
+                          fsync=False) as w:
+            it = iter(audited(loader, w))
+            for _ in range(40):
+                next(it)
+            (states / f"process_{h}-of-8.json").write_bytes(it.get_state())
+    r = tally("ingest", str(d / "spool"), "--ledger", str(d / "ledger.duckdb"), "-q")
+    assert r.returncode == 0, r.stderr
+    return {"ledger": d / "ledger.duckdb", "states": states}
+
+
+def preflight(mix, run8, hosts, env, *extra):
+    r = tally("preflight", "--run", "olmo8", "--ledger", str(run8["ledger"]), "--manifest",
+              str(mix["manifest"]), "--loader", "tests.olmo_stack:make_loader", "--hosts",
+              str(hosts), "--json", "-q", *extra, env={"TALLY_TEST_MIX": str(mix["index"]),
+                                                       **env})
+    assert r.returncode in (0, 1, 2), r.stderr
+    v = json.loads(r.stdout)
+    assert r.returncode == {"safe": 0, "unsafe": 1, "unknown": 2}[v["status"]]
+    return v
+
+
+def test_preflight_of_the_users_loader_before_a_relaunch_on_4_hosts(mix, eight_host_run):
+    start = 40 * 32  # the global position after 40 steps of 32 rows
+    # Corrected relaunch: sharded once, the sampler started at the run's position.
+    safe = preflight(mix, eight_host_run, 4, {"TALLY_TEST_SHARDING": "once",
+                                              "TALLY_TEST_BATCH": "8",
+                                              "TALLY_TEST_START": str(start)}, "--at-step", "40")
+    assert safe["status"] == "safe", safe
+    n = safe["numbers"]
+    assert n["reached_multiple"] and n["skipped"] == 0 and n["repeats"] == 0
+    assert n["old_global_batch"] == n["new_global_batch"] == 32 and n["old_hosts"] == 8
+    # The incident's relaunch: sampler blocks per host and ShardOptions too.
+    bad = preflight(mix, eight_host_run, 4, {"TALLY_TEST_SHARDING": "twice",
+                                             "TALLY_TEST_BATCH": "8",
+                                             "TALLY_TEST_START": str(40 * 8)}, "--at-step", "40")
+    assert bad["status"] == "unsafe"
+    codes = {f["code"] for f in bad["findings"]}
+    assert {"repeats", "skips"} <= codes, codes
+    assert bad["numbers"]["first_bad_step"] >= 40 and "UNSAFE" in bad["headline"]
+    # A relaunch that forgets the start offset replays the first 40 steps.
+    again = preflight(mix, eight_host_run, 4, {"TALLY_TEST_SHARDING": "once",
+                                               "TALLY_TEST_BATCH": "8"}, "--at-step", "40")
+    assert again["status"] == "unsafe"
+    assert again["numbers"]["repeats"] == 40 * 32
+    # A global batch changed on the relaunch.
+    wider = preflight(mix, eight_host_run, 4, {"TALLY_TEST_SHARDING": "once",
+                                               "TALLY_TEST_BATCH": "16",
+                                               "TALLY_TEST_START": str(start)}, "--at-step", "40")
+    assert "global_batch_changed" in {f["code"] for f in wider["findings"]}
+
+
+def test_preflight_from_grains_checkpointed_states(mix, eight_host_run):
+    env = {"TALLY_TEST_SHARDING": "once", "TALLY_TEST_BATCH": "4"}
+    same = preflight(mix, eight_host_run, 8, env, "--states", str(eight_host_run["states"]))
+    assert same["status"] == "safe", same
+    assert same["numbers"]["checkpoint_step"] == 40
+    # The same states restored on 4 hosts (new host h takes old host h's): positions mean
+    # other records there.
+    moved = preflight(mix, eight_host_run, 4, {**env, "TALLY_TEST_BATCH": "8"}, "--states",
+                      str(eight_host_run["states"]))
+    assert moved["status"] == "unsafe"
+    # A ledger behind the relaunch cannot answer.
+    behind = preflight(mix, eight_host_run, 8, env, "--at-step", "90")
+    assert behind["status"] == "unknown"
+    assert [f["code"] for f in behind["findings"]] == ["ledger_behind"]

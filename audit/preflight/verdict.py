@@ -52,7 +52,16 @@ class PreflightVerdict:
         lines = [self.headline()]
         lines += [f"  {f.severity} {f.code}: {f.message}" for f in self.findings]
         n = self.numbers
-        if "horizon_steps" in n:
+        if "horizon_steps" in n and n.get("plan") == "loader":
+            end = ("reaching the next multiple of the corpus" if n["reached_multiple"]
+                   else "short of the next multiple of the corpus")
+            lines.append(
+                f"  plan of {n['loader']}: {n['new_hosts']} host(s) x {n['horizon_steps']} "
+                f"steps from step {n['checkpoint_step']} ({end}), {n['planned']:,} records "
+                f"after {n['consumed_exposures']:,} exposures of {n['records_per_epoch']:,} "
+                f"records; global batch {n['old_global_batch']} -> {n['new_global_batch']}; "
+                f"{n['seconds']:.1f} s")
+        elif "horizon_steps" in n:
             end = (f"to the end of epoch {n['epoch']}" if n["reached_epoch_end"]
                    else "not reaching the end of the epoch")
             lines.append(
