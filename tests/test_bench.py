@@ -162,3 +162,15 @@ def test_state_size_benchmark_runs():
     assert 0 < faulty["many_hosts"] < 4000 * 0.02 and long["far_epochs"] > 0
     assert faulty["bytes"]["many_hosts"] > 0 and long["per_record"] > 4 * faulty["per_record"]
     assert healthy["ref"]["seconds"] > 0
+
+
+def test_replay_benchmark_runs(tmp_path):
+    from bench import replay_rate
+
+    res = replay_rate.main(["--hosts", "3", "--steps", "7", "--rows", "2", "--records", "500",
+                            "--reference-steps", "5", "--workers", "2", "--dir",
+                            str(tmp_path)])
+    assert res["keys"] == 42
+    for kind in ("index", "block"):
+        assert res[kind]["replay_keys_per_s"] > 0 and res[kind]["files"] == 3
+    assert not (tmp_path / "spool").exists()  # each replay's spool removed after it

@@ -63,15 +63,24 @@ def run_loader_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str
         return _check(opened, run_id, n, loader, new_hosts, at_step, states, horizon, t0)
 
 
-def _old_states(states: Path, loader: Any) -> dict[int, dict]:
-    """Every old host's state, by host (process_<i>-of-<n>.json, one n for all)."""
+def _old_states(states: Path, spec: str) -> tuple[dict[int, dict], int]:
+    """Every old host's state, by host (process_<i>-of-<n>.json, one n for all), and the step
+    they resume at: the old loaders' next batch ordinal (the lowest, should hosts differ)."""
     found = sorted(states.glob("process_*-of-*.json"))
     counts = {p.name.rsplit("-of-", 1)[1].removesuffix(".json") for p in found}
     if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
         raise TallyError(f"--states {states}: expected Grain's process_<i>-of-<n>.json for "
                          f"one host count n, found {[p.name for p in found[:4]]}")
     old = int(next(iter(counts)))
-    return {h: read_state(states, h, old, loader) for h in range(old)}
+    out, step = {}, None
+    for h in range(old):
+        loader = make_loader(spec, h, old)
+        out[h] = read_state(states, h, old, loader)
+        contract = contract_of(loader)
+        nxt = contract.next_batch(contract.cursor(out[h]))
+        if nxt is not None:
+            step = nxt[1] if step is None else min(step, nxt[1])
+    return out, step or 0
 
 
 def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
@@ -91,7 +100,7 @@ def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
             raise TallyError(f"--loader {spec}: {exc}") from None
         old: dict[int, dict] = {}
         if states is not None:
-            old = _old_states(Path(states), loaders[0])
+            old, at_step = _old_states(Path(states), spec)
         cursors, firsts = [], []
         for h, c in enumerate(contracts):
             st = old[h % len(old)] if old else None
@@ -99,8 +108,8 @@ def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
             cursors.append(cur_h)
             nxt = c.next_batch(cur_h)
             firsts.append(None if nxt is None else nxt[1])
-        # The relaunch's step: --at-step, else the restored loaders' own batch ordinal.
-        step = at_step if at_step is not None else min(f for f in firsts if f is not None)
+        # The relaunch's step: --at-step, else the step the checkpointed loaders were at.
+        step = at_step
         new_batch = sum(c.batch_size for c in contracts)
         old_hosts, old_batch, last = _ledger_shape(cur, run, step)
         v = PreflightVerdict(run_id, "safe", numbers={
@@ -129,8 +138,7 @@ def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
     for h, (x, c, cu) in enumerate(zip(loaders, contracts, cursors, strict=True)):
         idx, ordinal, _ = batches(c, cu, steps)
         keys.append(SamplerKeys(x._sampler).keys(idx))
-        base = at_step - (firsts[h] or 0) if at_step is not None else 0
-        at_steps.append(ordinal + base)
+        at_steps.append(ordinal - (firsts[h] or 0) + step)
         on_host.append(np.full(len(idx), h, np.int32))
     k, s, hh = np.concatenate(keys), np.concatenate(at_steps), np.concatenate(on_host)
     _plan_findings(v, counts, k, s, hh, n, steps, add)
