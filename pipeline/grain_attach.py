@@ -134,7 +134,7 @@ def contract_of(loader: grain.DataLoader) -> Contract:
                 "no longer names one record, so Tally cannot read the keys from the loader. "
                 "Filter in the data source or the sampler instead, or carry the record key "
                 "through the pipeline and write batches with LedgerWriter.write_batch "
-                "(README: 'IterDataset pipelines with packing')")
+                "(README: 'Attaching Tally to your own loop')")
     if batch is None:
         raise AttachError("the loader has no Batch operation: Tally records batches (add "
                           "grain.transforms.Batch(batch_size=...) as the last operation)")
@@ -429,12 +429,16 @@ class AuditedLoader:
         return getattr(self.loader, name)
 
 
-def audited(loader: grain.DataLoader, spool: Any, run_id: str | None = None, *,
+def audited(loader: Any, spool: Any, run_id: str | None = None, *,
             start_step: int = 0, tokens_field: str = "tokens",
             hashes: ManifestHashes | str | os.PathLike | None = None,
             epoch_of: Callable[[np.ndarray], np.ndarray] | None = None,
-            **writer_options: Any) -> AuditedLoader:
+            **writer_options: Any) -> AuditedLoader | AuditedDataset:
     """`loader`, recording every batch its iterators hand out.
+
+    `loader` is a `grain.DataLoader`, or a MapDataset pipeline ending in `.batch(B)` (or its
+    `to_iter_dataset()...batch(B)`): for those, give `host=` and `host_count=` with a spool
+    directory (a MapDataset does not know its host).
 
     `spool`: a spool directory (a `LedgerWriter` is made for this host: host and host count
     from the loader's `ShardOptions`, records_per_epoch from the data source, `run_id` and
@@ -445,18 +449,32 @@ def audited(loader: grain.DataLoader, spool: Any, run_id: str | None = None, *,
     records back. Raises AttachError for a loader whose operations are not 1:1."""
     from audit.hook.writer import LedgerWriter
 
-    contract = contract_of(loader)
+    dataset = isinstance(loader, (grain.MapDataset, grain.IterDataset))
+    if dataset:
+        elements = dataset_contract(loader).elements
+        records = len(source_indices(elements, np.zeros(1, np.int64))[1])
+        if not isinstance(spool, LedgerWriter) and not {"host", "host_count"} <= set(
+                writer_options):
+            raise AttachError("a dataset pipeline does not know its host: give host= and "
+                              "host_count= (or a LedgerWriter)")
+    else:
+        contract = contract_of(loader)
+        records = _length(loader._data_source)
+        writer_options.setdefault("host", contract.shard_index)
+        writer_options.setdefault("host_count", contract.shard_count)
     if isinstance(hashes, (str, os.PathLike)):
         hashes = ManifestHashes(hashes)
     writer = spool
     if not isinstance(spool, LedgerWriter):
         if run_id is None:
             raise AttachError("audited(loader, spool, run_id): a spool directory needs a run id")
-        writer_options.setdefault("records_per_epoch", _length(loader._data_source))
+        writer_options.setdefault("records_per_epoch", records)
         if hashes is not None:
             writer_options.setdefault("manifest_fingerprint", hashes.fingerprint)
-        writer = LedgerWriter(Path(spool), run_id, host=contract.shard_index,
-                              host_count=contract.shard_count, **writer_options)
+        writer = LedgerWriter(Path(spool), run_id, **writer_options)
+    if dataset:
+        return AuditedDataset(loader, writer, start_step=start_step, tokens_field=tokens_field,
+                              hashes=hashes)
     return AuditedLoader(loader, writer, start_step=start_step, tokens_field=tokens_field,
                          hashes=hashes, epoch_of=epoch_of)
 
@@ -467,3 +485,158 @@ def _length(source: Any) -> int | None:
     except TypeError:
         return None
     return n if n > 0 else None
+
+
+# ---- MapDataset pipelines ----------------------------------------------------------------
+# A MapDataset pipeline decides record order by index arithmetic too: a batch position k holds
+# elements k*B .. k*B + B - 1 of the dataset under the Batch, and each element index walks down
+# the chain to the source: a slice maps i to start + (i % len) * step + (i // len) * parent's
+# length, a shuffle through Grain's per-epoch index shuffle, a repeat passes it on (or takes it
+# modulo with reseed_each_epoch=False), 1:1 maps pass it on, and the source reads index % N:
+# the record key is g % N and the epoch g // N. Filter, flat map, mix, window shuffle and zip
+# change that correspondence and are refused.
+_PASS_THROUGH = ("MapMapDataset", "RandomMapMapDataset", "MapWithIndexMapDataset",
+                 "_WithSeedMapDataset")
+_ITER_PASS_THROUGH = ("MapIterDataset", "RandomMapIterDataset", "_WithSeedIterDataset",
+                      "_WithOptionsIterDataset", "WithOptionsIterDataset")
+
+
+def _parent(ds: Any) -> Any:
+    parents = getattr(ds, "_parents", ())
+    return parents[0] if parents else None
+
+
+def source_indices(ds: grain.MapDataset, idx: np.ndarray) -> tuple[np.ndarray, Any]:
+    """(global source indices epoch * N + record key, the source) of elements `idx` of `ds`."""
+    idx = np.asarray(idx, np.int64)
+    while True:
+        name = type(ds).__name__
+        if name in _PASS_THROUGH:
+            pass
+        elif name == "SliceMapDataset":
+            if ds._length == 0:
+                raise AttachError("an empty slice in the pipeline: nothing to read")
+            epoch, off = np.divmod(idx, ds._length)
+            idx = ds._start + off * ds._step + epoch * ds._parent_length
+        elif name == "ShuffleMapDataset":
+            length = len(ds)
+            epoch, within = np.divmod(idx, length)
+            fn, seeds = _index_shuffle(), ((ds._seed + epoch) % 2**32).tolist()
+            shuffled = np.fromiter((fn(i, length - 1, e, 4) for i, e in
+                                    zip(within.tolist(), seeds, strict=True)), np.int64, len(idx))
+            idx = shuffled + epoch * length
+        elif name == "RepeatMapDataset":
+            if not ds._reseed_each_epoch:
+                idx = idx % ds._parent_length
+        elif name == "SourceMapDataset":
+            return idx, ds._source
+        else:
+            raise AttachError(
+                f"{name} in the MapDataset pipeline changes which record an index names "
+                "(filter, flat map, mix, window shuffle, zip): carry the record key instead "
+                "(map_with_index right after the source) and hand batches to "
+                "LedgerWriter.write_batch (README: 'Attaching Tally to your own loop')")
+        ds = _parent(ds)
+        if ds is None:
+            raise AttachError("the pipeline does not start at MapDataset.source(...)")
+
+
+@dataclass(frozen=True)
+class DatasetContract:
+    """A batched MapDataset pipeline: batch position k holds elements k*B .. of `elements`."""
+
+    elements: Any  # the MapDataset under the Batch
+    batch_size: int
+    drop_remainder: bool
+
+    def batch_indices(self, k: int) -> np.ndarray:
+        n = len(self.elements)
+        lo = k * self.batch_size
+        return np.arange(lo, min(lo + self.batch_size, n), dtype=np.int64)
+
+
+def dataset_contract(ds: Any) -> DatasetContract:
+    """The contract of `ds`: a MapDataset whose last step is `.batch(B)` (1:1 maps above it
+    allowed), or its `to_iter_dataset()` followed by 1:1 maps and `.batch(B)`."""
+    d = ds
+    names = _ITER_PASS_THROUGH if isinstance(ds, grain.IterDataset) else _PASS_THROUGH
+    while d is not None and type(d).__name__ in names:
+        d = _parent(d)
+    if type(d).__name__ not in ("BatchMapDataset", "BatchIterDataset"):
+        raise AttachError(f"expected a pipeline ending in .batch(B) (1:1 maps after it), found "
+                          f"{type(d).__name__}: packing and other IterDataset transformations "
+                          "need the record key carried (README: 'Attaching Tally to your own "
+                          "loop')")
+    b, drop = int(d._batch_size), bool(d._drop_remainder)
+    d = _parent(d)
+    if isinstance(ds, grain.IterDataset):
+        while d is not None and type(d).__name__ in _ITER_PASS_THROUGH:
+            d = _parent(d)
+        if type(d).__name__ != "PrefetchIterDataset":  # what to_iter_dataset() makes
+            raise AttachError(f"{type(d).__name__} between to_iter_dataset() and .batch(): "
+                              "only 1:1 maps keep positions naming records")
+        d = _parent(d)
+    source_indices(d, np.zeros(1, np.int64))  # refuses an unsupported chain now, not mid-run
+    return DatasetContract(d, b, drop)
+
+
+class AuditedDataset:
+    """A batched MapDataset (or its IterDataset) pipeline recording what it hands out.
+
+    `ds[k]` (a MapDataset) records batch k at step `start_step + k`; iterating records each
+    batch at its position, read from the iterator's state (`next_index`), so `set_state`
+    continues the keys."""
+
+    def __init__(self, ds: Any, writer: Any, *, start_step: int = 0,
+                 tokens_field: str = "tokens", hashes: ManifestHashes | None = None) -> None:
+        self.ds, self.writer, self.start_step = ds, writer, start_step
+        self.contract = dataset_contract(ds)
+        _, source = source_indices(self.contract.elements, np.zeros(1, np.int64))
+        self.records = len(source)
+        self._hashes = hashes or SourceHashes(_private_copy(source), tokens_field)
+
+    def _record(self, k: int) -> None:
+        idx = self.contract.batch_indices(k)
+        contract, hashes, n = self.contract, self._hashes, self.records
+
+        def segments() -> Segments:  # on the writer's thread
+            g, _ = source_indices(contract.elements, idx)
+            return hashes.segments(g % n, g // n)
+
+        self.writer.write_segments(self.start_step + k, segments)
+
+    def __getitem__(self, k: int) -> Any:
+        if not isinstance(self.ds, grain.MapDataset):
+            raise TypeError("an IterDataset is iterated, not indexed")
+        batch = self.ds[k]
+        self._record(int(k))
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.ds.to_iter_dataset() if isinstance(self.ds, grain.MapDataset) else self.ds
+        return _AuditedDatasetIterator(iter(ds), self)
+
+
+class _AuditedDatasetIterator(Iterator[Any]):
+    def __init__(self, it: Any, owner: AuditedDataset) -> None:
+        self._it, self._owner = it, owner
+
+    def __next__(self) -> Any:
+        k = int(self._it.get_state()["next_index"])  # batches read (elements, for an
+        if isinstance(self._owner.ds, grain.IterDataset):  # IterDataset batched on top)
+            k //= self._owner.contract.batch_size
+        batch = next(self._it)
+        self._owner._record(k)
+        return batch
+
+    def get_state(self) -> Any:
+        return self._it.get_state()
+
+    def set_state(self, state: Any) -> None:
+        self._it.set_state(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)

@@ -174,3 +174,60 @@ def test_loaders_that_are_not_one_to_one_are_refused():
         contract_of(no_batch)
     with pytest.raises(AttachError, match="expected a grain.DataLoader"):
         contract_of([1, 2, 3])
+
+
+# ---- MapDataset pipelines -----------------------------------------------------------------
+
+def pipeline(truth: bool = False, reseed: bool = True):
+    """A user's MapDataset pipeline (shuffle, repeat, per-host slice, a 1:1 map). The truth
+    variant also carries `map_with_index`'s epoch * N + key, which the attach never reads."""
+    ds = grain.MapDataset.source(Source())
+    if truth:
+        ds = ds.map_with_index(lambda i, x: {**x, "g": np.int64(i)})
+    ds = ds.shuffle(seed=4).repeat(reseed_each_epoch=reseed)[1::4]
+    return ds.map(lambda x: {**Pad().map(x), **({"g": x["g"]} if "g" in x else {})})
+
+
+def check_epochs(rows, truth_batches):
+    g = np.concatenate([b["g"] for b in truth_batches])
+    assert rows["record_key"].tolist() == (g % N).tolist()
+    assert rows["epoch"].tolist() == (g // N).tolist()
+
+
+@pytest.mark.parametrize("reseed", [True, False])
+def test_a_map_dataset_pipeline_by_index(tmp_path, reseed):
+    truth = pipeline(True, reseed).batch(3)
+    with LedgerWriter(tmp_path, "r", host=1, host_count=4, records_per_epoch=N,
+                      fsync=False) as w:
+        ds = audited(pipeline(False, reseed).batch(3), w)
+        got = [ds[k] for k in range(60)]  # 180 records of 26 a host-epoch: 7 epochs
+    rows = spool_rows(tmp_path)
+    check_rows(rows, got)
+    check_epochs(rows, [truth[k] for k in range(60)])
+
+
+def test_an_iter_dataset_pipeline_and_its_state(tmp_path):
+    truth = pipeline(True).to_iter_dataset().batch(3)
+    t_it = iter(truth)
+    every = [next(t_it) for _ in range(12)]
+    with LedgerWriter(tmp_path, "r", host=1, host_count=4, fsync=False) as w:
+        it = iter(audited(pipeline().to_iter_dataset().batch(3), w))
+        for _ in range(5):
+            next(it)
+        state = it.get_state()
+        again = iter(audited(pipeline().to_iter_dataset().batch(3), w))
+        again.set_state(state)
+        got = [next(again) for _ in range(7)]
+    rows = spool_rows(tmp_path)
+    check_epochs(rows, every)
+    assert [b["id"].tolist() for b in got] == [b["id"].tolist() for b in every[5:]]
+
+
+def test_dataset_pipelines_that_do_not_keep_positions_are_refused(tmp_path):
+    with LedgerWriter(tmp_path, "r", fsync=False) as w:
+        with pytest.raises(AttachError, match="FilterMapDataset in the MapDataset pipeline"):
+            audited(pipeline().filter(lambda x: x["id"] % 2 == 0).to_iter_dataset().batch(3), w)
+        with pytest.raises(AttachError, match="expected a pipeline ending in .batch"):
+            audited(pipeline(), w)
+    with pytest.raises(AttachError, match="give host= and host_count="):
+        audited(pipeline().batch(3), tmp_path, "r")
