@@ -231,3 +231,25 @@ def test_dataset_pipelines_that_do_not_keep_positions_are_refused(tmp_path):
             audited(pipeline(), w)
     with pytest.raises(AttachError, match="give host= and host_count="):
         audited(pipeline().batch(3), tmp_path, "r")
+
+
+def test_grains_checkpoint_handler_saves_and_restores_the_audited_iterator(tmp_path):
+    from etils import epath
+    from grain.checkpoint import CheckpointHandler
+
+    make = SAMPLERS["index_shuffled"]
+    truth = iter(loader(make(), host=0, hosts=1))
+    every = [next(truth) for _ in range(9)]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with LedgerWriter(tmp_path / "spool", "r", fsync=False) as w:
+        it = iter(audited(loader(make(), host=0, hosts=1), w))
+        for _ in range(4):
+            next(it)
+        CheckpointHandler().save(epath.Path(ckpt), it)  # process_0-of-1.json, as a job saves
+        restored = CheckpointHandler().restore(
+            epath.Path(ckpt), iter(audited(loader(make(), host=0, hosts=1), w)))
+        for _ in range(5):
+            next(restored)
+    assert (ckpt / "process_0-of-1.json").is_file()
+    check_rows(spool_rows(tmp_path / "spool"), every)
