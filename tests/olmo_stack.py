@@ -119,3 +119,16 @@ def make_loader(host: int, host_count: int) -> grain.DataLoader:
                  sharding=os.environ.get("TALLY_TEST_SHARDING", "twice"),
                  workers=int(os.environ.get("TALLY_TEST_WORKERS", "0")),
                  start=int(os.environ.get("TALLY_TEST_START", "0")))
+
+
+class DropRepetitive(grain.transforms.Filter):
+    """Not 1:1: drops instances (what MaxText's n-gram filter avoids doing)."""
+
+    def filter(self, element: dict) -> bool:
+        return len(np.unique(element["tokens"])) > 1
+
+
+def make_filtered_loader(host: int, host_count: int) -> grain.DataLoader:
+    """A loader Tally must refuse: a Filter among its operations."""
+    return build(os.environ["TALLY_TEST_MIX"], host, host_count, batch=4,
+                 operations=[DropRepetitive(), DropId()])

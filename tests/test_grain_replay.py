@@ -173,6 +173,7 @@ def test_replay_bad_input_is_one_line(mix, tmp_path):
         "no_such_module:f": "cannot import 'no_such_module'",
         "tests.olmo_stack:nope": "has no function 'nope'",
         "tests.olmo_stack": "expected MODULE:FUNCTION",
+        "tests.olmo_stack:make_filtered_loader": "operation 0 (DropRepetitive) is not 1:1",
     }
     for spec, said in cases.items():
         r = tally(*base, "--loader", spec, env=env)
