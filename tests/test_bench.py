@@ -174,3 +174,10 @@ def test_replay_benchmark_runs(tmp_path):
     for kind in ("index", "block"):
         assert res[kind]["replay_keys_per_s"] > 0 and res[kind]["files"] == 3
     assert not (tmp_path / "spool").exists()  # each replay's spool removed after it
+
+
+def test_attach_cost_benchmark_runs():
+    from bench import attach_cost
+
+    res = attach_cost.main(["--batches", "5", "--rows", "2", "--tokens", "16"])
+    assert res["plain_ms"] > 0 and res["audited_ms"] > 0 and res["ratio"] > 0
