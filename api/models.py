@@ -18,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 HEX_HASH = r"^0x[0-9a-f]{16}$"
+REPLAYED = ("written by `tally replay` from the loader's contract, not recorded while the run "
+            "trained: what the loader feeds, not what the run consumed")
 Severity = Literal["FAIL", "WARN", "INFO", "UNKNOWN"]
 Verdict = Literal["PASS", "WARN", "FAIL"]
 
@@ -135,7 +137,7 @@ class LiveFindings(Strict):
 class RunListItem(Strict):
     model_config = _exact({"run_id": "exp1", "manifest_fingerprint": "5f1c0a9e2b7d4c31",
                            "attempts": 1, "host_count": 2, "last_step": 29,
-                           "records_seen": 136, "exposures": 360})
+                           "records_seen": 136, "exposures": 360, "replayed": False})
 
     run_id: str
     manifest_fingerprint: str | None
@@ -144,6 +146,7 @@ class RunListItem(Strict):
     last_step: int | None = Field(description="latest effective step")
     records_seen: int
     exposures: int
+    replayed: bool = Field(description=REPLAYED)
 
 
 class Alert(Strict):
@@ -159,6 +162,8 @@ class Attempt(Strict):
     resumed_from_step: int | None
     host_count: int
     rolled_back_from_step: int | None
+    replayed: bool = Field(description="this attempt's files were written by `tally replay` "
+                                       "(their writer_version), not by the run")
 
 
 class NonFiniteLosses(Strict):
@@ -184,8 +189,9 @@ class RunSummary(Strict):
         "last_step": 29, "segment_files": 10, "records_seen": 136, "exposures": 360,
         "epoch_duplicates": 117, "epoch_duplicate_records": 72, "multi_host_records": 68,
         "rows_ingested": 480, "last_ingested_at": "2026-11-30T20:13:39.361079",
+        "replayed": False, "replayed_files": 0,
         "attempts": [{"attempt": 0, "resumed_from_step": None, "host_count": 2,
-                      "rolled_back_from_step": None}],
+                      "rolled_back_from_step": None, "replayed": False}],
         "non_finite_losses": {"count": 0, "first_step": None}, "finished": False,
         "finished_step": None, "state": "running", "coverage": _COVERAGE_EXAMPLE,
         "ingest_lag_seconds": 0.0, "quarantined_files": {"count": 0, "first": []},
@@ -203,6 +209,9 @@ class RunSummary(Strict):
     multi_host_records: int
     rows_ingested: int
     last_ingested_at: str | None
+    replayed: bool = Field(description=REPLAYED + " (every segment file of the run)")
+    replayed_files: int = Field(description="segment files written by `tally replay`, of "
+                                            "`segment_files` (some, not all: a mixed run)")
     attempts: list[Attempt]
     non_finite_losses: NonFiniteLosses
     finished: bool
@@ -405,6 +414,8 @@ class DiffSide(Strict):
     run_id: str
     source: str
     run_manifest_fingerprint: str | None
+    replayed: bool = Field(description=REPLAYED)
+    replayed_files: int = Field(description="segment files written by `tally replay`")
     last_step: int | None
     first_step: int | None
     steps: int
@@ -454,8 +465,8 @@ class DiffStepsSeries(Strict):
 
 _DIFF_SIDE = {
     "run_id": "exp1", "source": "ledger", "run_manifest_fingerprint": "5f1c0a9e2b7d4c31",
-    "last_step": 29, "first_step": 0, "steps": 30, "exposures": 360, "unknown_keys": 0,
-    "unknown_exposures": 0,
+    "replayed": False, "replayed_files": 0, "last_step": 29, "first_step": 0, "steps": 30,
+    "exposures": 360, "unknown_keys": 0, "unknown_exposures": 0,
     "coverage": {k: v for k, v in _COVERAGE_EXAMPLE.items()
                  if k not in ("step", "latest_step", "universe", "outside")},
     "series": {"last_step": [9, 19, 29], "coverage": [0.5333, 0.7867, 0.9067],
@@ -537,7 +548,7 @@ class ExposureAnswer(Strict):
         "records_consumed": 1, "exposures": 1, "first_step": 3, "last_step": 3,
         "headline": "of the 1 documents, 1 are in the corpus and 1 of them were consumed, 0 "
                     "of them twice or more",
-        "manifest_fingerprint": "5f1c0a9e2b7d4c31",
+        "replayed": False, "manifest_fingerprint": "5f1c0a9e2b7d4c31",
         "results": [{"content_hash": "0x0000000000000001", "exposures": 1,
                      "records": [{"record_key": 0, "split": "train", "domain": "code",
                                   "exposures": 1, "first_step": 3, "last_step": 3,
@@ -553,6 +564,7 @@ class ExposureAnswer(Strict):
     first_step: int | None
     last_step: int | None
     headline: str
+    replayed: bool = Field(description=REPLAYED)
     manifest_fingerprint: str | None
     results: list[DocumentExposure] = Field(description="one per posted hash, in order")
 

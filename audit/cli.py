@@ -81,7 +81,9 @@ def format_overview(ov: dict, path: str | Path) -> str:
                     f", steps >= {a['rolled_back_from_step']} rolled back "
                     f"({a['rolled_back_segments']:,} segments)")
             lines.append(f"  attempt {a['attempt']}: {start}, {a['host_count']} host(s), "
-                         f"{a['segments']:,} segments{back}")
+                         f"{a['segments']:,} segments{back}"
+                         + (", replayed (written by tally replay, not by the run)"
+                            if a.get("replayed") else ""))
             for h in a["hosts"]:
                 lines.append(f"    host {h['host']}: steps {h['first_step']}..{h['last_step']}, "
                              f"{h['files']} file(s), {h['segments']:,} segments, "

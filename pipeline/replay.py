@@ -19,7 +19,8 @@ What replay cannot prove: it says what the loader's contract *would* have fed, n
 consumed. A restore that misbehaves inside the run (a state loaded into the wrong host, a
 checkpoint from another step), an operation that drops records at run time, or a corpus changed
 under the run only show in a live audit. Replayed files say so in their metadata
-(`tally.replayed = 1`), and reports name a replayed run.
+(`tally.replayed = 1`, writer_version `tally-replay/1`: audit.hook.spool holds the rule), and
+every answer about the run names it replayed (docs/DESIGN.md, "Replay").
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from pipeline.grain_attach import (
 )
 
 ROWS_PER_FILE = 1 << 20  # ~1M rows a spool file (whole steps): ~27 MB, read in ~40 ms
-WRITER_VERSION = "tally-replay/1"
+WRITER_VERSION = sp.REPLAY_WRITER_VERSION  # what readers tell a replayed file by (spool.py)
 
 
 class ReplayError(TallyError):

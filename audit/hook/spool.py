@@ -14,7 +14,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,13 @@ from audit.hook.segments import MINIMUM
 
 FORMAT_VERSION = "1"
 WRITER_VERSION = "tally-writer/1"
+# `tally replay` (pipeline.replay) writes a run's spool from its loader's contract instead of
+# from the run: its files say `tally.replayed = "1"` and a writer_version under REPLAY_WRITER.
+# The ledger keeps each attempt's writer_version (no mark of its own), so the rule of which
+# files, attempts and runs are replayed lives here, once, in both forms: `is_replayed` (a
+# file's metadata), `replayed_sql` (a ledger attempt) and `replayed_run` (a whole run).
+REPLAY_WRITER = "tally-replay/"
+REPLAY_WRITER_VERSION = f"{REPLAY_WRITER}1"
 
 # The schemas a file of each kind may have (the segment loss column is optional).
 SCHEMAS = {"seg": (SEGMENT_SCHEMA, SEGMENT_SCHEMA_WITH_LOSS), "met": (METRIC_SCHEMA,)}
@@ -78,6 +85,27 @@ _RUN_ID = re.compile(RUN_ID_PATTERN)
 _FILE = re.compile(r"^(seg|met)-(\d{12,19})-(\d{6,19})\.parquet$")
 ATTEMPT_DIR = re.compile(r"^attempt=(\d+)$")
 _HOST_DIR = re.compile(r"^host=(\d+)$")
+
+
+def is_replayed(meta: Mapping[str, str], prefix: str = "") -> bool:
+    """A spool file written by `tally replay`, from its metadata (`prefix`: META_PREFIX for the
+    file's raw key-value metadata): marked `replayed = "1"`, or by a replay's writer_version.
+    A ledger keeps only the writer_version (per attempt, `replayed_sql`): a file marked only
+    by `replayed` and written by another writer reads as replayed from its spool alone."""
+    return (meta.get(f"{prefix}replayed") == "1"
+            or (meta.get(f"{prefix}writer_version") or "").startswith(REPLAY_WRITER))
+
+
+def replayed_sql(attempts: str = "a") -> str:
+    """The ledger's form of the rule: the attempt (table alias `attempts`) was written by
+    `tally replay` (its writer_version, which ingest keeps from the attempt's files)."""
+    return f"starts_with({attempts}.writer_version, '{REPLAY_WRITER}')"
+
+
+def replayed_run(replayed_files: int, segment_files: int) -> bool:
+    """A run's consumption is replayed when `tally replay` wrote every one of its segment files
+    (and it has one); a run with some of them is reported as mixed, by its count."""
+    return 0 < replayed_files == segment_files
 
 
 def check_run_id(run_id: str) -> str:
@@ -351,7 +379,7 @@ def _info(meta: dict[str, str], f: SpoolFile) -> dict[str, Any]:
         "records_per_epoch": (_int(meta, "records_per_epoch") if meta["records_per_epoch"]
                               else None),
         "checkpoint_dir": meta["checkpoint_dir"] or None,
-        "replayed": meta["replayed"] == "1",
+        "replayed": is_replayed(meta),
     }
     for key, from_path in (("run_id", f.run_id), ("attempt", f.attempt), ("host", f.host)):
         if info[key] != from_path:

@@ -30,6 +30,7 @@ from audit.core.schema import (
     SEGMENT_COLUMNS_ALL,
     sql_columns,
 )
+from audit.hook.spool import replayed_sql
 
 log = logging.getLogger("tally.lookup")
 
@@ -328,9 +329,9 @@ class Ledger:
     def overview(self) -> dict[str, Any]:
         """Runs, attempts, hosts with step ranges and row counts, and quarantined files."""
         runs = self.query("SELECT run, run_id, manifest_fingerprint FROM runs ORDER BY run_id")
-        attempts = self.query("""
+        attempts = self.query(f"""
             SELECT a.run, a.attempt, a.resumed_from_step, a.host_count, a.rolled_back_from_step,
-                   coalesce(sum(h.segments), 0) AS segments,
+                   {replayed_sql("a")} AS replayed, coalesce(sum(h.segments), 0) AS segments,
                    coalesce(sum(h.segments) FILTER (
                        WHERE h.step >= a.rolled_back_from_step), 0) AS rolled_back_segments
             FROM attempts a LEFT JOIN agg_steps h USING (run, attempt)

@@ -20,11 +20,12 @@ import numpy as np
 from audit.core import exposure
 from audit.core.errors import NotFound, Unavailable
 from audit.core.exposure import Coverage, effective_sql, start_sql
-from audit.hook.spool import FINISHED
+from audit.hook.spool import FINISHED, replayed_run, replayed_sql
 from audit.ledger.database import one
 from audit.ledger.lookup import LookupIndex
 
 EFFECTIVE = effective_sql("s", "a")  # over agg_steps s JOIN attempts a
+REPLAYED = replayed_sql("a")  # over ... JOIN attempts a: written by `tally replay`
 MAX_POINTS = 5000
 __all__ = ["NotFound", "Unavailable"]  # the errors the answers raise, for the routes
 # A page of a record lookup ends at a consumption: its place in the order, as a cursor.
@@ -55,13 +56,28 @@ def runs(cur: duckdb.DuckDBPyConnection, limit: int | None = None,
                (SELECT max(host_count) FROM attempts x WHERE x.run = r.run) AS host_count,
                (SELECT max(s.step) FROM agg_steps s JOIN attempts a USING (run, attempt)
                 WHERE s.run = r.run AND {EFFECTIVE}) AS last_step,
-               coalesce(g.records, 0), coalesce(g.exposures, 0)
+               coalesce(g.records, 0), coalesce(g.exposures, 0),
+               (SELECT count(*) FILTER (WHERE {REPLAYED}) FROM segments f
+                JOIN attempts a USING (run, attempt) WHERE f.run = r.run AND f.kind = 'seg'),
+               (SELECT count(*) FROM segments f WHERE f.run = r.run AND f.kind = 'seg')
         FROM runs r LEFT JOIN agg_runs g USING (run)
         WHERE $after IS NULL OR r.run_id > $after ORDER BY r.run_id LIMIT $limit""",
                        {"after": after, "limit": limit}).fetchall()
     names = ["run_id", "manifest_fingerprint", "attempts", "host_count", "last_step",
              "records_seen", "exposures"]
-    return [dict(zip(names, r, strict=True)) for r in rows]
+    return [{**dict(zip(names, r[:-2], strict=True)), "replayed": replayed_run(*r[-2:])}
+            for r in rows]
+
+
+def replayed_of(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
+    """Whether `tally replay` wrote the run's consumption rather than the run: its segment
+    files of replayed attempts (audit.hook.spool.replayed_sql), of all its segment files, and
+    `replayed` when that is every one (audit.hook.spool.replayed_run), as a reconcile of the
+    run's spool counts them."""
+    k, n = one(cur, f"""SELECT count(*) FILTER (WHERE {REPLAYED}), count(*)
+                        FROM segments f JOIN attempts a USING (run, attempt)
+                        WHERE f.run = ? AND f.kind = 'seg'""", [run])
+    return {"replayed": replayed_run(k, n), "replayed_files": int(k), "segment_files": int(n)}
 
 
 def last_step(cur: duckdb.DuckDBPyConnection, run: int) -> int | None:
@@ -358,10 +374,12 @@ def totals(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     rows = one(cur, "SELECT coalesce(sum(n_rows), 0), count(*), max(ingested_at) FROM segments "
                     "WHERE run = ? AND kind = 'seg'", [run])
     out["rows_ingested"], out["last_ingested_at"] = int(rows[0]), rows[2]
+    marked = replayed_of(cur, run)
+    out["replayed"], out["replayed_files"] = marked["replayed"], marked["replayed_files"]
     out["attempts"] = [dict(zip(("attempt", "resumed_from_step", "host_count",
-                                 "rolled_back_from_step"), r, strict=True))
-                       for r in cur.execute("""SELECT attempt, resumed_from_step, host_count,
-            rolled_back_from_step FROM attempts WHERE run = ? ORDER BY attempt""",
+                                 "rolled_back_from_step", "replayed"), r, strict=True))
+                       for r in cur.execute(f"""SELECT attempt, resumed_from_step, host_count,
+            rolled_back_from_step, {REPLAYED} FROM attempts a WHERE run = ? ORDER BY attempt""",
                                             [run]).fetchall()]
     out["non_finite_losses"] = non_finite_losses(cur, run)
     last = max(out["attempts"], key=lambda a: a["attempt"], default=None)

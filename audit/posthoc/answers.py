@@ -131,8 +131,10 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         steps = q.steps(cur, runs[r], uni, bucket=bucket)
         fp = cur.execute("SELECT manifest_fingerprint FROM runs WHERE run = ?",
                          [runs[r]]).fetchall()[0][0]
+        marked = q.replayed_of(cur, runs[r])
         side[r] = {
             "run_id": run_ids[r], "source": "ledger", "run_manifest_fingerprint": fp,
+            "replayed": marked["replayed"], "replayed_files": marked["replayed_files"],
             "last_step": last[r], "first_step": int(np.flatnonzero(per[r][0])[0])
             if per[r][0].any() else None,
             "steps": int((per[r][0] > 0).sum()), "exposures": int(per[r][2].sum()),
@@ -199,5 +201,5 @@ def exposure(cur: duckdb.DuckDBPyConnection, run: int, run_id: str, hashes: np.n
         res["records"].append({k: row[k] for k in ("record_key", "split", "domain", "exposures",
                                                    "first_step", "last_step", "hosts",
                                                    "epochs")})
-    return {"run_id": run_id, **summary, "manifest_fingerprint": manifest.fingerprint,
-            "results": results}
+    return {"run_id": run_id, **summary, "replayed": q.replayed_of(cur, run)["replayed"],
+            "manifest_fingerprint": manifest.fingerprint, "results": results}

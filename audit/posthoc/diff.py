@@ -87,7 +87,8 @@ def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Pa
         runs[r] = make_plan(run_id=sources[r].run_id, manifest=manifest, files=got.files,
                             attempts=got.attempts, run_fingerprint=got.fingerprint,
                             at_step=at_step, bucket_records=bucket_records,
-                            left_out=got.left_out)
+                            left_out=got.left_out, replayed_files=got.replayed_files,
+                            segment_files=got.segment_files)
         runs[r].replay_ranges = []  # a diff compares effective rows only
     plan = DiffPlan(runs, sources, 1)
     if window is not None and window < 1:

@@ -65,6 +65,33 @@ def _cell(v) -> str:
     return html.escape(str(v))
 
 
+def _replayed(run: dict) -> str:
+    """A run's side in the runs table: whether `tally replay` wrote its consumption."""
+    k = run.get("replayed_files", 0)
+    if not k:
+        return "no: recorded live"
+    return "yes" if run.get("replayed") else f"{k:,} of {run['segment_files']:,} files"
+
+
+def _replayed_banner(d: dict) -> str:
+    """Each run whose consumption `tally replay` wrote says so above everything else."""
+    out = []
+    for r in "ab":
+        run = d[r]
+        k = run.get("replayed_files", 0)
+        if not k:
+            continue
+        what = ("replayed: written by <code>tally replay</code> from the loader's contract, "
+                "not recorded while the run trained; it shows what the loader feeds"
+                if run.get("replayed") else
+                f"{k:,} of {run['segment_files']:,} spool files written by <code>tally "
+                "replay</code>, the rest recorded live")
+        out.append(f'<p class="replayed" data-run="{r}" data-replayed='
+                   f'"{str(bool(run.get("replayed"))).lower()}"><strong>{r.upper()} '
+                   f"({html.escape(run['run_id'])}) {what}.</strong></p>\n")
+    return "".join(out)
+
+
 def render_html(d: dict, tables: dict[str, pa.Table]) -> str:
     steps = tables["steps"]
     col = {c: steps[c].to_numpy() for c in steps.column_names} if steps.num_rows else {}
@@ -89,6 +116,7 @@ def render_html(d: dict, tables: dict[str, pa.Table]) -> str:
         "first_step", "last_step", "steps", "heldout_exposures", "unknown_keys")]
     runs.append({"": "coverage", **{r: f"{100 * (d[r]['coverage']['coverage'] or 0):.1f}%"
                                     for r in "ab"}})
+    runs.append({"": "replayed", **{r: _replayed(d[r]) for r in "ab"}})
     finds = "".join(f"<li><b class='{f['severity']}'>{f['severity']}</b> "
                     f"{html.escape(f['message'])}</li>" for f in d["findings"])
     recs = d["records"]
@@ -114,6 +142,7 @@ def render_html(d: dict, tables: dict[str, pa.Table]) -> str:
 <style>{CSS}</style></head><body>
 <h1>A {html.escape(d['a']['run_id'])} vs B {html.escape(d['b']['run_id'])}:
 <span class="{d['verdict']}">{status}</span></h1>
+{_replayed_banner(d)}
 <p>{d['identical_steps']:,} of {d['steps_compared']:,} steps identical; first divergent step
 <b>{step_or_none(d['first_divergent_step'])}</b>; {recs['only_a']:,} records seen only by A,
 {recs['only_b']:,} only by B, {recs['more_often_a']:,} more often by A,

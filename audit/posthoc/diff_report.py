@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from audit.core import exposure
 from audit.core.exposure import Coverage, Findings, verdict
+from audit.hook.spool import replayed_run
 from audit.posthoc.diff_bucket import RUNS, DiffPartial
 from audit.posthoc.multiset import jaccard
 from audit.reconcile.partials import Partial
@@ -151,6 +152,10 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
         counts = _padded(m.exposure_counts.get(r), max(1, len(m.exposure_counts.get(r, []))))
         runs[r] = {
             **plan.sources[r].to_dict(), "run_manifest_fingerprint": p.run_fingerprint,
+            # Written by `tally replay` from the loader's contract, not recorded live (as a
+            # reconcile's report.json says it, from the spool's files or the ledger's attempts).
+            "replayed": replayed_run(p.replayed_files, p.segment_files),
+            "replayed_files": p.replayed_files, "segment_files": p.segment_files,
             "files": len(p.files), "skipped_files": read[r].skipped_files,
             "attempts": len(p.attempts), "hosts": p.hosts, "segments": read[r].segments,
             "exposures": int(m.exposures.get(r, 0)), "first_step": read[r].first_step,
@@ -295,6 +300,13 @@ def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
     (out / "diff.html").write_text(render_html(report, tables))
 
 
+def replayed_words(run: dict[str, Any]) -> str:
+    """What a run's side of a diff rests on when `tally replay` wrote some or all of it."""
+    if run.get("replayed"):
+        return "replayed from the loader's contract, not recorded live"
+    return f"{run['replayed_files']:,} of {run['segment_files']:,} spool files replayed"
+
+
 def summary(d: dict, out: Path | None = None) -> str:
     """A few lines for the terminal."""
     a, b, recs = d["a"], d["b"], d["records"]
@@ -303,7 +315,9 @@ def summary(d: dict, out: Path | None = None) -> str:
     first = d["first_divergent_step"]
     lines = [
         f"diff A {a['source']}:{a['run_id']} vs B {b['source']}:{b['run_id']}: {head} "
-        f"({d['verdict']})" + (f" as of step {d['at_step']}" if d["at_step"] is not None else ""),
+        f"({d['verdict']})" + (f" as of step {d['at_step']}" if d["at_step"] is not None else "")
+        + "".join(f"; {r.upper()} {replayed_words(d[r])}" for r in RUNS
+                  if d[r].get("replayed_files")),
         f"  steps: {d['identical_steps']:,} of {d['steps_compared']:,} identical; first "
         f"divergent step {'none' if first is None else first}; mean Jaccard "
         f"{_pct(d['jaccard']['mean'])}",

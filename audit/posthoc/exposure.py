@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from audit.core.arrays import distinct
 from audit.core.errors import TallyError
 from audit.core.exposure import effective, effective_sql, rolled_back_from, start_sql, starts
-from audit.hook.spool import BadFile, read_checked
+from audit.hook.spool import BadFile, read_checked, replayed_run
 
 EXPOSURE_VERSION = 1
 MAX_EXAMPLES = 20
@@ -286,13 +286,15 @@ def consumed_in_ledger(cur: duckdb.DuckDBPyConnection, run: int,
 
 
 def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
-                      workers: int | None = None) -> tuple[pa.Table, list[str]]:
+                      workers: int | None = None) -> tuple[pa.Table, list[str], bool]:
     """The same from a run's published spool files (restart lineage applied); files that fail
-    their checks are skipped and named."""
+    their checks are skipped and named; and whether `tally replay` wrote the run's files
+    (audit.hook.spool.replayed_run)."""
     from audit.reconcile.plan import spool_inputs
 
     found = spool_inputs(spool, run_id)
     files, attempts = found.files, found.attempts
+    replayed = replayed_run(found.replayed_files, found.segment_files or 0)
     cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     wanted = pa.array(distinct(keys), pa.int64())
 
@@ -321,7 +323,7 @@ def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
                           "ORDER BY record_key").to_arrow_table()
     finally:
         con.close()
-    return out.cast(CONSUMED_SCHEMA), skipped
+    return out.cast(CONSUMED_SCHEMA), skipped, replayed
 
 
 # ---- documents x records x runs ---------------------------------------------------------------
@@ -413,7 +415,7 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
     matches the instances that hold its tokens: every run of tokens between two EOS tokens of
     the mix with the document's content (`pipeline.olmo.find_documents`)."""
     from audit.ledger.database import Ledger
-    from audit.ledger.queries import run_of
+    from audit.ledger.queries import replayed_of, run_of
 
     if (spool is None) == (ledger is None):
         raise TallyError("give exactly one of --spool or --ledger")
@@ -428,21 +430,28 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
         doc = np.flatnonzero(docs_.known)[doc]
     else:
         docs_, doc, key, occurrences = _inside_mix(index, docs, eos_token_id)
-    consumed, skipped = {}, {}
+    consumed, skipped, replayed = {}, {}, {}
     if spool is not None:
         if not Path(spool).is_dir():
             raise TallyError(f"spool {spool} is not a directory")
         for r in runs:
-            consumed[r], skipped[r] = consumed_in_spool(Path(spool), r, key)
+            consumed[r], skipped[r], replayed[r] = consumed_in_spool(Path(spool), r, key)
     else:
         with Ledger(ledger, read_only=True) as led:
             cur = led.cursor()
             for r in runs:
                 try:
-                    consumed[r], skipped[r] = consumed_in_ledger(cur, run_of(cur, r), key), []
+                    run = run_of(cur, r)
                 except TallyError as exc:  # NotFound: name the ledger
                     raise TallyError(f"{exc} (ledger {ledger})") from None
+                consumed[r], skipped[r] = consumed_in_ledger(cur, run, key), []
+                replayed[r] = replayed_of(cur, run)["replayed"]
     table = join(docs_.content_hash, doc, key, index, consumed)
+    per_run = summarize(table, len(docs_), runs)
+    for r, facts in per_run["runs"].items():
+        # Written by `tally replay` from the loader's contract: what the loader would have
+        # fed, not what the run consumed.
+        facts["replayed"] = replayed[r]
     result = {
         "exposure_version": EXPOSURE_VERSION,
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -455,7 +464,7 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
         "unknown_record_keys": int((~docs_.known).sum()),
         "matched": int(len(distinct(doc))),
         "matched_records": int(len(distinct(key))),
-        **summarize(table, len(docs_), runs),
+        **per_run,
         "skipped_files": {r: s[:MAX_EXAMPLES] for r, s in skipped.items() if s},
     }
     if occurrences is not None:  # documents found inside an OLMo mix
@@ -491,7 +500,9 @@ def summary(result: dict, out: Path | None = None) -> str:
     for run_id, r in result["runs"].items():
         lines.append(f"  run {run_id}: {r['headline']} ({r['exposures']:,} exposures"
                      + (f", steps {r['first_step']}..{r['last_step']})" if r["consumed"]
-                        else ")"))
+                        else ")")
+                     + (" — replayed from the loader's contract, not recorded live"
+                        if r.get("replayed") else ""))
     if out is not None:
         lines.append(f"  exposure: {out / 'exposure.parquet'}  ({out / 'exposure.json'})")
     return "\n".join(lines)

@@ -533,6 +533,13 @@ def evidence_html(ev: dict[str, list[dict[str, Any]]] | None) -> str:
     return '<div class="evidence">' + "".join(parts) + "</div>"
 
 
+def segment_files(report: dict[str, Any]) -> int:
+    """The run's spool segment files a report rests on (a report written before it said so:
+    the files it read, which were the spool's)."""
+    c = report["consumption"]
+    return c.get("segment_files", c["files"])
+
+
 def _replayed_banner(r: dict[str, Any]) -> str:
     """A run whose spool `tally replay` wrote says so above everything else."""
     k = r.get("replayed_files", 0)
@@ -542,7 +549,7 @@ def _replayed_banner(r: dict[str, Any]) -> str:
             "loader's contract, not recorded while the run trained. It shows what the loader "
             "feeds; a restore that misbehaved inside the run only shows in a live audit."
             if r.get("replayed") else
-            f"{k:,} of {r['consumption']['files']:,} spool files were written by "
+            f"{k:,} of {segment_files(r):,} spool files were written by "
             "<code>tally replay</code>, the rest recorded live.")
     return f'<p class="replayed" data-replayed="{str(bool(r.get("replayed"))).lower()}">' \
            f"<strong>{what}</strong></p>\n"

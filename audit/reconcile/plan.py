@@ -18,7 +18,7 @@ from audit.core.exposure import effective, effective_sql, rolled_back_from
 from audit.core.schema import SEGMENT_COLUMNS_ALL, names, sql_select
 from audit.hook import spool as sp
 from audit.ledger.database import Ledger
-from audit.ledger.queries import finished_hosts, non_finite_losses
+from audit.ledger.queries import finished_hosts, non_finite_losses, replayed_of
 
 # What the job reads of each row: the segment columns, with the row's attempt.
 COLUMNS = ("attempt", *names(SEGMENT_COLUMNS_ALL))
@@ -100,8 +100,11 @@ class Plan:
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
-    # Segment files written by `tally replay` from the loader's contract, not by the run.
+    # Segment files written by `tally replay` from the loader's contract, not by the run
+    # (audit.hook.spool.is_replayed), of the run's segment files: the spool's files read, or
+    # the files the ledger ingested (a ledger's run is read from an export of other files).
     replayed_files: int = 0
+    segment_files: int = 0
 
     def for_workers(self) -> Plan:
         """This plan without its lists of input files, which the workers get as their tasks:
@@ -128,7 +131,10 @@ class Inputs:
     milestones: list[dict[str, Any]] = field(default_factory=list)
     # A spool's metric files: the facts above are read from them by the job instead.
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
-    replayed_files: int = 0  # written by `tally replay` (file metadata tally.replayed = 1)
+    # Segment files written by `tally replay` (audit.hook.spool.is_replayed), of the run's
+    # segment files (None: `files`, a spool's; a ledger counts the files it ingested).
+    replayed_files: int = 0
+    segment_files: int | None = None
 
 
 def _footer(f: sp.SpoolFile) -> dict[str, str]:
@@ -145,7 +151,7 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
     step) of a file before it, the rule ingest applies (each host-step counts once)."""
     files, attempts, fingerprint, left_out, metric_files = [], {}, None, [], []
-    replayed = 0
+    replayed: set[str] = set()  # paths of replayed files
     kept: dict[tuple[int, int], list[tuple[int, int, str]]] = {}  # (attempt, host) -> ranges
     listed = [f for f, _ in sp.scan(spool)]
     segs = [f for f in listed if not isinstance(f, sp.Stray) and f.kind == "seg"
@@ -178,7 +184,8 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
             info["first_step"] = min(info["first_step"], first)
             info["rows"] = info.get("rows", 0) + rows
             fingerprint = fingerprint or md.get("tally.manifest_fingerprint") or None
-            replayed += md.get("tally.replayed") == "1"
+            if sp.is_replayed(md, sp.META_PREFIX):
+                replayed.add(str(f.path))
         except Exception:
             pass  # the worker re-checks the file and reports why it was skipped
         if first is not None:
@@ -191,8 +198,10 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
         files.append(InputFile(str(f.path), f, rows))
     if not files:
         raise TallyError(f"no segment files for run {run_id!r} in spool {spool}")
+    # Replayed files counted among those read (a duplicate left out counts once, in its twin).
     return Inputs(files, attempts, fingerprint, left_out, metric_files=metric_files,
-                  replayed_files=replayed)
+                  replayed_files=sum(f.path in replayed for f in files),
+                  segment_files=len(files))
 
 
 MILESTONE_LOSSES = ("heldout_loss", "train_loss")
@@ -337,6 +346,7 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
                 JOIN attempts a USING (run, attempt) WHERE m.run = ? AND {effective_sql("m", "a")}
                   AND m.name IN ('heldout_loss', 'train_loss') GROUP BY ALL""",
                                  [int(run[0]["run"])]).fetchnumpy()
+            marked = replayed_of(cur, int(run[0]["run"]))
         finally:
             cur.close()
     files = [InputFile(str(p), rows=pq.read_metadata(p).num_rows)
@@ -346,7 +356,8 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
              np.asarray(losses["s"], np.float64)[names == n],
              np.asarray(losses["c"], np.int64)[names == n]) for n in MILESTONE_LOSSES]
     return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite,
-                  finished, milestones(sums))
+                  finished, milestones(sums), replayed_files=marked["replayed_files"],
+                  segment_files=marked["segment_files"])
 
 
 def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) -> int:
@@ -366,8 +377,8 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
               non_finite_losses: dict[str, Any] | None = None,
               finished: dict[tuple[int, int], int] | None = None,
               milestones: list[dict[str, Any]] | None = None,
-              metric_files: list[sp.SpoolFile] | None = None, replayed_files: int = 0
-              ) -> Plan:
+              metric_files: list[sp.SpoolFile] | None = None, replayed_files: int = 0,
+              segment_files: int | None = None) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers."""
     from pipeline.manifest_file import manifest_info, uniform_row_groups
@@ -394,6 +405,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     plan.milestones = milestones or []
     plan.metric_files = metric_files or []
     plan.replayed_files = replayed_files
+    plan.segment_files = len(files) if segment_files is None else segment_files
     last = max([a["last_step"] for a in attempts.values()] + [0])
     if at_step is not None:
         last = min(last, at_step)

@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 
 from audit.core import exposure
 from audit.core.exposure import Coverage, verdict
+from audit.hook.spool import replayed_run
 from audit.reconcile import host_steps, loss
-from audit.reconcile.html import render_html, step_or_none
+from audit.reconcile.html import render_html, segment_files, step_or_none
 from audit.reconcile.partials import EXAMPLES, Partial, Spans
 from audit.reconcile.plan import Plan
 from audit.reconcile.verdict import findings
@@ -115,14 +116,15 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "at_step": plan.at_step,
         # Written by `tally replay` from the loader's contract: what the loader would have fed,
         # not what the run consumed (README, "What replay cannot prove").
-        "replayed": bool(plan.files) and plan.replayed_files == len(plan.files),
+        "replayed": replayed_run(plan.replayed_files, plan.segment_files),
         "replayed_files": plan.replayed_files,
         "manifest": {"path": plan.manifest, "fingerprint": plan.fingerprint,
                      "records": plan.records, "train_records": n},
         "run_manifest_fingerprint": plan.run_fingerprint,
         "consumption": {"segments": merged.segments,
                         "first_step": merged.first_step, "last_step": last,
-                        "files": len(plan.files), **_left_out(plan, merged),
+                        "files": len(plan.files), "segment_files": plan.segment_files,
+                        **_left_out(plan, merged),
                         "rows_per_step": int(np.median(steps["rows"].to_numpy()))
                         if steps.num_rows else 0},
         "coverage": {
@@ -266,7 +268,7 @@ def _replayed_note(report: dict) -> str:
         return ""
     if report.get("replayed"):
         return " — replayed from the loader's contract, not recorded live"
-    return f" — {k:,} of {report['consumption']['files']:,} spool files replayed"
+    return f" — {k:,} of {segment_files(report):,} spool files replayed"
 
 
 def summary(report: dict, out: Path | None = None) -> str:
