@@ -84,14 +84,19 @@ class Contract:
         iterator). The inverse of how Grain writes `last_seen_indices`."""
         if state is None:
             return Cursor([0] * self.streams, 0)
-        seen = state["last_seen_indices"]
-        if int(state.get("worker_count", 0)) != self.workers or len(seen) != self.streams:
-            raise AttachError(f"loader state for {state.get('worker_count')} worker(s), this "
-                              f"loader has {self.workers}")
-        g = self.streams * self.shard_count
-        nxt = [(int(seen[str(w)]) + g - self.shard_index - w * self.shard_count) // g
-               for w in range(self.streams)]
-        return Cursor(nxt, (int(state["last_worker_index"]) + 1) % self.streams)
+        try:
+            seen = state["last_seen_indices"]
+            if int(state.get("worker_count", 0)) != self.workers or len(seen) != self.streams:
+                raise AttachError(f"loader state for {state.get('worker_count')} worker(s), "
+                                  f"this loader has {self.workers}")
+            g = self.streams * self.shard_count
+            nxt = [(int(seen[str(w)]) + g - self.shard_index - w * self.shard_count) // g
+                   for w in range(self.streams)]
+            return Cursor(nxt, (int(state["last_worker_index"]) + 1) % self.streams)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AttachError(f"not a Grain DataLoader state ({type(exc).__name__}: {exc}): "
+                              "expected last_seen_indices for each worker and "
+                              "last_worker_index") from None
 
     def next_batch(self, cur: Cursor) -> tuple[np.ndarray, int, Cursor] | None:
         """(sampler indices of the next batch, its ordinal, the cursor after it), or None when
@@ -548,11 +553,14 @@ class DatasetContract:
     elements: Any  # the MapDataset under the Batch
     batch_size: int
     drop_remainder: bool
+    batches: int  # batches in one pass over `elements`
+    wraps: bool  # a MapDataset's batch k >= `batches` reads a later pass (Grain's rule)
 
     def batch_indices(self, k: int) -> np.ndarray:
         n = len(self.elements)
+        epoch, k = divmod(k, self.batches) if self.wraps and self.batches else (0, k)
         lo = k * self.batch_size
-        return np.arange(lo, min(lo + self.batch_size, n), dtype=np.int64)
+        return np.arange(lo, min(lo + self.batch_size, n), dtype=np.int64) + epoch * n
 
 
 def dataset_contract(ds: Any) -> DatasetContract:
@@ -567,7 +575,8 @@ def dataset_contract(ds: Any) -> DatasetContract:
                           f"{type(d).__name__}: packing and other IterDataset transformations "
                           "need the record key carried (README: 'Attaching Tally to your own "
                           "loop')")
-    b, drop = int(d._batch_size), bool(d._drop_remainder)
+    wraps = type(d).__name__ == "BatchMapDataset"
+    b, drop, batches = int(d._batch_size), bool(d._drop_remainder), len(d) if wraps else 0
     d = _parent(d)
     if isinstance(ds, grain.IterDataset):
         while d is not None and type(d).__name__ in _ITER_PASS_THROUGH:
@@ -577,7 +586,7 @@ def dataset_contract(ds: Any) -> DatasetContract:
                               "only 1:1 maps keep positions naming records")
         d = _parent(d)
     source_indices(d, np.zeros(1, np.int64))  # refuses an unsupported chain now, not mid-run
-    return DatasetContract(d, b, drop)
+    return DatasetContract(d, b, drop, batches, wraps)
 
 
 class AuditedDataset:

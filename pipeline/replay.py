@@ -137,6 +137,10 @@ def read_state(states: Path, host: int, hosts: int, loader: Any) -> dict[str, An
                           f"{exc})") from None
     if not isinstance(seen, dict):
         raise ReplayError(f"{path}: last_seen_indices is not a mapping")
+    try:
+        contract_of(loader).cursor(state)
+    except AttachError as exc:
+        raise ReplayError(f"{path}: {exc}") from None
     if "sampler" in state and state["sampler"] != repr(loader._sampler):
         raise ReplayError(f"{path}: saved for sampler {state['sampler']}, the loader's is "
                           f"{loader._sampler!r} (Grain would refuse this state too)")

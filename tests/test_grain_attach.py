@@ -253,3 +253,22 @@ def test_grains_checkpoint_handler_saves_and_restores_the_audited_iterator(tmp_p
             next(restored)
     assert (ckpt / "process_0-of-1.json").is_file()
     check_rows(spool_rows(tmp_path / "spool"), every)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_batched_map_dataset_indexed_past_its_end_reads_later_epochs(tmp_path, drop):
+    def ds(truth):
+        d = grain.MapDataset.source(Source())
+        if truth:
+            d = d.map_with_index(lambda i, x: {**x, "g": np.int64(i)})
+        return d.shuffle(seed=1).map(
+            lambda x: {**Pad().map(x), **({"g": x["g"]} if "g" in x else {})}
+        ).batch(4, drop_remainder=drop)
+
+    truth = ds(True)
+    with LedgerWriter(tmp_path, "r", records_per_epoch=N, fsync=False) as w:
+        audited_ds = audited(ds(False), w)
+        got = [audited_ds[k] for k in range(60)]  # 25 or 26 batches a pass: into pass 3
+    rows = spool_rows(tmp_path)
+    check_rows(rows, got)
+    check_epochs(rows, [truth[k] for k in range(60)])

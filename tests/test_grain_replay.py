@@ -190,6 +190,14 @@ def test_replay_bad_input_is_one_line(mix, tmp_path):
     r = tally(*base, "--loader", "tests.olmo_stack:make_loader", "--states", str(states),
               env=env)
     assert r.returncode == 2 and "saved for sampler BlockSampler(total=1" in r.stderr
+    # A state that is not Grain's at all: one line, not a KeyError's traceback.
+    for h in range(4):
+        (states / f"process_{h}-of-4.json").write_text(json.dumps(
+            {"last_seen_indices": {"7": 3}, "last_worker_index": 0, "worker_count": 0}))
+    r = tally(*base, "--loader", "tests.olmo_stack:make_loader", "--states", str(states),
+              env=env)
+    assert r.returncode == 2 and "not a Grain DataLoader state" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     assert not list((tmp_path / "s").rglob("*.parquet"))
 
 
