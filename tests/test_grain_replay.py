@@ -221,7 +221,7 @@ def eight_host_run(mix, tmp_path_factory):
     return {"ledger": d / "ledger.duckdb", "states": states}
 
 
-def preflight(mix, run8, hosts, env, *extra):
+def preflight(mix, run8, hosts, env, *extra):  # run8: any ingested "olmo8" run
     r = tally("preflight", "--run", "olmo8", "--ledger", str(run8["ledger"]), "--manifest",
               str(mix["manifest"]), "--loader", "tests.olmo_stack:make_loader", "--hosts",
               str(hosts), "--json", "-q", *extra, env={"TALLY_TEST_MIX": str(mix["index"]),
@@ -276,3 +276,40 @@ def test_preflight_from_grains_checkpointed_states(mix, eight_host_run):
     behind = preflight(mix, eight_host_run, 8, env, "--at-step", "90")
     assert behind["status"] == "unknown"
     assert [f["code"] for f in behind["findings"]] == ["ledger_behind"]
+
+
+@pytest.fixture(scope="module")
+def odd_run(tmp_path_factory):
+    """A corpus of 1,000 instances (not a multiple of the global batch 32): 10 steps of the
+    stack sharded once on 8 hosts, ingested."""
+    d = tmp_path_factory.mktemp("odd")
+    rng = np.random.default_rng(9)
+    index = write_mix(d / "mix", [("web", rng.integers(0, 60_000, 1000 * SEQ))], SEQ, "uint32")
+    r = tally("manifest", str(index), "-o", str(d / "manifest.parquet"), "-q")
+    assert r.returncode == 0, r.stderr
+    for h in range(8):
+        loader = olmo_stack.build(index, h, 8, batch=4, sharding="once")
+        with LedgerWriter(d / "spool", "olmo8", host=h, host_count=8, records_per_epoch=1000,
+                          fsync=False) as w:
+            it = iter(audited(loader, w))
+            for _ in range(10):
+                next(it)
+    r = tally("ingest", str(d / "spool"), "--ledger", str(d / "ledger.duckdb"), "-q")
+    assert r.returncode == 0, r.stderr
+    return {"index": index, "manifest": d / "manifest.parquet", "ledger": d / "ledger.duckdb"}
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_preflight_no_false_alarm_across_an_epoch_end_nor_with_workers(odd_run, workers):
+    """A correct relaunch whose plan crosses the corpus' end (N = 1,000, global batch 32), on
+    loaders with 0 or 2 worker streams, is SAFE; the sharded-twice relaunch is not."""
+    mix = {"index": odd_run["index"], "manifest": odd_run["manifest"]}
+    env = {"TALLY_TEST_BATCH": "8", "TALLY_TEST_WORKERS": workers}
+    ok = preflight(mix, odd_run, 4, {**env, "TALLY_TEST_SHARDING": "once",
+                                     "TALLY_TEST_START": str(10 * 32)}, "--at-step", "10")
+    assert ok["status"] == "safe", ok["findings"]
+    assert ok["numbers"]["reached_multiple"] and ok["numbers"]["planned"] > 1000 - 320
+    bad = preflight(mix, odd_run, 4, {**env, "TALLY_TEST_SHARDING": "twice",
+                                      "TALLY_TEST_START": str(10 * 8)}, "--at-step", "10")
+    assert bad["status"] == "unsafe"
+    assert {"repeats", "skips"} & {f["code"] for f in bad["findings"]}
