@@ -448,9 +448,10 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *,
     `spool`: a spool directory (a `LedgerWriter` is made for this host: host and host count
     from the loader's `ShardOptions`, records_per_epoch from the data source, `run_id` and
     `writer_options` as `LedgerWriter` takes them) or a `LedgerWriter` already made.
-    `start_step`: the training step of the loader's first batch (MaxText's `initial_step`
-    resume: the step the run resumed at); a loader restored from its own state continues
-    from its batch ordinal. `hashes`: a manifest path to take hashes from instead of reading
+    `start_step`: the training step of a fresh loader's first batch (a sampler resumed by its
+    own start offset, MaxText's `initial_step`: the step the run resumed at). A loader
+    restored from its own state already continues from its batch ordinal: leave it 0 there,
+    or the offset counts twice. `hashes`: a manifest path to take hashes from instead of reading
     records back. Raises AttachError for a loader whose operations are not 1:1."""
     from audit.hook.writer import LedgerWriter
 

@@ -202,7 +202,8 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
             "host": str(host), "host_count": str(spec.hosts), "resumed_from_step": "",
             "writer_version": WRITER_VERSION,
             "manifest_fingerprint": hashes.fingerprint if hashes is not None else "",
-            "records_per_epoch": str(len(hashes)) if hashes is not None else "",
+            "records_per_epoch": str(len(hashes) if hashes is not None
+                                     else len(loader._data_source)),
             "checkpoint_dir": "", "replayed": "1"}
     per_file = max(1, ROWS_PER_FILE // max(1, contract.batch_size))
     rows = files = 0
