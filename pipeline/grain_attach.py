@@ -365,10 +365,10 @@ class AuditedIterator(Iterator[Any]):
     """The loader's iterator, recording each batch it hands out (same objects, same order).
     `get_state`, `set_state`, `save`, `load` and `start_prefetch` are the iterator's own."""
 
-    def __init__(self, it: Any, loader: grain.DataLoader, writer: Any, contract: Contract,
+    def __init__(self, it: Any, writer: Any, contract: Contract,
                  keys: SamplerKeys, hashes: SourceHashes | ManifestHashes, start_step: int
                  ) -> None:
-        self._it, self._loader, self._writer = it, loader, writer
+        self._it, self._writer = it, writer
         self.contract, self._keys, self._hashes = contract, keys, hashes
         self.start_step = start_step
 
@@ -427,7 +427,7 @@ class AuditedLoader:
         self._hashes = hashes or SourceHashes(_private_copy(loader._data_source), tokens_field)
 
     def __iter__(self) -> AuditedIterator:
-        return AuditedIterator(iter(self.loader), self.loader, self.writer, self.contract,
+        return AuditedIterator(iter(self.loader), self.writer, self.contract,
                                self._keys, self._hashes, self.start_step)
 
     def __getattr__(self, name: str) -> Any:

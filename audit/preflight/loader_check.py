@@ -40,7 +40,7 @@ from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger, one
 from audit.preflight.verdict import PreflightVerdict
 from pipeline.grain_attach import SamplerKeys, contract_of
-from pipeline.replay import ReplayError, batches, make_loader, read_state
+from pipeline.replay import batches, make_loader, read_state
 
 DEFAULT_MAX_HORIZON = 1000
 
@@ -289,4 +289,4 @@ def _done(v: PreflightVerdict, t0: float) -> PreflightVerdict:
     return v
 
 
-__all__ = ["ReplayError", "run_loader_preflight"]
+__all__ = ["run_loader_preflight"]
