@@ -827,6 +827,11 @@ def _half_made(args: argparse.Namespace) -> list[Path]:
     if args.command in ("reconcile", "diff", "exposure"):
         out = Path(args.output)
         return [out / ".work"] if out.exists() else [out]
+    if args.command == "replay":
+        from pipeline.replay import ReplaySpec, work_dir
+
+        return [work_dir(ReplaySpec(loader="", hosts=1, steps=1, spool=Path(args.spool),
+                                    run_id=args.run))]
     if args.command == "manifest":
         out = Path(args.output)
         return [out.with_name(f".{out.name}.parts"), out.with_name(f".{out.name}.tmp")]

@@ -25,10 +25,12 @@ every answer about the run names it replayed (docs/DESIGN.md, "Replay").
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -269,20 +271,40 @@ def _replay_hosts(args: tuple) -> list[HostReplay]:
     return [replay_host(spec, h, hashes) for h in hosts]
 
 
+def work_dir(spec: ReplaySpec) -> Path:
+    """Where a replay writes before its run appears in the spool (a dot name: never listed)."""
+    return spec.spool / f".replay-{spec.run_id}.tmp"
+
+
 def replay(spec: ReplaySpec, *, workers: int | None = None) -> list[HostReplay]:
-    """Replay every host; refuses a run that already has spool files in `spec.spool`."""
+    """Replay every host; refuses a run that already has spool files in `spec.spool`.
+
+    The files are written under `work_dir(spec)` and the attempt's directory is renamed into
+    the spool at the end, so a replay that fails (a key beyond the manifest, a record that
+    cannot be read, Ctrl-C) leaves no half-replayed run, and the same command can run again."""
     check(spec)
     run_dir = spec.spool / spec.run_id
-    if run_dir.exists() and any(run_dir.rglob("seg-*.parquet")):
+    if (run_dir / "attempt=0").exists():
         raise ReplayError(f"run {spec.run_id} already has a spool at {run_dir}: replay into "
                           "another run id or spool directory")
+    work = work_dir(spec)
+    shutil.rmtree(work, ignore_errors=True)  # a replay killed before it could clean up
+    into = dataclasses.replace(spec, spool=work)
     if workers is None:
         workers = 1 if spec.hosts * spec.steps < 200_000 else min(spec.hosts, os.cpu_count() or 1)
     jobs = [list(range(spec.hosts))[i::workers] for i in range(min(workers, spec.hosts))]
-    if len(jobs) <= 1:
-        return _replay_hosts((spec, list(range(spec.hosts))))
-    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as ex:
-        out = [r for part in ex.map(_replay_hosts, [(spec, j) for j in jobs]) for r in part]
+    try:
+        if len(jobs) <= 1:
+            out = _replay_hosts((into, list(range(spec.hosts))))
+        else:
+            with ProcessPoolExecutor(len(jobs),
+                                     mp_context=multiprocessing.get_context("spawn")) as ex:
+                out = [r for part in ex.map(_replay_hosts, [(into, j) for j in jobs])
+                       for r in part]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.rename(work / spec.run_id / "attempt=0", run_dir / "attempt=0")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return sorted(out, key=lambda r: r.host)
 
 

@@ -113,7 +113,10 @@ def build(index_path: str | os.PathLike, host: int, host_count: int, *, batch: i
 
 
 def make_loader(host: int, host_count: int) -> grain.DataLoader:
-    """The factory `tally replay --loader` and `tally preflight --loader` call."""
+    """The factory `tally replay --loader` and `tally preflight --loader` call
+    (TALLY_TEST_FAIL_HOST: that host's loader cannot be made, as a job's broken flag would)."""
+    if os.environ.get("TALLY_TEST_FAIL_HOST") == str(host):
+        raise FileNotFoundError(f"no data for host {host}")
     return build(os.environ["TALLY_TEST_MIX"], host, host_count,
                  batch=int(os.environ.get("TALLY_TEST_BATCH", "4")),
                  sharding=os.environ.get("TALLY_TEST_SHARDING", "twice"),

@@ -313,3 +313,19 @@ def test_preflight_no_false_alarm_across_an_epoch_end_nor_with_workers(odd_run, 
                                       "TALLY_TEST_START": str(10 * 8)}, "--at-step", "10")
     assert bad["status"] == "unsafe"
     assert {"repeats", "skips"} & {f["code"] for f in bad["findings"]}
+
+
+def test_a_replay_that_fails_midway_leaves_no_run_and_can_run_again(mix, tmp_path):
+    env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_BATCH": "4"}
+    args = ["replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", "2", "--steps",
+            "30", "--spool", str(tmp_path / "s"), "--run", "r", "--manifest",
+            str(mix["manifest"]), "--workers", "1"]
+    # Host 0 is written, then host 1's loader cannot be made.
+    r = tally(*args, env={**env, "TALLY_TEST_FAIL_HOST": "1"})
+    assert r.returncode == 2 and "calling it for host 1 of 2 failed" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not list((tmp_path / "s").rglob("*.parquet"))  # host 0's file is not left behind
+    r = tally(*args, env=env)
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "s" / "r").rglob("seg-*.parquet"))) == 2
+    assert [p.name for p in (tmp_path / "s").iterdir()] == ["r"]  # the work directory gone
