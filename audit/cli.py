@@ -188,7 +188,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
                     | {"diff": str(out / "diff.json"), "html": str(out / "diff.html")})
     else:
         print(summary(d, out))
-    return 1 if args.strict and d["status"] != "identical" else 0
+    return 1 if args.strict and (d["status"] != "identical" or d["verdict"] == "FAIL") else 0
 
 
 def _cmd_exposure(args: argparse.Namespace) -> int:
@@ -469,7 +469,7 @@ def _runner(args: argparse.Namespace):
 EXIT_CODES = """exit status:
   0    done (preflight: safe to resume)
   1    a check failed: reconcile --strict with a FAIL verdict, diff --strict with runs that
-       differ, preflight unsafe; train: the status of the host that failed
+       differ or a FAIL verdict, preflight unsafe; train: the status of the host that failed
   2    bad input or a missing extra, said in one line on stderr (tally: error: ...);
        preflight: cannot tell
   130  interrupted (Ctrl-C); nothing half made is left behind"""

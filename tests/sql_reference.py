@@ -98,15 +98,34 @@ def reference(ledger_path: str, manifest: str, run_id: str, at_step: int | None 
                    ORDER BY step) AS k FROM starts)
         SELECT min(r.step) FROM ranked r JOIN cum USING (step)
         WHERE r.k > ceil(cum.c / {n})""")[0]
-    out["replay"] = {a: [rolled, replayed, identical] for a, rolled, replayed, identical in all_("""
-        WITH r AS (SELECT attempt, step, list((record_key, "offset", n_tokens, content_hash)
+    # A rolled-back step compares with the replay on the hosts that published it when both
+    # attempts have the same host count; on another host count only when every host of the
+    # rolled-back attempt published it (else it is neither replayed nor differing).
+    replay = all_(f"""
+        WITH hc AS (SELECT attempt, host_count FROM attempts JOIN runs USING (run)
+                    WHERE run_id = '{run_id}'),
+        rp AS (SELECT step, max(attempt) AS by_attempt FROM eff GROUP BY step),
+        rs AS (SELECT rb.attempt, rb.step, count(DISTINCT rb.host) AS nh,
+                      any_value(hc.host_count) AS hosts_a, any_value(hb.host_count) AS hosts_by
+               FROM rb JOIN hc USING (attempt) LEFT JOIN rp USING (step)
+               LEFT JOIN hc hb ON hb.attempt = rp.by_attempt GROUP BY ALL),
+        r AS (SELECT attempt, step, list((record_key, "offset", n_tokens, content_hash)
                    ORDER BY record_key, "offset", n_tokens, content_hash) AS rows
                    FROM rb GROUP BY ALL),
-        e AS (SELECT step, list((record_key, "offset", n_tokens, content_hash)
-              ORDER BY record_key, "offset", n_tokens, content_hash) AS rows
-              FROM eff GROUP BY ALL)
-        SELECT r.attempt, count(*), count(e.step), count(*) FILTER (WHERE r.rows = e.rows)
-        FROM r LEFT JOIN e USING (step) GROUP BY r.attempt""")}
+        e AS (SELECT rs.attempt, rs.step, list((eff.record_key, eff."offset", eff.n_tokens,
+                     eff.content_hash) ORDER BY eff.record_key, eff."offset", eff.n_tokens,
+                     eff.content_hash) AS rows
+              FROM rs JOIN eff USING (step)
+              WHERE rs.hosts_a IS DISTINCT FROM rs.hosts_by OR eff.host IN (
+                  SELECT host FROM rb WHERE rb.attempt = rs.attempt AND rb.step = rs.step)
+              GROUP BY ALL),
+        c AS (SELECT r.attempt, r.rows AS r_rows, e.rows AS e_rows, e.step IS NOT NULL AND
+                     (rs.hosts_a = rs.hosts_by OR rs.nh = rs.hosts_a) AS replayed
+              FROM r JOIN rs USING (attempt, step) LEFT JOIN e USING (attempt, step))
+        SELECT attempt, count(*), count(*) FILTER (WHERE replayed),
+               count(*) FILTER (WHERE replayed AND r_rows = e_rows)
+        FROM c GROUP BY attempt""")
+    out["replay"] = {a: [rolled, replayed, identical] for a, rolled, replayed, identical in replay}
     con.close()
     return out
 

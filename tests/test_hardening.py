@@ -277,3 +277,45 @@ def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_p
                 f'{float(integ["heldout_consumed_records"])}') in text
         report = srv.get("/v1/runs/r/report").json()  # the live report is served too
         assert report["findings"] == want["findings"]
+
+
+def test_diff_and_exposure_report_unreadable_files_as_reconcile_does(tmp_path):
+    """Before: with one truncated spool file, reconcile said FAIL files_unreadable, but `tally
+    diff` blamed a divergence at that file's step and `tally exposure` said nothing. Now each
+    command that reads a spool (or a ledger's quarantine) names the file, counted alike."""
+    spool = tmp_path / "spool"
+    for run in ("a", "b"):
+        for h in range(2):
+            write_steps(spool, run, host=h, hosts=2, steps=range(12), n=N, seed=h, flush_every=4,
+                        records_per_epoch=N)
+    victim = sp.host_dir(spool, "b", 0, 0) / sp.file_name("seg", 4, 2)
+    victim.write_bytes(victim.read_bytes()[:200])
+    man = str(tmp_path / "m.parquet")
+    uniform_manifest(tmp_path / "m.parquet", N)
+    pq.write_table(pa.table({"record_key": list(range(N))}), tmp_path / "docs.parquet")
+    assert _tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
+                  "-q").returncode == 0
+    for src in (spool, tmp_path / "l.duckdb"):
+        tag = src.name
+        rec = _tally("reconcile", *(["--spool", str(src)] if src == spool else
+                                    ["--ledger", str(src)]), "--manifest", man, "--run", "b",
+                     "-o", str(tmp_path / f"rep-{tag}"), "-q", "--json")
+        d = _tally("diff", "--a", f"{src}:a", "--b", f"{src}:b", "--manifest", man, "-o",
+                   str(tmp_path / f"d-{tag}"), "-q", "--strict")
+        e = _tally("exposure", "--spool" if src == spool else "--ledger", str(src),
+                   "--manifest", man, "--run", "a", "--run", "b", "--docs",
+                   str(tmp_path / "docs.parquet"), "-o", str(tmp_path / f"e-{tag}"), "-q")
+        assert "Traceback" not in rec.stderr + d.stderr + e.stderr
+        assert d.returncode == 1 and e.returncode == 0, (d.stderr, e.stderr)
+        want = "1 spool file(s) of run B (b) could not be read and were left out"
+        assert f"FAIL: {want}" in d.stdout and "seg-000000000004-000002.parquet" in d.stdout
+        assert "the divergence may be those files, not the loader" in d.stdout
+        assert "FAIL: 1 spool file(s) of run b could not be read" in e.stdout
+        report = json.loads((tmp_path / f"rep-{tag}" / "report.json").read_text())
+        diffed = json.loads((tmp_path / f"d-{tag}" / "diff.json").read_text())
+        exposed = json.loads((tmp_path / f"e-{tag}" / "exposure.json").read_text())
+        counts = [report["consumption"]["unreadable_files"], diffed["b"]["unreadable_files"],
+                  exposed["runs"]["b"]["unreadable_files"]]
+        assert counts == [1, 1, 1], (tag, counts)
+        assert diffed["a"]["unreadable_files"] == exposed["runs"]["a"]["unreadable_files"] == 0
+        assert {f["code"] for f in exposed["findings"]} == {"files_unreadable"}

@@ -80,6 +80,14 @@ def replayed_of(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     return {"replayed": replayed_run(k, n), "replayed_files": int(k), "segment_files": int(n)}
 
 
+def quarantined_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str, str]]:
+    """The run's spool files the ingester set aside, with why (paths relative to the spool,
+    which start with the run id), in path order."""
+    return [(str(p), str(r)) for p, r in cur.execute(
+        "SELECT path, reason FROM quarantine WHERE starts_with(path, ?) ORDER BY path",
+        [f"{run_id}/"]).fetchall()]
+
+
 def last_step(cur: duckdb.DuckDBPyConnection, run: int) -> int | None:
     return one(cur, f"""SELECT max(s.step) FROM agg_steps s JOIN attempts a USING (run, attempt)
                        WHERE s.run = ? AND {EFFECTIVE}""", [run])[0]

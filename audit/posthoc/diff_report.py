@@ -27,7 +27,8 @@ from audit.hook.spool import replayed_run
 from audit.posthoc.diff_bucket import RUNS, DiffPartial
 from audit.posthoc.multiset import jaccard
 from audit.reconcile.partials import Partial
-from audit.reconcile.report import json_default
+from audit.reconcile.report import files_left_out, json_default
+from audit.reconcile.verdict import left_out_findings
 
 DIFF_VERSION = 1
 STATUS = ("identical", "same_data_other_order", "different")
@@ -156,7 +157,8 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
             # reconcile's report.json says it, from the spool's files or the ledger's attempts).
             "replayed": replayed_run(p.replayed_files, p.segment_files),
             "replayed_files": p.replayed_files, "segment_files": p.segment_files,
-            "files": len(p.files), "skipped_files": read[r].skipped_files,
+            "files": len(p.files),
+            **files_left_out(p.left_out, read[r].skipped_files, read[r].skipped),
             "attempts": len(p.attempts), "hosts": p.hosts, "segments": read[r].segments,
             "exposures": int(m.exposures.get(r, 0)), "first_step": read[r].first_step,
             "last_step": read[r].last_step, "steps": int((seg[r] > 0).sum()),
@@ -231,6 +233,8 @@ def findings(d: dict[str, Any]) -> list[dict[str, Any]]:
     add = out.add
     for r in RUNS:
         run, fp = d[r], d[r]["run_manifest_fingerprint"]
+        left_out_findings(run, add, whose=f"run {r.upper()} ({run['run_id']})",
+                          missing_from="this diff", run=r)
         if fp and d["manifest"]["fingerprint"] and fp != d["manifest"]["fingerprint"]:
             add("FAIL", "manifest_mismatch",
                 f"run {r.upper()} ({run['run_id']}) trained against manifest {fp}, this diff "
@@ -261,6 +265,14 @@ def findings(d: dict[str, Any]) -> list[dict[str, Any]]:
                 f"the runs consumed the same multiset of records in every {where}, in another "
                 f"order from step {first}: {detail}", step=first, identical_steps=same)
         else:
+            # A run's unreadable file reads as steps it did not consume: say so beside the
+            # divergence rather than let the loader take the blame for a damaged file.
+            unread = [f"{r.upper()} {d[r]['unreadable_files']:,}" for r in RUNS
+                      if d[r].get("unreadable_files")]
+            if unread:
+                detail += (f"; unreadable spool files ({', '.join(unread)}, see "
+                           "files_unreadable) hold rows missing here, so the divergence may "
+                           "be those files, not the loader")
             add("FAIL", "diverged", f"the runs diverge at step {first}: {detail}",
                 step=first, identical_steps=same, only_a=recs["only_a"], only_b=recs["only_b"])
         if d["steps_same_records_other_tokens"]:

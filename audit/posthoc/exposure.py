@@ -33,11 +33,17 @@ import pyarrow.parquet as pq
 
 from audit.core.arrays import distinct
 from audit.core.errors import TallyError
-from audit.core.exposure import effective, effective_sql, rolled_back_from, start_sql, starts
+from audit.core.exposure import (
+    Findings,
+    effective,
+    effective_sql,
+    rolled_back_from,
+    start_sql,
+    starts,
+)
 from audit.hook.spool import BadFile, read_checked, replayed_run
 
 EXPOSURE_VERSION = 1
-MAX_EXAMPLES = 20
 DOC_CHUNK = 65_536  # documents hashed per read
 
 # Per matched record: what a run's consumption says about it.
@@ -286,23 +292,26 @@ def consumed_in_ledger(cur: duckdb.DuckDBPyConnection, run: int,
 
 
 def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
-                      workers: int | None = None) -> tuple[pa.Table, list[str], bool]:
-    """The same from a run's published spool files (restart lineage applied); files that fail
-    their checks are skipped and named; and whether `tally replay` wrote the run's files
+                      workers: int | None = None) -> tuple[pa.Table, dict[str, Any], bool]:
+    """The same from a run's published spool files (restart lineage applied); the files left
+    out, as reconcile counts them (audit.reconcile.report.files_left_out: entries that are not
+    spool files and files that fail their checks are unreadable, repeats of a host-step are
+    duplicates); and whether `tally replay` wrote the run's files
     (audit.hook.spool.replayed_run)."""
     from audit.reconcile.plan import spool_inputs
+    from audit.reconcile.report import files_left_out
 
-    found = spool_inputs(spool, run_id)
-    files, attempts = found.files, found.attempts
-    replayed = replayed_run(found.replayed_files, found.segment_files or 0)
+    listed = spool_inputs(spool, run_id)
+    files, attempts = listed.files, listed.attempts
+    replayed = replayed_run(listed.replayed_files, listed.segment_files or 0)
     cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     wanted = pa.array(distinct(keys), pa.int64())
 
-    def rows(f) -> pa.Table | str:
+    def rows(f) -> pa.Table | tuple[str, str]:
         try:
             table, _ = read_checked(f.spool_file)
         except BadFile as exc:
-            return f"{f.path}: {exc}"
+            return f.path, str(exc)
         hit = pc.is_in(table["record_key"], value_set=wanted).to_numpy(zero_copy_only=False)
         step = table["step"].to_numpy()
         keep = hit & starts(table["offset"].to_numpy()) & effective(
@@ -311,8 +320,8 @@ def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
 
     with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
         parts = list(pool.map(rows, files)) if len(wanted) else []
-    skipped = [p for p in parts if isinstance(p, str)]
-    tables = [p for p in parts if not isinstance(p, str)]
+    skipped = [p for p in parts if isinstance(p, tuple)]
+    tables = [p for p in parts if not isinstance(p, tuple)]
     found = pa.concat_tables(tables) if tables else pa.table({
         "record_key": pa.array([], pa.int64()), "step": pa.array([], pa.int64()),
         "host": pa.array([], pa.int32()), "epoch": pa.array([], pa.int32())})
@@ -323,7 +332,8 @@ def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
                           "ORDER BY record_key").to_arrow_table()
     finally:
         con.close()
-    return out.cast(CONSUMED_SCHEMA), skipped, replayed
+    return out.cast(CONSUMED_SCHEMA), files_left_out(listed.left_out, skipped,
+                                                     len(skipped)), replayed
 
 
 # ---- documents x records x runs ---------------------------------------------------------------
@@ -415,7 +425,9 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
     matches the instances that hold its tokens: every run of tokens between two EOS tokens of
     the mix with the document's content (`pipeline.olmo.find_documents`)."""
     from audit.ledger.database import Ledger
-    from audit.ledger.queries import replayed_of, run_of
+    from audit.ledger.queries import quarantined_of, replayed_of, run_of
+    from audit.reconcile.report import files_left_out
+    from audit.reconcile.verdict import left_out_findings
 
     if (spool is None) == (ledger is None):
         raise TallyError("give exactly one of --spool or --ledger")
@@ -430,12 +442,12 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
         doc = np.flatnonzero(docs_.known)[doc]
     else:
         docs_, doc, key, occurrences = _inside_mix(index, docs, eos_token_id)
-    consumed, skipped, replayed = {}, {}, {}
+    consumed, left_out, replayed = {}, {}, {}
     if spool is not None:
         if not Path(spool).is_dir():
             raise TallyError(f"spool {spool} is not a directory")
         for r in runs:
-            consumed[r], skipped[r], replayed[r] = consumed_in_spool(Path(spool), r, key)
+            consumed[r], left_out[r], replayed[r] = consumed_in_spool(Path(spool), r, key)
     else:
         with Ledger(ledger, read_only=True) as led:
             cur = led.cursor()
@@ -444,14 +456,20 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
                     run = run_of(cur, r)
                 except TallyError as exc:  # NotFound: name the ledger
                     raise TallyError(f"{exc} (ledger {ledger})") from None
-                consumed[r], skipped[r] = consumed_in_ledger(cur, run, key), []
+                consumed[r] = consumed_in_ledger(cur, run, key)
+                # What ingest set aside, counted as the spool's reader counts it.
+                left_out[r] = files_left_out(quarantined_of(cur, r), [], 0)
                 replayed[r] = replayed_of(cur, run)["replayed"]
     table = join(docs_.content_hash, doc, key, index, consumed)
     per_run = summarize(table, len(docs_), runs)
+    findings = Findings()
     for r, facts in per_run["runs"].items():
         # Written by `tally replay` from the loader's contract: what the loader would have
         # fed, not what the run consumed.
         facts["replayed"] = replayed[r]
+        facts.update(left_out[r])
+        left_out_findings(left_out[r], findings.add, whose=f"run {r}",
+                          missing_from="these exposures", run=r)
     result = {
         "exposure_version": EXPOSURE_VERSION,
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -465,7 +483,7 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
         "matched": int(len(distinct(doc))),
         "matched_records": int(len(distinct(key))),
         **per_run,
-        "skipped_files": {r: s[:MAX_EXAMPLES] for r, s in skipped.items() if s},
+        "findings": findings.to_list(),
     }
     if occurrences is not None:  # documents found inside an OLMo mix
         result["docs"]["eos_token_id"] = eos_token_id
@@ -503,6 +521,7 @@ def summary(result: dict, out: Path | None = None) -> str:
                         else ")")
                      + (" — replayed from the loader's contract, not recorded live"
                         if r.get("replayed") else ""))
+    lines += [f"  {x['severity']}: {x['message']}" for x in result.get("findings", [])]
     if out is not None:
         lines.append(f"  exposure: {out / 'exposure.parquet'}  ({out / 'exposure.json'})")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from audit.core.exposure import effective, effective_sql, rolled_back_from
 from audit.core.schema import SEGMENT_COLUMNS_ALL, names, sql_select
 from audit.hook import spool as sp
 from audit.ledger.database import Ledger
-from audit.ledger.queries import finished_hosts, non_finite_losses, replayed_of
+from audit.ledger.queries import finished_hosts, non_finite_losses, quarantined_of, replayed_of
 
 # What the job reads of each row: the segment columns, with the row's attempt.
 COLUMNS = ("attempt", *names(SEGMENT_COLUMNS_ALL))
@@ -334,11 +334,9 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
                   FROM consumption WHERE run = {int(run[0]['run'])})
             TO '{target}' (FORMAT parquet, PER_THREAD_OUTPUT true, FILE_SIZE_BYTES '64MB')""")
         # Files of the run the ingester set aside, with its reason (paths under the spool).
-        quarantined = [(r["path"], r["reason"]) for r in ledger.query(
-            "SELECT path, reason FROM quarantine WHERE starts_with(path, ?) ORDER BY path",
-            [f"{run_id}/"])]
         cur = ledger.cursor()
         try:
+            quarantined = quarantined_of(cur, run_id)
             non_finite = non_finite_losses(cur, int(run[0]["run"]))
             finished = finished_hosts(cur, int(run[0]["run"]))
             losses = cur.execute(f"""

@@ -124,7 +124,8 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "consumption": {"segments": merged.segments,
                         "first_step": merged.first_step, "last_step": last,
                         "files": len(plan.files), "segment_files": plan.segment_files,
-                        **_left_out(plan, merged),
+                        **files_left_out(plan.left_out, merged.skipped_files,
+                                        merged.skipped),
                         "rows_per_step": int(np.median(steps["rows"].to_numpy()))
                         if steps.num_rows else 0},
         "coverage": {
@@ -210,12 +211,16 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[
     return out
 
 
-def _left_out(plan: Plan, merged: Partial) -> dict[str, Any]:
-    """Files the job did not count, by kind: unreadable ones (their rows may be missing) and
-    duplicates of files it counted (their rows are counted once, from the other file)."""
-    left = plan.left_out + merged.skipped_files
-    duplicates = sum(1 for _, why in plan.left_out if why.startswith("duplicate:"))
-    unreadable = len(plan.left_out) - duplicates + merged.skipped
+def files_left_out(left_out: list[tuple[str, str]], skipped_files: list[tuple[str, str]],
+                   skipped: int) -> dict[str, Any]:
+    """Files a job reading a spool did not count, by kind: unreadable ones (their rows may be
+    missing) and duplicates of files it counted (their rows are counted once, from the other
+    file). `left_out` are the files planning set aside (audit.reconcile.plan.Inputs), with why;
+    `skipped` the files the workers could not read, `skipped_files` examples of them. The one
+    rule reconcile, diff and exposure report alike."""
+    left = left_out + skipped_files
+    duplicates = sum(1 for _, why in left_out if why.startswith("duplicate:"))
+    unreadable = len(left_out) - duplicates + skipped
     return {"skipped_files": [f"{path}: {why}" for path, why in left[:EXAMPLES]],
             "unreadable_files": unreadable, "duplicate_files": duplicates}
 

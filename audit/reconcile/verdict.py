@@ -25,7 +25,7 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
 
     cov, integ = r["coverage"], r["integrity"]
     n, total = cov["train_records"], cov["exposures"]
-    _left_out_findings(r["consumption"], add)
+    left_out_findings(r["consumption"], add)
     bad_loss = r.get("metrics", {}).get("non_finite_losses", {})
     if bad_loss.get("count"):
         add("WARN", "non_finite_loss",
@@ -90,7 +90,11 @@ def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
         widened_by=None if g is None else g["widened_by"])
 
 
-def _left_out_findings(cons: dict[str, Any], add: Callable[..., Any]) -> None:
+def left_out_findings(cons: dict[str, Any], add: Callable[..., Any], *, whose: str = "this run",
+                      missing_from: str = "every number of this report",
+                      **numbers: Any) -> None:
+    """FAIL files_unreadable and WARN duplicate_files from what
+    audit.reconcile.report.files_left_out counted: how reconcile, diff and exposure say it."""
     def first(dup: bool) -> str:
         said = [s if len(s) < 240 else s[:237] + "..." for s in cons["skipped_files"]
                 if (": duplicate:" in s) == dup]
@@ -99,14 +103,14 @@ def _left_out_findings(cons: dict[str, Any], add: Callable[..., Any]) -> None:
     bad, dups = cons.get("unreadable_files", 0), cons.get("duplicate_files", 0)
     if bad:
         add("FAIL", "files_unreadable",
-            f"{bad:,} spool file(s) of this run could not be read and were left out: the rows "
-            f"they hold are missing from every number of this report. {first(False)}",
-            files=bad)
+            f"{bad:,} spool file(s) of {whose} could not be read and were left out: the rows "
+            f"they hold are missing from {missing_from}. {first(False)}",
+            files=bad, **numbers)
     if dups:
         add("WARN", "duplicate_files",
-            f"{dups:,} spool file(s) repeat host-steps already read from another file (a copy "
-            f"of a file, or a writer restarted within its attempt); each host-step was counted "
-            f"once. {first(True)}", files=dups)
+            f"{dups:,} spool file(s) of {whose} repeat host-steps already read from another file "
+            f"(a copy of a file, or a writer restarted within its attempt); each host-step was "
+            f"counted once. {first(True)}", files=dups, **numbers)
 
 
 def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
