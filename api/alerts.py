@@ -3,12 +3,19 @@ told when an alert starts or stops firing."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
 import json
 import logging
+import socket
 import threading
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from audit.core.errors import TallyError
 
 log = logging.getLogger("tally.api")
 
@@ -69,15 +76,36 @@ def status(alerts: list[dict[str, Any]]) -> str:
     return "alert" if any(a["firing"] for a in alerts) else "ok"
 
 
+def check_webhook(url: str | None) -> None:
+    """An alert receiver is an http:// or https:// URL with a host; anything else is refused
+    at start (TallyError). urllib took `file:///...` as delivered, and a URL it could not parse
+    killed the sender thread at the first alert while /healthz said ok."""
+    if url is None:
+        return
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (a port that is not a number raises here)
+    except ValueError as exc:
+        raise TallyError(f"--webhook {url!r} is not a URL: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise TallyError(f"--webhook {url!r} is not an http:// or https:// URL with a host")
+
+
 class Webhook:
     """POSTs a JSON body to `url` when a run's set of firing alerts changes, from a thread of
     its own: the ingest thread only records the change. A body that fails is tried again with
     backoff (`first_retry` seconds, doubling up to `max_retry`) until the receiver takes one:
     each try tells the change since the last delivered state, so a firing alert whose send
-    failed is sent again, and changes made meanwhile are folded into the next try."""
+    failed is sent again, and changes made meanwhile are folded into the next try.
+
+    Delivered means a 2xx answer from `url` itself: a redirect is never followed (a 3xx is a
+    failure, retried; following one posted the alert to another URL, or fetched it, and counted
+    it sent), and each POST has `timeout` seconds in all, however slowly the receiver answers
+    (a socket timeout bounds each read only: a byte every 3 s held the sender for minutes)."""
 
     def __init__(self, url: str | None, timeout: float = 5.0, first_retry: float = 1.0,
                  max_retry: float = 60.0) -> None:
+        check_webhook(url)
         self.url, self.timeout = url, timeout
         self.first_retry, self.max_retry = first_retry, max_retry
         self._firing: dict[str, frozenset[str]] = {}  # run -> firing now
@@ -88,6 +116,7 @@ class Webhook:
         self._thread: threading.Thread | None = None
         self.sent = 0
         self.failures = 0
+        self.error: str | None = None  # why the sender thread died, if it did
 
     @property
     def pending(self) -> int:
@@ -95,6 +124,11 @@ class Webhook:
         with self._changed:
             return sum(self._firing[r] != self._told.get(r, frozenset())
                        for r in self._firing) if self.url else 0
+
+    @property
+    def alive(self) -> bool:
+        """False once the sender thread has died (no alert would be delivered again)."""
+        return self._thread is None or self._thread.is_alive() or self._stop
 
     def update(self, run_id: str, alerts: list[dict[str, Any]]) -> None:
         now = frozenset(a["name"] for a in alerts if a["firing"])
@@ -105,7 +139,7 @@ class Webhook:
             if self.url is None or not moved or now == self._told.get(run_id, frozenset()):
                 return
             if self._thread is None:
-                self._thread = threading.Thread(target=self._deliver, name="tally-webhook",
+                self._thread = threading.Thread(target=self._run, name="tally-webhook",
                                                 daemon=True)
                 self._thread.start()
             self._changed.notify()
@@ -116,6 +150,13 @@ class Webhook:
             self._changed.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self._deliver()
+        except BaseException as exc:  # said in /healthz (degraded), never silently
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("alert webhook sender stopped; no alert will be delivered")
 
     def _deliver(self) -> None:
         delay = self.first_retry
@@ -150,15 +191,74 @@ class Webhook:
                 "alerts": self._alerts[run_id]}
 
     def _post(self, body: dict[str, Any]) -> bool:
-        req = urllib.request.Request(self.url, data=json.dumps(body, default=str).encode(),
-                                     headers={"Content-Type": "application/json"},
-                                     method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                resp.read()
+            status = self._send(json.dumps(body, default=str).encode())
+            if not 200 <= status < 300:  # a 3xx too: never followed
+                raise OSError(f"answered HTTP {status}")
             self.sent += 1
             return True
         except Exception as exc:  # a receiver down must not stop the service: logged, retried
             self.failures += 1
             log.warning("alert webhook %s failed (will retry): %s", self.url, exc)
             return False
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
+        """A connection for a POST to `url`, the request's target and its extra headers:
+        straight to the receiver, or through the proxy the environment names for it
+        (HTTP_PROXY, HTTPS_PROXY, NO_PROXY, as urllib took them)."""
+        assert self.url is not None
+        parts = urllib.parse.urlsplit(self.url)
+        scheme = parts.scheme.lower()
+        https = scheme == "https"
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        where = parts.netloc.rpartition("@")[2]
+        proxy = urllib.request.getproxies().get(scheme)
+        if not proxy or urllib.request.proxy_bypass(where):
+            kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+            return kind(parts.hostname, parts.port, timeout=self.timeout), target, {}
+        via = urllib.parse.urlsplit(proxy if "//" in proxy else f"http://{proxy}")
+        auth = {}
+        if via.username is not None:
+            who = f"{urllib.parse.unquote(via.username)}:{urllib.parse.unquote(via.password or '')}"
+            auth = {"Proxy-Authorization": "Basic " + base64.b64encode(who.encode()).decode()}
+        if https:  # a CONNECT tunnel through the proxy, TLS to the receiver inside it
+            conn = http.client.HTTPSConnection(via.hostname, via.port or 80,
+                                               timeout=self.timeout)
+            conn.set_tunnel(parts.hostname, parts.port, headers=auth)
+            return conn, target, {}
+        conn = http.client.HTTPConnection(via.hostname, via.port or 80, timeout=self.timeout)
+        return conn, urllib.parse.urlunsplit(parts._replace(fragment="")), auth
+
+    def _send(self, data: bytes) -> int:
+        """One POST of `data`, within `timeout` seconds in all; the answer's status."""
+        conn, target, headers = self._connection()
+        expired = threading.Event()
+
+        def cut() -> None:  # the deadline: a blocked read or handshake returns at once
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(self.timeout, cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            conn.connect()  # itself bounded by the socket timeout, before a socket exists
+            if expired.is_set():
+                raise TimeoutError(f"no answer within {self.timeout:g} s")
+            conn.request("POST", target, body=data,
+                         headers={"Content-Type": "application/json", **headers})
+            resp = conn.getresponse()
+            resp.read(65536)  # the receiver's answer is not used: read a little, then close
+            if expired.is_set():  # cut at the deadline: http.client may take a cut head
+                raise TimeoutError(f"no complete answer within {self.timeout:g} s")
+            return resp.status
+        except (OSError, http.client.HTTPException) as exc:
+            if expired.is_set():
+                raise TimeoutError(f"no complete answer within {self.timeout:g} s") from exc
+            raise
+        finally:
+            timer.cancel()
+            conn.close()

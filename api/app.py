@@ -20,9 +20,11 @@ from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 
 from api import docs, errors, models
-from api.alerts import Thresholds, Webhook, evaluate, status
+from api.alerts import Thresholds, Webhook, check_webhook, evaluate, status
 from api.findings import LiveFindings
 from api.metrics import Exposition
 from api.posthoc_routes import add_routes as add_posthoc_routes
@@ -38,6 +40,9 @@ from pipeline.manifest_file import ManifestDomains
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 PAGES = re.compile(r"/|/runs/[^/]+/report\.html")  # what a browser opens by URL
 MAX_STEP = 2**62
+# Request bodies: a pre-flight request is a few hundred bytes, an exposure request of
+# MAX_HASHES hashes about 250 KB. A 1 GB body was read, parsed and answered 200 (+3 GB).
+MAX_BODY_BYTES = 1 << 20
 SWITCH_INTERVAL = 0.0005  # seconds; see lifespan()
 
 RunId = Annotated[str, PathParam(pattern=RUN_ID_PATTERN, description="run id")]
@@ -64,12 +69,40 @@ def page_limit(default: int, most: int) -> Any:
 
 RunsLimit = page_limit(100, 1000)
 RecordLimit = page_limit(1000, 10_000)
+# Buckets of a step series: `points` never asks for more than one page of them, an explicit
+# `bucket` may (bucket=1 over 2M steps was one answer of 97 MB, 66 s and 1.7 GB at its peak).
+StepsLimit = page_limit(q.MAX_POINTS, q.MAX_POINTS)
+StepCursor = Annotated[int | None, Query(
+    ge=0, le=MAX_STEP, description="the first step of this page: the previous page's "
+                                   "`next_cursor` (the Link header's rel=next URL carries it)")]
 
 
-def _next_page_link(request: Request, cursor: str | None) -> dict[str, str]:
+def _next_page_link(request: Request, cursor: str | None, **pinned: Any) -> dict[str, str]:
+    """The Link header naming the next page (`pinned`: parameters the next page must repeat
+    as this one resolved them), or none on the last page."""
     if cursor is None:
         return {}
-    return {"Link": f'<{request.url.include_query_params(cursor=cursor)}>; rel="next"'}
+    url = request.url.include_query_params(cursor=cursor, **pinned)
+    return {"Link": f'<{url}>; rel="next"'}
+
+
+def _step_page(found: dict[str, Any]) -> tuple[bytes, tuple[int, int] | None]:
+    """A page of a step series, encoded once (cached per ledger version), and where the next
+    page starts with its bucket size (None on the last)."""
+    nxt = found["next_cursor"]
+    return _encode(found), None if nxt is None else (nxt, found["bucket"])
+
+
+def _paged(limit: int, cursor: int | None) -> tuple[int | None, ...]:
+    """A step series' page in its cache key: nothing for the first page of the default size
+    (the key the answer had before pages)."""
+    return () if (limit, cursor) == (q.MAX_POINTS, None) else (limit, cursor)
+
+
+def _step_link(request: Request, nxt: tuple[int, int] | None) -> dict[str, str]:
+    # The bucket size is pinned in the next page's URL: with `points` alone it follows the
+    # run's last step, which moves while the run is ingested, and pages would not align.
+    return {} if nxt is None else _next_page_link(request, str(nxt[0]), bucket=nxt[1])
 
 
 class Service:
@@ -220,11 +253,58 @@ class BearerToken:
         await response(scope, receive, send)
 
 
+class BodyLimit:
+    """Request bodies of at most `limit` bytes: a larger Content-Length is answered 413 before
+    a byte of the body is read; a body without one (chunked) is counted as it arrives and
+    answered 413 once it passes the limit. A plain ASGI middleware, as BearerToken."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+        self.detail = f"the request body is larger than {limit:,} bytes, the most this " \
+                      "service reads"
+
+    def _too_large(self) -> Response:
+        return errors.problem(413, self.detail)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # FastAPI answers it with errors' handler
+                    raise HTTPException(413, self.detail)
+            return message
+
+        started = False
+
+        async def watched(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except HTTPException as exc:  # raised where no handler answers it (a middleware)
+            if exc.status_code != 413 or started:
+                raise
+            await self._too_large()(scope, receive, send)
+
+
 def check_settings(*, spool: str | Path | None = None, manifest: str | Path | None = None,
                    records: int | None = None, reports: str | Path | None = None,
-                   checkpoints: list[str] | None = None) -> ManifestDomains | None:
+                   checkpoints: list[str] | None = None,
+                   webhook: str | None = None) -> ManifestDomains | None:
     """The service's arguments, checked before anything is opened or created (TallyError
     saying which is wrong); returns the manifest's domains when a manifest is given."""
+    check_webhook(webhook)
     if spool is not None and not Path(spool).is_dir():
         raise TallyError(f"spool {spool} is not a directory")
     if records is not None and records < 1:
@@ -247,7 +327,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     """The app over an open, writable ledger; with `spool`, it ingests while it serves.
     Checks its arguments (`check_settings`) first."""
     domains = check_settings(spool=spool, manifest=manifest, records=records,
-                             reports=reports, checkpoints=checkpoints)
+                             reports=reports, checkpoints=checkpoints, webhook=webhook)
     svc = Service(ledger, spool=None if spool is None else Path(spool), manifest=domains,
                   records=records, reports=None if reports is None else Path(reports),
                   thresholds=thresholds or Thresholds(), webhook=webhook, interval=interval,
@@ -290,13 +370,15 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                   docs_url=None, redoc_url=None)
     app.state.service = svc
     docs.install(app)  # /docs and /redoc, offline
-    errors.install(app)
     scrape = Exposition(svc)
     auth = (401,) if token is not None else ()  # documented where they can occur
     ERRORS = errors.responses(*auth, 404, 409, 422)
 
+    # Middleware added last runs first: errors' catch-all, then the body limit, then the token.
     if token is not None:
         app.add_middleware(BearerToken, token=token)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    errors.install(app)
 
     add_preflight_routes(app, svc, RunId, ERRORS)
     add_posthoc_routes(app, svc, RunId, Points, ERRORS)
@@ -323,6 +405,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         files = svc.live.files_in_ledger()
         overran = loop is not None and loop.overran() is not None
         ok = loop is None or (loop.alive and loop.last_error is None and not overran)
+        ok = ok and svc.webhook.alive  # a dead sender delivers no alert again
         return _json({"status": "ok" if ok else "degraded", "ledger": str(ledger.path),
                 "files_in_ledger": files, "ingesting": loop is not None,
                 "quarantined_files": svc.live.quarantine_counts(),
@@ -334,6 +417,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 "universe": {"train_records": svc.live.uni.n, "source": svc.live.uni.source},
                 "thresholds": svc.thresholds.as_dict(),
                 "webhook": {"configured": svc.webhook.url is not None,
+                            "alive": svc.webhook.alive, "error": svc.webhook.error,
                             "sent": svc.webhook.sent, "failures": svc.webhook.failures,
                             "pending": svc.webhook.pending}})
 
@@ -363,14 +447,19 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         return svc.json(("coverage", run_id, step), run_id, lambda snap: q.coverage(
             snap.cur, snap.run, snap.uni, step, snap.outside), outside=True)
 
-    @app.get("/v1/runs/{run_id}/steps", tags=["coverage"], responses=ERRORS,
-             response_model=models.Steps)
-    def run_steps(run_id: RunId, start: Step = None, end: Step = None, bucket: Bucket = None,
-                  points: Points = 500) -> Response:
-        """Per step, bucketed: consumed, new unique, repeats, cumulative coverage, ideal."""
-        return svc.json(("steps", run_id, start, end, bucket, points), run_id,
-                        lambda snap: q.steps(snap.cur, snap.run, snap.uni, start, end, bucket,
-                                             points))
+    @app.get("/v1/runs/{run_id}/steps", tags=["coverage"],
+             responses={**ERRORS, 200: NEXT_PAGE}, response_model=models.Steps)
+    def run_steps(request: Request, run_id: RunId, start: Step = None, end: Step = None,
+                  bucket: Bucket = None, points: Points = 500, limit: StepsLimit = q.MAX_POINTS,
+                  cursor: StepCursor = None) -> Response:
+        """Per step, bucketed: consumed, new unique, repeats, cumulative coverage, ideal; a
+        page of `limit` buckets at a time (the Link header names the next page)."""
+        body = svc.live.answer(
+            ("steps", run_id, start, end, bucket, points, *_paged(limit, cursor)), run_id,
+            lambda snap: _step_page(q.steps(snap.cur, snap.run, snap.uni, start, end, bucket,
+                                            points, limit, cursor)))
+        return Response(body[0], media_type="application/json",
+                        headers=_step_link(request, body[1]))
 
     @app.get("/v1/runs/{run_id}/hosts", tags=["hosts"], responses=ERRORS,
              response_model=models.Hosts)
@@ -379,15 +468,21 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         return svc.json(("hosts.json", run_id), run_id,
                         lambda snap: q.hosts(snap.cur, snap.run))
 
-    @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"], responses=ERRORS,
-             response_model=models.HostSteps)
-    def run_host_steps(run_id: RunId, host: Annotated[int, PathParam(ge=0, le=2**31 - 1)],
+    @app.get("/v1/runs/{run_id}/hosts/{host}/steps", tags=["hosts"],
+             responses={**ERRORS, 200: NEXT_PAGE}, response_model=models.HostSteps)
+    def run_host_steps(request: Request, run_id: RunId,
+                       host: Annotated[int, PathParam(ge=0, le=2**31 - 1)],
                        start: Step = None, end: Step = None, bucket: Bucket = None,
-                       points: Points = 500) -> Response:
-        """One host's per-step series, bucketed."""
-        return svc.json(("host_steps", run_id, host, start, end, bucket, points), run_id,
-                        lambda snap: q.host_steps(snap.cur, snap.run, host, start, end, bucket,
-                                                  points))
+                       points: Points = 500, limit: StepsLimit = q.MAX_POINTS,
+                       cursor: StepCursor = None) -> Response:
+        """One host's per-step series, bucketed; a page of `limit` buckets at a time."""
+        body = svc.live.answer(
+            ("host_steps", run_id, host, start, end, bucket, points, *_paged(limit, cursor)),
+            run_id,
+            lambda snap: _step_page(q.host_steps(snap.cur, snap.run, host, start, end, bucket,
+                                                 points, limit, cursor)))
+        return Response(body[0], media_type="application/json",
+                        headers=_step_link(request, body[1]))
 
     @app.get("/v1/runs/{run_id}/records/{record_key}", tags=["records"],
              responses={**ERRORS, 200: NEXT_PAGE}, response_model=models.RecordLookup)

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 HEX_HASH = r"^0x[0-9a-f]{16}$"
 REPLAYED = ("written by `tally replay` from the loader's contract, not recorded while the run "
             "trained: what the loader feeds, not what the run consumed")
+STEP_CURSOR = ("the first step of the next page of buckets: pass as `cursor` (with the same "
+               "`bucket`); null on the last page")
 Severity = Literal["FAIL", "WARN", "INFO", "UNKNOWN"]
 Verdict = Literal["PASS", "WARN", "FAIL"]
 
@@ -234,7 +236,8 @@ class Steps(Strict):
         "segments": [160, 160, 160], "tokens": [4191, 3784, 4061],
         "exposures": [120, 120, 120], "new_unique": [80, 38, 18], "repeats": [40, 82, 102],
         "cumulative_unique": [80, 118, 136], "cumulative_exposures": [120, 240, 360],
-        "coverage": [0.5333, 0.7867, 0.9067], "ideal_coverage": [0.8, 1.0, 1.0]})
+        "coverage": [0.5333, 0.7867, 0.9067], "ideal_coverage": [0.8, 1.0, 1.0],
+        "next_cursor": None})
 
     bucket: int = Field(description="steps per bucket")
     step: list[int]
@@ -248,6 +251,7 @@ class Steps(Strict):
     cumulative_exposures: list[int]
     coverage: list[float] | None = Field(description="null when N is unknown")
     ideal_coverage: list[float] | None
+    next_cursor: int | None = Field(description=STEP_CURSOR)
 
 
 class HostStats(Strict):
@@ -272,11 +276,13 @@ class Hosts(Strict):
                       "overlap_with_others": 68}],
         "overlap_matrix": [[102, 68], [68, 102]], "overlap_pairs": 68})
 
-    count: int
+    count: int = Field(description="the run's host count (the most any attempt declared)")
     overlap_tracked_hosts: int = Field(description="hosts whose overlap is counted: all of them "
                                                    "(kept for clients of the 64-host limit)")
-    per_host: list[HostStats]
-    overlap_matrix: list[list[int]] = Field(description="records both hosts saw; the "
+    per_host: list[HostStats] = Field(description="each host that sent rows, ascending (host "
+                                                  "numbers may be sparse)")
+    overlap_matrix: list[list[int]] = Field(description="records both hosts saw, rows and "
+                                                        "columns in per_host's order; the "
                                                         "diagonal: records the host saw")
     overlap_pairs: int
 
@@ -284,7 +290,8 @@ class Hosts(Strict):
 class HostSteps(Strict):
     model_config = _exact({"host": 0, "bucket": 10, "step": [0, 10, 20],
                            "last_step": [9, 19, 29], "segments": [80, 80, 80],
-                           "tokens": [2138, 1954, 2035], "exposures": [60, 60, 60]})
+                           "tokens": [2138, 1954, 2035], "exposures": [60, 60, 60],
+                           "next_cursor": None})
 
     host: int
     bucket: int
@@ -293,6 +300,7 @@ class HostSteps(Strict):
     segments: list[int]
     tokens: list[int]
     exposures: list[int]
+    next_cursor: int | None = Field(description=STEP_CURSOR)
 
 
 # ---- records ---------------------------------------------------------------------------------
@@ -635,6 +643,9 @@ class ThresholdSettings(Strict):
 
 class WebhookHealth(Strict):
     configured: bool
+    alive: bool = Field(description="false once the sender thread died: the service is "
+                                    "degraded, no alert is delivered again")
+    error: str | None = Field(description="why the sender died; null while it runs")
     sent: int = Field(description="bodies delivered")
     failures: int = Field(description="failed tries (each is retried)")
     pending: int = Field(description="runs whose latest alert change is not delivered yet")
@@ -650,7 +661,8 @@ class Health(Strict):
         "universe": {"train_records": 150, "source": "manifest"},
         "thresholds": {"epoch_duplicates": 0, "host_overlap": 0, "ingest_lag_seconds": 300.0,
                        "coverage_behind": 0.02, "non_finite_losses": 0},
-        "webhook": {"configured": False, "sent": 0, "failures": 0, "pending": 0}})
+        "webhook": {"configured": False, "alive": True, "error": None, "sent": 0,
+                    "failures": 0, "pending": 0}})
 
     status: Literal["ok", "degraded"]
     ledger: str

@@ -15,6 +15,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from api import errors as problems
 from api import models
 from audit.core.errors import Unavailable
 from audit.hook.spool import RUN_ID_PATTERN
@@ -56,7 +57,8 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, points_type: Any,
                                locked=svc.live.record_states((run_a, run_b)))
         return Response(body, media_type="application/json")
 
-    @app.post("/v1/runs/{run_id}/exposure", tags=["records"], responses=errors,
+    @app.post("/v1/runs/{run_id}/exposure", tags=["records"],
+              responses={**errors, **problems.responses(413)},
               response_model=models.ExposureAnswer)
     def run_exposure(run_id: run_id_type, body: ExposureRequest) -> Any:
         """Which of these documents did the run consume? Each content hash matched to every

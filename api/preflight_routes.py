@@ -68,7 +68,7 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
 
     @app.post("/v1/runs/{run_id}/preflight", tags=["preflight"],
               response_model=models.PreflightAnswer,
-              responses={**responses, **errors.responses(403, 503),
+              responses={**responses, **errors.responses(403, 413, 503),
                          404: {**responses[404],
                                "description": "unknown run, or no checkpoint at that path"},
                          422: {**responses[422],

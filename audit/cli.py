@@ -6,10 +6,12 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,9 +30,18 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     if args.batch_rows < 1:
         raise TallyError("--batch-rows must be >= 1")
     _log_to_stderr(logging.WARNING if args.quiet else logging.INFO)
-    with Ledger(args.ledger) as ledger:
+    # Ctrl-C and SIGTERM end the ingest after the batch under way (one transaction): a
+    # KeyboardInterrupt raised inside it interrupted DuckDB mid-statement, whose error, or the
+    # ROLLBACK's "no transaction is active" after it, came out as a traceback and exit 1 (14
+    # of 28 tries).
+    stop = _SIGNALS.graceful(progress=not args.quiet)
+    with _ledger_errors(args.ledger), Ledger(args.ledger) as ledger:
+        if stop.is_set():
+            raise KeyboardInterrupt
         result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows,
-                        final=True)
+                        final=True, stop=stop)
+    if stop.is_set():
+        raise KeyboardInterrupt
     if args.json:
         _print_json({"files": result.files, "rows": result.rows, "already": result.already,
                      "seconds": round(result.seconds, 3),
@@ -40,6 +51,24 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         print(f"quarantined {rel}: {reason}", file=sys.stderr)
     print(result.summary())
     return 0
+
+
+@contextlib.contextmanager
+def _ledger_errors(path: str | Path) -> Iterator[None]:
+    """A ledger whose disk is full, or whose file is damaged (truncated, overwritten), said in
+    one line naming the file (audit.ledger.database.ledger_error), whether DuckDB finds out at
+    open or only when a query reaches the bad block."""
+    from audit.ledger.database import ledger_error
+
+    try:
+        yield
+    except TallyError:  # said already (Ledger's own, at open)
+        raise
+    except Exception as exc:
+        said = ledger_error(path, exc)
+        if said is None:
+            raise
+        raise said from None
 
 
 def _print_json(value: object) -> None:
@@ -61,7 +90,7 @@ def _log_to_stderr(level: int) -> None:
 def _cmd_ledger(args: argparse.Namespace) -> int:
     from audit.ledger.database import Ledger
 
-    with Ledger(args.path, read_only=True) as ledger:
+    with _ledger_errors(args.path), Ledger(args.path, read_only=True) as ledger:
         ov = ledger.overview()
     if args.json:
         print(json.dumps(ov, indent=2, default=str))
@@ -212,17 +241,18 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
                     "per epoch, window and domain. Writes OUT/diff.json, Parquet tables and "
                     "OUT/diff.html.")
     s.add_argument("--manifest", required=True, help="manifest Parquet file")
-    s.add_argument("-o", "--output", required=True, help="diff directory")
+    s.add_argument("-o", "--output", required=True, type=output_dir, help="diff directory")
     s.add_argument("--a", required=True, metavar="SOURCE:RUN",
                    help="run A: a spool directory or a ledger file, ':', the run id")
     s.add_argument("--b", required=True, metavar="SOURCE:RUN", help="run B, likewise")
-    s.add_argument("--at-step", type=int, help="compare both runs as of this step")
+    s.add_argument("--at-step", type=non_negative_int,
+                   help="compare both runs as of this step")
     s.add_argument("--window", type=int,
                    help="steps per window for the mix and order comparisons (default: about "
                         "20 windows)")
     s.add_argument("--strict", action="store_true",
                    help="exit 1 unless the runs are identical")
-    s.add_argument("--memory-gb", type=float, default=3.0,
+    s.add_argument("--memory-gb", type=positive_float, default=3.0,
                    help="memory budget for the record-key buckets (default 3)")
     _quiet_json(s)
     _add_runner_args(s)
@@ -259,7 +289,7 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
                    help="an OLMo mix's manifest: look for each document inside the mix, as "
                         "the tokens between two EOS tokens, and match it to the instances that "
                         "hold them")
-    s.add_argument("-o", "--output", required=True, help="output directory")
+    s.add_argument("-o", "--output", required=True, type=output_dir, help="output directory")
     _quiet_json(s)
     s.set_defaults(func=_cmd_exposure)
 
@@ -280,12 +310,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Everything that can be checked is checked before the ledger is opened: a failed start
     # creates nothing.
     check_settings(spool=args.spool, manifest=args.manifest, records=args.records,
-                   reports=args.reports, checkpoints=args.checkpoints)
+                   reports=args.reports, checkpoints=args.checkpoints, webhook=args.webhook)
     _check_port(args.host, args.port)
     from pipeline.progress import Progress
 
     _log_to_stderr(getattr(logging, args.log_level.upper(), logging.WARNING))
-    with Ledger(args.ledger) as ledger:
+    with _ledger_errors(args.ledger), Ledger(args.ledger) as ledger:
         with Progress("serve", not args.quiet) as bar:
             # The per-record state is loaded from the ledger first (seconds for millions of
             # records), before the first request.
@@ -299,6 +329,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                              findings_every=args.findings_every)
         print(f"tally serve: http://{args.host}:{args.port}/ (ledger {args.ledger}"
               + (f", ingesting {args.spool}" if args.spool else "") + ")", flush=True)
+        # uvicorn takes SIGINT and SIGTERM while it runs, shuts down (the app's state snapshot
+        # is saved then), gives them back and raises the one it got again: ours, which stops
+        # this command as Ctrl-C does. SIGTERM (docker stop, systemd) ended the process there
+        # before (status 143), the ledger unclosed, so its lookup index's runs in memory were
+        # never written; uvicorn also swallowed SIGINT's KeyboardInterrupt (status 0).
         uvicorn.run(app, host=args.host, port=args.port,
                     log_level="error" if args.quiet else args.log_level)
     return 0
@@ -472,7 +507,42 @@ EXIT_CODES = """exit status:
        differ or a FAIL verdict, preflight unsafe; train: the status of the host that failed
   2    bad input or a missing extra, said in one line on stderr (tally: error: ...);
        preflight: cannot tell
-  130  interrupted (Ctrl-C); nothing half made is left behind"""
+  130  interrupted (Ctrl-C, or SIGTERM); nothing half made is left behind
+  141  the output's reader went away (`tally ledger L | head`): nothing more is printed"""
+
+
+def _number(convert: type, ok: Any, what: str) -> Any:
+    """An argparse type: `convert(text)`, refused unless `ok(value)`. A float must be finite
+    too (argparse's own float takes "nan" and "inf"). `--interval 0` made the service's
+    ingester scan the spool in a loop at 100% of a core; `--memory-gb 0` or `--at-step -5`
+    went on into the job."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if (convert is float and not math.isfinite(value)) or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+    parse.__name__ = what  # what argparse says of a value its type refused
+    return parse
+
+
+positive_float = _number(float, lambda v: v > 0, "a number > 0")
+non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
+non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a path that can be a directory (-o of reconcile, diff, exposure),
+    neither a file nor under one. `-o afile` failed in the job with a traceback."""
+    from audit.core.paths import unwritable_dir
+
+    problem = unwritable_dir(text, probe=False)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _examples(p: argparse.ArgumentParser, *lines: str) -> None:
@@ -563,10 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ledger", help="DuckDB ledger file (exported, then read)")
     s.add_argument("--manifest", required=True, help="manifest Parquet file")
     s.add_argument("--run", required=True, help="run id")
-    s.add_argument("-o", "--output", required=True, help="report directory")
-    s.add_argument("--at-step", type=int, help="audit as of this step")
+    s.add_argument("-o", "--output", required=True, type=output_dir, help="report directory")
+    s.add_argument("--at-step", type=non_negative_int, help="audit as of this step")
     s.add_argument("--strict", action="store_true", help="exit 1 when the verdict is FAIL")
-    s.add_argument("--memory-gb", type=float, default=3.0,
+    s.add_argument("--memory-gb", type=positive_float, default=3.0,
                    help="memory budget: sizes the record-key buckets so that the buckets "
                         "in memory at once stay within it (default 3)")
     _quiet_json(s)
@@ -612,7 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token", help="require this bearer token on every endpoint "
                                    "(default: $TALLY_API_TOKEN, else none)")
     s.add_argument("--webhook", help="URL to POST alert changes to")
-    s.add_argument("--interval", type=float, default=1.0, help="seconds between spool scans")
+    s.add_argument("--interval", type=positive_float, default=1.0,
+                   help="seconds between spool scans (default 1)")
     s.add_argument("--max-epoch-duplicates", type=int, default=0,
                    help="alert above this many within-epoch duplicates (-1: off)")
     s.add_argument("--max-host-overlap", type=int, default=0,
@@ -626,15 +697,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a directory the pre-flight endpoint may read checkpoints from "
                         "(repeatable; default: the checkpoint directories the run's trainer "
                         "recorded in its spool files)")
-    s.add_argument("--preflight-seconds", type=float, default=120.0,
+    s.add_argument("--preflight-seconds", type=positive_float, default=120.0,
                    help="time box of one pre-flight request (default 120)")
-    s.add_argument("--findings-every", type=float, default=120.0,
+    s.add_argument("--findings-every", type=non_negative_float, default=120.0,
                    help="re-run the reconcile job over the spool for each run that changed, at "
                         "most this often (seconds; needs --spool and --manifest; 0: never), so "
                         "that the summary names causes live (default 120)")
-    s.add_argument("--max-round-seconds", type=float, default=60.0,
+    s.add_argument("--max-round-seconds", type=positive_float, default=60.0,
                    help="an ingest round longer than this turns /healthz degraded (default 60)")
-    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
+                   help="uvicorn's log level (default warning)")
     _quiet_json(s, quiet="no progress while starting, uvicorn's errors only", json_=None)
     _examples(s, "tally serve --ledger ledger.duckdb --spool spool --manifest manifest.parquet",
               "tally serve --ledger ledger.duckdb --spool spool --records 1176 --host 0.0.0.0 "
@@ -667,7 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--states", help="directory of the loader states the run checkpointed "
                                     "(Grain's process_<i>-of-<n>.json); new host h restores "
                                     "old host h %% n's")
-    g.add_argument("--at-step", type=int, help="the step of the relaunched loaders' first "
+    g.add_argument("--at-step", type=non_negative_int,
+                   help="the step of the relaunched loaders' first "
                                                "batch (they start fresh: a sampler resumed "
                                                "by its own start offset)")
     _quiet_json(s, json_="machine-readable verdict")
@@ -715,11 +788,18 @@ _CHILD = "TALLY_SUPERVISED"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # while starting, before the command's own handling
+        print("tally: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     from audit import extras
     from audit.core import allocator
 
     allocator.tune()  # before the work's first allocations, and inherited by its workers
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     # Beam logs optional-dependency warnings at import; they are noise on a terminal.
     logging.getLogger().setLevel(logging.ERROR)
@@ -731,8 +811,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in SUPERVISED and not os.environ.get(_CHILD):
         return _supervise(argv, args)
     try:
-        with _workers_quiet(getattr(args, "quiet", False)):
-            return args.func(args)
+        # A supervised child keeps the default SIGTERM: its supervisor stops it and says so.
+        with _SIGNALS.installed(args.command not in SUPERVISED), \
+                _workers_quiet(getattr(args, "quiet", False)):
+            code = args.func(args)
+        if _SIGNALS.received:
+            raise KeyboardInterrupt
+        return code
     except TallyError as exc:
         print(f"tally: error: {exc}", file=sys.stderr)
         return 2
@@ -745,6 +830,81 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tally: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _output_gone()
+        return 141
+    except Exception:
+        if not _SIGNALS.received:
+            raise
+        # What a signal broke on its way (a DuckDB statement it interrupted: "Query
+        # interrupted") is the interrupt, not an error of its own.
+        print("tally: interrupted", file=sys.stderr)
+        return 130
+
+
+def _output_gone() -> None:
+    """The reader of this command's output went away (`tally ledger L | head`): it stops
+    quietly, as a program killed by SIGPIPE does (status 141). Python leaves SIGPIPE ignored,
+    so the write raised BrokenPipeError; what is left in the buffers is dropped, or the
+    flush at exit would raise it again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(null, stream.fileno())
+    os.close(null)
+
+
+class _Signals:
+    """Ctrl-C (SIGINT) and SIGTERM (docker stop, systemd, kill) alike for the commands that run
+    in this process (ingest, ledger, corpus synth, serve): `tally: interrupted`, status 130.
+
+    By default a signal raises KeyboardInterrupt where the command is. A command that stops
+    better at a point of its own (`graceful`: ingest, between two transactions) gets an event
+    set instead; a second signal then ends the process at once, as a kill does (what was
+    committed stays; nothing half is in the ledger)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._stop: threading.Event | None = None
+        self._bar = False
+
+    def graceful(self, progress: bool) -> threading.Event:
+        """The event a signal sets; `progress`: a progress bar may be mid-line on stderr."""
+        self._stop, self._bar = threading.Event(), progress
+        return self._stop
+
+    def __call__(self, signum: int, frame: object) -> None:
+        stop = self._stop
+        if stop is not None and stop.is_set():
+            os.write(2, b"\ntally: interrupted\n" if self._bar else b"tally: interrupted\n")
+            os._exit(130)
+        self.received = True
+        if stop is not None:
+            stop.set()
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self, terminate_too: bool = True) -> Iterator[None]:
+        """The handler for SIGINT (and SIGTERM, with `terminate_too`) while the command runs,
+        the previous ones after (a test may call `main` in its own process)."""
+        import signal
+
+        self.received, self._stop = False, None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM) if terminate_too else (signal.SIGINT,)
+        before = {sig: signal.signal(sig, self) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+            self._stop = None
+
+
+_SIGNALS = _Signals()
 
 
 @contextlib.contextmanager

@@ -71,3 +71,13 @@ def in_process(monkeypatch) -> None:
     """`audit.cli.main` runs the command in this process (not in a supervised child), so
     that capsys sees its output."""
     monkeypatch.setenv("TALLY_SUPERVISED", "1")
+
+
+def limited(kind: str, limit: int) -> list[str]:
+    """An argv prefix that runs `python REST...` under the resource limit RLIMIT_<kind> of
+    `limit`, set in the child itself before it execs: a preexec_fn runs Python between fork
+    and exec, which can deadlock in a test process that JAX's threads share."""
+    code = ("import os, resource, sys; n = int(sys.argv[2]); "
+            "resource.setrlimit(getattr(resource, 'RLIMIT_' + sys.argv[1]), (n, n)); "
+            "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])")
+    return [sys.executable, "-c", code, kind, str(limit)]

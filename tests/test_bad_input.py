@@ -5,6 +5,7 @@ afterwards, and an unchanged bad entry is not reported again."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -20,7 +21,7 @@ from audit.hook import spool as sp
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
-from tests.conftest import ROOT, unpacked_batch
+from tests.conftest import ROOT, limited, unpacked_batch
 
 N = 1000  # records_per_epoch of the healthy run
 GOOD_ROWS = 2 * 10 * 4
@@ -181,6 +182,10 @@ def _matrix(spool, tmp_path) -> dict[str, str]:
     _put(spool, "fingerprint", _segs(), meta={"manifest_fingerprint": "aaa"})
     bad("fingerprint", "differs from the run's", _segs(step=1),
         meta={"manifest_fingerprint": "bbb"}, seq=1)
+    # Another training's file in a host's attempt (its spool id differs): a run id reused.
+    _put(spool, "reuse", _segs(), meta={"spool_id": "a" * 32})
+    bad("reuse", "run id reuse reused: a file of another spool", _segs(step=1),
+        meta={"spool_id": "b" * 32}, seq=1)
     return want
 
 
@@ -254,3 +259,142 @@ def test_a_step_split_across_files_is_not_a_duplicate(tmp_path, n):
         assert res.quarantined == [] and res.rows == 12
         rows = ledger.query('SELECT DISTINCT "row" FROM consumption ORDER BY 1')
         assert [r["row"] for r in rows] == list(range(12))
+
+
+def _capped(gib: int) -> list[str]:
+    """`python` with its address space capped at `gib` GiB: a structure sized by a host number
+    (32 GiB at host 65,535) fails there instead of taking the machine."""
+    return limited("AS", gib * 2**30)
+
+
+def test_a_file_of_host_65535_goes_in_and_stops_no_other_run(tmp_path):
+    """Host 65,535 of host_count 65,536 is inside the contract. A 4-row file of it made ingest
+    size a 65,536 x 65,536 matrix (32 GiB): the batch failed, and nothing of any run went in
+    after it. Per-host structures are sized by the hosts that exist: the file and every other
+    run's files go in, in seconds and a few hundred MB."""
+    spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
+    _good(spool)
+    _put(spool, "wide", _segs(host=65535), host=65535, meta={"host_count": "65536"})
+    # Two hosts of a sparse run share records: the host pairs span hosts 3 and 65,535.
+    _put(spool, "pair", _segs(host=3), host=3, meta={"host_count": "65536"})
+    _put(spool, "pair", _segs(host=65535, record_key=[2, 3, 4, 5]), host=65535,
+         meta={"host_count": "65536"})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([*_capped(4), "-m", "audit.cli", "ingest", str(spool), "--ledger",
+                          str(path), "-q"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    with Ledger(path) as ledger:
+        rows = {r["run_id"]: r["n"] for r in ledger.query(
+            "SELECT run_id, count(*) AS n FROM consumption JOIN runs USING (run) GROUP BY 1")}
+        assert rows == {"good": GOOD_ROWS, "wide": 4, "pair": 8}
+        pairs = ledger.query("""SELECT a, b, records FROM agg_host_pairs JOIN runs USING (run)
+            WHERE run_id = 'pair' AND records <> 0 ORDER BY a, b""")
+        assert [(p["a"], p["b"], p["records"]) for p in pairs] == [
+            (3, 3, 4), (3, 65535, 2), (65535, 3, 2), (65535, 65535, 4)]
+        shared = ledger.query("""SELECT host, shared FROM agg_hosts JOIN runs USING (run)
+            WHERE run_id = 'pair' AND shared <> 0 ORDER BY host""")
+        assert [(s["host"], s["shared"]) for s in shared] == [(3, 2), (65535, 2)]
+        # Files of any run arriving later go in as well.
+        _put(spool, "more", _segs())
+        assert ingest(spool, ledger).files == 1
+
+
+def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp_path):
+    """Per-host answers list the hosts that sent rows, whatever their numbers, and the overlap
+    matrix follows them (row i is per_host[i]'s host): the live API (/hosts, one host's steps,
+    /metrics), and reconcile from the spool and from the ledger, within 4 GiB each."""
+    from api.app import create_app
+    from tests.api_helpers import Server
+    from tests.conftest import uniform_manifest
+
+    spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
+    for run, hosts in (("wide", (65535,)), ("pair", (3, 65535))):
+        for h in hosts:  # the pair's two hosts read the same records
+            with LedgerWriter(spool, run, host=h, host_count=65536, records_per_epoch=N,
+                              fsync=False) as w:
+                for s in range(2):
+                    w.write_batch(s, unpacked_batch(s, n_records=N))
+                w.finish()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def tally(*args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run([*_capped(4), "-m", "audit.cli", *args], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        return out
+
+    tally("ingest", str(spool), "--ledger", str(path), "-q")
+    with Ledger(path) as ledger, Server(create_app(ledger)) as srv:
+        for run, hosts in (("wide", [65535]), ("pair", [3, 65535])):
+            got = srv.get(f"/v1/runs/{run}/hosts")
+            assert got.status_code == 200, got.text
+            h = got.json()
+            assert h["count"] == 65536 and h["overlap_tracked_hosts"] == len(hosts)
+            assert [p["host"] for p in h["per_host"]] == hosts
+            for p in h["per_host"]:  # each host: 4 records at steps 0 and 1
+                assert (p["segments"], p["exposures"], p["unique"], p["first_step"],
+                        p["last_step"], p["overlap_with_others"]) == (
+                    8, 8, 8, 0, 1, 8 if len(hosts) > 1 else 0)
+            assert h["overlap_matrix"] == [[8] * len(hosts)] * len(hosts)
+            assert h["overlap_pairs"] == (8 if len(hosts) > 1 else 0)
+            steps = srv.get(f"/v1/runs/{run}/hosts/65535/steps?bucket=1").json()
+            assert steps["step"] == [0, 1] and steps["exposures"] == [4, 4]
+        metrics = srv.get("/metrics").text
+        assert 'tally_host_unique_records{host="65535",run="wide"} 8.0' in metrics
+        assert 'host="0"' not in metrics
+    manifest = uniform_manifest(tmp_path / "m.parquet", N)
+    for run, source, hosts in (("wide", ["--spool", str(spool)], [65535]),
+                               ("pair", ["--ledger", str(path)], [3, 65535])):
+        out = tmp_path / f"report-{run}"
+        tally("reconcile", *source, "--manifest", str(manifest), "--run", run, "-o", str(out),
+              "-q")
+        r = json.loads((out / "report.json").read_text())["hosts"]
+        assert r["count"] == 65536 and [p["host"] for p in r["per_host"]] == hosts
+        assert [p["unique"] for p in r["per_host"]] == [8] * len(hosts)
+        assert r["overlap_matrix"] == [[8] * len(hosts)] * len(hosts)
+        assert pq.read_table(out / "hosts.parquet")["host"].to_pylist() == hosts
+        html = (out / "report.html").read_text()
+        assert 'data-hosts="65535,3"' in html if len(hosts) > 1 else "host 65535 itself" in html
+
+
+@pytest.mark.parametrize("declared,wrote", [(4, (0, 1, 2)), (65536, (65535,))])
+def test_hosts_that_consumed_nothing_are_one_finding_per_attempt(tmp_path, declared, wrote):
+    """An ended attempt whose declared hosts did not all write: one host_gap finding counting
+    the silent hosts and naming the first ten. Before, each was a finding of its own: an attempt
+    of 65,536 declared hosts of which one wrote, resumed once, gave 65,535 FAIL findings, a 100
+    MB report.json and 1 GB of memory."""
+    from tests.conftest import uniform_manifest
+
+    spool = tmp_path / "spool"
+    for h in wrote:  # attempt 0 dies after step 1; attempt 1 resumes on 2 hosts and finishes
+        with LedgerWriter(spool, "r", host=h, host_count=declared, records_per_epoch=N,
+                          fsync=False) as w:
+            for s in range(2):
+                w.write_batch(s, unpacked_batch(s, host=h, hosts=declared, n_records=N))
+    for h in range(2):
+        with LedgerWriter(spool, "r", host=h, host_count=2, attempt=1, resumed_from_step=2,
+                          records_per_epoch=N, fsync=False) as w:
+            for s in range(2, 4):
+                w.write_batch(s, unpacked_batch(s, host=h, hosts=2, n_records=N))
+            w.finish()
+    manifest = uniform_manifest(tmp_path / "m.parquet", N)
+    out = subprocess.run([*_capped(4), "-m", "audit.cli", "reconcile", "--spool", str(spool),
+                          "--manifest", str(manifest), "--run", "r", "-o",
+                          str(tmp_path / "rep"), "-q"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    report = tmp_path / "rep" / "report.json"
+    assert report.stat().st_size < 1_000_000
+    r = json.loads(report.read_text())
+    silent = sorted(set(range(declared)) - set(wrote))
+    (gap,) = [f for f in r["findings"] if f["code"] == "host_gap"]
+    assert gap["numbers"] == {"hosts": len(silent), "examples": silent[:10], "first_step": 0,
+                              "last_step": 1, "attempt": 0}
+    assert f"{len(silent):,} host(s) of attempt 0" in gap["message"]
+    assert [h["host"] for h in gap["evidence"]["hosts"]] == silent[:len(gap["evidence"]["hosts"])]
+    assert r["hosts"]["gaps"] == []
+    assert r["hosts"]["silent_hosts"] == [{"attempt": 0, "hosts": len(silent),
+                                           "examples": silent[:10], "first_step": 0,
+                                           "last_step": 1, "steps": 2}]
+    assert f"{len(silent):,} silent: " in (tmp_path / "rep" / "report.html").read_text()

@@ -319,3 +319,26 @@ def test_diff_and_exposure_report_unreadable_files_as_reconcile_does(tmp_path):
         assert counts == [1, 1, 1], (tag, counts)
         assert diffed["a"]["unreadable_files"] == exposed["runs"]["a"]["unreadable_files"] == 0
         assert {f["code"] for f in exposed["findings"]} == {"files_unreadable"}
+
+
+def test_a_step_far_ahead_is_one_line_not_a_machine_full_of_step_series(tmp_path):
+    """Reconcile and diff keep per-step series from a run's first step to its last: one file
+    whose step jumps to 3x10^7 made two 2-row runs cost 1.0 GB (reconcile) and 2.4 GB (diff),
+    and 2^31 would have needed terabytes. The span is bounded by --memory-gb: one line, exit 2,
+    nothing written."""
+    spool = tmp_path / "spool"
+    for run in ("a", "b"):
+        with LedgerWriter(spool, run, host=0, host_count=1, records_per_epoch=N,
+                          flush_every=1, fsync=False) as w:
+            for s in (0, 30_000_000):
+                w.write_batch(s, unpacked_batch(s, n_records=N))
+    man = str(uniform_manifest(tmp_path / "m.parquet", N))
+    rec = _tally("reconcile", "--spool", str(spool), "--manifest", man, "--run", "a", "-o",
+                 str(tmp_path / "rep"), "-q")
+    d = _tally("diff", "--a", f"{spool}:a", "--b", f"{spool}:b", "--manifest", man, "-o",
+               str(tmp_path / "d"), "-q")
+    for out, job in ((rec, "reconcile"), (d, "diff")):
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert f"steps 0..30,000,000 (30,000,001 steps): the {job}'s per-step series" in \
+            out.stderr and "--memory-gb 3 allows" in out.stderr, out.stderr
+    assert not (tmp_path / "rep").exists() and not (tmp_path / "d" / "diff.json").exists()

@@ -3,6 +3,7 @@ a settled directory is skipped until its mtime moves, and never settles on one l
 
 import os
 import shutil
+from pathlib import Path
 
 from audit.ledger.database import Ledger
 from audit.ledger.ingest_loop import IngestLoop
@@ -12,11 +13,17 @@ from tests.api_helpers import write_steps
 def test_settled_directories_are_skipped_until_they_change(tmp_path, monkeypatch):
     monkeypatch.setattr("audit.ledger.ingest_loop.SETTLE_S", 0.0)  # rounds here are ms apart
     batches, rows = [], []
+    stage = tmp_path / "stage" / "r" / "attempt=0" / "host=0"
     for i in range(4):  # four batches of published files, staged outside the spool
-        stage = tmp_path / f"stage{i}"
-        rows.append(write_steps(stage, "r", host=0, hosts=1, steps=range(5 * i, 5 * i + 5),
-                                n=100, seed=i, flush_every=2))
-        batches.append(sorted((stage / "r" / "attempt=0" / "host=0").iterdir()))
+        # One host's spool written on (a writer continuing it keeps its spool id), each
+        # batch's new files set aside to publish.
+        rows.append(write_steps(tmp_path / "stage", "r", host=0, hosts=1,
+                                steps=range(5 * i, 5 * i + 5), n=100, seed=i, flush_every=2))
+        held = tmp_path / f"stage{i}"
+        held.mkdir()
+        seen = {f.name for batch in batches for f in batch}
+        batches.append([Path(shutil.copy2(f, held / f.name)) for f in sorted(stage.iterdir())
+                        if f.name not in seen])
     live = tmp_path / "spool" / "r" / "attempt=0" / "host=0"
     live.mkdir(parents=True)
 
@@ -79,8 +86,10 @@ def test_quarantined_files_and_full_listings_keep_late_files_in_view(tmp_path, m
     rows = write_steps(stage, "r", host=0, hosts=1, steps=range(5), n=100, seed=0,
                        flush_every=5)
     good = sorted((stage / "r" / "attempt=0" / "host=0").glob("seg-*.parquet"))[0]
-    late = write_steps(tmp_path / "late", "r", host=0, hosts=1, steps=range(5, 9), n=100,
-                       seed=1, flush_every=4)
+    first = set((stage / "r" / "attempt=0" / "host=0").iterdir())
+    # Written on in the same host spool (its writer keeps the spool id), set aside to publish.
+    late = write_steps(stage, "r", host=0, hosts=1, steps=range(5, 9), n=100, seed=1,
+                       flush_every=4)
     live = tmp_path / "spool" / "r" / "attempt=0" / "host=0"
     live.mkdir(parents=True)
     (live / good.name).write_bytes(b"not parquet")
@@ -103,7 +112,7 @@ def test_quarantined_files_and_full_listings_keep_late_files_in_view(tmp_path, m
         # A directory whose mtime does not move (as on some FUSE mounts): the periodic full
         # listing still finds what appears in it.
         before = live.stat()
-        for f in (tmp_path / "late" / "r" / "attempt=0" / "host=0").iterdir():
+        for f in set((stage / "r" / "attempt=0" / "host=0").iterdir()) - first:
             shutil.move(f, live / f.name)
         os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
         loop.run_once()

@@ -26,7 +26,8 @@ Packing = Literal[PACKINGS]  # the loader's own lists, as types a config can che
 Fault = Literal[("", *FAULTS)]
 
 
-@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
+# allow_inf_nan=False: `learning_rate=inf` passed `gt=0` and trained until the loss was NaN.
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 class TrainConfig:
     run_id: Annotated[str, Field(pattern=RUN_ID_PATTERN)] = "run"
     corpus: str = "corpus"

@@ -28,14 +28,84 @@ def free_port() -> int:
 
 
 def refuse_reuse(cfg: TrainConfig) -> None:
-    """A fresh start (no --resume) of a run that already has a spool would write a second
-    attempt 0: the ledger would quarantine it and the audit would mix two runs."""
+    """A fresh start (no --resume) of a run that already has a spool, or that the ledger holds
+    (its spool may have been removed after ingest), would write a second attempt 0: the ledger
+    would quarantine it (audit.ledger.ingest: a file of another spool id) and the run would
+    go unaudited. The ledger is asked through the service that owns it (`api=URL`), else in
+    its file (`ledger=PATH`); without either, only the spool is checked."""
     from audit.hook import spool as sp
 
     run_dir = Path(cfg.spool) / cfg.run_id
     if run_dir.is_dir() and any(sp.published(p.name) for p in run_dir.glob("attempt=*/host=*/*")):
         raise TallyError(f"run {cfg.run_id} already has a spool in {cfg.spool}: resume it "
                          "(--resume) or choose another run id")
+    if cfg.api:
+        known, where = _run_in_service(cfg), f"the ledger of {cfg.api}"
+    elif cfg.ledger:
+        known, where = _run_in_ledger(cfg), f"the ledger {cfg.ledger}"
+    else:
+        return
+    if known:
+        raise TallyError(f"run {cfg.run_id} is already in {where} (its spool may have been "
+                         "removed): resume it (--resume) or choose another run id")
+
+
+def _run_in_ledger(cfg: TrainConfig) -> bool:
+    from audit.ledger.database import Ledger
+
+    if not Path(cfg.ledger).exists():
+        return False  # no ledger yet: no run in it
+    try:
+        with Ledger(cfg.ledger, read_only=True) as ledger:
+            return bool(ledger.query("SELECT 1 FROM runs WHERE run_id = ?", [cfg.run_id]))
+    except TallyError as exc:
+        why = "another process holds it" if "held by another process" in str(exc) else str(exc)
+        raise TallyError(f"cannot tell whether run {cfg.run_id} is already in the ledger "
+                         f"{cfg.ledger} ({why}): set api=URL when `tally serve` owns it"
+                         ) from None
+
+
+def _run_in_service(cfg: TrainConfig) -> bool:
+    import urllib.error
+    import urllib.request
+
+    url = f"{cfg.api.rstrip('/')}/v1/runs/{cfg.run_id}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_api_headers()),
+                                    timeout=60):
+            return True
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return False
+        raise TallyError(f"cannot tell whether run {cfg.run_id} is already in the ledger of "
+                         f"{cfg.api}: {url}: HTTP {exc.code}") from None
+    except OSError as exc:
+        # Not up yet, or down: an audit service that cannot be reached does not stop a
+        # training, and it refuses a reused run's files when it ingests them (their spool id).
+        print(f"tally: cannot ask {url} whether run {cfg.run_id} is already in its ledger "
+              f"({getattr(exc, 'reason', exc)}); starting anyway", file=sys.stderr)
+        return False
+
+
+def _api_headers() -> dict[str, str]:
+    """The service's token, when the environment has one ($TALLY_API_TOKEN)."""
+    token = os.environ.get("TALLY_API_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def check_paths(cfg: TrainConfig, resume: bool) -> None:
+    """The directories the hosts will write in, checked before any starts: `spool=/etc/passwd/x`
+    or `checkpoint_dir=/proc/x` failed in every host with a traceback from deep in the writer
+    or orbax."""
+    from audit.core.paths import unwritable_dir
+
+    keys = {"spool": cfg.spool}
+    if cfg.checkpoint_every or resume:  # the only cases in which the hosts write checkpoints
+        keys["checkpoint_dir"] = cfg.checkpoint_dir
+    for key, path in keys.items():
+        problem = unwritable_dir(path)
+        if problem is not None:
+            raise TallyError(f"{key}={path}: {problem}")
 
 
 def check_resume(cfg: TrainConfig, hosts: int, force: bool) -> dict | None:
@@ -92,9 +162,7 @@ def _preflight_api(cfg: TrainConfig, hosts: int, force: bool) -> dict:
     body = json.dumps({"checkpoint": str(Path(cfg.checkpoint_dir).resolve()), "hosts": hosts,
                        "global_batch": cfg.global_batch, "forced": force,
                        "requested_by": "trainer"}).encode()
-    headers = {"Content-Type": "application/json"}
-    if os.environ.get("TALLY_API_TOKEN"):
-        headers["Authorization"] = f"Bearer {os.environ['TALLY_API_TOKEN']}"
+    headers = {"Content-Type": "application/json", **_api_headers()}
     url = f"{cfg.api.rstrip('/')}/v1/runs/{cfg.run_id}/preflight"
     try:
         with urllib.request.urlopen(urllib.request.Request(url, body, headers),
@@ -113,6 +181,7 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
         raise TallyError(f"--hosts must be at least 1, got {hosts}")
     if cfg.global_batch % hosts:
         raise TallyError(f"global_batch {cfg.global_batch} is not divisible by {hosts} hosts")
+    check_paths(cfg, resume)
     if resume:
         check_resume(cfg, hosts, force)
     else:

@@ -26,6 +26,15 @@ def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (ends - counts), counts) + np.arange(total)
 
 
+def ranks(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each value's position in `ids` (sorted, distinct, holding every value): host numbers as
+    indices of structures sized by the hosts that exist, never by the largest host number.
+    `values` as they are when `ids` are 0..k-1, the usual case."""
+    if not len(ids) or int(ids[-1]) == len(ids) - 1:
+        return values
+    return np.searchsorted(ids, values)
+
+
 # Records seen by more hosts than this go through one dense product; the others through their
 # explicit host pairs (k^2 for a record on k hosts). A loader's faults leave most records on a
 # few hosts (sampling with replacement: about 1 + C / N on average), and a loader that shards

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import xxhash
 
 from audit.core.schema import (
     MAX_DECODED_BYTES,
@@ -72,6 +73,11 @@ OPTIONAL_META_KEYS = (
     "records_per_epoch",  # train records N the loader cycles through; "" when the run did not say
     "checkpoint_dir",  # where the run saves its checkpoints (the service may read only there)
     "replayed",  # "1": written by `tally replay` from the loader's contract, not by the run
+    # A random id of one host's spool of one attempt, the same in all its files: made by the
+    # writer that finds the host's directory without published files, kept by one that
+    # continues it (audit.hook.writer). The ledger refuses files of another spool id for an
+    # attempt and host it holds: a run id reused after its spool was removed.
+    "spool_id",
 )
 META_PREFIX = "tally."
 # A metric row a writer publishes when its host's share of the attempt ended at the run's last
@@ -318,6 +324,7 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
             raise BadFile(f"schema mismatch: expected {_fmt(expected[-1])}, found "
                           f"{_fmt(found)}")
         meta = _meta(pf.schema_arrow.metadata)
+        footer = _footer_hash(fh)
         if meta["format_version"] != FORMAT_VERSION:
             raise BadFile(f"spool format version {meta['format_version']}, expected "
                           f"{FORMAT_VERSION}")
@@ -337,11 +344,23 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
     if table.num_rows != info["rows"] or table.num_rows == 0:
         raise BadFile(f"read {table.num_rows} rows, writer wrote {info['rows']}")
     _check_values(table, f.kind, info)
+    info["footer_hash"] = footer
     if f.kind == "seg" and SEGMENT_LOSS.name not in table.column_names:
         # Every reader sees the same columns: a file without losses holds null ones.
         table = table.append_column(SEGMENT_LOSS.name,
                                     pa.nulls(table.num_rows, SEGMENT_LOSS.arrow))
     return table, info
+
+
+def _footer_hash(fh: Any) -> int:
+    """xxh3_64 of the file's Parquet footer (its metadata, the writer's spool id among them,
+    and every column chunk's statistics and sizes): what tells a file from another at one path
+    (audit.ledger.ingest). 0.015 ms for a 500k-row file, against 0.6-1.7 ms to hash the
+    whole file (7.3 MB, from the page cache) and 0.56-0.70 s to ingest it."""
+    fh.seek(-8, os.SEEK_END)
+    size = int.from_bytes(fh.read(4), "little")
+    fh.seek(-8 - size, os.SEEK_END)
+    return xxhash.xxh3_64_intdigest(fh.read(size))
 
 
 @contextlib.contextmanager
@@ -380,6 +399,7 @@ def _info(meta: dict[str, str], f: SpoolFile) -> dict[str, Any]:
                               else None),
         "checkpoint_dir": meta["checkpoint_dir"] or None,
         "replayed": is_replayed(meta),
+        "spool_id": meta["spool_id"] or None,
     }
     for key, from_path in (("run_id", f.run_id), ("attempt", f.attempt), ("host", f.host)):
         if info[key] != from_path:

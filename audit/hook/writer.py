@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,13 +54,19 @@ class WriterArgumentError(WriterError, ValueError):
     """A value the writer refuses when constructed."""
 
 
-def _published_up_to(directory: Path) -> int | None:
-    """The last step of the segment files already published in `directory` (None: none)."""
-    names = sorted(n for n in os.listdir(directory) if sp.published(n) and n.startswith("seg-"))
+def _published(directory: Path) -> tuple[int | None, str | None]:
+    """The last step of the segment files already published in `directory` (None: none), and
+    the spool id of its newest published file (None: none, or one written before spool ids)."""
+    names = sorted((n for n in os.listdir(directory) if sp.published(n)),
+                   key=lambda n: (n.startswith("seg-"), len(n), n))
     if not names:
-        return None
+        return None, None
     meta = pq.read_metadata(directory / names[-1]).metadata or {}
-    return int(meta.get(f"{sp.META_PREFIX}last_step".encode(), b"-1"))
+    spool_id = meta.get(f"{sp.META_PREFIX}spool_id".encode())
+    spool_id = spool_id.decode() if spool_id else None
+    if not names[-1].startswith("seg-"):
+        return None, spool_id
+    return int(meta.get(f"{sp.META_PREFIX}last_step".encode(), b"-1")), spool_id
 
 
 class LedgerWriter:
@@ -103,8 +110,11 @@ class LedgerWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         # Steps this host already published in this attempt: writing one of them again (a
         # reused run id, a host restarted without resuming) is refused at the first such step;
-        # a new writer continuing with later steps is fine.
-        self._published_up_to = _published_up_to(self.dir)
+        # a new writer continuing with later steps is fine, and keeps the spool's id. Without
+        # a published file here, a new id: the ledger refuses files of another spool id for an
+        # attempt and host it holds (a run id reused after its spool was removed).
+        self._published_up_to, spool_id = _published(self.dir)
+        self.spool_id = spool_id or uuid.uuid4().hex
         self._last_step: int | None = None  # the newest step handed over (training thread)
         self._row_step, self._next_row = -1, 0  # row numbering within a step (writer thread)
         # Temporaries of a killed writer of this host, in this attempt or an earlier one.
@@ -123,6 +133,7 @@ class LedgerWriter:
             "manifest_fingerprint": manifest_fingerprint or "",
             "records_per_epoch": "" if records_per_epoch is None else str(records_per_epoch),
             "checkpoint_dir": "" if checkpoint_dir is None else os.path.abspath(checkpoint_dir),
+            "spool_id": self.spool_id,
         }
         # Background state: touched only by the writer thread, except _error (handed over).
         self._steps: list[int] = []

@@ -25,10 +25,12 @@ ingester holds it across each COMMIT and the state update that goes with it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -36,7 +38,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import host_overlap, spans
+from audit.core.arrays import host_overlap, ranks, spans
 from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger, one
 from audit.ledger.snapshot import Applied, Invalid, Snapshots, lowered_cuts
@@ -54,6 +56,11 @@ from audit.ledger.state import (
 
 log = logging.getLogger("tally.state")
 CATCH_UP_ROWS = 8_000_000  # consumption rows read at a time when a snapshot catches up
+# The process's aggregates in use (one a ledger it has open): TALLY_MAX_STATE_GB bounds the
+# rows of all their runs together. A bound per run let three runs of 4 rows, each with one
+# large key, hold 2.9 GB of state (and of snapshots) under TALLY_MAX_STATE_GB=1.
+_LIVE: weakref.WeakSet[Aggregates] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()  # a reader's reload may add one while the ingester counts
 
 
 @dataclass
@@ -107,6 +114,9 @@ class Aggregates:
         # The newest file id committed: the ledger's version, as a snapshot's max(file_id)
         # (audit.ledger.live answers a cached request by it, without opening a snapshot).
         self.version = 0
+        self.dropped = False  # invalidated or its ledger closed: no longer counted
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -351,24 +361,33 @@ class Aggregates:
         inc.new.steps[idx] = after.steps
         return _rank_deltas(before.steps, after.steps)
 
-    def too_large(self, key: int) -> str | None:
-        """Why a record key cannot go into the live state (None: it can). The state is dense
-        by key, so one key sets its size; the bound keeps a file from exhausting memory."""
-        need = (key + 1) * COMPACT.itemsize
-        if need <= self.max_state_bytes:
-            return None
-        return (f"record_key {key:,} would need {need / 2**30:,.1f} GiB of live state, more "
-                f"than the {self.max_state_bytes / 2**30:,.1f} GiB this process allows "
-                f"(TALLY_MAX_STATE_GB)")
+    def state_bytes(self) -> int:
+        """The bytes of every run's rows (their capacity): what TALLY_MAX_STATE_GB counts.
+        The rows are dense by key; the maps beside them grow with the rows ingested, as the
+        ledger does, and are not counted."""
+        return sum(st.data.nbytes for st in list(self.runs.values()))
+
+    def budget(self, cur: duckdb.DuckDBPyConnection) -> StateBudget:
+        """The state's bound over one batch's files (audit.ledger.ingest, before the batch's
+        transaction)."""
+        rows = {name: self.runs[run].size for run, name in cur.execute(
+            "SELECT run, run_id FROM runs").fetchall() if run in self.runs}
+        return StateBudget(self.max_state_bytes, process_state_bytes(), rows)
 
     def reserve(self) -> None:
         """Grow the state for the pending changes (before the COMMIT: what can fail, such as
-        an allocation, fails while the transaction can still roll back)."""
+        an allocation, fails while the transaction can still roll back). Room to grow into
+        stops at the bound (StateBudget let the keys in)."""
+        total = process_state_bytes()
         for s in self._pending:
             top = max([int(k[-1]) for k in (s.new.keys, None if s.once is None else s.once.keys)
                        if k is not None and len(k)], default=-1)
             if top >= 0:
-                self._state(s.run).reserve(top + 1)
+                st = self._state(s.run)
+                before = st.data.nbytes
+                st.reserve(top + 1, most=(self.max_state_bytes - total + before)
+                           // COMPACT.itemsize)
+                total += st.data.nbytes - before
 
     def commit(self) -> None:
         # A restart's lower watermark first, then the files' hosts (the watermark rises
@@ -395,8 +414,10 @@ class Aggregates:
         self._pending = []
 
     def invalidate(self, ledger: Ledger) -> None:
-        """The state no longer matches the ledger: the next user reloads it from the ledger."""
+        """The state no longer matches the ledger (or the ledger is closing): the next user
+        reloads it from the ledger, and it no longer counts against the process's bound."""
         self._pending = []
+        self.dropped = True
         if getattr(ledger, "_aggregates", None) is self:
             ledger._aggregates = None
 
@@ -411,8 +432,51 @@ class Aggregates:
         return out
 
 
+def process_state_bytes() -> int:
+    """The rows of the per-record state of every ledger this process has open."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    return sum(a.state_bytes() for a in live if not a.dropped)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+class StateBudget:
+    """TALLY_MAX_STATE_GB over the files of one batch, taken in order: the rows of the
+    per-record state of the whole process (every run of every open ledger), with the rows the
+    files taken before need, stay within the bound. The state is dense by key (8 bytes a key
+    up to the largest), so a file's largest key sets its run's rows; the bound keeps files
+    from exhausting memory, and the snapshots on disk, which hold no more than those rows."""
+
+    def __init__(self, limit: int, total: int, rows: dict[str, int]) -> None:
+        self.limit = limit
+        self.total = total  # bytes of the process's state, with what the batch adds
+        self.rows = rows  # run id -> its rows (capacity), with what the batch adds
+
+    def refuse(self, run_id: str, key: int) -> str | None:
+        """Why a file of run `run_id` whose largest record key is `key` cannot go in (None:
+        it can, and its rows are counted for the files after it)."""
+        have = self.rows.get(run_id, 0)
+        if key < have:
+            return None
+        need = (key + 1) * COMPACT.itemsize
+        others = self.total - have * COMPACT.itemsize
+        if need > self.limit:
+            return (f"record_key {key:,} would need {_size(need)} of live state, more than "
+                    f"the {_size(self.limit)} this process allows (TALLY_MAX_STATE_GB)")
+        if others + need > self.limit:
+            return (f"record_key {key:,} would need {_size(need)} of live state, and the "
+                    f"process's other runs hold {_size(others)}: more than the "
+                    f"{_size(self.limit)} this process allows in all (TALLY_MAX_STATE_GB)")
+        self.total = others + need
+        self.rows[run_id] = key + 1
+        return None
+
+
 def default_max_state_bytes() -> int:
-    """Half the machine's memory, or TALLY_MAX_STATE_GB."""
+    """Half the machine's memory, or TALLY_MAX_STATE_GB: for the whole process."""
     gb = os.environ.get("TALLY_MAX_STATE_GB")
     if gb:
         return int(float(gb) * 2**30)
@@ -683,6 +747,22 @@ def _added_pairs(small: Records, big: Records, rows: np.ndarray, hosts: int
     return m.astype(np.int64), sh.astype(np.int64)
 
 
+def _host_ranks(old: Records, new: Records) -> tuple[np.ndarray, Records, Records]:
+    """The distinct hosts of both states (sorted), and both states with each host replaced by
+    its rank among them (as they are when the hosts are 0..k-1 already, the usual case)."""
+    both = np.r_[old.hosts, new.hosts]
+    if not len(both):
+        return np.zeros(0, np.int64), old, new
+    # A bincount over host numbers (contract: below 65,536, so at most 512 KiB) finds the
+    # distinct hosts in one pass, where a sort of every (record, host) pair of the batch would
+    # cost its n log n on the ingest's hot path.
+    ids = np.flatnonzero(np.bincount(both))
+    if int(ids[-1]) == len(ids) - 1:
+        return ids, old, new
+    return (ids, dataclasses.replace(old, hosts=ranks(ids, old.hosts)),
+            dataclasses.replace(new, hosts=ranks(ids, new.hosts)))
+
+
 def deltas(old: Records, new: Records) -> Deltas:
     """The agg-table changes between two states of the same records (numpy only)."""
     ranks = _rank_deltas(old.steps, new.steps)
@@ -697,7 +777,11 @@ def deltas(old: Records, new: Records) -> Deltas:
     ok_, nk = old.host_counts, new.host_counts
     ch = ok_ != nk  # one state's hosts hold the other's: a change adds or drops some
     if ch.any():
-        hosts = int(max(old.hosts.max(initial=-1), new.hosts.max(initial=-1))) + 1
+        # Host numbers as ranks among the hosts these records were on: the pair counts below
+        # are sized by the hosts that exist, never by the host number (a 4-row file of host
+        # 65,535 made this a 65,536 x 65,536 matrix, 32 GiB, and stopped every ingest).
+        ids, old, new = _host_ranks(old, new)
+        hosts = len(ids)
         if hosts <= 64:
             pairs, shared = _mask_pairs(old, new, ch)
         else:
@@ -710,9 +794,11 @@ def deltas(old: Records, new: Records) -> Deltas:
                     m += sign * dm
                     sh += sign * dsh
             a, b = np.nonzero(m)
-            pairs = (a.astype(np.int32), b.astype(np.int32), m[a, b])
+            pairs = (a, b, m[a, b])
             h = np.flatnonzero(sh)
-            shared = (h.astype(np.int32), sh[h])
+            shared = (h, sh[h])
+        pairs = (ids[pairs[0]].astype(np.int32), ids[pairs[1]].astype(np.int32), pairs[2])
+        shared = (ids[shared[0]].astype(np.int32), shared[1])
         multi = int((nk[ch] > 1).sum()) - int((ok_[ch] > 1).sum())
 
     totals = [int((ne > 0).sum()) - int((oe > 0).sum()),

@@ -36,6 +36,13 @@ log = logging.getLogger("tally.lookup")
 
 SCHEMA_VERSION = 4
 
+# What tells the file ingested at a path from another put there later (audit.ledger.ingest):
+# its stat when ingested (unchanged: not read again), xxh3_64 of its Parquet footer, and its
+# spool id (audit.hook.spool). NULL in rows ingested before they were kept; a ledger made then
+# gets the columns at its first writable opening (readers that do not know them are unchanged).
+_IDENTITY_COLUMNS = (("mtime_ns", "BIGINT"), ("footer_hash", "UBIGINT"), ("spool_id", "VARCHAR"))
+_FILE_IDENTITY = ",\n    ".join(f"{name} {kind}" for name, kind in _IDENTITY_COLUMNS)
+
 _DDL = f"""
 CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
 CREATE SEQUENCE run_ids START 1;
@@ -69,7 +76,8 @@ CREATE TABLE segments (                -- one row per ingested spool file
     n_rows BIGINT NOT NULL,
     n_tokens BIGINT NOT NULL,
     bytes BIGINT NOT NULL,
-    ingested_at TIMESTAMP NOT NULL DEFAULT current_timestamp
+    ingested_at TIMESTAMP NOT NULL DEFAULT current_timestamp,
+    {_FILE_IDENTITY}
 );
 CREATE TABLE consumption (
     {sql_columns(LEDGER_PREFIX + SEGMENT_COLUMNS_ALL + LEDGER_SUFFIX)}
@@ -180,6 +188,37 @@ def memory_limit_mb() -> int:
     return max(1024, total // 4 // 2**20)
 
 
+# DuckDB's words for a disk that is full, and for a file that does not hold what DuckDB wrote
+# (truncated, overwritten, a bad sector): at open, or only once a query reads the bad block.
+_FULL = ("No space left on device", "File too large", "Disk quota exceeded")
+_DAMAGED = ("Corrupt database file", "Could not read enough bytes")
+
+
+def ledger_error(path: str | os.PathLike, exc: BaseException) -> TallyError | None:
+    """What a DuckDB error raised while working on the ledger at `path` says about the file,
+    as one line: its disk is full, or the file is damaged; None for any other error (a bug,
+    shown as one). The cause is searched along the exception's chain: a disk that fills during
+    a COMMIT fails it, and the ROLLBACK after it then fails with "cannot rollback" or "database
+    has been invalidated". The ledger holds whole batches only (a COMMIT whose checkpoint
+    failed is in its write-ahead log, or not at all): the next ingest takes up the files that
+    are not in it."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, duckdb.Error):
+            chain.append(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        exc = exc.__context__
+    full = [m for m in chain if any(w in m for w in _FULL)]
+    if full:
+        return TallyError(f"ledger {path}: the disk is full ({full[-1]}); what was committed "
+                          "is kept: free space, and the next ingest goes on from there")
+    damaged = [m for m in chain if any(w in m for w in _DAMAGED)]
+    if damaged:
+        return TallyError(f"ledger {path} is damaged ({damaged[-1]}): restore it from a "
+                          "backup, or ingest the spool again into a new ledger file")
+    return None
+
+
 class Ledger:
     """An open ledger file. Use as a context manager; `cursor()` per thread."""
 
@@ -237,6 +276,13 @@ class Ledger:
             self.con.execute("INSERT INTO meta VALUES ('ledger_id', ?) ON CONFLICT DO NOTHING",
                              [uuid.uuid4().hex])
             self.ledger_id = self._ledger_id()
+        if not read_only:
+            have = {r[0] for r in self.con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = 'main' "
+                "AND table_name = 'segments'").fetchall()}
+            for name, kind in _IDENTITY_COLUMNS:
+                if name not in have:
+                    self.con.execute(f"ALTER TABLE segments ADD COLUMN {name} {kind}")
 
     def _ledger_id(self) -> str | None:
         """The ledger's random id (`meta`), which its state snapshots carry
@@ -257,6 +303,9 @@ class Ledger:
                 index.flush()
             except Exception as exc:  # noqa: BLE001 (derived data: lookups scan instead)
                 log.warning("lookup index not written: %s: %s", type(exc).__name__, exc)
+        agg = getattr(self, "_aggregates", None)
+        if agg is not None:  # its state no longer counts against the process's bound
+            agg.invalidate(self)
         self.con.close()
 
     def __enter__(self) -> Ledger:

@@ -3,7 +3,10 @@
 Each published file is checked (footer, schema, metadata, row count, values) and then ingested
 in one transaction together with its `segments` row and its share of the aggregates, so a file
 is in the ledger entirely or not at all, and a file already listed in `segments` is skipped:
-re-running ingest, or being killed in the middle of it, never counts a row twice. Files go in
+re-running ingest, or being killed in the middle of it, never counts a row twice. "Already
+listed" means the same file: its stat unchanged since, or its Parquet footer the same; another
+file at that path, or a file of another spool id than the one the ledger holds its attempt and
+host from (a run id reused after its spool was removed), is quarantined. Files go in
 by batches (about a million rows, one transaction each): a commit and the aggregate tables'
 upserts cost about as much for a batch as for one file. A file that fails a check is
 quarantined (listed in the ledger's `quarantine` table with the reason, and reported); the other
@@ -116,15 +119,20 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
     try:
         only = "" if listing is None else "WHERE path IN (SELECT unnest($1))"
         params = [] if listing is None else [[item.rel for item, _ in listing]]
-        done = {r[0] for r in cur.execute(f"SELECT path FROM segments {only}", params)
-                .fetchall()}
+        done = {r[0]: r[1:] for r in cur.execute(
+            f"SELECT path, bytes, mtime_ns, footer_hash, spool_id FROM segments {only}",
+            params).fetchall()}
         held = {r[0]: (r[1], r[2]) for r in cur.execute(
             f"SELECT path, bytes, mtime_ns FROM quarantine {only}", params).fetchall()}
         todo = []
+        again: dict[str, tuple] = {}  # ingested paths whose file changed since: read again
         for item, st in listing if listing is not None else sp.scan(spool):
-            if item.rel in done:
-                result.already += 1
-                continue
+            was = done.get(item.rel)
+            if was is not None:
+                if was[1] is None or (st.st_size, st.st_mtime_ns) == tuple(was[:2]):
+                    result.already += 1  # unchanged (or ingested before stats were kept)
+                    continue
+                again[item.rel] = was
             if held.get(item.rel) == (st.st_size, st.st_mtime_ns):
                 continue  # known bad and unchanged: reported by `tally ledger`, not again here
             todo.append((item, st))
@@ -144,6 +152,9 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
                     batch = []  # not begun: its files wait for the next ingest
                     break
                 bar.update()
+                if item.rel in again:
+                    _seen_again(cur, result, item.rel, st, read, again[item.rel])
+                    continue
                 if isinstance(read, BadFile):
                     _quarantine(cur, result, item.rel, st, str(read))
                     continue
@@ -285,6 +296,54 @@ def _ahead(todo: list, pool: ThreadPoolExecutor) -> Iterator:
         yield first, fut.result()
 
 
+def _seen_again(cur, result: IngestResult, rel: str, st, read, was: tuple) -> None:
+    """A file at a path already ingested, changed on disk since (`was`: the ledger's bytes,
+    mtime, footer hash and spool id of the file ingested from it). The same file (a spool
+    restored from a copy, a file touched) is skipped, its stat kept for the next listing;
+    another file is quarantined: the ledger keeps the one it ingested. A run id reused after
+    its spool was removed puts a new training's files at the old names."""
+    if isinstance(read, BadFile):
+        _quarantine(cur, result, rel, st, f"a different file at a path already ingested: {read}")
+        return
+    info = read[1]
+    if info["footer_hash"] == was[2]:
+        cur.execute("UPDATE segments SET bytes = ?, mtime_ns = ? WHERE path = ?",
+                    [st.st_size, st.st_mtime_ns, rel])
+        cur.execute("DELETE FROM quarantine WHERE path = ?", [rel])  # another file was there
+        result.already += 1
+        return
+    what = "another file at a path already ingested"
+    reason = _reused(info, was[3], what)
+    if reason is None:
+        reason = (f"{what} (its Parquet footer differs from the one ingested): a file "
+                  f"rewritten, or run id {info['run_id']} reused after its spool was removed; "
+                  "the ledger keeps the file it ingested first")
+    _quarantine(cur, result, rel, st, reason)
+
+
+REUSED = " reused:"  # in a quarantine reason: a file of another training under the run's id
+
+
+def is_reuse(reason: str) -> bool:
+    """Whether a quarantine reason is `_reused`'s (reconcile, diff and exposure count these
+    files apart from unreadable ones)."""
+    return reason.startswith("run id ") and REUSED in reason
+
+
+def _reused(info: dict, theirs: str | None, what: str) -> str | None:
+    """Why a file of spool id `info["spool_id"]` cannot join its attempt and host, which the
+    ledger holds from spool `theirs`; None when they agree or either is unknown (files
+    written before spool ids)."""
+    mine = info.get("spool_id")
+    if mine is None or theirs is None or mine == theirs:
+        return None
+    return (f"run id {info['run_id']}{REUSED} {what} (spool {mine[:12]}; the ledger holds "
+            f"attempt {info['attempt']} of host {info['host']} from spool {theirs[:12]}): a new "
+            "training under the id of a run already ingested, or a writer restarted in its "
+            "attempt after its spool was removed; the ledger keeps the first (resume the run "
+            "as a new attempt, or choose another run id)")
+
+
 def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
     cur.execute(
         "INSERT OR REPLACE INTO quarantine (path, bytes, mtime_ns, reason) VALUES (?, ?, ?, ?)",
@@ -368,12 +427,14 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
             fids = [fid for f, fid in segs if f.run == run]
             agg.add(cur, run, inc, seg_files=len(parts[run]), files=(min(fids), max(fids)))
         cols = ("file_id", "path", "kind", "run", "attempt", "host", "first_step", "last_step",
-                "n_rows", "n_tokens", "bytes")
+                "n_rows", "n_tokens", "bytes", "mtime_ns", "footer_hash", "spool_id")
         rows_of = [(fid, f.item.rel, f.item.kind, f.run, f.info["attempt"], f.info["host"],
                     f.info["first_step"], f.info["last_step"], f.table.num_rows, f.n_tokens,
-                    f.stat.st_size) for f, fid in zip(batch, ids, strict=True)]
+                    f.stat.st_size, f.stat.st_mtime_ns, f.info["footer_hash"],
+                    f.info["spool_id"]) for f, fid in zip(batch, ids, strict=True)]
         cur.register("incoming_segments", pa.table(
-            {c: [r[i] for r in rows_of] for i, c in enumerate(cols)}))
+            {c: pa.array([r[i] for r in rows_of], pa.uint64() if c == "footer_hash" else None)
+             for i, c in enumerate(cols)}))
         names = ", ".join(cols)
         cur.execute(f"INSERT INTO segments ({names}) SELECT {names} FROM incoming_segments")
         cur.unregister("incoming_segments")
@@ -398,6 +459,10 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
 def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]]:
     """Files of the batch to quarantine before its transaction, with the reason.
 
+    - A file of another spool than the one the ledger (or an earlier file of this batch) holds
+      its run, attempt and host from (`_reused`): a run id reused after its spool was removed,
+      whatever the file's steps (the new training's later files would otherwise be appended to
+      the old run).
     - The same consumption twice (audit.hook.spool.first_repeat): a host's (attempt, step, row)
       of a segment file, or (attempt, step, metric name) of a metric file, already ingested
       from another file or held by an earlier file of this batch. A copy under another
@@ -408,24 +473,51 @@ def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]
     out: list[tuple[_File, str]] = []
     kept: dict[tuple, list[_File]] = {}
     overlapping = _overlapping(cur, batch)
+    spools = _spools(cur, batch)
+    budget = agg.budget(cur)  # the process's state bound, over the files taken in order
     for n, f in enumerate(batch):
         i = f.info
         key = (i["run_id"], i["attempt"], i["host"], f.item.kind)
-        why = _already(cur, f, overlapping.get(n, []))
+        why = _reused(i, spools.get(key[:3]), "a file of another spool")
+        if why is None:
+            why = _already(cur, f, overlapping.get(n, []))
         for other in kept.get(key, []):
             if why is None and i["first_step"] <= other.info["last_step"] and \
                     other.info["first_step"] <= i["last_step"]:
-                why = _repeat(f, other.table, other.item.rel)
+                why = _repeat(f, other.table, other.item.rel, other.info["footer_hash"])
         if why is None and f.item.kind == "seg" and len(f.table):
-            why = agg.too_large(int(pc.max(f.table["record_key"]).as_py()))
+            why = budget.refuse(i["run_id"], int(pc.max(f.table["record_key"]).as_py()))
         if why is not None:
             out.append((f, why))
             continue
         kept.setdefault(key, []).append(f)
+        if i["spool_id"] is not None:
+            spools.setdefault(key[:3], i["spool_id"])
     return out
 
 
-def _overlapping(cur, batch: list[_File]) -> dict[int, list[tuple[int, str]]]:
+def _spools(cur, batch: list[_File]) -> dict[tuple, str]:
+    """The spool id the ledger holds each (run id, attempt, host) of the batch from: that of
+    its first file that has one."""
+    keys = sorted({(f.info["run_id"], f.info["attempt"], f.info["host"]) for f in batch
+                   if f.info["spool_id"] is not None})
+    if not keys:
+        return {}
+    cur.register("incoming_hosts", pa.table({
+        "run_id": [k[0] for k in keys], "attempt": pa.array([k[1] for k in keys], pa.int64()),
+        "host": pa.array([k[2] for k in keys], pa.int64())}))
+    try:
+        found = cur.execute("""
+            SELECT i.run_id, i.attempt, i.host, arg_min(g.spool_id, g.file_id)
+            FROM incoming_hosts i JOIN runs r ON r.run_id = i.run_id
+            JOIN segments g ON g.run = r.run AND g.attempt = i.attempt AND g.host = i.host
+            WHERE g.spool_id IS NOT NULL GROUP BY ALL""").fetchall()
+    finally:
+        cur.unregister("incoming_hosts")
+    return {(run_id, attempt, host): spool for run_id, attempt, host, spool in found}
+
+
+def _overlapping(cur, batch: list[_File]) -> dict[int, list[tuple[int, str, int | None]]]:
     """For each file of the batch (by position), the ledger's files of its run, attempt, host
     and kind whose step ranges overlap its own: one query for the batch (one a file cost ~8 ms,
     6 s of a 10M-row backfill of 128 hosts' files on this box)."""
@@ -441,38 +533,38 @@ def _overlapping(cur, batch: list[_File]) -> dict[int, list[tuple[int, str]]]:
         "last_step": pa.array([f.info["last_step"] for f in batch], pa.int64())}))
     try:
         found = cur.execute("""
-            SELECT i.n, g.file_id, g.path FROM incoming_ranges i
+            SELECT i.n, g.file_id, g.path, g.footer_hash FROM incoming_ranges i
             JOIN runs r ON r.run_id = i.run_id
             JOIN segments g ON g.run = r.run AND g.attempt = i.attempt AND g.host = i.host
               AND g.kind = i.kind AND g.first_step <= i.last_step AND g.last_step >= i.first_step
             ORDER BY i.n, g.file_id""").fetchall()
     finally:
         cur.unregister("incoming_ranges")
-    out: dict[int, list[tuple[int, str]]] = {}
-    for n, file_id, path in found:
-        out.setdefault(n, []).append((file_id, path))
+    out: dict[int, list[tuple[int, str, int | None]]] = {}
+    for n, file_id, path, footer in found:
+        out.setdefault(n, []).append((file_id, path, footer))
     return out
 
 
-def _already(cur, f: _File, overlapping: list[tuple[int, str]]) -> str | None:
+def _already(cur, f: _File, overlapping: list[tuple[int, str, int | None]]) -> str | None:
     """Why `f` repeats a file already in the ledger (None: it does not). Files are compared by
     step range first (`_overlapping`); rows only where ranges overlap."""
     kind = f.item.kind
-    for file_id, path in overlapping:
+    for file_id, path, footer in overlapping:
         table = "consumption" if kind == "seg" else "metrics"
         column = '"row"' if kind == "seg" else "name"
         got = cur.execute(f"SELECT step, {column} AS other FROM {table} WHERE file_id = ?",
                           [file_id]).fetchnumpy()
         theirs = pa.table({"step": got["step"], column.strip('"'): got["other"]})
-        why = _repeat(f, theirs, path)
+        why = _repeat(f, theirs, path, footer)
         if why is not None:
             return why
     return None
 
 
-def _repeat(f: _File, theirs: pa.Table, path: str) -> str | None:
+def _repeat(f: _File, theirs: pa.Table, path: str, footer: int | None) -> str | None:
     """Why `f` repeats a consumption of `theirs` (another file's step and row, or step and
-    metric name, columns), or None."""
+    metric name, columns; `footer` its footer hash), or None."""
     if f.item.kind == "seg":
         mine_rows, their_rows = f.table["row"].to_numpy(), theirs["row"].to_numpy()
     else:  # metric names as codes shared by both sides
@@ -486,9 +578,10 @@ def _repeat(f: _File, theirs: pa.Table, path: str) -> str | None:
         return None
     step, row = both
     said = f"row {row} of step {step}" if f.item.kind == "seg" else f"a metric at step {step}"
+    how = ("this file is a copy of it" if footer == f.info["footer_hash"] else
+           "by another file: a writer restarted within its attempt, or its run id reused")
     return (f"duplicate: {said} of host {f.info['host']}, attempt {f.info['attempt']} was "
-            f"already ingested from {path} (a copy of a file, or a writer restarted within "
-            "its attempt); counted once, from that file")
+            f"already ingested from {path} ({how}); counted once, from that file")
 
 
 def _insert_rows(cur, batch: list[_File], ids: list[int]) -> None:

@@ -5,6 +5,7 @@ files exactly once (audit.ledger.ingest) while request handlers read with their 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from audit.hook import spool as sp
 from audit.ledger.aggregates import for_ledger
-from audit.ledger.database import Ledger
+from audit.ledger.database import Ledger, ledger_error
 from audit.ledger.ingest import ingest
 
 log = logging.getLogger("tally.ingest")
@@ -25,6 +26,9 @@ class IngestLoop:
     def __init__(self, ledger: Ledger, spool: Path, *, interval: float = 1.0,
                  after_round: Callable[[], None] | None = None,
                  max_round_seconds: float = 60.0) -> None:
+        for name, value in (("interval", interval), ("max_round_seconds", max_round_seconds)):
+            if not (math.isfinite(value) and value > 0):  # 0: a loop at 100% of a core
+                raise ValueError(f"{name} must be a number > 0, got {value}")
         self.ledger, self.spool, self.interval = ledger, Path(spool), interval
         self.max_round_seconds = max_round_seconds
         self._round_started: float | None = None  # monotonic start of the round under way
@@ -37,7 +41,11 @@ class IngestLoop:
         self.last_error: str | None = None
         self.last_round_at: float | None = None
         self._oldest_pending: float | None = None  # mtime of the oldest file not yet ingested
-        self._done: set[str] = set()
+        # Ingested paths -> their (bytes, mtime_ns) in the ledger (None: ingested before stats
+        # were kept): skipped by the listing, but stat-ed on each full one, so that another
+        # file put at an ingested path (a run id reused after its spool was removed, whose new
+        # training writes the old names) reaches ingest, which quarantines it.
+        self._done: dict[str, tuple[int | None, int | None]] = {}
         self._seen_id = -1
         # Listing every file every round cost ~1.5 s a round at 72,000 files. A host directory
         # is skipped once settled (see _settle) until its mtime moves: publishing a file by
@@ -81,15 +89,19 @@ class IngestLoop:
         writer); ingest() checks them again in its own snapshot."""
         cur = self.ledger.cursor()
         try:
-            for fid, path in cur.execute("SELECT file_id, path FROM segments WHERE file_id > ?",
-                                         [self._seen_id]).fetchall():
-                self._done.add(path)
+            for fid, path, size, mtime in cur.execute(
+                    "SELECT file_id, path, bytes, mtime_ns FROM segments WHERE file_id > ?",
+                    [self._seen_id]).fetchall():
+                self._done[path] = (size, mtime)
                 self._seen_id = max(self._seen_id, fid)
             self._stats = {}
             self._full = time.monotonic() - self._full_at >= FULL_LISTING_S
             if self._full:
                 self._full_at = time.monotonic()
-            new = list(sp.scan(self.spool, self._settled, self._done))
+                new = [(f, st) for f, st in sp.scan(self.spool, self._settled)
+                       if self._changed(f.rel, st)]
+            else:
+                new = list(sp.scan(self.spool, self._settled, self._done))
             # Before quarantined files are set aside: a directory holding one stays listed,
             # so that the file rewritten in place (same name, no mtime change) is seen.
             self._settle(new)
@@ -99,6 +111,18 @@ class IngestLoop:
         finally:
             cur.close()
         return [(f, st) for f, st in new if held.get(f.rel) != (st.st_size, st.st_mtime_ns)]
+
+    def _changed(self, rel: str, st: os.stat_result) -> bool:
+        """Whether a listed entry is new or, at an ingested path, another file than the one
+        ingested from it (its size or mtime moved; ingest compares the footers). It is sent
+        once: remembered with its new stat."""
+        was = self._done.get(rel)
+        if was is None:
+            return True
+        if was[1] is None or was == (st.st_size, st.st_mtime_ns):
+            return False
+        self._done[rel] = (st.st_size, st.st_mtime_ns)
+        return True
 
     def _settled(self, rel_dir: str, mtime_ns: int) -> bool:
         self._stats[rel_dir] = (mtime_ns, time.monotonic())  # before the directory is read
@@ -153,6 +177,12 @@ class IngestLoop:
                 self.run_once()
                 self.last_error = None
             except Exception as exc:  # shown by /healthz; the loop goes on with the next round
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("ingest round failed")
+                said = ledger_error(self.ledger.path, exc)
+                error = f"{type(exc).__name__}: {exc}" if said is None else str(said)
+                if error != self.last_error:  # not again each round while it lasts
+                    if said is None:
+                        log.exception("ingest round failed")
+                    else:  # a full disk or a damaged ledger: the line says it all
+                        log.error("ingest round failed: %s", said)
+                self.last_error = error
             self._stop.wait(self.interval)

@@ -465,11 +465,14 @@ class RunState:
         neither copied nor read until used."""
         return cls(size=len(rows), data=rows, top=top)
 
-    def reserve(self, need: int) -> None:
-        """Room for keys below `need` (MemoryError if it cannot be had)."""
+    def reserve(self, need: int, most: int | None = None) -> None:
+        """Room for keys below `need` (MemoryError if it cannot be had); the room beyond
+        `need` stops at `most` rows (the process's bound, TALLY_MAX_STATE_GB)."""
         if need <= self.size:
             return
         cap = max(need, self.size + self.size // 8, 1024)  # geometric, without doubling memory
+        if most is not None:
+            cap = max(need, min(cap, most))
         if not self.size:
             self.data = np.zeros(cap, COMPACT)
         elif not self.data.flags.owndata:

@@ -15,7 +15,6 @@ them (one scan of the run's consumption, as the record lookup does).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import duckdb
@@ -33,16 +32,17 @@ MAX_HASHES = 10_000  # documents per exposure request
 WINDOWS = 20
 
 
-def _per_step(cur: duckdb.DuckDBPyConnection, run: int, n: int) -> np.ndarray:
-    """[3, n]: effective segments, tokens and exposures per step."""
-    out = np.zeros((3, n), np.int64)
-    for step, seg, tok, exp in cur.execute(f"""
-            SELECT s.step, sum(s.segments), sum(s.tokens), sum(s.exposures)
-            FROM agg_steps s JOIN attempts a USING (run, attempt)
-            WHERE s.run = ? AND {q.EFFECTIVE} GROUP BY s.step""", [run]).fetchall():
-        if step < n:
-            out[:, step] = (seg, tok, exp)
-    return out
+def _per_step(cur: duckdb.DuckDBPyConnection, run: int) -> tuple[np.ndarray, np.ndarray]:
+    """The run's effective steps in order, and [3, steps]: their segments, tokens and
+    exposures."""
+    got = cur.execute(f"""
+        SELECT s.step, sum(s.segments)::BIGINT AS seg, sum(s.tokens)::BIGINT AS tok,
+               sum(s.exposures)::BIGINT AS ex
+        FROM agg_steps s JOIN attempts a USING (run, attempt)
+        WHERE s.run = ? AND {q.EFFECTIVE} GROUP BY s.step ORDER BY s.step""", [run]).fetchnumpy()
+    counts = np.stack([np.asarray(got[c], np.int64) for c in ("seg", "tok", "ex")]) \
+        if len(got["step"]) else np.zeros((3, 0), np.int64)
+    return np.asarray(got["step"], np.int64), counts
 
 
 def _events(cur: duckdb.DuckDBPyConnection, run: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,16 +52,35 @@ def _events(cur: duckdb.DuckDBPyConnection, run: int) -> tuple[np.ndarray, np.nd
     return np.asarray(got["step"], np.int64), np.asarray(got["record_key"], np.int64)
 
 
+def _groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values in order, each value's index among them): groups numbered by the
+    ones that exist, whatever their numbers."""
+    return np.unique(values, return_inverse=True)
+
+
 def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str, str],
          states: dict[str, np.ndarray], uni: q.Universe,
          manifest: Any | None, points: int = 500, window: int | None = None
          ) -> dict[str, Any]:
     """Runs `runs['a']` and `runs['b']` compared. `states[r]`: exposures per record key, from
     the same snapshot as `cur`; `manifest`: the service's (records,
-    fingerprint), or None; `window`: steps per window (default: about WINDOWS windows)."""
+    fingerprint), or None; `window`: steps per window (default: about WINDOWS windows).
+
+    Every per-step array is indexed by the steps either run consumed, never by the step
+    number: steps are int64 up to 2**62, and arrays as long as the largest step made two runs
+    of three steps, one at 3e7, cost 2.5 GB (and one at 2**40 a 500). Windows and plot buckets
+    are numbered by the ones that hold a step, for the same reason."""
     last = {r: q.last_step(cur, runs[r]) for r in RUNS}
-    n_steps = max([-1] + [x for x in last.values() if x is not None]) + 1
-    per = {r: _per_step(cur, runs[r], n_steps) for r in RUNS}
+    got = {r: _per_step(cur, runs[r]) for r in RUNS}
+    ev = {r: _events(cur, runs[r]) for r in RUNS}
+    at = np.unique(np.concatenate([got["a"][0], got["b"][0], ev["a"][0], ev["b"][0]]))
+    n_at = len(at)
+    per = {}
+    for r in RUNS:
+        per[r] = np.zeros((3, n_at), np.int64)
+        per[r][:, np.searchsorted(at, got[r][0])] = got[r][1]
+    origin = int(at[0]) if n_at else 0  # windows and buckets count from the first step
+    span = int(at[-1]) - origin + 1 if n_at else 0
 
     # ---- per record: keys of the manifest (else the universe, else every key seen) ----
     size = max(len(states[r]) for r in RUNS)
@@ -80,27 +99,28 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
                "more_often_b": int((seen_a & (e["b"] > e["a"])).sum())}
     records["neither"] = limit - sum(v for k, v in records.items() if k != "compared")
 
-    # ---- per step: every exposure, from the ledger ----
-    ev = {r: _events(cur, runs[r]) for r in RUNS}
+    # ---- per step: every exposure, from the ledger; a step is its index in `at` ----
     keys_a, keys_b = ev["a"][1], ev["b"][1]
     if size >= 1 << KEY_BITS:  # keys too wide to pack: compare their ranks instead
         codes, _ = dense_codes(np.concatenate([keys_a, keys_b]))
         keys_a, keys_b = codes[: len(keys_a)], codes[len(keys_a):]
-    cmp = compare_groups(ev["a"][0], keys_a, ev["b"][0], keys_b, n_steps)
+    idx_a, idx_b = np.searchsorted(at, ev["a"][0]), np.searchsorted(at, ev["b"][0])
+    cmp = compare_groups(idx_a, keys_a, idx_b, keys_b, n_at)
     present = (per["a"][0] > 0) | (per["b"][0] > 0)
-    same_records = cmp.l1[:n_steps] == 0
+    same_records = cmp.l1[:n_at] == 0
     same_shape = (per["a"][:2] == per["b"][:2]).all(axis=0)
     identical = present & same_records & same_shape
     differ = present & ~identical
-    jac = jaccard(cmp.distinct_a, cmp.distinct_b, cmp.common)[:n_steps]
-    first = int(np.flatnonzero(differ)[0]) if differ.any() else None
+    jac = jaccard(cmp.distinct_a, cmp.distinct_b, cmp.common)[:n_at]
+    first_i = int(np.flatnonzero(differ)[0]) if differ.any() else None
+    first = None if first_i is None else int(at[first_i])
 
     # Windows of steps: the same multiset in each, in another order?
-    reach = n_steps
-    w = window or max(1, -(-reach // WINDOWS))
-    n_win = -(-n_steps // w)
-    win = compare_groups(ev["a"][0] // w, keys_a, ev["b"][0] // w, keys_b, n_win)
-    win_present = np.bincount(np.arange(n_steps)[present] // w, minlength=n_win)
+    w = window or max(1, -(-span // WINDOWS))
+    win_ids, win_of = _groups((at - origin) // w)  # the windows that hold a step
+    n_win = len(win_ids)
+    win = compare_groups(win_of[idx_a], keys_a, win_of[idx_b], keys_b, n_win)
+    win_present = np.bincount(win_of[present], minlength=n_win)
     win_same = (win.l1[:n_win] == 0) & (win_present > 0)
     if not differ.any():
         status = "identical"
@@ -110,13 +130,13 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         status = "different"
 
     # ---- bucketed series for a plot: steps, and both runs' coverage ----
-    bucket = max(1, math.ceil(n_steps / points)) if n_steps else 1
-    b_of = np.arange(n_steps) // bucket
-    nb = -(-n_steps // bucket) if n_steps else 0
+    bucket = max(1, -(-span // points))
+    b_first, b_of = _groups((at - origin) // bucket)  # about `points` buckets at most
+    nb = len(b_first)
     compared_b = np.bincount(b_of[present], minlength=nb)
     jac_b = np.bincount(b_of[present], weights=jac[present], minlength=nb)
     keep = compared_b > 0
-    series = {"bucket": bucket, "step": (np.arange(nb) * bucket)[keep].tolist(),
+    series = {"bucket": bucket, "step": (origin + b_first * bucket)[keep].tolist(),
               "compared": compared_b[keep].tolist(),
               "identical": np.bincount(b_of[identical], minlength=nb)[keep].tolist(),
               "jaccard": (jac_b[keep] / compared_b[keep]).tolist()}
@@ -128,21 +148,22 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         cov = Coverage.from_levels(n, int(inside.sum()), np.bincount(inside)).to_dict() \
             if n else Coverage(None, int(inside.sum()), *(int((inside > k).sum())
                                                            for k in range(3))).to_dict()
-        steps = q.steps(cur, runs[r], uni, bucket=bucket)
+        steps = q.steps(cur, runs[r], uni, start=origin, bucket=bucket)
         fp = cur.execute("SELECT manifest_fingerprint FROM runs WHERE run = ?",
                          [runs[r]]).fetchall()[0][0]
         marked = q.replayed_of(cur, runs[r])
+        mine = per[r][0] > 0
         side[r] = {
             "run_id": run_ids[r], "source": "ledger", "run_manifest_fingerprint": fp,
             "replayed": marked["replayed"], "replayed_files": marked["replayed_files"],
-            "last_step": last[r], "first_step": int(np.flatnonzero(per[r][0])[0])
-            if per[r][0].any() else None,
-            "steps": int((per[r][0] > 0).sum()), "exposures": int(per[r][2].sum()),
+            "last_step": last[r], "first_step": int(at[mine][0]) if mine.any() else None,
+            "steps": int(mine.sum()), "exposures": int(per[r][2].sum()),
             "unknown_keys": int((states[r][limit:] > 0).sum()),
             "unknown_exposures": int(states[r][limit:].sum()),
             "coverage": cov,
             "series": {k: steps[k] for k in ("last_step", "coverage", "ideal_coverage")}}
     compared = int(present.sum())
+    through = max([-1] + [x for x in last.values() if x is not None])
     d: dict[str, Any] = {
         "a": side["a"], "b": side["b"],
         "manifest": {"fingerprint": None if manifest is None else manifest.fingerprint,
@@ -150,14 +171,14 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         "status": status,
         "steps_compared": compared, "identical_steps": int(identical.sum()),
         "first_divergent_step": first,
-        "compared_through_step": n_steps - 1,
+        "compared_through_step": through,
         "exact": True,
         "steps_only_a": int(((per["a"][0] > 0) & (per["b"][0] == 0) & present).sum()),
         "steps_only_b": int(((per["b"][0] > 0) & (per["a"][0] == 0) & present).sum()),
         "steps_same_records_other_tokens": int((present & same_records & ~same_shape).sum()),
         "jaccard": {"mean": float(jac[present].mean()) if compared else None,
                     "min": float(jac[present].min()) if compared else None,
-                    "at_first_divergent_step": None if first is None else float(jac[first])},
+                    "at_first_divergent_step": None if first_i is None else float(jac[first_i])},
         "records": records, "records_only_a": records["only_a"],
         "records_only_b": records["only_b"],
         "exposure_difference_histogram": {str(k): int(v) for k, v in
@@ -166,8 +187,7 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         "windows": {"steps": w, "count": int((win_present > 0).sum()),
                     "same_multiset": int(win_same.sum()),
                     "other_order": int((win_same & (np.bincount(
-                        np.arange(n_steps)[identical] // w, minlength=n_win)
-                        < win_present)).sum())},
+                        win_of[identical], minlength=n_win) < win_present)).sum())},
         "steps_series": series,
     }
     d["findings"] = findings(d)
@@ -175,7 +195,7 @@ def diff(cur: duckdb.DuckDBPyConnection, runs: dict[str, int], run_ids: dict[str
         d["findings"].append({
             "severity": "INFO", "code": "compared_in_part",
             "message": f"steps compared through {d['compared_through_step']} of "
-                       f"{step_or_none(n_steps - 1)}: later steps hold a 4th or later exposure of "
+                       f"{step_or_none(through)}: later steps hold a 4th or later exposure of "
                        "some record, which the live state does not keep (tally diff compares "
                        "every step)", "numbers": {"step": d["compared_through_step"]}})
     d["verdict"] = verdict(d["findings"])

@@ -33,7 +33,14 @@ from audit.reconcile.job import (
     write_part,
 )
 from audit.reconcile.partials import Partial, merge_all
-from audit.reconcile.plan import MAX_RUN_STEPS, Plan, bucket_records_for, chunks, make_plan
+from audit.reconcile.plan import (
+    MAX_RUN_STEPS,
+    Plan,
+    bucket_records_for,
+    check_span,
+    chunks,
+    make_plan,
+)
 from pipeline.runners import RunnerSpec, pipeline
 
 WINDOWS = 20  # windows of steps when --window is not given: about this many over the runs
@@ -87,8 +94,9 @@ def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Pa
         runs[r] = make_plan(run_id=sources[r].run_id, manifest=manifest, files=got.files,
                             attempts=got.attempts, run_fingerprint=got.fingerprint,
                             at_step=at_step, bucket_records=bucket_records,
-                            left_out=got.left_out, replayed_files=got.replayed_files,
-                            segment_files=got.segment_files)
+                            memory_gb=memory_gb, job="diff", left_out=got.left_out,
+                            replayed_files=got.replayed_files,
+                            segment_files=got.segment_files, host_ids=got.host_ids)
         runs[r].replay_ranges = []  # a diff compares effective rows only
     plan = DiffPlan(runs, sources, 1)
     if window is not None and window < 1:
@@ -97,6 +105,7 @@ def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Pa
     if span > MAX_RUN_STEPS:
         raise TallyError(f"the runs span steps {plan.first_step}..{plan.last_step} together, "
                          f"{span:,} steps: a diff may span at most {MAX_RUN_STEPS:,}")
+    check_span("the two runs span", plan.first_step, plan.last_step, memory_gb, "diff")
     plan.window = window or max(1, -(-max(span, 1) // WINDOWS))
     return plan
 

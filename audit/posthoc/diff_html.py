@@ -9,7 +9,7 @@ import html
 import numpy as np
 import pyarrow as pa
 
-from audit.reconcile.html import CSS, bars, step_or_none
+from audit.reconcile.html import CSS, above, bars, step_or_none
 
 COLORS = {"a": "#0969da", "b": "#bf8700"}
 MAX_POINTS = 600  # per polyline: keeps the file small for long runs
@@ -27,7 +27,8 @@ def lines(xs: np.ndarray, series: list[tuple[str, np.ndarray, str, bool]], *, y1
         return "<p>no steps</p>"
     idx = _thin(len(xs))
     xs = np.asarray(xs)[idx]
-    x0, x1 = float(xs.min()), float(max(xs.max(), xs.min() + 1))
+    x0, x1 = float(xs.min()), float(xs.max())
+    x1 = x1 if x1 > x0 else above(x0)  # one step (at 2**55, x0 + 1 is x0 as a float)
     px = lambda x: 45 + (x - x0) / (x1 - x0) * (w - 60)  # noqa: E731
     py = lambda y: h - 25 - y / y1 * (h - 45)  # noqa: E731
     out = [f'<svg width="{w}" height="{h}" role="img">']
@@ -45,8 +46,8 @@ def lines(xs: np.ndarray, series: list[tuple[str, np.ndarray, str, bool]], *, y1
         out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} '
                    f'points="{pts}" data-series="{html.escape(name)}"/>'
                    f'<text x="{50 + i * 120}" y="14" fill="{color}">{html.escape(name)}</text>')
-    out.append(f'<text x="45" y="{h - 6}">step {int(x0)}</text>'
-               f'<text x="{w - 90}" y="{h - 6}">step {int(x1)}</text></svg>')
+    out.append(f'<text x="45" y="{h - 6}">step {int(xs.min())}</text>'
+               f'<text x="{w - 90}" y="{h - 6}">step {int(xs.max())}</text></svg>')
     return "".join(out)
 
 

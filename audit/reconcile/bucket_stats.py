@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import distinct, host_overlap
+from audit.core.arrays import distinct, host_overlap, ranks
 from audit.reconcile.partials import EVIDENCE, EXAMPLES, RANK_CAP, SEEN, MaxSpans, Partial, Spans
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
@@ -43,11 +43,13 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
 
 
-def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
+def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
             loss_window: int = 1, run_first_step: int = 0) -> tuple[Partial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
-    consumption rows (audit.reconcile.buckets); `run_first_step`: the run's first step, where
-    the loss windows start. Returns the bucket's partial and its per-record table."""
+    consumption rows (audit.reconcile.buckets); `host_ids`: the run's hosts with rows
+    (audit.reconcile.plan.Plan.host_ids: per-host counts are by position there);
+    `run_first_step`: the run's first step, where the loss windows start. Returns the
+    bucket's partial and its per-record table."""
     if man is None:  # the overflow bucket: whole keys, none in the manifest
         keys, known = c["key"], np.zeros(len(c["key"]), dtype=bool)
     else:  # keys as offsets from the bucket's first key: the manifest row within the bucket
@@ -77,8 +79,9 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
     def of_train(a: np.ndarray) -> np.ndarray:
         return a if every else a[train]
 
-    unique, others, overlap, n_hosts = _host_sets(
-        j_starts, c["host"][starts].astype(np.int64), n, hosts, train)
+    hosts = len(host_ids)
+    at = ranks(host_ids, c["host"].astype(np.int64))  # each row's host by its position
+    unique, others, overlap, n_hosts = _host_sets(j_starts, at[starts], n, hosts, train)
 
     # Train start events ordered by (record, step): the first of each record gives its
     # first-seen step; the position within the record is the exposure's rank, kept as the
@@ -112,7 +115,7 @@ def compute(man: dict | None, c: dict[str, np.ndarray], hosts: int,
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
     (per_epoch, repeats_at, repeats_on, out.records_by_epoch, out.epoch_duplicated_by_host,
-     repeats_of) = _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, c["host"][ep], hosts, n)
+     repeats_of) = _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, at[ep], hosts, n)
     out.epoch_repeats_by_step = Spans([(lo, repeats_at)])
     out.epoch_repeats_by_host = repeats_on
 

@@ -65,12 +65,15 @@ class _Evidence:
             out["records"] = self.most_repeated()
         if code in SKIPS:
             out["records"] += self.never_seen()
-        if code in ("repeated_batches", "host_gap"):
+        if code in ("repeated_batches", "host_gap") and "host" in n:
             h = n["host"]
             ranges = (n["ranges"] if code == "repeated_batches"
                       else [[n["first_step"], n["last_step"]]])
             out["hosts"] = [self.host(h)]
             out["steps"] = [self.step_range(a, b, host=h) for a, b in ranges[:EVIDENCE]]
+        elif code == "host_gap":  # hosts that consumed nothing at all: the first few
+            out["hosts"] = [self.host(h) for h in n["examples"][:EVIDENCE]]
+            out["steps"] = [self.step_range(n["first_step"], n["last_step"])]
         if code == "replay_inexact" and n.get("step") is not None:
             out["steps"] = [self.step_range(n["step"], n["step"])]
         if code == "non_finite_loss":

@@ -17,11 +17,14 @@ merged; nothing is per row in Python.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from audit.core.exposure import starts
+
+EXAMPLE_HOSTS = 10  # silent hosts named per attempt; the rest are counted
 
 _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
         np.uint64(0x94D049BB133111EB))
@@ -152,21 +155,26 @@ def repeated_batches(ranges: list[tuple[int, int, int]], edges: list[Edge],
 
 
 def gaps(ranges: list[tuple[int, int, int, int]], host_counts: dict[int, int],
-         ended: dict[int, bool]) -> list[dict]:
+         ended: dict[int, bool]) -> tuple[list[dict], list[dict]]:
     """Stretches of steps of an attempt in which one of its hosts consumed nothing while the
     others did. Within each attempt's span (its first to its last effective step), every host
     of the attempt should hold every step. The tail of a span counts only for an attempt that
     has ended (`ended[a]`: a later attempt replaced it, or the run finished): in a run still
-    going, hosts publish at their own pace and one lagging behind is no gap."""
-    out = []
+    going, hosts publish at their own pace and one lagging behind is no gap.
+
+    Returns (gaps of the hosts that consumed something, one entry per attempt for its hosts that
+    consumed nothing at all). The silent hosts are counted, not listed: an attempt declaring
+    65,536 hosts of which one wrote made 65,535 findings (a 100 MB report) when each was a gap."""
+    out, silent = [], []
     for a in sorted({r[0] for r in ranges}):
-        mine_all = [r for r in ranges if r[0] == a]
-        first = min(r[2] for r in mine_all)
-        last = max(r[3] for r in mine_all)
-        for host in range(host_counts.get(a, 0)):
-            mine = sorted((x, y) for _, h, x, y in mine_all if h == host)
+        by_host: dict[int, list[tuple[int, int]]] = {}
+        for _, h, x, y in (r for r in ranges if r[0] == a):
+            by_host.setdefault(h, []).append((x, y))
+        first = min(x for v in by_host.values() for x, _ in v)
+        last = max(y for v in by_host.values() for _, y in v)
+        for host in sorted(by_host):
             cursor, holes = first, []
-            for x, y in mine:
+            for x, y in sorted(by_host[host]):
                 if x > cursor:
                     holes.append((cursor, x - 1))
                 cursor = max(cursor, y + 1)
@@ -174,4 +182,11 @@ def gaps(ranges: list[tuple[int, int, int, int]], host_counts: dict[int, int],
                 holes.append((cursor, last))
             out += [{"attempt": a, "host": host, "first_step": x, "last_step": y,
                      "steps": y - x + 1} for x, y in holes]
-    return out
+        n = host_counts.get(a, 0)
+        quiet = n - sum(1 for h in by_host if h < n)
+        if quiet > 0 and ended.get(a):
+            examples = list(itertools.islice((h for h in range(n) if h not in by_host),
+                                             EXAMPLE_HOSTS))
+            silent.append({"attempt": a, "hosts": quiet, "examples": examples,
+                           "first_step": first, "last_step": last, "steps": last - first + 1})
+    return out, silent

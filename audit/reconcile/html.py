@@ -59,14 +59,22 @@ def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return [0.0]
     if hi <= lo:
-        hi = lo + 1
+        hi = above(lo)
     raw = (hi - lo) / max(1, n)
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
     if integer:
         step = max(1.0, round(step))
     first = math.ceil(lo / step - 1e-9) * step
-    return [round(first + i * step, 12) for i in range(int((hi - first) / step + 1e-9) + 1)]
+    # Beyond 2**53 a float cannot hold every step: neighbouring ticks may round to one value.
+    return sorted({round(first + i * step, 12)
+                   for i in range(int((hi - first) / step + 1e-9) + 1)})
+
+
+def above(v: float) -> float:
+    """v + 1, or the next float above v where v + 1 is v itself (from 2**53: a run of one
+    step at 2**55 made an axis of zero width, and its ticks a math domain error)."""
+    return max(v + 1, math.nextafter(v, math.inf))
 
 
 def decimals(ticks: Sequence[float]) -> int:
@@ -97,8 +105,8 @@ class Chart:
     def __init__(self, x0: float, x1: float, y0: float, y1: float, *, name: str,
                  w: int = 560, h: int = 270, left: int = 58, right: int = 14, top: int = 36,
                  bottom: int = 40) -> None:
-        self.x0, self.x1 = x0, x1 if x1 > x0 else x0 + 1
-        self.y0, self.y1 = y0, y1 if y1 > y0 else y0 + 1
+        self.x0, self.x1 = x0, x1 if x1 > x0 else above(x0)
+        self.y0, self.y1 = y0, y1 if y1 > y0 else above(y0)
         self.w, self.h, self.left, self.right, self.top, self.bottom = (w, h, left, right, top,
                                                                         bottom)
         self.name = name
@@ -344,15 +352,17 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
                   max_hosts: int = MAX_HEATMAP_HOSTS) -> str:
     """Records each pair of hosts both saw, without the diagonal (a host with itself), with
     host labels, counts in the cells and a colour scale. Beyond `max_hosts` hosts, the ones
-    sharing the most records with others (every host is in the Hosts table)."""
+    sharing the most records with others (every host is in the Hosts table). Row i of the
+    matrix is `per_host[i]`'s host (the hosts that sent rows: their numbers may be sparse)."""
     k = len(matrix)
     if not k:
         return "<p>no hosts</p>"
     arr = np.asarray(matrix, dtype=np.int64)
-    hosts = list(range(k))
+    name = [p["host"] for p in per_host] if len(per_host) == k else list(range(k))
+    hosts = list(range(k))  # positions in the matrix
     if k > max_hosts:
-        shared = {p["host"]: p["overlap_with_others"] for p in per_host}
-        hosts = sorted(sorted(hosts, key=lambda h: (-shared.get(h, 0), h))[:max_hosts])
+        shared = [p["overlap_with_others"] for p in per_host] if len(per_host) == k else [0] * k
+        hosts = sorted(sorted(hosts, key=lambda h: (-shared[h], h))[:max_hosts])
     sub = arr[np.ix_(hosts, hosts)]
     off = ~np.eye(len(hosts), dtype=bool)
     top = int(sub[off].max()) if off.any() else 0
@@ -367,7 +377,7 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
             x, y = left + b * cell, top_pad + a * cell
             if i == j:
                 out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{cell:.1f}" '
-                           f'height="{cell:.1f}" fill="#f6f8fa" class="self"><title>host {i} '
+                           f'height="{cell:.1f}" fill="#f6f8fa" class="self"><title>host {name[i]} '
                            f'itself: {int(arr[i, i]):,} records</title></rect>')
                 continue
             v = int(arr[i, j])
@@ -375,8 +385,9 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
             alpha = 0 if v == 0 else 0.08 + 0.92 * t  # none shared: a blank cell
             out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{cell:.1f}" height="{cell:.1f}" '
                        f'fill="{PALETTE["shared"]}" fill-opacity="{alpha:.3f}" '
-                       f'stroke="#fff" class="cell" data-value="{v}" data-hosts="{i},{j}">'
-                       f'<title>hosts {i} and {j}: {v:,} records both saw</title></rect>')
+                       f'stroke="#fff" class="cell" data-value="{v}" '
+                       f'data-hosts="{name[i]},{name[j]}"><title>hosts {name[i]} and '
+                       f'{name[j]}: {v:,} records both saw</title></rect>')
             if text_cells:
                 ink = "#fff" if t > 0.55 else "#1f2328"
                 out.append(f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" '
@@ -384,15 +395,15 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
                            f'style="fill:{ink};font-size:{min(11, cell / 3.2):.0f}px">'
                            f'{_fmt_count(v)}</text>')
     step = max(1, math.ceil(len(hosts) / 16))
-    font = 9 if hosts[-1] >= 100 and cell * step < 26 else 11  # three digits in a narrow cell
+    font = 9 if name[hosts[-1]] >= 100 and cell * step < 26 else 11  # 3+ digits, narrow cell
     for a, h in enumerate(hosts):
         if a % step:
             continue
         pos = (a + .5) * cell
         out.append(f'<text x="{left - 4}" y="{top_pad + pos + 4:.1f}" text-anchor="end" '
-                   f'class="host-label">{h}</text><text x="{left + pos:.1f}" '
+                   f'class="host-label">{name[h]}</text><text x="{left + pos:.1f}" '
                    f'y="{top_pad - 6}" text-anchor="middle" class="host-label" '
-                   f'style="font-size:{font}px">{h}</text>')
+                   f'style="font-size:{font}px">{name[h]}</text>')
     # The colour scale: from none shared to the most any pair shared.
     sx, sy, sh = left + size + 18, top_pad, size
     out.append('<defs><linearGradient id="shared-scale" x1="0" y1="1" x2="0" y2="0">'
@@ -598,7 +609,11 @@ def render_html(r: dict, steps: pa.Table) -> str:
               for e in r.get("epochs", [])]
     restarts = r["restarts"]
     rb = r["hosts"].get("repeated_batches", [])
-    gaps = r["hosts"].get("gaps", [])
+    gaps = r["hosts"].get("gaps", []) + [
+        {**g, "host": f"{g['hosts']:,} silent: "
+                      + ", ".join(map(str, g["examples"]))
+                      + (", ..." if g["hosts"] > len(g["examples"]) else "")}
+        for g in r["hosts"].get("silent_hosts", [])]
     hosts_note = ("" if len(per_host) <= 64 else
                   f"<p>{len(per_host):,} hosts, sorted by within-epoch repeats.</p>")
     host_rows = sorted(per_host, key=lambda p: (-p.get("epoch_repeats", 0), p["host"])) \

@@ -175,16 +175,18 @@ class ReadConsumption(beam.DoFn):
             rows = mark.reshape(-1, per_step).sum(axis=1)
         else:
             rows = bucket_stats.bincount(distinct(triples) // per_step)
-        n = self.plan.hosts
+        n = len(self.plan.host_ids)  # per host by its position (Plan.host_ids)
         if h1 == h0:  # one host (every spool file): its totals, no bincount
             by_host = [np.zeros(n, np.int64) for _ in range(3)]
+            at = int(self.plan.host_index(np.int64(h0)))
             for a, total in zip(by_host, (len(steps), start.sum(), n_tokens.sum(dtype=np.int64)),
                                 strict=True):
-                a[h0] = total
+                a[at] = total
         else:
-            by_host = [bucket_stats.bincount(host, n=n),
-                       bucket_stats.bincount(host[start], n=n),
-                       bucket_stats.bincount(host, n_tokens, n=n)]
+            at = self.plan.host_index(host)
+            by_host = [bucket_stats.bincount(at, n=n),
+                       bucket_stats.bincount(at[start], n=n),
+                       bucket_stats.bincount(at, n_tokens, n=n)]
         return Partial(
             **host_steps.per_file(cols, self.plan.train_records),
             segments=len(steps), first_step=lo, last_step=hi,
@@ -227,7 +229,7 @@ class BucketStats(beam.DoFn):
         slices = list(grouped["consumption"])
         rows = buckets.read(slices, overflow=bucket == self.plan.buckets)
         out, records = bucket_stats.compute(manifest_bucket(self.plan, bucket), rows,
-                                            self.plan.hosts, self.plan.loss_window,
+                                            self.plan.host_ids, self.plan.loss_window,
                                             self.plan.first_step)
         out.slices_joined = len(slices)
         if records is not None:
@@ -450,7 +452,7 @@ def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
                          finished=inputs.finished, milestones=inputs.milestones,
                          metric_files=inputs.metric_files,
                          replayed_files=inputs.replayed_files,
-                         segment_files=inputs.segment_files)
+                         segment_files=inputs.segment_files, host_ids=inputs.host_ids)
         parts = work / "records"
         bar.stage("key buckets", total=plan.buckets + 1,
                   count=lambda: sum(1 for _ in parts.glob("part-*.parquet")))

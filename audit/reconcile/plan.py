@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from audit.core.arrays import ranks
 from audit.core.errors import TallyError
 from audit.core.exposure import effective, effective_sql, rolled_back_from
 from audit.core.schema import SEGMENT_COLUMNS_ALL, names, sql_select
@@ -36,6 +37,12 @@ LOSS_WINDOWS = 256  # windows of steps the loss by exposure rank is split into
 # run's first step to its last: a run spans fewer than 2^31 steps (a million-step run spans
 # 2^20).
 MAX_RUN_STEPS = 2**31
+# Bytes of per-step series a job holds per step of the span (first to last step), measured as
+# peak memory over a 2-step run at steps 0 and 10^6 against one at 0 and 10^3: reconcile 190,
+# diff 435 (both runs). The span is bounded by --memory-gb with this margin, so that a file
+# whose step jumps far ahead gets one line instead of exhausting the machine (a live service
+# re-runs reconcile on each finding round).
+STEP_BYTES = {"reconcile": 256, "diff": 512}
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ class Plan:
     fingerprint: str
     run_fingerprint: str | None
     at_step: int | None
-    hosts: int
+    hosts: int  # the run's host count: the most any attempt declared
     bucket_size: int
     buckets: int
     rows: int = 0  # consumption rows
@@ -105,6 +112,15 @@ class Plan:
     # the files the ledger ingested (a ledger's run is read from an export of other files).
     replayed_files: int = 0
     segment_files: int = 0
+    # The hosts that sent segment rows, ascending. Per-host counts and the host overlap are
+    # indexed by a host's position here (`host_index`), so that they are sized by the hosts
+    # that exist: by host number, one file of host 65,535 sized the overlap 65,536 x 65,536
+    # (32 GiB) and the report listed 65,536 hosts.
+    host_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def host_index(self, host: np.ndarray) -> np.ndarray:
+        """The positions of hosts (numbers of hosts in `host_ids`) in `host_ids`."""
+        return ranks(self.host_ids, host)
 
     def for_workers(self) -> Plan:
         """This plan without its lists of input files, which the workers get as their tasks:
@@ -135,6 +151,8 @@ class Inputs:
     # segment files (None: `files`, a spool's; a ledger counts the files it ingested).
     replayed_files: int = 0
     segment_files: int | None = None
+    # The hosts with segment rows (None: the hosts of `files`, a spool's).
+    host_ids: list[int] | None = None
 
 
 def _footer(f: sp.SpoolFile) -> dict[str, str]:
@@ -345,6 +363,9 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
                   AND m.name IN ('heldout_loss', 'train_loss') GROUP BY ALL""",
                                  [int(run[0]["run"])]).fetchnumpy()
             marked = replayed_of(cur, int(run[0]["run"]))
+            host_ids = [h for (h,) in cur.execute(
+                "SELECT DISTINCT host FROM agg_steps WHERE run = ? ORDER BY host",
+                [int(run[0]["run"])]).fetchall()]
         finally:
             cur.close()
     files = [InputFile(str(p), rows=pq.read_metadata(p).num_rows)
@@ -355,7 +376,18 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
              np.asarray(losses["c"], np.int64)[names == n]) for n in MILESTONE_LOSSES]
     return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite,
                   finished, milestones(sums), replayed_files=marked["replayed_files"],
-                  segment_files=marked["segment_files"])
+                  segment_files=marked["segment_files"], host_ids=host_ids)
+
+
+def check_span(what: str, first: int, last: int, memory_gb: float, job: str) -> None:
+    """Refuse a span of steps whose per-step series would not fit in `memory_gb`."""
+    span = last - first + 1
+    need = span * STEP_BYTES[job]
+    if need > memory_gb * 2**30:
+        raise TallyError(
+            f"{what} steps {first:,}..{last:,} ({span:,} steps): the {job}'s per-step "
+            f"series would need about {need / 2**30:,.1f} GiB, more than --memory-gb "
+            f"{memory_gb:g} allows; raise --memory-gb, or cut the span with --at-step")
 
 
 def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) -> int:
@@ -376,17 +408,23 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
               finished: dict[tuple[int, int], int] | None = None,
               milestones: list[dict[str, Any]] | None = None,
               metric_files: list[sp.SpoolFile] | None = None, replayed_files: int = 0,
-              segment_files: int | None = None) -> Plan:
+              segment_files: int | None = None, host_ids: list[int] | None = None,
+              job: str = "reconcile") -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
-    `memory_gb`) sets the key range each bucket covers."""
+    `memory_gb`) sets the key range each bucket covers, and bounds the span of steps the `job`
+    (reconcile, diff) keeps per-step series over (check_span). `host_ids`: the hosts with
+    segment rows (default: those of `files`, a spool's; a ledger's export says none)."""
     from pipeline.manifest_file import manifest_info, uniform_row_groups
 
     info = manifest_info(manifest)
     records, train = int(info["records"]), int(info["train_records"])
     hosts = max([a["host_count"] for a in attempts.values()] + [1])
+    if host_ids is None:
+        host_ids = [f.spool_file.host for f in files if f.spool_file is not None]
+    ids = np.unique(np.asarray(host_ids, np.int64))
     rows = sum(a.get("rows", 0) for a in attempts.values())
     if bucket_records is None:
-        bucket_records = bucket_records_for(records, rows, hosts, memory_gb)
+        bucket_records = bucket_records_for(records, rows, max(len(ids), 1), memory_gb)
     bucket_records = min(bucket_records, 2**31)  # bucket files keep key offsets in uint32
     buckets = max(1, -(-records // bucket_records))
     bucket_size = -(-records // buckets)  # equal buckets
@@ -404,6 +442,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     plan.metric_files = metric_files or []
     plan.replayed_files = replayed_files
     plan.segment_files = len(files) if segment_files is None else segment_files
+    plan.host_ids = ids
     last = max([a["last_step"] for a in attempts.values()] + [0])
     if at_step is not None:
         last = min(last, at_step)
@@ -413,6 +452,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     if span > MAX_RUN_STEPS:
         raise TallyError(f"run {run_id!r} spans steps {plan.first_step}..{last}, "
                          f"{span:,} steps: a run may span at most {MAX_RUN_STEPS:,}")
+    check_span(f"run {run_id!r} spans", plan.first_step, last, memory_gb, job)
     plan.loss_window = max(1, -(-max(span, 1) // LOSS_WINDOWS))
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():

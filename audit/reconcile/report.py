@@ -67,15 +67,17 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
         "ideal_coverage": np.asarray(exposure.ideal_coverage(cum_exp, n))[present],
     })
 
-    h = plan.hosts
+    # The hosts that sent rows, by position (Plan.host_ids): the matrix's rows and columns
+    # are per_host's, sized by the hosts that exist, whatever their numbers.
+    h = len(plan.host_ids)
     overlap = merged.overlap
     overlap = np.pad(overlap, ((0, h - overlap.shape[0]), (0, h - overlap.shape[1])))
     per_host_series = {name: _series(getattr(merged, f"host_{name}"), h) for name in (
         "segments", "exposures", "tokens", "unique", "overlap_with_others")}
     per_host_series["epoch_repeats"] = _series(merged.epoch_repeats_by_host, h)
     per_host_series["epoch_duplicated_records"] = _series(merged.epoch_duplicated_by_host, h)
-    per_host = [{"host": i, **{name: int(v[i]) for name, v in per_host_series.items()}}
-                for i in range(h)]
+    per_host = [{"host": host, **{name: int(v[i]) for name, v in per_host_series.items()}}
+                for i, host in enumerate(plan.host_ids.tolist())]
 
     dom = merged.domain
     rec_total = sum(int(v[0]) for v in dom.values()) or 1
@@ -134,12 +136,13 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
             "epoch_duplicates": merged.epoch_duplicates,
             "epoch_duplicate_records": merged.epoch_duplicate_records,
         },
-        "hosts": {"count": h, "per_host": per_host, "overlap_matrix": overlap.tolist(),
+        "hosts": {"count": plan.hosts, "per_host": per_host, "overlap_matrix": overlap.tolist(),
                   "repeated_batches": host_steps.repeated_batches(
                       merged.repeated_step_ranges, merged.host_step_edges, n),
-                  "gaps": host_steps.gaps(merged.host_step_ranges,
-                                          {a: v["host_count"] for a, v in plan.attempts.items()},
-                                          _ended(plan))},
+                  **dict(zip(("gaps", "silent_hosts"), host_steps.gaps(
+                      merged.host_step_ranges,
+                      {a: v["host_count"] for a, v in plan.attempts.items()}, _ended(plan)),
+                      strict=True))},
         "run": {"finished": plan.finished, "finished_step": plan.finished_step},
         "epochs": _epochs(merged, plan, n, last),
         "domains": domains,
@@ -214,15 +217,20 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[
 def files_left_out(left_out: list[tuple[str, str]], skipped_files: list[tuple[str, str]],
                    skipped: int) -> dict[str, Any]:
     """Files a job reading a spool did not count, by kind: unreadable ones (their rows may be
-    missing) and duplicates of files it counted (their rows are counted once, from the other
-    file). `left_out` are the files planning set aside (audit.reconcile.plan.Inputs), with why;
-    `skipped` the files the workers could not read, `skipped_files` examples of them. The one
-    rule reconcile, diff and exposure report alike."""
+    missing), duplicates of files it counted (their rows are counted once, from the other file)
+    and files of another training under the run's id (quarantined by ingest:
+    audit.ledger.ingest.is_reuse). `left_out` are the files planning set aside
+    (audit.reconcile.plan.Inputs), with why; `skipped` the files the workers could not read,
+    `skipped_files` examples of them. The one rule reconcile, diff and exposure report alike."""
+    from audit.ledger.ingest import is_reuse
+
     left = left_out + skipped_files
     duplicates = sum(1 for _, why in left_out if why.startswith("duplicate:"))
-    unreadable = len(left_out) - duplicates + skipped
+    reused = sum(1 for _, why in left_out if is_reuse(why))
+    unreadable = len(left_out) - duplicates - reused + skipped
     return {"skipped_files": [f"{path}: {why}" for path, why in left[:EXAMPLES]],
-            "unreadable_files": unreadable, "duplicate_files": duplicates}
+            "unreadable_files": unreadable, "duplicate_files": duplicates,
+            "reused_files": reused}
 
 
 def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:

@@ -93,24 +93,40 @@ def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
 def left_out_findings(cons: dict[str, Any], add: Callable[..., Any], *, whose: str = "this run",
                       missing_from: str = "every number of this report",
                       **numbers: Any) -> None:
-    """FAIL files_unreadable and WARN duplicate_files from what
+    """FAIL files_unreadable, FAIL run_id_reused and WARN duplicate_files from what
     audit.reconcile.report.files_left_out counted: how reconcile, diff and exposure say it."""
-    def first(dup: bool) -> str:
+    from audit.ledger.ingest import is_reuse
+
+    def first(kind: str) -> str:
         said = [s if len(s) < 240 else s[:237] + "..." for s in cons["skipped_files"]
-                if (": duplicate:" in s) == dup]
+                if _left_out_kind(s, is_reuse) == kind]
         return "; ".join(said[:3])
 
     bad, dups = cons.get("unreadable_files", 0), cons.get("duplicate_files", 0)
+    reused = cons.get("reused_files", 0)
     if bad:
         add("FAIL", "files_unreadable",
             f"{bad:,} spool file(s) of {whose} could not be read and were left out: the rows "
-            f"they hold are missing from {missing_from}. {first(False)}",
+            f"they hold are missing from {missing_from}. {first('unreadable')}",
             files=bad, **numbers)
+    if reused:
+        add("FAIL", "run_id_reused",
+            f"{reused:,} spool file(s) under the id of {whose} come from another training (its "
+            "run id reused after the spool was removed) and were left out: the rows of that "
+            f"training are in none of {missing_from}; give it its own run id. "
+            f"{first('reused')}", files=reused, **numbers)
     if dups:
         add("WARN", "duplicate_files",
             f"{dups:,} spool file(s) of {whose} repeat host-steps already read from another file "
             f"(a copy of a file, or a writer restarted within its attempt); each host-step was "
-            f"counted once. {first(True)}", files=dups, **numbers)
+            f"counted once. {first('duplicate')}", files=dups, **numbers)
+
+
+def _left_out_kind(said: str, is_reuse: Callable[[str], bool]) -> str:
+    """'duplicate', 'reused' or 'unreadable', from one "path: why" example."""
+    why = said.split(": ", 1)[-1]
+    return "duplicate" if why.startswith("duplicate:") else \
+        "reused" if is_reuse(why) else "unreadable"
 
 
 def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
@@ -158,6 +174,17 @@ def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             "was never consumed (a host that stalled, died or was left out of the data)",
             host=g["host"], first_step=g["first_step"], last_step=g["last_step"],
             attempt=g["attempt"])
+        found = True
+    for g in hosts.get("silent_hosts", []):
+        k, named = g["hosts"], ", ".join(map(str, g["examples"]))
+        add("FAIL", "host_gap",
+            f"{k:,} host(s) of attempt {g['attempt']} ({'hosts' if k > 1 else 'host'} {named}"
+            f"{', ...' if k > len(g['examples']) else ''}) consumed nothing at all at "
+            f"{_steps(g)} ({g['steps']:,} step(s)) while the other hosts of the attempt did: "
+            "their share of those steps' records was never consumed (hosts that never started "
+            "or died before their first flush, or a host count larger than the hosts that ran)",
+            hosts=k, examples=g["examples"], first_step=g["first_step"],
+            last_step=g["last_step"], attempt=g["attempt"])
         found = True
     return found
 
@@ -259,13 +286,14 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     dups = cov["epoch_duplicates"]
     seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
     unseen = cov["never_seen_fraction"]
-    overlap = hosts["overlap_matrix"]
-    active = [p for p in hosts["per_host"] if p["exposures"]]
+    overlap = hosts["overlap_matrix"]  # rows and columns in per_host's order
+    at = [i for i, p in enumerate(hosts["per_host"]) if p["exposures"]]
+    active = [hosts["per_host"][i] for i in at]
 
     # Every host saw (almost) everything any host saw: no sharding at all.
     if len(active) > 1:
-        diag = [overlap[p["host"]][p["host"]] for p in active]
-        off = [overlap[a["host"]][b["host"]] for a in active for b in active if a is not b]
+        diag = [overlap[i][i] for i in at]
+        off = [overlap[i][j] for i in at for j in at if i != j]
         if min(off) >= 0.95 * max(diag):
             add("FAIL", "no_sharding",
                 f"each of {len(active)} hosts saw the same records ({min(off):,} of "
