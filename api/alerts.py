@@ -36,16 +36,19 @@ class Thresholds:
 
 def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
              first_pass: bool, lag_seconds: float, behind: float | None,
-             non_finite_losses: int = 0,
-             findings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every configured alert with its value and whether it fires."""
+             non_finite_losses: int = 0, findings: dict[str, Any] | None = None,
+             catching_up: bool = False) -> list[dict[str, Any]]:
+    """Every configured alert with its value and whether it fires. `catching_up`: the service
+    is still ingesting the backlog it found at start, whose wait is not lag (no ingest_lag)."""
     checks = [
         ("epoch_duplicates", epoch_duplicates, th.epoch_duplicates,
          "exposures of a record beyond its first within one epoch"),
         ("host_overlap", multi_host_records if first_pass else 0, th.host_overlap,
          "records seen by two or more hosts during the first pass over the corpus"),
         ("ingest_lag", lag_seconds, th.ingest_lag_seconds,
-         "seconds since the oldest spool file still waiting for ingest was published"),
+         "catching up: ingesting the files found at start (not an alert meanwhile)"
+         if catching_up else
+         "seconds since the service first saw the oldest spool file still waiting for ingest"),
         ("coverage_behind_ideal", behind, th.coverage_behind,
          "ideal coverage minus actual coverage"),
         ("non_finite_loss", non_finite_losses, th.non_finite_losses,
@@ -68,7 +71,8 @@ def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
              f"held-out records trained on (step {at})"),
         ]
     return [{"name": name, "value": value, "threshold": limit,
-             "firing": value is not None and value > limit, "what": what}
+             "firing": value is not None and value > limit
+             and not (catching_up and name == "ingest_lag"), "what": what}
             for name, value, limit, what in checks if limit is not None]
 
 
@@ -89,6 +93,25 @@ def check_webhook(url: str | None) -> None:
         raise TallyError(f"--webhook {url!r} is not a URL: {exc}") from None
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise TallyError(f"--webhook {url!r} is not an http:// or https:// URL with a host")
+
+
+def _log_changes(run_id: str, alerts: list[dict[str, Any]], started: frozenset[str],
+                 stopped: frozenset[str]) -> None:
+    """One log line for each alert that starts or stops firing (webhook or not): what an
+    operator reading the service's log needs, with the number and its threshold."""
+    for a in alerts:
+        if a["name"] in started or a["name"] in stopped:
+            on = a["name"] in started
+            log.log(logging.WARNING if on else logging.INFO,
+                    "run %s: alert %s %s (value %s, threshold %s)", run_id, a["name"],
+                    "started firing" if on else "stopped firing", a.get("value"),
+                    a.get("threshold"),
+                    extra={"run": run_id, "alert": a["name"], "value": a.get("value"),
+                           "threshold": a.get("threshold"),
+                           "event": "alert_started" if on else "alert_stopped"})
+    for name in sorted(stopped - {a["name"] for a in alerts}):  # turned off or gone
+        log.info("run %s: alert %s stopped firing", run_id, name,
+                 extra={"run": run_id, "alert": name, "event": "alert_stopped"})
 
 
 class Webhook:
@@ -133,7 +156,10 @@ class Webhook:
     def update(self, run_id: str, alerts: list[dict[str, Any]]) -> None:
         now = frozenset(a["name"] for a in alerts if a["firing"])
         with self._changed:
-            moved = now != self._firing.get(run_id, frozenset())
+            before = self._firing.get(run_id, frozenset())
+            moved = now != before
+            if moved:
+                _log_changes(run_id, alerts, now - before, before - now)
             self._firing[run_id], self._alerts[run_id] = now, alerts
             # Wake the sender only for a change: an undelivered state waits out its backoff.
             if self.url is None or not moved or now == self._told.get(run_id, frozenset()):

@@ -6,6 +6,7 @@ half a segment file)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hmac
 import json
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException
 from api import docs, errors, models
 from api.alerts import Thresholds, Webhook, check_webhook, evaluate, status
 from api.findings import LiveFindings
-from api.metrics import Exposition
+from api.metrics import Exposition, RequestTimer
 from api.posthoc_routes import add_routes as add_posthoc_routes
 from api.preflight_routes import add_routes as add_preflight_routes
 from audit.core.errors import NotFound, TallyError, Unavailable
@@ -35,10 +36,15 @@ from audit.ledger import queries as q
 from audit.ledger.database import Ledger
 from audit.ledger.ingest_loop import IngestLoop
 from audit.ledger.live import LiveLedger, Snap
+from audit.reconcile import vocabulary
+from audit.reconcile.html import served
 from pipeline.manifest_file import ManifestDomains
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
-PAGES = re.compile(r"/|/runs/[^/]+/report\.html")  # what a browser opens by URL
+# What a browser opens by URL, so that a `?token=` opens it too: the pages, and the answers
+# report.html's evidence links open (audit.reconcile.html.served carries the page's token).
+PAGES = re.compile(r"/|/runs/[^/]+/report\.html"
+                   r"|/v1/runs/[^/]+/(steps|hosts/\d+/steps|records/\d+)")
 MAX_STEP = 2**62
 # Request bodies: a pre-flight request is a few hundred bytes, an exposure request of
 # MAX_HASHES hashes about 250 KB. A 1 GB body was read, parsed and answered 200 (+3 GB).
@@ -53,9 +59,14 @@ Points = Annotated[int, Query(ge=1, le=q.MAX_POINTS,
 RecordCursor = Annotated[str | None, Query(
     pattern=q.RECORD_CURSOR, description="where the previous page ended: its `next_cursor` "
                                          "(the Link header's rel=next URL carries it too)")]
-RunCursor = Annotated[str | None, Query(pattern=RUN_ID_PATTERN,
-                                        description="the runs after this run id (the previous "
-                                                    "page's Link header, rel=next, names it)")]
+# A runs page's cursor: base64url of "r:" and the last run id of the page (see _run_cursor).
+# The pattern is exactly what decodes to that prefix and a position (base64 of any length but
+# 1 modulo 4), so that a cursor the schema accepts is one the route accepts.
+B64 = "[A-Za-z0-9_-]"
+RUN_CURSOR = rf"^cj[o-r](?:{B64}{{4}}){{0,100}}(?:{B64}|{B64}{{3}})?$"
+RunCursor = Annotated[str | None, Query(
+    pattern=RUN_CURSOR, description="where the previous page ended, opaque: the previous "
+                                    "page's Link header, rel=next, carries it")]
 ERRORS = errors.responses(404, 409, 422)
 # Pages: an array answer says where the next page starts in a Link header (RFC 8288, as
 # GitHub's API does); an object answer also in its `next_cursor`.
@@ -84,6 +95,28 @@ def _next_page_link(request: Request, cursor: str | None, **pinned: Any) -> dict
         return {}
     url = request.url.include_query_params(cursor=cursor, **pinned)
     return {"Link": f'<{url}>; rel="next"'}
+
+
+def _run_cursor(run_id: str) -> str:
+    """The runs page cursor after this run: opaque (base64url), so that a client follows the
+    Link header instead of building one from a run id (which would tie us to run-id order)."""
+    return base64.urlsafe_b64encode(f"r:{run_id}".encode()).rstrip(b"=").decode()
+
+
+def _after_run(cursor: str | None) -> str | None:
+    """Where a runs page cursor says the page starts: after this text in run-id order (the
+    pattern, RUN_CURSOR, refuses anything else with a 422)."""
+    if cursor is None:
+        return None
+    raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+    return raw[2:].decode(errors="replace")
+
+
+def _check_span(start: int | None, end: int | None) -> None:
+    """`start` after `end` is a 422 (it answered an empty series, as if the run had none)."""
+    if start is not None and end is not None and start > end:
+        raise errors.invalid("query", "end", f"end ({end}) is before start ({start})",
+                             "range")
 
 
 def _step_page(found: dict[str, Any]) -> tuple[bytes, tuple[int, int] | None]:
@@ -156,15 +189,19 @@ class Service:
         n = cov["train_records"]
         first_pass = n is None or cov["exposures"] <= n
         lag = self.loop.lag_seconds() if self.loop is not None else 0.0
+        catching_up = self.loop is not None and self.loop.catching_up
         live = None if self.findings is None else self.findings.summary(run_id)
         alerts = evaluate(self.thresholds, epoch_duplicates=t["epoch_duplicates"],
                           multi_host_records=t["multi_host_records"], first_pass=first_pass,
                           lag_seconds=lag, behind=cov.get("behind_ideal"),
-                          non_finite_losses=t["non_finite_losses"]["count"], findings=live)
+                          non_finite_losses=t["non_finite_losses"]["count"], findings=live,
+                          catching_up=catching_up)
         return {"run_id": run_id, "status": status(alerts), "alerts": alerts,
                 "last_step": cov["latest_step"], **t,
                 "state": "finished" if t["finished"] else "running", "coverage": cov,
-                "ingest_lag_seconds": lag, "quarantined_files": self.live.quarantined(run_id),
+                "ingest_lag_seconds": lag, "ingest_state": None if self.loop is None else
+                "catching up" if catching_up else "live",
+                "quarantined_files": self.live.quarantined(run_id),
                 "findings": live}
 
     def newest_report(self, run_id: str) -> dict[str, Any]:
@@ -229,9 +266,9 @@ def _encode(value: Any) -> bytes:
 
 
 class BearerToken:
-    """Every request needs `Authorization: Bearer <token>`; a query token opens the pages only
-    (the dashboard, a run's report.html), which a browser opens by URL (the dashboard's own
-    requests then send the header). Tokens
+    """Every request needs `Authorization: Bearer <token>`; a query token opens only what a
+    browser opens by URL (PAGES: the dashboard, a run's report.html and the answers its
+    evidence links open; the dashboard's own requests then send the header). Tokens
     are compared in constant time. A plain ASGI middleware: it leaves the request's receive
     channel alone, so a handler still learns when its client goes away."""
 
@@ -246,6 +283,8 @@ class BearerToken:
         given = got[7:] if got.lower().startswith("bearer ") else ""
         if not given and scope["method"] == "GET" and PAGES.fullmatch(scope["path"]):
             given = request.query_params.get("token", "")
+        if not given and docs.OPEN.fullmatch(scope["path"]):  # the schema and its pages
+            return await self.app(scope, receive, send)
         if hmac.compare_digest(given.encode(), self.token):
             return await self.app(scope, receive, send)
         response = errors.problem(401, "missing or wrong bearer token",
@@ -323,9 +362,11 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                thresholds: Thresholds | None = None, webhook: str | None = None,
                interval: float = 1.0, checkpoints: list[str] | None = None,
                preflight_seconds: float = 120.0, max_round_seconds: float = 60.0,
-               findings_every: float | None = None) -> FastAPI:
+               findings_every: float | None = None,
+               metrics_hosts: int | None = None) -> FastAPI:
     """The app over an open, writable ledger; with `spool`, it ingests while it serves.
-    Checks its arguments (`check_settings`) first."""
+    Checks its arguments (`check_settings`) first. `metrics_hosts`: per-host series in
+    /metrics for this many hosts of each run, those with the most repeats (None: all)."""
     domains = check_settings(spool=spool, manifest=manifest, records=records,
                              reports=reports, checkpoints=checkpoints, webhook=webhook)
     svc = Service(ledger, spool=None if spool is None else Path(spool), manifest=domains,
@@ -367,17 +408,20 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                               "duplication per step and per host, record lookups, alerts. "
                               "Every error answers in one shape (`Problem`).",
                   lifespan=lifespan, default_response_class=FiniteJSONResponse,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None,
+                  generate_unique_id_function=docs.operation_id)
     app.state.service = svc
     docs.install(app)  # /docs and /redoc, offline
-    scrape = Exposition(svc)
-    auth = (401,) if token is not None else ()  # documented where they can occur
-    ERRORS = errors.responses(*auth, 404, 409, 422)
+    scrape = Exposition(svc, hosts=metrics_hosts)
+    ERRORS = errors.responses(404, 409, 422)
 
-    # Middleware added last runs first: errors' catch-all, then the body limit, then the token.
+    # Middleware added last runs first: errors' catch-all, the request timer, the body limit,
+    # then the token.
     if token is not None:
         app.add_middleware(BearerToken, token=token)
+        docs.secure(app)  # the bearer scheme, and 401, on every operation of the schema
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(RequestTimer, histogram=scrape.latency)
     errors.install(app)
 
     add_preflight_routes(app, svc, RunId, ERRORS)
@@ -385,20 +429,22 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def dashboard() -> HTMLResponse:
-        return HTMLResponse(DASHBOARD.read_text())
+        return HTMLResponse(vocabulary.inject(DASHBOARD.read_text()))  # titles, colours
 
     @app.get("/runs/{run_id}/report.html", response_class=HTMLResponse,
              include_in_schema=False)
-    def report_page(run_id: RunId) -> HTMLResponse:
-        """The newest report.html of a run (beside its newest report.json)."""
+    def report_page(request: Request, run_id: RunId) -> HTMLResponse:
+        """The newest report.html of a run (beside its newest report.json), its evidence links
+        opening this service's API with the token the page was opened with."""
         path, _ = svc.newest_report_file(run_id)
         try:
-            return HTMLResponse(path.with_name("report.html").read_text())
+            page = path.with_name("report.html").read_text()
         except OSError as exc:
             raise NotFound(f"run {run_id!r} has a report.json without a report.html") from exc
+        return HTMLResponse(vocabulary.with_tables_script(served(
+            page, request.query_params.get("token") if token is not None else None)))
 
-    @app.get("/healthz", tags=["service"], response_model=models.Health,
-             responses=errors.responses(*auth))
+    @app.get("/healthz", tags=["service"], response_model=models.Health)
     def healthz() -> Response:
         """Liveness, and how the ingester is doing."""
         loop = svc.loop
@@ -413,6 +459,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                     "alive": loop.alive, "rounds": loop.rounds, "files": loop.files,
                     "rows": loop.rows, "quarantined": loop.quarantined,
                     "last_error": loop.last_error, "lag_seconds": loop.lag_seconds(),
+                    "catching_up": loop.catching_up,
                     "overran": loop.overran(), "max_round_seconds": loop.max_round_seconds},
                 "universe": {"train_records": svc.live.uni.n, "source": svc.live.uni.source},
                 "thresholds": svc.thresholds.as_dict(),
@@ -422,15 +469,16 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                             "pending": svc.webhook.pending}})
 
     @app.get("/v1/runs", tags=["runs"], response_model=list[models.RunListItem],
-             responses={**errors.responses(*auth, 422), 200: NEXT_PAGE})
+             responses={**errors.responses(422), 200: NEXT_PAGE})
     def list_runs(request: Request, limit: RunsLimit = 100,
                   cursor: RunCursor = None) -> Response:
         """The runs in the ledger, in run-id order, with their size and latest step; a page
         of `limit` at a time (the Link header names the next page)."""
-        found = svc.live.answer(("runs", limit, cursor), None,
-                                lambda snap: q.runs(snap.cur, limit + 1, cursor))
+        after = _after_run(cursor)
+        found = svc.live.answer(("runs", limit, after), None,
+                                lambda snap: q.runs(snap.cur, limit + 1, after))
         page = found[:limit]
-        return _json(page, _next_page_link(request, page[-1]["run_id"]
+        return _json(page, _next_page_link(request, _run_cursor(page[-1]["run_id"])
                                            if len(found) > limit else None))
 
     @app.get("/v1/runs/{run_id}", tags=["runs"], responses=ERRORS,
@@ -454,6 +502,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                   cursor: StepCursor = None) -> Response:
         """Per step, bucketed: consumed, new unique, repeats, cumulative coverage, ideal; a
         page of `limit` buckets at a time (the Link header names the next page)."""
+        _check_span(start, end)
         body = svc.live.answer(
             ("steps", run_id, start, end, bucket, points, *_paged(limit, cursor)), run_id,
             lambda snap: _step_page(q.steps(snap.cur, snap.run, snap.uni, start, end, bucket,
@@ -476,6 +525,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                        points: Points = 500, limit: StepsLimit = q.MAX_POINTS,
                        cursor: StepCursor = None) -> Response:
         """One host's per-step series, bucketed; a page of `limit` buckets at a time."""
+        _check_span(start, end)
         body = svc.live.answer(
             ("host_steps", run_id, host, start, end, bucket, points, *_paged(limit, cursor)),
             run_id,
@@ -492,8 +542,17 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
         """Every consumption of one record: step, host, attempt, epoch, rolled back or not; a
         page of `limit` at a time."""
         with svc.live.read(run_id) as snap:
-            found = q.record(snap.cur, snap.run, record_key=record_key, limit=limit,
-                             cursor=cursor, index=svc.live.lookup)
+            try:
+                found = q.record(snap.cur, snap.run, record_key=record_key, limit=limit,
+                                 cursor=cursor, index=svc.live.lookup)
+            except NotFound:
+                # A train record the run never consumed is an answer, not a missing resource:
+                # the report's evidence names such records (a skipped epoch's, a lost host's).
+                if snap.uni.n is None or record_key >= snap.uni.n:
+                    raise
+                return _json({"record_keys": [record_key], "exposures": 0,
+                              "exposures_by_epoch": {}, "segments_total": 0, "segments": [],
+                              "next_cursor": None, "never_consumed": True})
         return _json(found, _next_page_link(request, found["next_cursor"]))
 
     @app.get("/v1/runs/{run_id}/records", tags=["records"],
@@ -551,13 +610,13 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
     scrape_example = '# TYPE tally_coverage_ratio gauge\ntally_coverage_ratio{run="exp1"} 0.9067\n'
 
     @app.get("/metrics", tags=["service"], response_class=Response, responses={
-        **errors.responses(*auth),
         200: {"description": "Prometheus text format, or OpenMetrics when the scraper asks",
               "content": {"text/plain": {"schema": {"type": "string"},
                                          "example": scrape_example}}}})
-    def prometheus(request: Request) -> Response:
+    def scrape_metrics(request: Request) -> Response:
         """Coverage and duplicate ratios, ingest lag, rows ingested, alerts, per-host series
-        and `tally_build_info`, for Prometheus (api/metrics.py)."""
+        (`--metrics-hosts`), request latency per route, process metrics and
+        `tally_build_info`, for Prometheus (api/metrics.py)."""
         body, content_type = scrape(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 

@@ -86,6 +86,7 @@ class LiveFindings:
 
     def _reconcile(self, run_id: str) -> bool:
         out = self.work / run_id
+        t0 = time.monotonic()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
         self._child = subprocess.Popen(
@@ -100,4 +101,12 @@ class LiveFindings:
             log.warning("live findings of run %s: reconcile failed: %s", run_id,
                         err.strip().splitlines()[-1:] or "")
             return False
+        took = time.monotonic() - t0
+        rep = self.summary(run_id)
+        log.info("run %s: live reconcile finished: %s as of step %s (%s) in %.1f s", run_id,
+                 rep["verdict"], rep["as_of_step"],
+                 ", ".join(f["code"] for f in rep["findings"]) or "no findings", took,
+                 extra={"run": run_id, "event": "live_reconcile", "verdict": rep["verdict"],
+                        "as_of_step": rep["as_of_step"], "seconds": round(took, 3),
+                        "findings": [f["code"] for f in rep["findings"]]})
         return True

@@ -7,16 +7,24 @@ shares are named `_ratio`; `tally_build_info` says which Tally answers.
 
 The per-host series are most of a scrape (640 of 693 lines at 128 hosts, 12 ms of a scrape's
 13 ms on this box) and change only with the ledger's version: they are a second registry, whose
-encoding is kept until the answers it was made from change (`Exposition`)."""
+encoding is kept until the answers it was made from change (`Exposition`). At thousands of
+hosts they would be most of Prometheus' series too: `tally serve --metrics-hosts N` keeps those
+of the N hosts of each run with the most repeats (0: none).
+
+Also the process' own series (prometheus_client's ProcessCollector: CPU, memory, open files)
+and the latency of each request, per route template (`RequestTimer`), so that a scrape names a
+bounded set of routes whatever paths clients ask for."""
 
 from __future__ import annotations
 
 import functools
 import platform
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import Histogram, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -29,6 +37,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from audit.extras import version
 
 OPENMETRICS_EOF = b"# EOF\n"
+# Request latency buckets, seconds: answers from the cache take a millisecond, a scan a second,
+# a pre-flight check up to its time box (120 s).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 120.0)
+UNROUTED = "unrouted"  # the route label of a request no route took (unknown path, 401, 413)
 
 INTEGRITY = ("hash_mismatches", "unknown_keys", "unknown_segments", "heldout_consumed_records",
              "heldout_exposures")
@@ -118,10 +131,13 @@ class TallyCollector(Collector):
 
 
 class HostCollector(Collector):
-    """The per-host series of every run, from the answers given (`Exposition` sets them)."""
+    """The per-host series of every run, from the answers given (`Exposition` sets them): of
+    every host, or of the `top` hosts of each run with the most repeats (exposures beyond the
+    distinct records the host saw)."""
 
-    def __init__(self) -> None:
+    def __init__(self, top: int | None = None) -> None:
         self.answers: tuple = ()  # (run id, its hosts answer, its rows per host) for each run
+        self.top = top
 
     def collect(self) -> Iterator[Metric]:
         host = ["run", "host"]
@@ -139,7 +155,7 @@ class HostCollector(Collector):
                                       "Latest effective step per host", labels=host),
         }
         for run_id, hs, host_rows in self.answers:
-            for h in hs["per_host"]:
+            for h in self.chosen(hs["per_host"]):
                 lab = [run_id, str(h["host"])]
                 m["rows"].add_metric(lab, host_rows.get(h["host"], 0))
                 for key, name in (("exp", "exposures"), ("unique", "unique"),
@@ -148,17 +164,57 @@ class HostCollector(Collector):
                         m[key].add_metric(lab, h[name])
         yield from (family for family in m.values() if family.samples)
 
+    def chosen(self, per_host: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The hosts whose series are exported, ascending."""
+        if self.top is None or len(per_host) <= self.top:
+            return per_host
+        ranked = sorted(per_host, key=lambda h: (-(h["exposures"] - h["unique"]), h["host"]))
+        return sorted(ranked[:self.top], key=lambda h: h["host"])
+
+
+class RequestTimer:
+    """Each request's latency into `histogram` (labels method, route, status): the route is the
+    template that answered (`/v1/runs/{run_id}`), else UNROUTED. A plain ASGI middleware, as
+    api.app's others; inside errors' catch-all, so a request that failed counts as a 500."""
+
+    def __init__(self, app: Any, histogram: Histogram) -> None:
+        self.app, self.histogram = app, histogram
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        began = time.perf_counter()
+        status = 500
+
+        async def watched(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            # The router sets the route in the scope it was given, which is this one.
+            route = getattr(scope.get("route"), "path", None) or UNROUTED
+            self.histogram.labels(scope["method"], route, str(status)).observe(
+                time.perf_counter() - began)
+
 
 class Exposition:
     """The scrape: the service's and each run's series encoded now, then the per-host series,
     encoded again only when the answers they come from are other objects (cached answers are
     the same object for as long as the ledger's version holds)."""
 
-    def __init__(self, svc: Any) -> None:
+    def __init__(self, svc: Any, hosts: int | None = None) -> None:
         self.svc = svc
         self.live = CollectorRegistry(auto_describe=False)
         self.live.register(TallyCollector(svc))
-        self.hosts = HostCollector()
+        ProcessCollector(registry=self.live)
+        self.latency = Histogram(
+            "tally_http_request_duration_seconds", "Time to answer a request, per route",
+            ["method", "route", "status"], buckets=LATENCY_BUCKETS, registry=self.live)
+        self.hosts = HostCollector(hosts)
         self.host_registry = CollectorRegistry(auto_describe=False)
         self.host_registry.register(self.hosts)
         self._encoded: dict[str, tuple[tuple, bytes]] = {}  # content type -> (answers, body)

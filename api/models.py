@@ -190,14 +190,14 @@ class RunSummary(Strict):
                     "what": "exposures of a record beyond its first within one epoch"}],
         "last_step": 29, "segment_files": 10, "records_seen": 136, "exposures": 360,
         "epoch_duplicates": 117, "epoch_duplicate_records": 72, "multi_host_records": 68,
-        "rows_ingested": 480, "last_ingested_at": "2026-11-30T20:13:39.361079",
+        "rows_ingested": 480, "last_ingested_at": "2026-11-30T20:13:39.361079+00:00",
         "replayed": False, "replayed_files": 0,
         "attempts": [{"attempt": 0, "resumed_from_step": None, "host_count": 2,
                       "rolled_back_from_step": None, "replayed": False}],
         "non_finite_losses": {"count": 0, "first_step": None}, "finished": False,
         "finished_step": None, "state": "running", "coverage": _COVERAGE_EXAMPLE,
-        "ingest_lag_seconds": 0.0, "quarantined_files": {"count": 0, "first": []},
-        "findings": None})
+        "ingest_lag_seconds": 0.0, "ingest_state": "live",
+        "quarantined_files": {"count": 0, "first": []}, "findings": None})
 
     run_id: str
     status: Literal["ok", "alert"]
@@ -210,7 +210,7 @@ class RunSummary(Strict):
     epoch_duplicate_records: int
     multi_host_records: int
     rows_ingested: int
-    last_ingested_at: str | None
+    last_ingested_at: str | None = Field(description="ISO 8601, UTC, with its zone")
     replayed: bool = Field(description=REPLAYED + " (every segment file of the run)")
     replayed_files: int = Field(description="segment files written by `tally replay`, of "
                                             "`segment_files` (some, not all: a mixed run)")
@@ -221,6 +221,9 @@ class RunSummary(Strict):
     state: Literal["running", "finished"]
     coverage: CoverageAnswer
     ingest_lag_seconds: float
+    ingest_state: Literal["catching up", "live"] | None = Field(
+        description="'catching up' while the service ingests the files it found at start (no "
+                    "ingest_lag alert meanwhile), then 'live'; null when it ingests no spool")
     quarantined_files: Quarantined
     findings: LiveFindings | None = Field(
         description="live findings; null unless the service reconciles (--spool, --manifest)")
@@ -342,6 +345,9 @@ class RecordLookup(Strict):
                                                     "attempt, row, offset) order")
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null on "
                                                 "the last one")
+    never_consumed: bool | None = Field(
+        None, description="true for a train record (of the run's manifest) the run never "
+                          "consumed: a 200 with no segments; absent otherwise")
 
 
 # ---- domains, metrics, loss ------------------------------------------------------------------
@@ -598,13 +604,13 @@ class PreflightAnswer(Strict):
 
 class PreflightRecord(Strict):
     model_config = _exact({
-        "id": 1, "checked_at": "2026-11-30T20:13:39.361079", "checkpoint_step": 6,
+        "id": 1, "checked_at": "2026-11-30T20:13:39.361079+00:00", "checkpoint_step": 6,
         "old_hosts": 2, "new_hosts": 1, "status": "unsafe", "forced": False,
         "requested_by": "api",
         "headline": "preflight run exp1: UNSAFE to resume step 6 on 1 host(s) (was 2)"})
 
     id: int
-    checked_at: str
+    checked_at: str = Field(description="ISO 8601, UTC, with its zone")
     checkpoint_step: int | None
     old_hosts: int | None
     new_hosts: int | None
@@ -623,7 +629,9 @@ class IngestHealth(Strict):
     rows: int
     quarantined: int
     last_error: str | None
-    lag_seconds: float
+    lag_seconds: float = Field(description="seconds since the service first saw the oldest "
+                                           "file still waiting for ingest")
+    catching_up: bool = Field(description="still ingesting the files found at start")
     overran: float | None = Field(description="seconds of a round beyond max_round_seconds")
     max_round_seconds: float
 
@@ -656,7 +664,8 @@ class Health(Strict):
         "status": "ok", "ledger": "ledger.duckdb", "files_in_ledger": 20, "ingesting": True,
         "quarantined_files": {},
         "ingest": {"alive": True, "rounds": 12, "files": 20, "rows": 480, "quarantined": 0,
-                   "last_error": None, "lag_seconds": 0.0, "overran": None,
+                   "last_error": None, "lag_seconds": 0.0, "catching_up": False,
+                   "overran": None,
                    "max_round_seconds": 60.0},
         "universe": {"train_records": 150, "source": "manifest"},
         "thresholds": {"epoch_duplicates": 0, "host_overlap": 0, "ingest_lag_seconds": 300.0,

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from api import errors, models
 from audit.core.errors import NotFound, TallyError, Unavailable
+from audit.ledger import queries as q
 
 MAX_HORIZON = 2000  # steps per request: ~2 s per host on one core (bench/RESULTS.md)
 
@@ -73,7 +74,7 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
                                "description": "unknown run, or no checkpoint at that path"},
                          422: {**responses[422],
                                "description": "bad request or unusable checkpoint"}})
-    async def preflight(run_id: run_id_type, body: PreflightRequest,
+    async def check_preflight(run_id: run_id_type, body: PreflightRequest,
                         request: Request) -> Any:
         """Run the pre-flight check for resuming `run_id` from a checkpoint on `hosts` hosts;
         the verdict (safe, unsafe or unknown, with findings) is recorded in the ledger."""
@@ -119,7 +120,7 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
              responses={**responses, 200: {"headers": {"Link": {
                  "description": '`<URL>; rel="next"` while more pages follow',
                  "schema": {"type": "string"}}}}})
-    def preflight_history(request: Request, run_id: run_id_type,
+    def list_preflight_verdicts(request: Request, run_id: run_id_type,
                           limit: Annotated[int, Query(ge=1, le=1000, description="verdicts "
                                                       "per page (default 100)")] = 100,
                           cursor: cursor_type = None) -> Response:
@@ -127,13 +128,13 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
         a time (the Link header names the next page)."""
         with svc.live.read(run_id) as snap:
             rows = snap.cur.execute(
-                "SELECT id, checked_at, checkpoint_step, old_hosts, new_hosts, status, forced, "
-                "requested_by, headline FROM preflight_verdicts WHERE run_id = $run AND "
+                f"SELECT id, checked_at{q.UTC}, checkpoint_step, old_hosts, new_hosts, status, "
+                "forced, requested_by, headline FROM preflight_verdicts WHERE run_id = $run AND "
                 "($before IS NULL OR id < $before) ORDER BY id DESC LIMIT $limit",
                 {"run": run_id, "before": cursor, "limit": limit + 1}).fetchall()
         keys = ("id", "checked_at", "checkpoint_step", "old_hosts", "new_hosts", "status",
                 "forced", "requested_by", "headline")
-        page = [{**dict(zip(keys, r, strict=True)), "checked_at": r[1].isoformat()}
+        page = [{**dict(zip(keys, r, strict=True)), "checked_at": q.utc_iso(r[1])}
                 for r in rows[:limit]]
         headers = {}
         if len(rows) > limit:

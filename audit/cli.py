@@ -29,16 +29,16 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         raise TallyError(f"spool {spool} is not a directory")
     if args.batch_rows < 1:
         raise TallyError("--batch-rows must be >= 1")
-    _log_to_stderr(logging.WARNING if args.quiet else logging.INFO)
+    _log_to_stderr(logging.WARNING if args.quiet else logging.INFO, args.log_format)
     # Ctrl-C and SIGTERM end the ingest after the batch under way (one transaction): a
     # KeyboardInterrupt raised inside it interrupted DuckDB mid-statement, whose error, or the
     # ROLLBACK's "no transaction is active" after it, came out as a traceback and exit 1 (14
     # of 28 tries).
-    stop = _SIGNALS.graceful(progress=not args.quiet)
+    stop = _SIGNALS.graceful(progress=_progress(args))
     with _ledger_errors(args.ledger), Ledger(args.ledger) as ledger:
         if stop.is_set():
             raise KeyboardInterrupt
-        result = ingest(spool, ledger, progress=not args.quiet, batch_rows=args.batch_rows,
+        result = ingest(spool, ledger, progress=_progress(args), batch_rows=args.batch_rows,
                         final=True, stop=stop)
     if stop.is_set():
         raise KeyboardInterrupt
@@ -75,16 +75,38 @@ def _print_json(value: object) -> None:
     print(json.dumps(value, indent=2, default=str))
 
 
-def _log_to_stderr(level: int) -> None:
-    """Tally's own log lines (`tally: ...` on stderr) for the long-running commands: why a
-    per-record state was rebuilt, quarantined files, snapshots written."""
+def _progress(args: argparse.Namespace) -> bool:
+    """Whether a command shows its progress: never with -q or --json (audit.core.logs and
+    pipeline.progress keep redraws to a terminal)."""
+    return not getattr(args, "quiet", False) and not getattr(args, "json", False)
+
+
+def _log_to_stderr(level: int, fmt: str = "text") -> None:
+    """Tally's own log lines on stderr for the long-running commands (why a per-record state
+    was rebuilt, quarantined files, snapshots written; the service's alerts and live
+    reconciles), in `fmt` (audit.core.logs: `tally: [level] ...` or JSON lines)."""
+    from audit.core import logs
+
     log = logging.getLogger("tally")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("tally: %(message)s"))
-        log.addHandler(handler)
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    log.addHandler(logs.handler(fmt))
     log.setLevel(level)
     log.propagate = False
+
+
+def _uvicorn_logs(fmt: str, level: int, access: bool) -> None:
+    """uvicorn's own lines in Tally's format at `level` (they went out in uvicorn's, a third
+    format in one stream), and its access log (one line a request) when asked."""
+    from audit.core import logs
+
+    for name, at, on in (("uvicorn", level, True), ("uvicorn.access", logging.INFO, access)):
+        log = logging.getLogger(name)
+        for h in list(log.handlers):
+            log.removeHandler(h)
+        if on:
+            log.addHandler(logs.handler(fmt, at))
+        log.propagate = False
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
@@ -135,7 +157,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from trainer.evaluate import compare
 
     out = compare(args.a, args.b, corpus=args.corpus, records=args.records,
-                  progress=not args.quiet)
+                  progress=_progress(args))
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -173,7 +195,7 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
     from pipeline.manifest import build_manifest
 
     summary = build_manifest(args.corpus, args.output, runner=_runner(args),
-                             chunk_records=args.chunk_records, progress=not args.quiet,
+                             chunk_records=args.chunk_records, progress=_progress(args),
                              sequence_length=args.sequence_length, dtype=args.dtype)
     if args.json:
         _print_json({"path": str(summary.path), "records": summary.records,
@@ -191,7 +213,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
                        spool=args.spool, ledger=args.ledger, at_step=args.at_step,
                        runner=_runner(args), memory_gb=args.memory_gb,
-                       progress=not args.quiet)
+                       progress=_progress(args), api_url=args.api_url)
     out = Path(args.output)
     if args.json:
         _print_json({k: report.get(k) for k in ("run_id", "verdict", "findings", "coverage",
@@ -314,9 +336,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
     from pipeline.progress import Progress
 
-    _log_to_stderr(getattr(logging, args.log_level.upper(), logging.WARNING))
+    level = getattr(logging, args.log_level.upper(), 5)  # uvicorn's trace: below debug
+    # Tally's own news (alerts starting and stopping, live reconciles finished, quarantined
+    # files, slow rounds) at info, unless --log-level asks for less, or -q.
+    _log_to_stderr(logging.WARNING if args.quiet else min(level, logging.INFO)
+                   if level <= logging.WARNING else level, args.log_format)
+    _uvicorn_logs(args.log_format, logging.ERROR if args.quiet else level, args.access_log)
     with _ledger_errors(args.ledger), Ledger(args.ledger) as ledger:
-        with Progress("serve", not args.quiet) as bar:
+        with Progress("serve", _progress(args)) as bar:
             # The per-record state is loaded from the ledger first (seconds for millions of
             # records), before the first request.
             bar.stage(f"loading the state of {args.ledger}")
@@ -326,16 +353,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                              checkpoints=args.checkpoints,
                              preflight_seconds=args.preflight_seconds,
                              max_round_seconds=args.max_round_seconds,
-                             findings_every=args.findings_every)
+                             findings_every=args.findings_every,
+                             metrics_hosts=args.metrics_hosts)
         print(f"tally serve: http://{args.host}:{args.port}/ (ledger {args.ledger}"
               + (f", ingesting {args.spool}" if args.spool else "") + ")", flush=True)
+        logging.getLogger("tally.api").info(
+            "serving http://%s:%s/", args.host, args.port,
+            extra={"ledger": str(args.ledger), "spool": args.spool})
         # uvicorn takes SIGINT and SIGTERM while it runs, shuts down (the app's state snapshot
         # is saved then), gives them back and raises the one it got again: ours, which stops
         # this command as Ctrl-C does. SIGTERM (docker stop, systemd) ended the process there
         # before (status 143), the ledger unclosed, so its lookup index's runs in memory were
         # never written; uvicorn also swallowed SIGINT's KeyboardInterrupt (status 0).
-        uvicorn.run(app, host=args.host, port=args.port,
-                    log_level="error" if args.quiet else args.log_level)
+        # log_config None: uvicorn's loggers keep the handlers set above; its level is the
+        # lowest either log needs (each handler keeps its own).
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None,
+                    access_log=args.access_log,
+                    log_level=min(logging.ERROR if args.quiet else level,
+                                  logging.INFO if args.access_log else logging.CRITICAL))
     return 0
 
 
@@ -379,7 +414,7 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
             cfg = loader_config(TrainConfig.load(args.config))
         call = dict(run_id=args.run, manifest=args.manifest, checkpoint=args.checkpoint,
                     new_hosts=args.hosts, loader_config=cfg, global_batch=args.global_batch,
-                    horizon=args.horizon, workers=args.workers, progress=not args.quiet)
+                    horizon=args.horizon, workers=args.workers, progress=_progress(args))
         if args.record:
             if not Path(args.ledger).is_file():
                 raise TallyError(f"no ledger at {args.ledger}")
@@ -545,11 +580,31 @@ def output_dir(text: str) -> str:
     return text
 
 
+def http_url(text: str) -> str:
+    """An argparse type: an http(s) URL with a host (--api-url, which report.html's links
+    open: anything else makes links that go nowhere)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(text)
+    if u.scheme not in ("http", "https") or not u.netloc or u.query or u.fragment:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an http(s) URL of a service, such as http://tally.internal:8000")
+    return text
+
+
 def _examples(p: argparse.ArgumentParser, *lines: str) -> None:
     """An example or two at the top of the command's epilog (kept as written)."""
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = "examples:\n" + "\n".join(f"  {x}" for x in lines) + (
         f"\n\n{p.epilog}" if p.epilog else "")
+
+
+def _log_format(p: argparse.ArgumentParser) -> None:
+    from audit.core.logs import FORMATS
+
+    p.add_argument("--log-format", default="text", choices=FORMATS,
+                   help="log lines on stderr: text ('tally: [level] ...', default) or json "
+                        "(one object a line: time, level, logger, message and fields)")
 
 
 def _quiet_json(p: argparse.ArgumentParser, quiet: str | None = "no progress, no worker logs",
@@ -574,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     _quiet_json(s, quiet="no progress bar")
     s.add_argument("--batch-rows", type=int, default=1_000_000,
                    help="rows per transaction (files are never split; default 1,000,000)")
+    _log_format(s)
     _examples(s, "tally ingest spool --ledger ledger.duckdb",
               "tally ingest /data/spool --ledger /data/ledger.duckdb -q --json")
     s.set_defaults(func=_cmd_ingest)
@@ -639,6 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-gb", type=positive_float, default=3.0,
                    help="memory budget: sizes the record-key buckets so that the buckets "
                         "in memory at once stay within it (default 3)")
+    s.add_argument("--api-url", type=http_url,
+                   help="the `tally serve` that report.html's evidence links open (e.g. "
+                        "http://tally.internal:8000); without it they lead to the page's own "
+                        "Evidence tables")
     _quiet_json(s)
     _add_runner_args(s)
     _examples(s, "tally reconcile --spool spool --manifest manifest.parquet --run exp1 -o report",
@@ -703,10 +763,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-run the reconcile job over the spool for each run that changed, at "
                         "most this often (seconds; needs --spool and --manifest; 0: never), so "
                         "that the summary names causes live (default 120)")
+    s.add_argument("--metrics-hosts", type=non_negative_int, metavar="N",
+                   help="per-host series in /metrics for the N hosts of each run with the most "
+                        "repeats only (0: none; default: every host), for runs of thousands "
+                        "of hosts")
     s.add_argument("--max-round-seconds", type=positive_float, default=60.0,
                    help="an ingest round longer than this turns /healthz degraded (default 60)")
     s.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
-                   help="uvicorn's log level (default warning)")
+                   help="uvicorn's log level (default warning); Tally's own lines (alerts "
+                        "starting and stopping, live reconciles, quarantined files, slow "
+                        "ingest rounds) are logged at info unless this is error or critical")
+    s.add_argument("--access-log", action="store_true",
+                   help="log one line per request (method, path, status; a ?token= is "
+                        "redacted)")
+    _log_format(s)
     _quiet_json(s, quiet="no progress while starting, uvicorn's errors only", json_=None)
     _examples(s, "tally serve --ledger ledger.duckdb --spool spool --manifest manifest.parquet",
               "tally serve --ledger ledger.duckdb --spool spool --records 1176 --host 0.0.0.0 "
@@ -828,7 +898,8 @@ def _main(argv: list[str]) -> int:
         print(f"tally: error: {need}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("tally: interrupted", file=sys.stderr)
+        if not os.environ.get(_CHILD):  # a supervised child's supervisor says it, once
+            print("tally: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         _output_gone()

@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
-from tqdm import tqdm
 
+from pipeline import progress
 from pipeline.corpus import CorpusArg, CorpusError, Shard, hash_range, open_corpus, repeat
 from pipeline.manifest_file import (  # noqa: F401
     FINGERPRINT_KEY,
@@ -207,7 +207,7 @@ class _progress:
             self._thread.start()
 
     def _run(self) -> None:
-        with tqdm(total=self.total, unit="range", desc="manifest") as bar:
+        with progress.bar(True, total=self.total, unit="range", desc="manifest") as bar:
             while True:
                 done = len(list(self.parts.glob("*-*.*")))
                 bar.update(done - bar.n)

@@ -1,26 +1,31 @@
 """Progress for the waits of the command line (a reconcile, a pre-flight shadow run, a
 comparison of checkpoints, the start of the service): a tqdm bar on stderr that names the
 stage under way and keeps its clock moving while a stage gives no count, fed by a count that
-a thread polls (files a job has written, whatever runner or process writes them)."""
+a thread polls (files a job has written, whatever runner or process writes them).
+
+Redraws (`\r`) go to a terminal only. Into a pipe or a file (CI, a container's log, a service
+manager's journal) each stage is one log line when it starts (audit.core.logs), nothing more:
+a bar redrawn there is a line per redraw, each starting with a carriage return."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 
 from tqdm import tqdm
 
+from audit.core.logs import info_line, terminal
+
 
 class Progress:
     """`with Progress("reconcile", enabled) as p: p.stage("job", total=n, count=fn)`."""
 
-    def __init__(self, desc: str, enabled: bool = True, every: float | None = None) -> None:
-        # Twice a second on a terminal; into a pipe or a file (a container's log, a service
-        # manager's journal) twice a minute: each redraw is a line there, and the 825 s
-        # rebuild of the live state at 500M rows wrote ~1,650 of them.
-        self.desc, self.enabled = desc, enabled
-        self.every = every if every is not None else 0.5 if _terminal() else 30.0
+    def __init__(self, desc: str, enabled: bool = True, every: float = 0.5) -> None:
+        # Off a terminal, one line per stage: a bar redrawn every 30 s still wrote ~27
+        # `\r`-lines for the 825 s rebuild of the live state at 500M rows.
+        self.desc, self.every = desc, every
+        self.enabled = enabled and terminal()
+        self.lines = enabled and not self.enabled
         self._count: Callable[[], int] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -37,6 +42,9 @@ class Progress:
     def stage(self, name: str, total: int | None = None,
               count: Callable[[], int] | None = None) -> None:
         """Start a stage: its name, and optionally how many parts and how to count those done."""
+        if self.lines:
+            info_line("tally.progress", f"{self.desc}: {name}"
+                      + (f" ({total:,} parts)" if total else ""))
         if self._bar is None:
             return
         with self._lock:
@@ -67,9 +75,11 @@ class Progress:
                 self._bar.close()
 
 
-def _terminal() -> bool:
-    """Whether the bar's stream (stderr) is a terminal."""
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed
-        return False
+def bar(enabled: bool, **kwargs: object) -> tqdm:
+    """A tqdm bar (`tqdm(**kwargs)`) on a terminal; elsewhere a disabled one, after one line
+    naming what it counts (the manifest job's ranges, an ingest's files)."""
+    if enabled and not terminal():
+        total = kwargs.get("total")
+        info_line("tally.progress", f"{kwargs.get('desc', '')}: {total:,} {kwargs.get('unit', '')}"
+                  if isinstance(total, int) else str(kwargs.get("desc", "")))
+    return tqdm(**kwargs, disable=not (enabled and terminal()))

@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from audit.core import logs
 from audit.core.errors import TallyError
 
 
@@ -38,10 +41,20 @@ def pipeline(spec: RunnerSpec, *, partitions: int = 0) -> Iterator[beam.Pipeline
     if spec.name == "direct":
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
+        runner = FnApiRunner()
         if spec.mode == "multi_processing":
-            args += ["--direct_running_mode=multi_processing",
-                     f"--direct_num_workers={spec.workers}"]
-        with beam.Pipeline(runner=FnApiRunner(), options=PipelineOptions(args)) as p:
+            # What `--direct_running_mode=multi_processing` does, with Tally's quiet start in
+            # front of Beam's SDK worker (pipeline.workers): the mode's own command cannot be
+            # changed. Beam then warns that the (default) `in_memory` mode wants one worker:
+            # not so, the workers are this environment's processes.
+            from apache_beam.transforms.environments import SubprocessSDKEnvironment
+
+            runner = FnApiRunner(default_environment=SubprocessSDKEnvironment
+                                 .from_command_string(f"{sys.executable} -m pipeline.workers"))
+            args += [f"--direct_num_workers={spec.workers}"]
+        with logs.without("apache_beam.runners.portability.fn_api_runner.fn_runner",
+                          "If direct_num_workers is not equal to 1"), \
+                beam.Pipeline(runner=runner, options=PipelineOptions(args)) as p:
             yield p
         return
     if spec.name == "dask":
@@ -76,12 +89,57 @@ def _dask_cluster(spec: RunnerSpec) -> Iterator[str]:
     os.environ.setdefault("DASK_DISTRIBUTED__LOGGING__DISTRIBUTED", "error")
     dask.config.set({"distributed.logging.distributed": "error"})
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    cluster = LocalCluster(n_workers=spec.workers, threads_per_worker=1, processes=True,
-                           dashboard_address=None, silence_logs=logging.ERROR)
-    try:
-        yield cluster.scheduler_address
-    finally:
-        cluster.close()
+    # SIGTERM (how `tally`'s supervisor stops a command on Ctrl-C) ends the job with the local
+    # cluster closed: killed with it open, its workers' semaphores were left to
+    # multiprocessing's resource tracker, which printed "There appear to be 12 leaked
+    # semaphore objects to clean up at shutdown". A signal while the cluster starts waits
+    # until it has started (interrupted there, it could not be closed).
+    with _SigtermInterrupts() as signals:
+        signals.held = True
+        # The workers import Beam, which logs at import: pipeline.workers quiets them first.
+        try:
+            cluster = LocalCluster(n_workers=spec.workers, threads_per_worker=1,
+                                   processes=True, dashboard_address=None,
+                                   silence_logs=logging.ERROR, preload=["pipeline.workers"])
+        except Exception:
+            signals.release()  # the signal that stopped its workers: the interrupt
+            raise
+        try:
+            signals.release()
+            yield cluster.scheduler_address
+        finally:
+            cluster.close()
+
+
+class _SigtermInterrupts:
+    """Within the block, SIGTERM raises KeyboardInterrupt; while `held`, at `release()`."""
+
+    def __init__(self) -> None:
+        self.held, self._pending, self._before = False, False, None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.held:
+            self._pending = True
+            return
+        raise KeyboardInterrupt
+
+    def release(self) -> None:
+        self.held = False
+        if self._pending:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _SigtermInterrupts:
+        import signal
+
+        if threading.current_thread() is threading.main_thread():
+            self._before = signal.signal(signal.SIGTERM, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self._before is not None:
+            signal.signal(signal.SIGTERM, self._before)
 
 
 def _dask_threads(address: str) -> int:

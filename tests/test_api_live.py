@@ -188,8 +188,9 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
             except httpx.TransportError:
                 return proc.poll() is not None
         assert poll(up, timeout=60) and proc.poll() is None
-        for path in ("/healthz", "/v1/runs", "/v1/runs/t", "/", "/metrics", "/openapi.json",
-                     "/docs"):
+        # (The schema and its pages, /openapi.json, /docs and /redoc, answer without it:
+        # tests/test_api_docs.py.)
+        for path in ("/healthz", "/v1/runs", "/v1/runs/t", "/", "/metrics"):
             assert httpx.get(url + path, timeout=5).status_code == 401, path
             assert httpx.get(url + path, headers={"Authorization": "Bearer nope"},
                              timeout=5).status_code == 401, path
@@ -200,7 +201,8 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
         # A run's report.html is a page too (409 here: no reports to serve), not a 401.
         assert httpx.get(url + "/runs/t/report.html?token=s3cret", timeout=5).status_code == 409
         assert httpx.get(url + "/runs/t/report.html", timeout=5).status_code == 401
-        # A query token opens the dashboard page only: never the API, never a POST.
+        # A query token opens the pages, and the answers report.html's evidence links open
+        # (tests/test_links.py): never the rest of the API, never a POST.
         for path in ("/v1/runs?token=s3cret", "/v1/runs/t?token=s3cret",
                      "/metrics?token=s3cret"):
             assert httpx.get(url + path, timeout=5).status_code == 401, path

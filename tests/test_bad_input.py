@@ -391,7 +391,7 @@ def test_hosts_that_consumed_nothing_are_one_finding_per_attempt(tmp_path, decla
     (gap,) = [f for f in r["findings"] if f["code"] == "host_gap"]
     assert gap["numbers"] == {"hosts": len(silent), "examples": silent[:10], "first_step": 0,
                               "last_step": 1, "attempt": 0}
-    assert f"{len(silent):,} host(s) of attempt 0" in gap["message"]
+    assert f"{len(silent):,} host{'' if len(silent) == 1 else 's'} of attempt 0" in gap["message"]
     assert [h["host"] for h in gap["evidence"]["hosts"]] == silent[:len(gap["evidence"]["hosts"])]
     assert r["hosts"]["gaps"] == []
     assert r["hosts"]["silent_hosts"] == [{"attempt": 0, "hosts": len(silent),

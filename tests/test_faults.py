@@ -184,6 +184,8 @@ def test_sampler_padding_is_named(corpus, tmp_path):
     (finding,) = r["findings"]
     assert finding["code"] == "padding"
     assert f"{pad} records seen twice within an epoch" in finding["message"]
+    # One epoch, padded: "over 1 epoch" (ceil(exposures / N) said "over 2 epoch(s)").
+    assert f"({pad} extra exposures over 1 epoch)" in finding["message"], finding["message"]
 
 
 def test_files_never_read_are_named(corpus, tmp_path):
@@ -203,7 +205,7 @@ def test_files_never_read_are_named(corpus, tmp_path):
     codes = [f["code"] for f in r["findings"]]
     assert "files_unread" in codes
     (finding,) = [f for f in r["findings"] if f["code"] == "files_unread"]
-    assert sources[3] in finding["message"] and "1 corpus file(s) were never read" in \
+    assert sources[3] in finding["message"] and "1 corpus file was never read" in \
         finding["message"]
 
 
@@ -220,7 +222,7 @@ def test_a_host_that_hands_the_same_batch_again_is_named_with_its_steps(corpus, 
     fails = [f for f in r["findings"] if f["severity"] == "FAIL"]
     assert [f["code"] for f in fails] == ["repeated_batches"], r["findings"]
     assert fails[0]["numbers"] == {"host": 2, "steps": 10, "ranges": [[50, 59]]}
-    assert "host 2 handed the same batch again at 10 step(s) (steps 50-59)" in \
+    assert "host 2 handed the same batch again at 10 steps (steps 50-59)" in \
         fails[0]["message"]
     assert r["hosts"]["per_host"][2]["epoch_repeats"] == 10 * 8
     # Its evidence: the host, and its steps around the stall in the API's host series.
@@ -353,3 +355,9 @@ def test_a_sampler_that_drops_each_epochs_remainder_is_named(corpus, tmp_path):
     (last,) = [f for f in r["findings"] if f["code"] == "final_epoch_short"]
     assert last["numbers"] == {"epoch": 1, "records": 84}
     assert r["verdict"] == "WARN" and r["run"]["finished"]
+    # As of a step before the end the run had not finished: no "the run finished in epoch 0"
+    # (it said so before), and the report says the run was running then.
+    early = reconcile(run_id="r", manifest=root / "m.parquet", out=root / "droplast-early",
+                      spool=tmp_path / "spool", at_step=6)
+    assert not early["run"]["finished"] and early["run"]["finished_step"] is None
+    assert not [f for f in early["findings"] if f["code"] == "final_epoch_short"]

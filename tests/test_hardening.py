@@ -178,7 +178,7 @@ def test_a_reconcile_over_unreadable_files_fails_and_says_why(tmp_path):
     out = _tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
                  "--run", "r", "-o", str(tmp_path / "rep"), "--strict")
     assert out.returncode == 1, out.stderr
-    assert "FAIL: 1 spool file(s) of this run could not be read" in out.stdout
+    assert "FAIL: 1 spool file of this run could not be read" in out.stdout
     assert "schema mismatch" in out.stdout
 
 
@@ -307,10 +307,10 @@ def test_diff_and_exposure_report_unreadable_files_as_reconcile_does(tmp_path):
                    str(tmp_path / "docs.parquet"), "-o", str(tmp_path / f"e-{tag}"), "-q")
         assert "Traceback" not in rec.stderr + d.stderr + e.stderr
         assert d.returncode == 1 and e.returncode == 0, (d.stderr, e.stderr)
-        want = "1 spool file(s) of run B (b) could not be read and were left out"
+        want = "1 spool file of run B (b) could not be read and was left out"
         assert f"FAIL: {want}" in d.stdout and "seg-000000000004-000002.parquet" in d.stdout
         assert "the divergence may be those files, not the loader" in d.stdout
-        assert "FAIL: 1 spool file(s) of run b could not be read" in e.stdout
+        assert "FAIL: 1 spool file of run b could not be read" in e.stdout
         report = json.loads((tmp_path / f"rep-{tag}" / "report.json").read_text())
         diffed = json.loads((tmp_path / f"d-{tag}" / "diff.json").read_text())
         exposed = json.loads((tmp_path / f"e-{tag}" / "exposure.json").read_text())

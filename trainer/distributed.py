@@ -9,6 +9,7 @@ through gloo (jax.distributed's coordinator on 127.0.0.1).
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,15 @@ def initialize(host: int, host_count: int, coordinator: str | None) -> None:
     if host_count == 1:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    before = signal.getsignal(signal.SIGTERM)
     jax.distributed.initialize(coordinator, num_processes=host_count, process_id=host)
+    # initialize() starts XLA's preemption notifier, which takes SIGTERM for itself: it logs
+    # "SIGTERM caught at <time>" and lets the host train on, for a preemption sync point
+    # Tally never asks for (checkpoints are saved at `checkpoint_every` steps only). A
+    # stopped job (Ctrl-C, `docker stop`) then printed one such line per host and each host
+    # ran until the launcher's SIGKILL after its grace period. SIGTERM goes back to what it
+    # was: the host ends at once, as its launcher asks (what it published stays published).
+    signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,29 @@ def main(argv: list[str] | None = None) -> int:
     except TallyError as exc:
         print(f"tally: error: host {args.host}: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        lost = peer_lost(exc)
+        if lost is None:
+            raise
+        print(f"tally: error: host {args.host}: another host left the job mid-step ({lost})",
+              file=sys.stderr)
+        return PEER_LOST
     return 0
+
+
+PEER_LOST = 3  # exit status of a host whose collective failed because another host is gone
+
+
+def peer_lost(exc: BaseException) -> str | None:
+    """Why a collective failed when another host went away (its socket closed): the gloo
+    error's last part ("Read error [127.0.0.1]:24482: Connection reset by peer"), else None.
+
+    This host's traceback of a JaxRuntimeError from deep in jax.device_get said nothing the
+    launcher's line about the host that died does not say better."""
+    text = str(exc)
+    if type(exc).__name__ != "JaxRuntimeError" or "Gloo" not in text:
+        return None
+    return "gloo: " + text.rsplit("] ", 1)[-1].strip()
 
 
 if __name__ == "__main__":  # Grain worker processes re-import this module: keep the guard

@@ -210,11 +210,22 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
 
 
 def _wait(procs: list[subprocess.Popen], grace_s: float) -> int:
+    from trainer.host import PEER_LOST
+
+    lost_since = None
     while True:
         codes = [p.poll() for p in procs]
         failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
+        # A host that failed only because another one is gone (trainer.host.peer_lost) may end
+        # before the one that died is reaped: the line names the one that died.
+        causes = [(h, c) for h, c in failed if c != PEER_LOST]
+        if failed and not causes:
+            lost_since = lost_since or time.monotonic()
+            if time.monotonic() - lost_since < grace_s:
+                time.sleep(0.2)
+                continue
         if failed:
-            host, code = failed[0]
+            host, code = (causes or failed)[0]
             how = f"signal {-code}" if code < 0 else f"exit status {code}"
             print(f"tally: host {host} ended with {how}; stopping the other hosts",
                   file=sys.stderr)

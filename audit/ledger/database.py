@@ -219,6 +219,10 @@ def ledger_error(path: str | os.PathLike, exc: BaseException) -> TallyError | No
     return None
 
 
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
 class Ledger:
     """An open ledger file. Use as a context manager; `cursor()` per thread."""
 
@@ -233,8 +237,11 @@ class Ledger:
             msg = str(exc)
             if "lock" in msg.lower():
                 raise TallyError(
-                    f"ledger {self.path} is held by another process (only one process may open "
-                    f"a DuckDB file; stop it or ask the service that owns it): {msg}"
+                    f"ledger {self.path} is held by another process (one process at a time may "
+                    f"open a DuckDB file, even to read). While `tally serve` owns it, ask its "
+                    f"API (GET /v1/runs, /v1/runs/RUN/...) or give the command the spool "
+                    f"instead (--spool DIR, e.g. tally reconcile --spool); else stop that "
+                    f"process. DuckDB: {_first_line(msg)}"
                 ) from None
             raise TallyError(f"cannot open ledger {self.path}: {msg}") from None
         except duckdb.Error as exc:

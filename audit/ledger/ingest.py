@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 from tqdm import tqdm
 
 from audit.core.exposure import starts
+from audit.core.logs import info_line, terminal
 from audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS_ALL, sql_select
 from audit.hook import spool as sp
 from audit.hook.spool import BadFile, read_checked
@@ -141,8 +142,10 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
         # and a backfill of a whole spool host by host would put every later host's files
         # below it.
         todo.sort(key=_step_order)
-        bar = tqdm(total=len(todo), unit="file", desc="ingest", disable=not progress,
-                   file=sys.stderr)
+        if progress and todo and not terminal():  # one line, no redraws, off a terminal
+            info_line("tally.progress", f"ingest: {len(todo):,} files")
+        bar = tqdm(total=len(todo), unit="file", desc="ingest",
+                   disable=not (progress and terminal()), file=sys.stderr)
         batch: list[_File] = []
         rows = 0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-rows") as pool, \

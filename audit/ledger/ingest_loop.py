@@ -40,7 +40,15 @@ class IngestLoop:
         self.quarantined = 0
         self.last_error: str | None = None
         self.last_round_at: float | None = None
-        self._oldest_pending: float | None = None  # mtime of the oldest file not yet ingested
+        # Lag is counted from when this service first listed a file, not from its mtime: a
+        # spool written long ago made every restart fire ingest_lag (and its webhook) on its
+        # first rounds, the files' age read as lag. Path -> wall time of its first listing,
+        # until ingested (a stop mid-round leaves some for the next round).
+        self._visible: dict[str, float] = {}
+        self._oldest_pending: float | None = None  # first listing of the oldest one pending
+        # The backlog found at start is caught up with by the first round that ends without a
+        # stop; until then ingest_lag is not an alert (api.alerts) and the summary says so.
+        self._caught_up = False
         # Ingested paths -> their (bytes, mtime_ns) in the ledger (None: ingested before stats
         # were kept): skipped by the listing, but stat-ed on each full one, so that another
         # file put at an ingested path (a run id reused after its spool was removed, whose new
@@ -80,8 +88,16 @@ class IngestLoop:
         return round(worst, 3) if worst > self.max_round_seconds else None
 
     def lag_seconds(self) -> float:
+        """Seconds since this service first listed the oldest file it has not ingested yet
+        (0 when none is pending)."""
         t = self._oldest_pending
         return 0.0 if t is None else max(0.0, time.time() - t)
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether the files found at start (the backlog of a spool written before the service
+        started) are still being ingested."""
+        return not self._caught_up
 
     def _pending(self) -> list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]]:
         """One scan of the spool: files neither ingested nor held in quarantine unchanged.
@@ -150,22 +166,35 @@ class IngestLoop:
         try:
             self._round()
         finally:
-            self._last_round_seconds = time.monotonic() - self._round_started
+            took = self._last_round_seconds = time.monotonic() - self._round_started
             self._round_started = None
+            if took > self.max_round_seconds:
+                log.warning("ingest round took %.1f s, beyond --max-round-seconds %g (/healthz "
+                            "says degraded)", took, self.max_round_seconds,
+                            extra={"seconds": round(took, 3),
+                                   "max_round_seconds": self.max_round_seconds})
 
     def _round(self) -> None:
         pending = self._pending()
         if pending:
-            self._oldest_pending = min(st.st_mtime for _, st in pending)
+            now = time.time()
+            listed = [f.rel for f, _ in pending]
+            self._oldest_pending = min(self._visible.setdefault(rel, now) for rel in listed)
             res = ingest(self.spool, self.ledger, listing=pending, stop=self._stop)
             self.files += res.files
             self.rows += res.rows
             self.quarantined += len(res.quarantined)
             for rel, reason in res.quarantined:
-                log.warning("quarantined %s: %s", rel, reason)
+                log.warning("quarantined %s: %s", rel, reason,
+                            extra={"path": rel, "reason": reason})
+            if not self._stop.is_set():  # all listed went in (or to quarantine)
+                for rel in listed:
+                    self._visible.pop(rel, None)
         else:  # nothing new; a state rebuilt at start still gets its snapshot (ingest writes
             for_ledger(self.ledger).save(self.ledger)  # them after each round otherwise)
         self._oldest_pending = None
+        if not self._stop.is_set():
+            self._caught_up = True
         self.rounds += 1
         self.last_round_at = time.time()
         if self.after_round is not None:

@@ -10,6 +10,7 @@ which comes first in key order, or `--records N`); keys >= N are counted apart a
 from __future__ import annotations
 
 import bisect
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,20 @@ class Universe:
 def run_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> int:
     row = one(cur, "SELECT run FROM runs WHERE run_id = ?", [run_id])
     if row is None:
-        raise NotFound(f"unknown run {run_id!r}: no segment of it has been ingested")
+        raise NotFound(f"unknown run {run_id!r}: no segment of it has been ingested; "
+                       + known_runs(cur))
     return row[0]
+
+
+def known_runs(cur: duckdb.DuckDBPyConnection, most: int = 10) -> str:
+    """The runs a ledger holds, said for an unknown run's message: 'runs here: a, b' (the
+    first `most` of them), or 'the ledger holds no run yet'."""
+    ids = [r[0] for r in cur.execute("SELECT run_id FROM runs ORDER BY run_id LIMIT ?",
+                                     [most + 1]).fetchall()]
+    if not ids:
+        return "the ledger holds no run yet"
+    more = " (and more: GET /v1/runs, or tally ledger)" if len(ids) > most else ""
+    return "runs here: " + ", ".join(ids[:most]) + more
 
 
 def runs(cur: duckdb.DuckDBPyConnection, limit: int | None = None,
@@ -409,6 +422,17 @@ def domains(exposures: np.ndarray, manifest: Any) -> list[dict[str, Any]]:
             for i, name in enumerate(manifest.domain_names)]
 
 
+# The ledger's TIMESTAMP columns hold the writing session's local time (DuckDB's
+# current_timestamp cast to TIMESTAMP); read through this, they are UTC (`utc_iso`).
+UTC = "::TIMESTAMPTZ AT TIME ZONE 'UTC'"
+
+
+def utc_iso(value: dt.datetime | None) -> str | None:
+    """A UTC timestamp of the ledger (read with UTC) as ISO 8601 with its zone: a time
+    without one reads as the client's local time."""
+    return None if value is None else value.replace(tzinfo=dt.UTC).isoformat()
+
+
 def totals(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     row = one(cur, """SELECT seg_files, records, exposures, epoch_duplicates,
                       epoch_duplicate_records, multi_host_records FROM agg_runs WHERE run = ?""",
@@ -416,9 +440,9 @@ def totals(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     names = ("segment_files", "records_seen", "exposures", "epoch_duplicates",
              "epoch_duplicate_records", "multi_host_records")
     out = dict(zip(names, map(int, row), strict=True))
-    rows = one(cur, "SELECT coalesce(sum(n_rows), 0), count(*), max(ingested_at) FROM segments "
-                    "WHERE run = ? AND kind = 'seg'", [run])
-    out["rows_ingested"], out["last_ingested_at"] = int(rows[0]), rows[2]
+    rows = one(cur, f"SELECT coalesce(sum(n_rows), 0), count(*), max(ingested_at){UTC} "
+                    "FROM segments WHERE run = ? AND kind = 'seg'", [run])
+    out["rows_ingested"], out["last_ingested_at"] = int(rows[0]), utc_iso(rows[2])
     marked = replayed_of(cur, run)
     out["replayed"], out["replayed_files"] = marked["replayed"], marked["replayed_files"]
     out["attempts"] = [dict(zip(("attempt", "resumed_from_step", "host_count",

@@ -9,7 +9,8 @@ import html
 import numpy as np
 import pyarrow as pa
 
-from audit.reconcile.html import CSS, above, bars, step_or_none
+from audit.provenance import provenance_html
+from audit.reconcile.html import CSS, above, bars, csv_link, step_or_none
 
 COLORS = {"a": "#0969da", "b": "#bf8700"}
 MAX_POINTS = 600  # per polyline: keeps the file small for long runs
@@ -51,19 +52,23 @@ def lines(xs: np.ndarray, series: list[tuple[str, np.ndarray, str, bool]], *, y1
     return "".join(out)
 
 
-def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+def _table(rows: list[dict], cols: list[tuple[str, str]], name: str) -> str:
+    """A table with its CSV as a download link (as report.html's tables have them)."""
+    cells = [[_text(r[k]) for k, _ in cols] for r in rows]
     head = "".join(f"<th>{html.escape(t)}</th>" for _, t in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r[k])}</td>" for k, _ in cols) + "</tr>"
-                   for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cs) + "</tr>"
+                   for cs in cells)
+    link = csv_link(f"diff-{name}", [t for _, t in cols], cells)
+    return (f'<p><small>{link}</small></p><table data-table="{name}"><tr>{head}</tr>{body}'
+            "</table>")
 
 
-def _cell(v) -> str:
+def _text(v) -> str:
     if isinstance(v, float):
         return f"{v:.4f}"
     if isinstance(v, int) and not isinstance(v, bool):
         return f"{v:,}"
-    return html.escape(str(v))
+    return str(v)
 
 
 def _replayed(run: dict) -> str:
@@ -127,17 +132,18 @@ def render_html(d: dict, tables: dict[str, pa.Table]) -> str:
                                   ("exposures_b", "exposures B"), ("records_a", "records A"),
                                   ("records_b", "records B"), ("common_records", "common"),
                                   ("jaccard", "Jaccard"), ("multiset_difference", "difference"),
-                                  ("same_set", "same set"), ("same_multiset", "same multiset")])
+                                  ("same_set", "same set"), ("same_multiset", "same multiset")],
+                    "epochs")
     domains = _table(doms, [("domain", "domain"), ("records", "train records"),
                             ("exposures_a", "exposures A"), ("exposures_b", "exposures B"),
                             ("share_a", "share A"), ("share_b", "share B"),
-                            ("share_difference", "A - B")])
+                            ("share_difference", "A - B")], "domains")
     win = tables["windows"].to_pylist()
     windows = _table([x for x in win if x["steps_compared"]][:200], [
         ("first_step", "from step"), ("last_step", "to step"), ("steps_compared", "steps"),
         ("identical_steps", "identical"), ("jaccard", "Jaccard"),
         ("multiset_difference", "difference"), ("same_multiset", "same multiset"),
-        ("other_order", "other order")])
+        ("other_order", "other order")], "windows")
     return f"""<!doctype html><html><head><meta charset="utf-8">
 <title>Tally diff: {html.escape(d['a']['run_id'])} vs {html.escape(d['b']['run_id'])}</title>
 <style>{CSS}</style></head><body>
@@ -160,9 +166,10 @@ divergent step)</figcaption>{coverage}</figure>
 {diffs}</figure>
 <figure><figcaption>Domain mix of the exposures, A vs B</figcaption>{mix}</figure>
 </div>
-<h2>Runs</h2>{_table(runs, [("", ""), ("a", "A"), ("b", "B")])}
+<h2>Runs</h2>{_table(runs, [("", ""), ("a", "A"), ("b", "B")], "runs")}
 <h2>Epochs</h2>{epochs}
 <h2>Windows of {d['windows']['steps']:,} steps</h2>{windows}
 <h2>Domains</h2>{domains}
 <p><small>Tally diff v{d['diff_version']}, generated {d['generated_at']}.</small></p>
+{provenance_html(d.get('provenance'))}
 </body></html>"""

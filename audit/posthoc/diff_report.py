@@ -26,6 +26,7 @@ from audit.core.exposure import Coverage, Findings, verdict
 from audit.hook.spool import replayed_run
 from audit.posthoc.diff_bucket import RUNS, DiffPartial
 from audit.posthoc.multiset import jaccard
+from audit.provenance import plan_fingerprint, provenance
 from audit.reconcile.partials import Partial
 from audit.reconcile.report import files_left_out, json_default
 from audit.reconcile.verdict import left_out_findings
@@ -185,6 +186,12 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
     report: dict[str, Any] = {
         "diff_version": DIFF_VERSION,
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "provenance": provenance(
+            [{"role": "manifest", "kind": "manifest", "path": layout.manifest,
+              "fingerprint": layout.fingerprint}]
+            + [{"role": f"run {r.upper()}", "kind": plan.sources[r].kind,
+                "path": plan.sources[r].path, "run_id": plan.sources[r].run_id,
+                "fingerprint": plan_fingerprint(plan.runs[r].files)} for r in RUNS]),
         "a": runs["a"], "b": runs["b"],
         "manifest": {"path": layout.manifest, "fingerprint": layout.fingerprint,
                      "records": layout.records, "train_records": n},

@@ -45,6 +45,8 @@ def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     a checkpoint directory, or of one step's directory."""
     import orbax.checkpoint as ocp
 
+    from audit.core import logs
+
     path = Path(path)
     if not path.is_dir():
         raise NotFound(f"checkpoint {path} is not a directory")
@@ -52,9 +54,14 @@ def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     if (path / "meta").is_dir() and path.name.isdigit():
         root, step = path.parent, int(path.name)
     try:
-        mngr = ocp.CheckpointManager(root.resolve(), item_names=("state", "meta"),
-                                     options=ocp.CheckpointManagerOptions(read_only=True,
-                                                                          create=False))
+        # Read-only: this only reads (a training may be saving there). Orbax warns that it
+        # opened "Given directory is read only=..." (read as if the directory could not be
+        # written) and, without save_interval_steps=0, that it set it so: no news.
+        with logs.without("absl", "Given directory is read only=%s"):
+            mngr = ocp.CheckpointManager(root.resolve(), item_names=("state", "meta"),
+                                         options=ocp.CheckpointManagerOptions(
+                                             read_only=True, create=False,
+                                             save_interval_steps=0))
         step = mngr.latest_step() if step is None else step
         if step is None:
             raise NotFound(f"no checkpoint in {path}")

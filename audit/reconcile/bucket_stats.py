@@ -146,9 +146,12 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
                                        n_hosts, train)
 
     weights = {"tokens": of_train(man["n_tokens"]), "exposures": e_train,
-               "consumed": of_train(tokens), "never_seen": e_train == 0}
+               "consumed": of_train(tokens), "never_seen": e_train == 0,
+               # content drift, by corpus source: records consumed with other bytes
+               "mismatched": of_train(bincount(j[mismatch], n=n)) > 0}
     for col, fields in (("domain", ("records", "tokens", "exposures", "consumed",
-                                    "never_seen")), ("source", ("records", "never_seen"))):
+                                    "never_seen")),
+                        ("source", ("records", "never_seen", "mismatched"))):
         codes, k = of_train(man[col]), len(man[f"{col}_names"])
         sums = {f: np.bincount(codes, None if f == "records" else weights[f], k)
                 for f in fields}

@@ -1,6 +1,7 @@
 """What each finding points at: the steps, hosts and records that show it, a few of each, each
 with the live API's path that shows it (`/v1/runs/{run}/steps?start=&end=`,
-`/v1/runs/{run}/hosts/{h}/steps`, `/v1/runs/{run}/records/{key}`).
+`/v1/runs/{run}/hosts/{h}/steps`, `/v1/runs/{run}/records/{key}`) and, for a report read with no
+service at hand, the anchor of its row in report.html's Evidence tables (`anchor`).
 
 Everything here reads what the job already computed: the steps table's per-step repeats, the
 per-host counts, and the records the buckets kept as examples (the most repeated train records
@@ -11,6 +12,7 @@ consumed; audit.reconcile.bucket_stats). No finding's message or numbers change.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 from urllib.parse import quote
 
@@ -31,6 +33,31 @@ EXAMPLES = {"unknown_keys": "unknown", "hash_mismatch": "hash_mismatch",
             "heldout_leak": "heldout"}
 
 Items = list[dict[str, Any]]
+_HOST_STEPS = re.compile(r"/hosts/(\d+)/steps")
+
+
+def anchor(item: dict[str, Any]) -> str:
+    """The id of an evidence item's row in report.html's Evidence tables: `ev-record-K`,
+    `ev-steps-A[-B]` (`ev-host-H-steps-A[-B]` for one host's steps) or `ev-host-H`; one row per
+    target, however many findings name it."""
+    return "ev-" + _target(item)
+
+
+def _target(item: dict[str, Any]) -> str:
+    if "record_key" in item:
+        return f"record-{item['record_key']}"
+    if "step" in item:
+        span = f"steps-{item['step']}" + (f"-{item['last_step']}" if "last_step" in item else "")
+        host = step_host(item)
+        return span if host is None else f"host-{host}-{span}"
+    return f"host-{item['host']}"
+
+
+def step_host(item: dict[str, Any]) -> int | None:
+    """The host whose steps a step item names (its API path is that host's series), or None
+    for all hosts' steps."""
+    m = _HOST_STEPS.search(item.get("api", ""))
+    return None if m is None else int(m.group(1))
 
 
 def attach(found: list[Finding], r: dict[str, Any], steps: Any) -> list[Finding]:

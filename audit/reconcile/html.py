@@ -10,28 +10,35 @@ at /runs/{run}/report.html.
 
 from __future__ import annotations
 
+import csv
 import html
+import io
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlencode
 
 import numpy as np
 import pyarrow as pa
 
 from audit.core import exposure
+from audit.provenance import provenance_html
+from audit.reconcile import evidence
 
-# One meaning per colour, on every chart here and on the dashboard (api/dashboard.html holds
-# the same values; a test checks they agree).
-PALETTE = {
-    "actual": "#0969da",  # consumed as it should be: coverage, first exposures, due exposures
-    "earlier": "#54aeff",  # seen again in a later epoch: due again
-    "repeat": "#cf222e",  # beyond the ideal: within-epoch repeats, excess, first bad step
-    "ideal": "#6e7781",  # what a perfect loader gives, or the plan
-    "heldout": "#1a7f37",  # held-out loss
-    "shared": "#8250df",  # records two hosts both saw
-}
-MAX_HEATMAP_HOSTS = 16  # beyond this, the hosts sharing the most records; all in the table
+# Titles, legend names and colours: one vocabulary with the dashboard (it is served with it).
+from audit.reconcile.vocabulary import (
+    CHARTS,
+    HEATMAP_CELL_PX,
+    HEATMAP_FONT_PX,
+    MARKERS,
+    MAX_HEATMAP_HOSTS,
+    PALETTE,
+    heatmap_size,
+)
+from audit.reconcile.vocabulary import series as voc
+
+__all__ = ["MAX_HEATMAP_HOSTS", "PALETTE"]  # the vocabulary's, re-exported
 MAX_BARS = 280  # per-step bars: steps are binned beyond this
 MAX_POINTS = 600  # per polyline: keeps the file small for long runs
 
@@ -167,11 +174,12 @@ class Chart:
             x += 30 + 6.5 * len(name)
         self.body.append("".join(out) + "</g>")
 
-    def marker(self, x: float | None, label: str, kind: str) -> None:
-        """A vertical line at x (a step), labelled, in the repeat colour."""
+    def marker(self, x: float | None, label: str, kind: str, row: int = 0) -> None:
+        """A vertical line at x (a step), labelled, in its kind's colour (MARKERS); `row` 1
+        puts the label under a first row's (restarts under the first bad step)."""
         if x is None or not self.x0 <= x <= self.x1:
             return
-        c, xx = PALETTE["repeat"], self.px(x)
+        c, xx = MARKERS[kind]["color"], self.px(x)
         anchor = "end" if xx > self.w * 0.7 else "start"
         dx = -4 if anchor == "end" else 4
         tw = 6.2 * len(label) + 6
@@ -179,10 +187,26 @@ class Chart:
         self.body.append(
             f'<g data-marker="{kind}" data-step="{x}"><line x1="{xx:.1f}" x2="{xx:.1f}" '
             f'y1="{self.top - 4}" y2="{self.h - self.bottom}" stroke="{c}" stroke-width="1.5" '
-            f'stroke-dasharray="5 3"/><rect x="{bx:.1f}" y="{self.top - 2}" width="{tw:.1f}" '
-            f'height="14" fill="#fff" fill-opacity="0.85"/><text x="{xx + dx:.1f}" '
-            f'y="{self.top + 8}" text-anchor="{anchor}" fill="{c}" style="fill:{c}">'
-            f'{_e(label)}</text></g>')
+            f'stroke-dasharray="5 3"/><rect x="{bx:.1f}" y="{self.top - 2 + 16 * row}" '
+            f'width="{tw:.1f}" height="14" fill="#fff" fill-opacity="0.85"/><text '
+            f'x="{xx + dx:.1f}" y="{self.top + 8 + 16 * row}" text-anchor="{anchor}" '
+            f'fill="{c}" style="fill:{c}">{_e(label)}</text></g>')
+
+    def markers(self, first_bad: int | None, restarts: Sequence[dict[str, Any]]) -> None:
+        """The first bad step, and each restart (a new attempt) where it resumed."""
+        for r in restarts:
+            if r.get("resumed_from_step") is not None:
+                self.marker(r["resumed_from_step"],
+                            MARKERS["restart"]["label"].format(attempt=r["attempt"]),
+                            "restart", row=1)
+        self.marker(first_bad, MARKERS["first-bad-step"]["label"].format(step=first_bad),
+                    "first-bad-step")
+
+    def legend_of(self, chart: str, keys: Sequence[str]) -> None:
+        """The legend of `chart`'s series in `keys` (those with data), in the vocabulary's
+        order, names and colours."""
+        self.legend([(x["name"], x["color"], x["kind"]) for x in
+                     (voc(chart, k) for k in _ordered(chart, keys))])
 
     def polyline(self, xs: np.ndarray, ys: np.ndarray, color: str, series: str,
                  dash: bool = False, width: float = 2) -> None:
@@ -202,14 +226,19 @@ class Chart:
                 f'data-chart="{self.name}">' + "".join(self.body) + "</svg>")
 
 
+def _ordered(chart: str, keys: Sequence[str]) -> list[str]:
+    return [x["key"] for x in CHARTS[chart]["series"] if x["key"] in set(keys)]
+
+
 # ---- charts ------------------------------------------------------------------------------
 
-def per_step_chart(steps: pa.Table, first_bad: int | None) -> str:
+def per_step_chart(steps: pa.Table, first_bad: int | None,
+                   restarts: Sequence[dict[str, Any]] = ()) -> str:
     """Exposures per step, stacked: records seen for the first time, records due again in a
     later epoch, and records repeated within their epoch (beyond the ideal); the first bad step
     marked. Long runs are binned, each bar summing its steps."""
     if not steps.num_rows:
-        return "<p>no steps yet</p>"
+        return ""
     s = steps["step"].to_numpy()
     new = steps["new_unique"].to_numpy()
     within = steps["epoch_repeats"].to_numpy()
@@ -218,9 +247,8 @@ def per_step_chart(steps: pa.Table, first_bad: int | None) -> str:
     per = max(1, -(-(hi - lo + 1) // MAX_BARS))  # steps per bar
     b = (s - lo) // per
     nb = int(b.max()) + 1
-    parts = [("first exposure", new, PALETTE["actual"], "new"),
-             ("seen in an earlier epoch", earlier, PALETTE["earlier"], "earlier"),
-             ("repeated within its epoch", within, PALETTE["repeat"], "within_epoch")]
+    parts = [(voc("steps", k)["name"], v, voc("steps", k)["color"], k)
+             for k, v in (("new", new), ("earlier", earlier), ("within_epoch", within))]
     sums = [np.bincount(b, weights=v, minlength=nb).astype(np.int64) for _, v, _, _ in parts]
     total = sum(sums)
     unit = "step" if per == 1 else f"{per} steps"
@@ -241,16 +269,18 @@ def per_step_chart(steps: pa.Table, first_bad: int | None) -> str:
                          f'{"" if per == 1 else f"-{lo + i * per + per - 1}"}: {v[i]:,} {name}'
                          f'</title></rect>')
         base += v
-        c.body.append(f'<g fill="{color}" data-series="{series}">{"".join(rects)}</g>')
-    c.legend([(name, color, "box") for name, _, color, _ in parts])
-    c.marker(first_bad, f"first bad step {first_bad}", "first-bad-step")
+        if rects:  # a series without data is neither drawn nor in the legend
+            c.body.append(f'<g fill="{color}" data-series="{series}">{"".join(rects)}</g>')
+    c.legend_of("steps", [k for (_, _, _, k), v in zip(parts, sums, strict=True) if v.any()])
+    c.markers(first_bad, restarts)
     return c.svg()
 
 
-def coverage_chart(steps: pa.Table, first_bad: int | None) -> str:
+def coverage_chart(steps: pa.Table, first_bad: int | None,
+                   restarts: Sequence[dict[str, Any]] = ()) -> str:
     """Cumulative coverage against the ideal, the gap between them shaded."""
     if not steps.num_rows:
-        return "<p>no steps yet</p>"
+        return ""
     xs = steps["step"].to_numpy()
     cov = steps["coverage"].to_numpy()
     ideal = steps["ideal_coverage"].to_numpy()
@@ -260,7 +290,8 @@ def coverage_chart(steps: pa.Table, first_bad: int | None) -> str:
     c = Chart(float(xs.min()), float(xs.max()), 0, 1, name="coverage")
     c.axes("step", "coverage (% of train records)", yticks=[0, .25, .5, .75, 1],
            yfmt=lambda v: f"{v * 100:.0f}%")
-    if (ideal - cov > 1e-9).any():
+    behind = bool((ideal - cov > 1e-9).any())
+    if behind:
         pts = [f"{c.px(x):.1f},{c.py(y):.1f}" for x, y in zip(xs, ideal, strict=True)]
         pts += [f"{c.px(x):.1f},{c.py(y):.1f}" for x, y in zip(xs[::-1], cov[::-1],
                                                               strict=True)]
@@ -268,9 +299,8 @@ def coverage_chart(steps: pa.Table, first_bad: int | None) -> str:
                       'fill-opacity="0.15" data-series="behind ideal"/>')
     c.polyline(xs, ideal, PALETTE["ideal"], "ideal", dash=True, width=2.5)
     c.polyline(xs, cov, PALETTE["actual"], "coverage", width=2)
-    c.legend([("coverage", PALETTE["actual"], "line"), ("ideal", PALETTE["ideal"], "dash"),
-              ("behind the ideal", PALETTE["repeat"], "box")])
-    c.marker(first_bad, f"first bad step {first_bad}", "first-bad-step")
+    c.legend_of("coverage", ["coverage", "ideal"] + (["behind"] if behind else []))
+    c.markers(first_bad, restarts)
     return c.svg()
 
 
@@ -319,7 +349,8 @@ def bars(labels: Sequence[Any], series: dict[str, list[float]], w: int = 560, h:
         c.body.append("".join(out))
     items = [(k, colors[k], "box") for k in series]
     if bar_colors:
-        items.append(("off the ideal", PALETTE["repeat"], "box"))
+        off = voc("histogram", "off")
+        items.append((off["name"], off["color"], off["kind"]))
     c.legend(items)
     return c.svg()
 
@@ -356,7 +387,7 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
     matrix is `per_host[i]`'s host (the hosts that sent rows: their numbers may be sparse)."""
     k = len(matrix)
     if not k:
-        return "<p>no hosts</p>"
+        return ""
     arr = np.asarray(matrix, dtype=np.int64)
     name = [p["host"] for p in per_host] if len(per_host) == k else list(range(k))
     hosts = list(range(k))  # positions in the matrix
@@ -366,12 +397,12 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
     sub = arr[np.ix_(hosts, hosts)]
     off = ~np.eye(len(hosts), dtype=bool)
     top = int(sub[off].max()) if off.any() else 0
-    size = 340
+    size = heatmap_size(len(hosts))  # cells wide enough for their numbers at 11 px
     cell = size / len(hosts)
     left, top_pad = 44, 26
     out = [f'<svg width="{left + size + 90}" height="{top_pad + size + 62}" role="img" '
            f'data-chart="overlap" data-hosts-shown="{len(hosts)}" data-hosts="{k}">']
-    text_cells = cell >= 18
+    text_cells = cell >= HEATMAP_CELL_PX - 1e-9
     for a, i in enumerate(hosts):
         for b, j in enumerate(hosts):
             x, y = left + b * cell, top_pad + a * cell
@@ -392,16 +423,19 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
                 ink = "#fff" if t > 0.55 else "#1f2328"
                 out.append(f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" '
                            f'text-anchor="middle" class="count" fill="{ink}" '
-                           f'style="fill:{ink};font-size:{min(11, cell / 3.2):.0f}px">'
+                           f'style="fill:{ink};font-size:{HEATMAP_FONT_PX}px">'
                            f'{_fmt_count(v)}</text>')
-    step = max(1, math.ceil(len(hosts) / 16))
-    font = 9 if name[hosts[-1]] >= 100 and cell * step < 26 else 11  # 3+ digits, narrow cell
+    # Labels at 11 px, every `step`-th where a label is wider than its cell.
+    font = HEATMAP_FONT_PX
+    step = max(1, math.ceil(len(hosts) / 16), math.ceil(
+        (0.62 * font * len(str(name[hosts[-1]])) + 4) / cell))
     for a, h in enumerate(hosts):
         if a % step:
             continue
         pos = (a + .5) * cell
         out.append(f'<text x="{left - 4}" y="{top_pad + pos + 4:.1f}" text-anchor="end" '
-                   f'class="host-label">{name[h]}</text><text x="{left + pos:.1f}" '
+                   f'class="host-label" style="font-size:{font}px">{name[h]}</text>'
+                   f'<text x="{left + pos:.1f}" '
                    f'y="{top_pad - 6}" text-anchor="middle" class="host-label" '
                    f'style="font-size:{font}px">{name[h]}</text>')
     # The colour scale: from none shared to the most any pair shared.
@@ -425,28 +459,30 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
     return "".join(out) + "</svg>"
 
 
-def loss_chart(section: dict | None, first_bad: int | None) -> str:
+def loss_chart(section: dict | None, first_bad: int | None,
+               restarts: Sequence[dict[str, Any]] = ()) -> str:
     """Mean training loss per window: due exposures, repeated (excess) ones, and the held-out
     loss at the milestones."""
     if not section or not section.get("windows"):
-        return "<p>no per-segment training loss in this run's spool</p>"
+        return ""
     ws = section["windows"]
     series = [
-        ("due exposures", [x["first_step"] for x in ws if x["due"]["mean_loss"] is not None],
+        (voc("loss", "due")["name"],
+         [x["first_step"] for x in ws if x["due"]["mean_loss"] is not None],
          [x["due"]["mean_loss"] for x in ws if x["due"]["mean_loss"] is not None],
          PALETTE["actual"], "due"),
-        ("repeated exposures", [x["first_step"] for x in ws
+        (voc("loss", "repeated")["name"], [x["first_step"] for x in ws
                                 if x["excess"]["mean_loss"] is not None],
          [x["excess"]["mean_loss"] for x in ws if x["excess"]["mean_loss"] is not None],
          PALETTE["repeat"], "repeated"),
-        ("held-out", [m["step"] for m in section.get("milestones", [])],
+        (voc("loss", "held-out")["name"], [m["step"] for m in section.get("milestones", [])],
          [m["heldout_loss"] for m in section.get("milestones", [])], PALETTE["heldout"],
          "held-out"),
     ]
     ys = [y for _, _, v, _, _ in series for y in v if y is not None and np.isfinite(y)]
     xs = [x for _, k, _, _, _ in series for x in k]
     if not ys:
-        return "<p>no per-segment training loss in this run's spool</p>"
+        return ""
     ticks = nice_ticks(min(ys), max(ys), 5)
     step = ticks[1] - ticks[0] if len(ticks) > 1 else 1
     y0 = ticks[0] - step if ticks[0] > min(ys) else ticks[0]  # round values at both ends
@@ -459,19 +495,33 @@ def loss_chart(section: dict | None, first_bad: int | None) -> str:
         if sx:
             c.polyline(np.asarray(sx, float),
                        np.asarray([np.nan if y is None else y for y in sy], float), color, key)
-    c.legend([(name, color, "line") for name, _, _, color, _ in series])
-    c.marker(first_bad, f"first bad step {first_bad}", "first-bad-step")
+    c.legend_of("loss", [key for _, sx, _, _, key in series if sx])
+    c.markers(first_bad, restarts)
     return c.svg()
 
 
 def domain_chart(doms: list[dict[str, Any]]) -> str:
     if not doms:
-        return "<p>no domains</p>"
+        return ""
     return bars([d["domain"] for d in doms],
                 {"planned": [d["planned_share"] for d in doms],
                  "actual": [d["actual_share"] for d in doms]},
                 colors={"planned": PALETTE["ideal"], "actual": PALETTE["actual"]},
                 xtitle="domain", ytitle="share of exposures (%)", name="domains")
+
+
+def drift_chart(drifted: list[dict[str, Any]]) -> str:
+    """Content drift by corpus source (the manifest's `source`): the consumed records whose
+    bytes differ from the manifest's, with their counts; nothing without drift."""
+    if not drifted:
+        return ""
+    total = sum(x["mismatched_records"] for x in drifted) or 1
+    s = voc("drift", "mismatched")
+    return bars([x["source"] for x in drifted],
+                {s["name"]: [x["mismatched_records"] / total for x in drifted]},
+                counts={s["name"]: [x["mismatched_records"] for x in drifted]},
+                colors={s["name"]: s["color"]}, xtitle="corpus source (manifest)",
+                ytitle="share of mismatched records (%)", name="drift")
 
 
 # ---- tables and findings -----------------------------------------------------------------
@@ -481,33 +531,117 @@ def table(title: str, rows: list[dict[str, Any]], cols: list[tuple[str, str]],
     """A titled table, or nothing at all when it has no rows."""
     if not rows:
         return ""
+    cells = [[cell_text(r.get(k)) for k, _ in cols] for r in rows]
     head = "".join(f"<th>{_e(t)}</th>" for _, t in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(k))}</td>" for k, _ in cols) + "</tr>"
-                   for r in rows)
-    return (f'<section id="{section}"><h2>{_e(title)}</h2>{note}'
-            f"<table><tr>{head}</tr>{body}</table></section>")
+    body = "".join(f"<tr{_row_attrs(r)}>" + "".join(f"<td>{_e(c)}</td>" for c in cs) + "</tr>"
+                   for r, cs in zip(rows, cells, strict=True))
+    link = csv_link(section, [t for _, t in cols], cells)
+    return (f'<section id="{section}"><h2>{_e(title)} <small>{link}</small></h2>{note}'
+            f'<table data-table="{section}"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table></section>")
 
 
-def _cell(v: Any) -> str:
+def _row_attrs(r: dict[str, Any]) -> str:
+    return ' data-evidence="yes"' if r.get("_evidence") else ""
+
+
+def cell_text(v: Any) -> str:
+    """A table cell as the reader sees it, in the page and in its CSV alike."""
     if v is None:
-        return "&ndash;"
+        return "\u2013"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, int):
         return f"{v:,}"
-    return _e(v)
+    return str(v)
 
 
-def _link(item: dict[str, Any], text: str) -> str:
-    return f'<a href="{_e(item["api"])}">{_e(text)}</a>' if item.get("api") else _e(text)
+def _cell(v: Any) -> str:
+    return _e(cell_text(v))
 
 
-def evidence_html(ev: dict[str, list[dict[str, Any]]] | None) -> str:
-    """A finding's evidence: its steps, hosts and records, each linking to the API."""
+def csv_link(name: str, head: list[str], cells: list[list[str]]) -> str:
+    """A table's CSV as a download link. The CSV rides in the page (a data: link): it
+    downloads from a report opened from disk, no script needed; served, the tables script
+    adds sorting and a filter."""
+    return (f'<a class="csv" data-csv="{name}" download="{name}.csv" '
+            f'href="data:text/csv;charset=utf-8,{quote(to_csv(head, cells))}">CSV</a>')
+
+
+def to_csv(head: list[str], rows: list[list[str]]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(head)
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+class Links:
+    """Where report.html's evidence links lead. Made for a service (`tally reconcile --api-url
+    URL`): to that service's API answers (`URL/v1/...`). Made for no service: to the rows of
+    the page's own Evidence tables (`#ev-...`, evidence.anchor), which a copy opened from disk,
+    attached to a ticket, still has. Each link keeps its API path in `data-api`, from which
+    `tally serve` points it at its own API with the page's token (`served`)."""
+
+    def __init__(self, api_url: str | None = None) -> None:
+        self.api_url = api_url.rstrip("/") if api_url else None
+
+    def href(self, api: str, item: dict[str, Any] | None = None) -> str:
+        """An API path's link: on the service when there is one, else the item's row (or,
+        for no item, the Evidence section)."""
+        if self.api_url is not None:
+            return self.api_url + api
+        return "#" + (evidence.anchor(item) if item is not None else "evidence")
+
+    def a(self, item: dict[str, Any], text: str) -> str:
+        if not item.get("api"):
+            return _e(text)
+        return (f'<a href="{_e(self.href(item["api"], item))}" data-api="{_e(item["api"])}">'
+                f"{_e(text)}</a>")
+
+
+# An evidence link as `Links.a` writes it, or as a report written before `data-api` had it.
+_API_LINK = re.compile(r'<a href="[^"]*" data-api="([^"]*)"|<a href="(/v1/[^"]*)"')
+_RUN_SUMMARY = re.compile(r"/v1/runs/([^/?]+)")
+
+
+def served(page: str, token: str | None) -> str:
+    """report.html as `tally serve` serves it: every evidence link to the service's own API
+    (root-relative, as the dashboard's requests are), carrying the token the page was opened
+    with (the API takes it by query on the answers these links open: api.app.PAGES), whatever
+    the page was made for; the run's summary link to its dashboard page (a page, where the
+    summary is shown, as a query token opens no other answer)."""
+    tok = {"token": token} if token else {}
+
+    def to_api(m: re.Match) -> str:
+        api = html.unescape(m.group(1) or m.group(2))
+        run = _RUN_SUMMARY.fullmatch(api)
+        if run is not None:
+            href = "/?" + urlencode({"run": unquote(run.group(1)), **tok})
+        else:
+            href = api + ("&" if "?" in api else "?") + urlencode(tok) if tok else api
+        return f'<a href="{_e(href)}" data-api="{_e(api)}"'
+
+    return _API_LINK.sub(to_api, page)
+
+
+def _links_note(links: Links, api: str) -> str:
+    """What the page says its evidence links open."""
+    if links.api_url is None:
+        return ("Evidence links lead to the Evidence tables below; served by <code>tally "
+                "serve</code>, to its API.")
+    return (f'Evidence links open the live API (<code>tally serve</code>: <a href="'
+            f'{_e(links.href(api))}" data-api="{_e(api)}">{_e(links.href(api))}</a>).')
+
+
+def evidence_html(ev: dict[str, list[dict[str, Any]]] | None,
+                  links: Links | None = None) -> str:
+    """A finding's evidence: its steps, hosts and records, each a link (`Links`)."""
     if not ev:
         return ""
+    link = (links or Links()).a
     parts = []
     if ev.get("steps"):
         items = []
@@ -515,7 +649,7 @@ def evidence_html(ev: dict[str, list[dict[str, Any]]] | None) -> str:
             span = f"{s['step']}" + (f"-{s['last_step']}" if "last_step" in s else "")
             extra = (f" ({s['repeats']:,} repeats)" if "repeats" in s else
                      f" ({s['examples']} examples)" if "examples" in s else "")
-            items.append(_link(s, span) + extra)
+            items.append(link(s, span) + extra)
         parts.append('<div data-evidence="steps"><b>steps</b> ' + ", ".join(items) + "</div>")
     if ev.get("hosts"):
         items = []
@@ -523,7 +657,7 @@ def evidence_html(ev: dict[str, list[dict[str, Any]]] | None) -> str:
             extra = (f" ({h['repeats']:,} repeats, in {h['repeated_records']:,} repeated "
                      "records)" if "repeats" in h else
                      f" ({h['examples']} examples)" if "examples" in h else "")
-            items.append(_link(h, f"{h['host']}") + extra)
+            items.append(link(h, f"{h['host']}") + extra)
         parts.append('<div data-evidence="hosts"><b>hosts</b> ' + ", ".join(items) + "</div>")
     if ev.get("records"):
         items = []
@@ -538,7 +672,7 @@ def evidence_html(ev: dict[str, list[dict[str, Any]]] | None) -> str:
             else:
                 extra = " (" + ", ".join(f"step {s['step']} host {s['host']}"
                                          for s in x.get("seen", [])[:3]) + ")"
-            items.append(_link(x, f"{x['record_key']}") + extra)
+            items.append(link(x, f"{x['record_key']}") + extra)
         parts.append('<div data-evidence="records"><b>records</b> ' + "; ".join(items)
                      + "</div>")
     return '<div class="evidence">' + "".join(parts) + "</div>"
@@ -566,21 +700,118 @@ def _replayed_banner(r: dict[str, Any]) -> str:
            f"<strong>{what}</strong></p>\n"
 
 
-def findings_html(found: list[dict[str, Any]]) -> str:
+def findings_html(found: list[dict[str, Any]], links: Links | None = None) -> str:
     if not found:
         return ('<ul class="findings"><li>No findings: every train record was seen as often '
                 "as a perfect loader would.</li></ul>")
     items = "".join(
         f'<li class="finding" data-code="{_e(f["code"])}" data-severity="{_e(f["severity"])}">'
         f'<span class="badge {_e(f["severity"])}">{_e(f["severity"])}</span> '
-        f'<code>{_e(f["code"])}</code> {_e(f["message"])}{evidence_html(f.get("evidence"))}'
+        f'<code>{_e(f["code"])}</code> {_e(f["message"])}{evidence_html(f.get("evidence"), links)}'
         "</li>" for f in found)
     return f'<ul class="findings">{items}</ul>'
 
 
+def evidence_section(found: list[dict[str, Any]], r: dict[str, Any],
+                     steps: pa.Table | None) -> str:
+    """The Evidence tables: one row per step range, host and record the findings name (ids
+    from evidence.anchor), with what the report knows of each, so that a link into them shows
+    the numbers with no service at hand. Empty when no finding names anything."""
+    named: dict[str, dict[str, Any]] = {}  # anchor -> the item (merged), its kind and codes
+    for f in found:
+        for kind, items in (f.get("evidence") or {}).items():
+            for x in items:
+                row = named.setdefault(evidence.anchor(x), {"kind": kind, "codes": []})
+                row.update({k: v for k, v in x.items() if k not in row})
+                if f["code"] not in row["codes"]:
+                    row["codes"].append(f["code"])
+    if not named:
+        return ""
+    have = steps is not None and steps.num_rows
+    col = {c: steps[c].to_numpy() for c in ("step", "exposures", "repeats", "epoch_repeats")} \
+        if have else {}
+    per_host = {p["host"]: p for p in r["hosts"]["per_host"]}
+    dash = None  # shown as a dash, as every empty cell
+
+    texts: list[list[str]] = []  # the table being built, as its CSV has it
+
+    def tr(anchor: str, cells: list[Any]) -> str:
+        texts.append([html.unescape(re.sub(r"<[^>]+>", "", c)) if isinstance(c, Markup)
+                      else cell_text(c) for c in cells])
+        return (f'<tr id="{_e(anchor)}">'
+                + "".join(f"<td>{c if isinstance(c, Markup) else _cell(c)}</td>" for c in cells)
+                + "</tr>")
+
+    def titled(name: str, title: str, head: list[str]) -> str:
+        """The table's title with its CSV link, and its head row; takes the rows made."""
+        out = (f'<h3>{title} <small>{csv_link(f"evidence-{name}", head, texts[:])}</small></h3>'
+               f'<table data-evidence-table="{name}"><tr>'
+               + "".join(f"<th>{_e(t)}</th>" for t in head) + "</tr>")
+        texts.clear()
+        return out
+
+    def by(kind: str, key: Callable[[dict[str, Any]], Any]) -> list[tuple[str, dict[str, Any]]]:
+        return sorted(((a, x) for a, x in named.items() if x["kind"] == kind),
+                      key=lambda ax: key(ax[1]))
+
+    def codes(x: dict[str, Any]) -> Markup:
+        return Markup(", ".join(f"<code>{_e(c)}</code>" for c in x["codes"]))
+
+    parts = []
+    rows = []
+    for a, x in by("steps", lambda x: (evidence.step_host(x) or -1, x["step"])):
+        lo, hi = x["step"], x.get("last_step", x["step"])
+        host = evidence.step_host(x)
+        sums = [dash] * 3
+        if host is None and have:
+            i, j = np.searchsorted(col["step"], [lo, hi + 1])
+            sums = [int(col[c][i:j].sum()) for c in ("exposures", "repeats", "epoch_repeats")]
+        rows.append(tr(a, [Markup(_e(lo if lo == hi else f"{lo}-{hi}")),
+                           "all" if host is None else host, *sums, codes(x)]))
+    if rows:
+        parts.append(titled("steps", "Steps", ["steps", "host", "exposures",
+                                               "repeats of records seen before",
+                                               "within-epoch repeats", "named by"])
+                     + "".join(rows) + "</table><p><small>One host's steps: its series is "
+                     "the live API's (<code>/v1/runs/{run}/hosts/{host}/steps</code>)."
+                     "</small></p>")
+    rows = []
+    for a, x in by("hosts", lambda x: x["host"]):
+        p = per_host.get(x["host"], {})
+        rows.append(tr(a, [x["host"], p.get("exposures", 0), p.get("unique", 0),
+                           p.get("epoch_repeats", 0), codes(x)]))
+    if rows:
+        parts.append(titled("hosts", "Hosts", ["host", "exposures", "unique records",
+                                               "within-epoch repeats", "named by"])
+                     + "".join(rows) + "</table>")
+    rows = []
+    for a, x in by("records", lambda x: x["record_key"]):
+        seen = x.get("seen", [])
+        where = ("never consumed" if x.get("exposures") == 0 else
+                 ", ".join(f"step {s['step']} host {s['host']}" for s in seen[:8])
+                 + (", ..." if len(seen) > 8 else ""))
+        never = x.get("exposures") == 0
+        rows.append(tr(a, [x["record_key"], x.get("exposures"),
+                           0 if never else x.get("epoch_repeats"), 0 if never else x.get("hosts"),
+                           where, codes(x)]))
+    if rows:
+        parts.append(titled("records", "Records", ["record key", "exposures",
+                                                   "within-epoch repeats", "hosts", "seen at",
+                                                   "named by"])
+                     + "".join(rows) + "</table>")
+    return ('<section id="evidence"><h2>Evidence</h2><p>The steps, hosts and records the '
+            "findings name, each finding's links lead here.</p>" + "".join(parts)
+            + "</section>")
+
+
+class Markup(str):
+    """Cell text that is HTML already (not escaped again)."""
+
+
 # ---- the page ----------------------------------------------------------------------------
 
-def render_html(r: dict, steps: pa.Table) -> str:
+def render_html(r: dict, steps: pa.Table, api_url: str | None = None) -> str:
+    """The page; `api_url`: the `tally serve` its evidence links open (`Links`)."""
     c = r["coverage"]
     first_bad = r["first_bad_step"]
     lo, hi = c["ideal"]["min"], c["ideal"]["max"]
@@ -592,6 +823,7 @@ def render_html(r: dict, steps: pa.Table) -> str:
     state = ("finished" + (f" at step {run['finished_step']}" if run.get("finished_step")
                            is not None else "") if run.get("finished") else "running")
     api = f"/v1/runs/{quote(r['run_id'], safe='')}"
+    links = Links(api_url)
     facts = [
         ("coverage", f"{100 * c['coverage']:.1f}%", f"ideal {100 * c['ideal']['coverage']:.1f}%"),
         ("never seen", f"{c['never_seen']:,}", f"{100 * frac['0']:.1f}%"),
@@ -618,34 +850,45 @@ def render_html(r: dict, steps: pa.Table) -> str:
                   f"<p>{len(per_host):,} hosts, sorted by within-epoch repeats.</p>")
     host_rows = sorted(per_host, key=lambda p: (-p.get("epoch_repeats", 0), p["host"])) \
         if len(per_host) > 64 else per_host
-    host_rows = [{**p, "host": p["host"]} for p in host_rows]
+    # The hosts the findings' evidence names lead the table, in the evidence's order.
+    named = list(dict.fromkeys(h["host"] for f in r["findings"]
+                               for h in (f.get("evidence") or {}).get("hosts", [])))
+    rank = {h: i for i, h in enumerate(named)}
+    host_rows = sorted(host_rows, key=lambda p: rank.get(p["host"], len(rank)))
+    host_rows = [{**p, "host": p["host"], "_evidence": p["host"] in rank} for p in host_rows]
+    # A restart that rolled nothing back says no "rolled back from".
+    restarts = [{**x, "rolled_back_from_step": None} if not x.get("rolled_back_steps")
+                else x for x in restarts]
+    drifted = [x for x in r.get("sources", []) if x.get("mismatched_records")]
+    if integ["hash_mismatches"]:
+        facts_html += (f'<div data-fact="content drift" class="FAIL">content drift: '
+                       f'<b>{integ["hash_mismatches"]:,}</b> <small>consumed records differ '
+                       "from the manifest" + (": source " + ", ".join(
+                           f'{_e(x["source"])} ({x["mismatched_records"]:,})'
+                           for x in drifted) if drifted else "") + "</small></div>")
+    panels = [("steps", per_step_chart(steps, first_bad, restarts)),
+              ("coverage", coverage_chart(steps, first_bad, restarts)),
+              ("histogram", histogram_chart(c)),
+              ("overlap", heatmap_chart(r['hosts']['overlap_matrix'], per_host)),
+              ("loss", loss_chart(r.get('loss'), first_bad, restarts)),
+              ("domains", domain_chart(doms)),
+              ("drift", drift_chart(drifted))]
+    # A panel with nothing to show is left out (the vocabulary gives each one's title).
+    figures = "\n".join(f'<figure data-panel="{k}"><figcaption>{_e(CHARTS[k]["title"])}'
+                        f"</figcaption>\n{svg}</figure>" for k, svg in panels if svg)
     return f"""<!doctype html><html><head><meta charset="utf-8">
 <title>Tally report: {_e(r['run_id'])} {r['verdict']}</title><style>{CSS}</style></head><body>
 <h1>Run {_e(r['run_id'])}: <span class="verdict {r['verdict']}" data-verdict="{r['verdict']}">
 {r['verdict']}</span></h1>
 {_replayed_banner(r)}<div class="facts">{facts_html}</div>
 <p><small>Manifest {_e(r['manifest']['fingerprint'])}{' as of step ' + str(r['at_step'])
-if r['at_step'] is not None else ''}. Links open the live API (<code>tally serve</code>:
-<a href="{api}">{api}</a>).</small></p>
+if r['at_step'] is not None else ''}. {_links_note(links, api)}</small></p>
 <h2>Findings</h2>
-{findings_html(r['findings'])}
+{findings_html(r['findings'], links)}
 <div class="grid">
-<figure><figcaption>Exposures per step: first exposures, records due again in a later epoch,
-and records repeated within their epoch</figcaption>
-{per_step_chart(steps, first_bad)}</figure>
-<figure><figcaption>Cumulative coverage vs step, against the ideal</figcaption>
-{coverage_chart(steps, first_bad)}</figure>
-<figure><figcaption>Exposure histogram: records by the times they were seen, against the
-ideal</figcaption>
-{histogram_chart(c)}</figure>
-<figure><figcaption>Host overlap: records each pair of hosts both saw</figcaption>
-{heatmap_chart(r['hosts']['overlap_matrix'], per_host)}</figure>
-<figure><figcaption>Training loss per window: due exposures vs repeated ones, and held-out loss
-at the milestones</figcaption>
-{loss_chart(r.get('loss'), first_bad)}</figure>
-<figure><figcaption>Per domain: planned vs actual share of exposures</figcaption>
-{domain_chart(doms)}</figure>
+{figures}
 </div>
+{evidence_section(r['findings'], r, steps)}
 {table("Repeated batches", rb, [("host", "host"), ("first_step", "first step"),
                                 ("last_step", "last step"), ("steps", "steps")],
        "repeated-batches", "<p>Steps at which a host handed over exactly the batch of the step "
@@ -679,4 +922,5 @@ content-hash mismatches {integ['hash_mismatches']:,} of {integ['hash_checked']:,
 ({integ['hash_unverifiable']:,} partial segments not checkable); held-out records consumed
 {integ['heldout_consumed_records']:,}.</p></section>
 <p><small>Tally report v{r['report_version']}, generated {r['generated_at']}.</small></p>
+{provenance_html(r.get('provenance'))}
 </body></html>"""

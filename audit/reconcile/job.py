@@ -318,7 +318,8 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
     if plan.metric_files:  # the run's metric facts, as ledger_inputs reads them by SQL
         plan.non_finite_losses = {"count": merged.non_finite_losses,
                                   "first_step": merged.non_finite_first_step}
-        plan.finished, plan.finished_step = run_finished(plan.attempts, merged.finished_at)
+        plan.finished, plan.finished_step = run_finished(plan.attempts, merged.finished_at,
+                                                         plan.at_step)
         plan.milestones = milestones(merged.loss_sums)
     joined = merged.unknown_segments + merged.hash_checked + merged.hash_unverifiable
     if (merged.segments, merged.slices_written) != (joined, merged.slices_joined):
@@ -406,11 +407,12 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
               spool: str | Path | None = None, ledger: str | Path | None = None,
               at_step: int | None = None, runner: RunnerSpec | None = None,
               bucket_records: int | None = None, memory_gb: float = 3.0,
-              progress: bool = False) -> dict:
+              progress: bool = False, api_url: str | None = None) -> dict:
     """Inputs -> plan -> Beam job -> report files in `out`; returns the report.
 
     `memory_gb` bounds the memory of the buckets in flight (see `make_plan`); `progress`
-    shows the stages on stderr, the job's by the key buckets done."""
+    shows the stages on stderr, the job's by the key buckets done; `api_url`: the `tally
+    serve` report.html's evidence links open (without it, its own Evidence tables)."""
     if (spool is None) == (ledger is None):
         raise TallyError("give exactly one of --spool or --ledger")
     if not Path(manifest).exists():
@@ -426,13 +428,13 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
     work.mkdir(parents=True)
     with Progress(f"reconcile {run_id}", progress) as bar:
         return _reconcile(run_id, manifest, out, work, made, spool, ledger, at_step, runner,
-                          bucket_records, memory_gb, bar)
+                          bucket_records, memory_gb, bar, api_url)
 
 
 def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
                spool: str | Path | None, ledger: str | Path | None, at_step: int | None,
                runner: RunnerSpec | None, bucket_records: int | None, memory_gb: float,
-               bar: Progress) -> dict:
+               bar: Progress, api_url: str | None = None) -> dict:
     from audit.reconcile import report as rp
 
     done = False
@@ -458,8 +460,9 @@ def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
                   count=lambda: sum(1 for _ in parts.glob("part-*.parquet")))
         merged = run_reconcile(plan, work, runner)
         bar.stage("writing the report")
-        report, tables = rp.build(plan, merged)
-        rp.write(report, tables, out)
+        report, tables = rp.build(plan, merged, ("spool", Path(spool).absolute())
+                                  if spool is not None else ("ledger", Path(ledger).absolute()))
+        rp.write(report, tables, out, api_url)
         publish_records(work, out / "records")
         done = True
         return report

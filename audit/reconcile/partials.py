@@ -232,7 +232,7 @@ class Partial(Mergeable):
     loss_by_rank: np.ndarray = summed(lambda: np.zeros((0, RANK_CAP, 3)))
     # name -> (records, tokens, exposures, tokens consumed, never seen)
     domain: dict[str, np.ndarray] = summed(dict)
-    source: dict[str, np.ndarray] = summed(dict)  # name -> (records, never seen)
+    source: dict[str, np.ndarray] = summed(dict)  # name -> (records, never seen, mismatched)
 
     # ---- per replayed step ----
     replay: dict[int, np.ndarray] = summed(dict)  # attempt -> (rolled back, replayed, same)

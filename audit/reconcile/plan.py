@@ -215,7 +215,12 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
             ranges.append((first, last, str(f.path)))
         files.append(InputFile(str(f.path), f, rows))
     if not files:
-        raise TallyError(f"no segment files for run {run_id!r} in spool {spool}")
+        here = sorted(p.name for p in Path(spool).iterdir()
+                      if p.is_dir() and not p.name.startswith(".")) if Path(spool).is_dir() else []
+        raise TallyError(f"no segment files for run {run_id!r} in spool {spool}; "
+                         + (f"runs here: {', '.join(here[:10])}" + (" ..." if len(here) > 10
+                                                                     else "")
+                            if here else "it holds no run"))
     # Replayed files counted among those read (a duplicate left out counts once, in its twin).
     return Inputs(files, attempts, fingerprint, left_out, metric_files=metric_files,
                   replayed_files=sum(f.path in replayed for f in files),
@@ -310,14 +315,16 @@ def _repeats(f: sp.SpoolFile, first: int, last: int,
     return None
 
 
-def run_finished(attempts: dict[int, dict[str, Any]], finished: dict[tuple[int, int], int]
-                 ) -> tuple[bool, int | None]:
-    """(finished, at step): every host of the run's last attempt said it finished."""
+def run_finished(attempts: dict[int, dict[str, Any]], finished: dict[tuple[int, int], int],
+                 at_step: int | None = None) -> tuple[bool, int | None]:
+    """(finished, at step): every host of the run's last attempt said it finished, by
+    `at_step` when the audit is as of a step (a run that finished at step 20 had not finished
+    as of step 6: its report said "the run finished in epoch 0" there)."""
     if not attempts:
         return False, None
     last = max(attempts)
     steps = [finished.get((last, h)) for h in range(attempts[last]["host_count"])]
-    if any(s is None for s in steps):
+    if any(s is None for s in steps) or (at_step is not None and max(steps) > at_step):
         return False, None
     return True, max(steps)
 
@@ -437,7 +444,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
                 run_fingerprint=run_fingerprint, at_step=at_step, hosts=hosts,
                 bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=left_out or [],
                 non_finite_losses=non_finite_losses or {"count": 0, "first_step": None})
-    plan.finished, plan.finished_step = run_finished(attempts, finished or {})
+    plan.finished, plan.finished_step = run_finished(attempts, finished or {}, at_step)
     plan.milestones = milestones or []
     plan.metric_files = metric_files or []
     plan.replayed_files = replayed_files

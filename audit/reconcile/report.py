@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 from audit.core import exposure
 from audit.core.exposure import Coverage, verdict
 from audit.hook.spool import replayed_run
+from audit.provenance import plan_fingerprint, provenance
 from audit.reconcile import host_steps, loss
 from audit.reconcile.html import render_html, segment_files, step_or_none
 from audit.reconcile.partials import EXAMPLES, Partial, Spans
@@ -31,8 +32,10 @@ def _series(a: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Table]]:
-    """The report dict and its tables, from the plan and the job's merged partials."""
+def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = None
+          ) -> tuple[dict[str, Any], dict[str, pa.Table]]:
+    """The report dict and its tables, from the plan and the job's merged partials. `source`:
+    (kind, path) of the consumption read, "spool" or "ledger", for the provenance block."""
     n = plan.train_records
     total = merged.train_exposures
     counts = merged.exposure_counts
@@ -91,7 +94,8 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
                 "planned_token_share": v[1] / tok_total,
                 "actual_token_share": v[3] / ctok_total}
                for d, v in sorted(dom.items())]
-    sources = [{"source": s, "records": int(v[0]), "never_seen": int(v[1])}
+    sources = [{"source": s, "records": int(v[0]), "never_seen": int(v[1]),
+                "mismatched_records": int(v[2]) if len(v) > 2 else 0}
                for s, v in sorted(merged.source.items())]
 
     restarts = []
@@ -114,6 +118,11 @@ def build(plan: Plan, merged: Partial) -> tuple[dict[str, Any], dict[str, pa.Tab
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "provenance": provenance(
+            [{"role": "manifest", "kind": "manifest", "path": plan.manifest,
+              "fingerprint": plan.fingerprint}]
+            + ([{"role": "consumption", "kind": source[0], "path": source[1],
+                 "fingerprint": plan_fingerprint(plan.files)}] if source else [])),
         "run_id": plan.run_id,
         "at_step": plan.at_step,
         # Written by `tally replay` from the loader's contract: what the loader would have fed,
@@ -205,8 +214,10 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[
     for e in known:
         first, end = merged.epoch_steps[e]
         later = any(x > e for x in known)
-        complete = later and last is not None and end < last
         records = int(seen[e]) if e < len(seen) else 0
+        # An epoch that saw every train record is complete, whatever comes after it (one at
+        # 100% coverage read "complete: no").
+        complete = (later and last is not None and end < last) or (n > 0 and records >= n)
         out.append({"epoch": e, "first_step": first, "last_step": end, "records": records,
                     "complete": bool(complete), "final": plan.finished and not later,
                     "skipped": n - records if complete or (plan.finished and not later)
@@ -256,13 +267,15 @@ def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:
 
 # ---- writing ------------------------------------------------------------------------------
 
-def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
-    """report.json, report.html and the small tables (records/ is written by the job)."""
+def write(report: dict, tables: dict[str, pa.Table], out: Path,
+          api_url: str | None = None) -> None:
+    """report.json, report.html (its evidence links opening `api_url`'s API, or its own
+    tables) and the small tables (records/ is written by the job)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=json_default))
     for name, t in tables.items():
         pq.write_table(t, out / f"{name}.parquet")
-    (out / "report.html").write_text(render_html(report, tables["steps"]))
+    (out / "report.html").write_text(render_html(report, tables["steps"], api_url))
 
 
 def json_default(o: Any) -> Any:
@@ -284,6 +297,19 @@ def _replayed_note(report: dict) -> str:
     return f" — {k:,} of {segment_files(report):,} spool files replayed"
 
 
+def _first_bad(report: dict) -> str:
+    """The first bad step, or, for a FAIL no step of exposures explains ("FAIL" beside "first
+    bad step none" read as a contradiction), which findings the FAIL comes from."""
+    step = report["first_bad_step"]
+    if step is not None:
+        return f"first bad step {step}"
+    fails = [x["code"] for x in report["findings"] if x["severity"] == "FAIL"]
+    if report["verdict"] != "FAIL" or not fails:
+        return f"first bad step {step_or_none(step)}"
+    return ("no step is bad by exposure counts; the FAIL comes from "
+            + ", ".join(dict.fromkeys(fails)))
+
+
 def summary(report: dict, out: Path | None = None) -> str:
     c = report["coverage"]
     f = c["histogram_fraction"]
@@ -296,7 +322,7 @@ def summary(report: dict, out: Path | None = None) -> str:
         f"seen 2+ {100 * (f['2'] + f['3+']):.1f}% ({c['exposures']:,} exposures; ideal "
         f"{c['ideal']['min']}..{c['ideal']['max']} each)",
         f"  excess exposures {c['excess_exposures']:,}, missing {c['missing_exposures']:,}; "
-        f"first bad step {step_or_none(report['first_bad_step'])}",
+        + _first_bad(report),
     ]
     lines += [f"  {x['severity']}: {x['message']}" for x in report["findings"]]
     if out is not None:

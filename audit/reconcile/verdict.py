@@ -12,6 +12,15 @@ from audit.core.exposure import Findings, independent_hosts
 from audit.reconcile import evidence
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """"1 step", "2 steps": the count with its noun agreeing (never "step(s)")."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
+
+
+def _were(n: int) -> str:
+    return "was" if n == 1 else "were"
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -29,7 +38,8 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
     bad_loss = r.get("metrics", {}).get("non_finite_losses", {})
     if bad_loss.get("count"):
         add("WARN", "non_finite_loss",
-            f"{bad_loss['count']:,} loss value(s) were logged as NaN or infinite, the first at "
+            f"{plural(bad_loss['count'], 'loss value')} {_were(bad_loss['count'])} logged as NaN "
+            f"or infinite, the first at "
             f"step {bad_loss['first_step']}: the run diverged there, and its losses after it "
             "say nothing about the data", count=bad_loss["count"],
             first_step=bad_loss["first_step"])
@@ -106,18 +116,20 @@ def left_out_findings(cons: dict[str, Any], add: Callable[..., Any], *, whose: s
     reused = cons.get("reused_files", 0)
     if bad:
         add("FAIL", "files_unreadable",
-            f"{bad:,} spool file(s) of {whose} could not be read and were left out: the rows "
-            f"they hold are missing from {missing_from}. {first('unreadable')}",
+            f"{plural(bad, 'spool file')} of {whose} could not be read and {_were(bad)} left "
+            f"out: the rows they hold are missing from {missing_from}. {first('unreadable')}",
             files=bad, **numbers)
     if reused:
         add("FAIL", "run_id_reused",
-            f"{reused:,} spool file(s) under the id of {whose} come from another training (its "
-            "run id reused after the spool was removed) and were left out: the rows of that "
+            f"{plural(reused, 'spool file')} under the id of {whose} "
+            f"{'comes' if reused == 1 else 'come'} from another training (its run id reused "
+            f"after the spool was removed) and {_were(reused)} left out: the rows of that "
             f"training are in none of {missing_from}; give it its own run id. "
             f"{first('reused')}", files=reused, **numbers)
     if dups:
         add("WARN", "duplicate_files",
-            f"{dups:,} spool file(s) of {whose} repeat host-steps already read from another file "
+            f"{plural(dups, 'spool file')} of {whose} {'repeats' if dups == 1 else 'repeat'} "
+            f"host-steps already read from another file "
             f"(a copy of a file, or a writer restarted within its attempt); each host-step was "
             f"counted once. {first('duplicate')}", files=dups, **numbers)
 
@@ -162,14 +174,16 @@ def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
         steps = sum(x["steps"] for x in spans)
         where = ", ".join(_steps(x) for x in spans[:5]) + (" ..." if len(spans) > 5 else "")
         add("FAIL", "repeated_batches",
-            f"host {host} handed the same batch again at {steps:,} step(s) ({where}): each of "
+            f"host {host} handed the same batch again at {plural(steps, 'step')} ({where}): each "
+            f"of "
             "those steps consumed exactly the records of the step before it, a stalled or "
             "stuck input pipeline", host=host, steps=steps,
             ranges=[[x["first_step"], x["last_step"]] for x in spans])
         found = True
     for g in hosts.get("gaps", []):
         add("FAIL", "host_gap",
-            f"host {g['host']} consumed nothing at {_steps(g)} ({g['steps']:,} step(s)) while "
+            f"host {g['host']} consumed nothing at {_steps(g)} ({plural(g['steps'], 'step')}) "
+            f"while "
             f"the other hosts of attempt {g['attempt']} did: its share of those steps' records "
             "was never consumed (a host that stalled, died or was left out of the data)",
             host=g["host"], first_step=g["first_step"], last_step=g["last_step"],
@@ -178,9 +192,9 @@ def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     for g in hosts.get("silent_hosts", []):
         k, named = g["hosts"], ", ".join(map(str, g["examples"]))
         add("FAIL", "host_gap",
-            f"{k:,} host(s) of attempt {g['attempt']} ({'hosts' if k > 1 else 'host'} {named}"
+            f"{plural(k, 'host')} of attempt {g['attempt']} ({'hosts' if k > 1 else 'host'} {named}"
             f"{', ...' if k > len(g['examples']) else ''}) consumed nothing at all at "
-            f"{_steps(g)} ({g['steps']:,} step(s)) while the other hosts of the attempt did: "
+            f"{_steps(g)} ({plural(g['steps'], 'step')}) while the other hosts of the attempt did: "
             "their share of those steps' records was never consumed (hosts that never started "
             "or died before their first flush, or a host count larger than the hosts that ran)",
             hosts=k, examples=g["examples"], first_step=g["first_step"],
@@ -327,18 +341,21 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     if unread and len(unread) < len(r["sources"]):
         k = sum(s["records"] for s in unread)
         add("FAIL", "files_unread",
-            f"{len(unread)} corpus file(s) were never read ({k:,} records: "
+            f"{plural(len(unread), 'corpus file')} {_were(len(unread))} never read ({k:,} records: "
             + ", ".join(s["source"] for s in unread[:5])
             + "): file-level sharding with a file count not divisible by the host count",
             files=len(unread), records=k)
         return True
-    epochs = max(1, -(-total // n))
+    # The epochs the run consumed: those the rows name, else whole passes over the corpus
+    # (ceil(total / n) counted a padded one-epoch run as two).
+    epochs = len(r.get("epochs") or []) or max(1, total // n)
     batch = r["consumption"].get("rows_per_step") or h
     if dups and dups <= max(h, batch) * epochs and \
             cov["epoch_duplicate_records"] == dups:
         add("FAIL", "padding",
             f"{cov['epoch_duplicate_records']:,} records seen twice within an epoch "
-            f"({dups:,} extra exposures over {epochs} epoch(s)), every other record once: the "
+            f"({dups:,} extra exposures over {plural(epochs, 'epoch')}), every other record "
+            f"once: the "
             f"sampler pads each epoch to a multiple of the host count ({h}) or of the global "
             f"batch ({batch})", duplicates=dups)
         return True
@@ -441,14 +458,17 @@ def _epoch_findings(r: dict[str, Any], add: Callable[..., Any], explained: bool)
     if done and not explained:
         if remainder and all(e["skipped"] == remainder for e in done):
             add("WARN", "drop_remainder",
-                f"each of {len(done)} finished epoch(s) left out {remainder:,} records: {n:,} "
-                f"train records do not divide by the global batch of {batch}, and the loader "
+                ("the finished epoch" if len(done) == 1 else
+                 f"each of {len(done):,} finished epochs")
+                + f" left out {plural(remainder, 'record')}: {n:,} train records do not divide "
+                f"by the global batch of {batch}, and the loader "
                 "drops each epoch's remainder (drop_last samplers, batch drop_remainder); "
                 "different records each epoch", epochs=len(done), records=remainder)
         else:
             skipped = sum(e["skipped"] for e in done)
             add("FAIL", "epoch_skipped",
-                f"{skipped:,} records were never consumed in epoch(s) the run has finished ("
+                f"{plural(skipped, 'record')} {_were(skipped)} never consumed in "
+                f"{'the epoch' if len(done) == 1 else 'epochs'} the run has finished ("
                 + ", ".join(f"epoch {e['epoch']}: {e['skipped']:,}" for e in done[:5])
                 + "): the loader skipped them", records=skipped,
                 epochs=[e["epoch"] for e in done])
