@@ -31,7 +31,7 @@ from api.metrics import Exposition, RequestTimer
 from api.posthoc_routes import add_routes as add_posthoc_routes
 from api.preflight_routes import add_routes as add_preflight_routes
 from audit.core.errors import NotFound, TallyError, Unavailable
-from audit.hook.spool import RUN_ID_PATTERN
+from audit.core.schema import MAX_STEP, RUN_ID_PATTERN
 from audit.ledger import queries as q
 from audit.ledger.database import Ledger
 from audit.ledger.ingest_loop import IngestLoop
@@ -45,7 +45,6 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 # report.html's evidence links open (audit.reconcile.html.served carries the page's token).
 PAGES = re.compile(r"/|/runs/[^/]+/report\.html"
                    r"|/v1/runs/[^/]+/(steps|hosts/\d+/steps|records/\d+)")
-MAX_STEP = 2**62
 # Request bodies: a pre-flight request is a few hundred bytes, an exposure request of
 # MAX_HASHES hashes about 250 KB. A 1 GB body was read, parsed and answered 200 (+3 GB).
 MAX_BODY_BYTES = 1 << 20

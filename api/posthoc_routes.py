@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from api import errors as problems
 from api import models
 from audit.core.errors import Unavailable
-from audit.hook.spool import RUN_ID_PATTERN
+from audit.core.schema import RUN_ID_PATTERN
 from audit.ledger import queries as q
 from audit.posthoc import answers
 from audit.posthoc.exposure import ManifestHashes

@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
 from audit.core.errors import TallyError
-from audit.hook.spool import RUN_ID_PATTERN
+from audit.core.schema import RUN_ID_PATTERN
 from pipeline.loader import FAULTS, PACKINGS
 
 Positive = Annotated[int, Field(ge=1)]

@@ -97,6 +97,8 @@ MAX_HOSTS = 65_536  # host_count; host < host_count
 MAX_RECORD_KEY = 2**40  # record keys and records_per_epoch: a trillion records
 MAX_EPOCH = 2**20  # epoch * records_per_epoch + record_key must fit in an int64
 MAX_STEP = 2**62  # steps (int64 end to end)
+# A run id: a spool directory name, a URL path segment and a Prometheus label value alike.
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_FILE_ROWS = 16_000_000  # rows in one spool file (a writer flushes ~100 steps: ~500k rows)
 MAX_DECODED_BYTES = 2**31  # a file's columns, uncompressed, as its footer declares them
 MAX_METRIC_NAME = 256  # characters of a metric name

@@ -34,6 +34,7 @@ from audit.core.schema import (
     MAX_RECORD_KEY,
     MAX_STEP,
     METRIC_SCHEMA,
+    RUN_ID_PATTERN,
     SEGMENT_LOSS,
     SEGMENT_SCHEMA,
     SEGMENT_SCHEMA_WITH_LOSS,
@@ -85,7 +86,6 @@ META_PREFIX = "tally."
 # Spools written before it existed stay valid: their runs read as not finished.
 FINISHED = "tally/finished"
 
-RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 # Steps take 12 digits or more (int64 steps: up to 19), sequence numbers 6 or more.
 _FILE = re.compile(r"^(seg|met)-(\d{12,19})-(\d{6,19})\.parquet$")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from audit.core.errors import TallyError
-from audit.hook.spool import RUN_ID_PATTERN
+from audit.core.schema import RUN_ID_PATTERN
 from audit.reconcile.plan import Inputs, ledger_inputs, spool_inputs
 
 
