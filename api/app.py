@@ -396,7 +396,7 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
             # A clean stop leaves the per-record state's snapshot current enough for a restart
             # in seconds (audit.ledger.snapshot); a kill leaves the last one, which catches up.
             # A state dropped meanwhile (invalidated) is not reloaded only to be saved.
-            agg = getattr(ledger, "_aggregates", None)
+            agg = ledger._aggregates
             if agg is not None:
                 agg.save(ledger, final=True)
             svc.webhook.close()

@@ -270,7 +270,7 @@ def test_runs_held_in_memory_answer_and_reach_disk_when_the_ledger_closes(tmp_pa
         top = ledger.query("SELECT max(file_id) AS m FROM segments")[0]["m"]
         assert index.coverage.upto == top and not any(d.glob("*.run"))
         assert _answers(ledger, index) == _answers(ledger, None)
-        del ledger._lookup  # as if killed: the memory runs are lost, not written
+        ledger._lookup = None  # as if killed: the memory runs are lost, not written
     assert _check(path).coverage.upto == 0  # nothing on disk: every lookup scans
     with Ledger(path) as ledger:
         ingest(spool, ledger)  # no new file; the index catches up from the ledger

@@ -1,10 +1,14 @@
-"""Paths a command is given to write under, checked before its work starts."""
+"""Paths a command is given to write under, checked before its work starts, and the one way
+Tally publishes a file (spool files, state snapshots, lookup-index runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 def unwritable_dir(path: str | os.PathLike, *, probe: bool = True) -> str | None:
@@ -33,3 +37,40 @@ def unwritable_dir(path: str | os.PathLike, *, probe: bool = True) -> str | None
     except OSError as exc:
         return f"cannot create anything in {near}: {exc.strerror or exc}"
     return None
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(final: Path, tmp: Path, *, fsync: bool = True, overwrite: bool = True,
+                 on: Callable[[str], None] | None = None) -> Iterator[BinaryIO]:
+    """Publish `final` whole or not at all: the body writes the open file `tmp`; then fsync,
+    rename to `final`, fsync of the directory. A reader (or a kill) sees the old file or the new
+    one, never a part; a failed body leaves no `tmp`. `overwrite=False` refuses an existing
+    `final` (FileExistsError: a spool file is never replaced). `on(step)` is told "synced" and
+    "renamed" as they happen (the crash tests pause there to kill the process)."""
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        if on is not None:
+            on("synced")
+        if not overwrite and final.exists():
+            raise FileExistsError(f"{final} already exists; two writers for one host?")
+        os.rename(tmp, final)
+        if on is not None:
+            on("renamed")
+        if fsync:
+            fsync_dir(final.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

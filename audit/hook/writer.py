@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from audit.core.errors import TallyError
+from audit.core.paths import atomic_write
 from audit.core.schema import (
     MAX_RECORD_KEY,
     MAX_STEP,
@@ -376,24 +377,8 @@ def publish(directory: Path, kind: str, table: pa.Table, meta: Mapping[str, str]
     table = table.replace_schema_metadata({sp.META_PREFIX + k: v for k, v in meta.items()})
     final = directory / sp.file_name(kind, first, seq)
     tmp = directory / sp.temp_name(final.name)
-    try:
-        with open(tmp, "wb") as f:
-            # LZ4: reading a 100k-row file back (ingest, reconcile) takes 3.9 ms against
-            # zstd's 6.3 ms, for files 11% larger (content hashes do not compress).
-            pq.write_table(table, f, compression="lz4")
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        if final.exists():
-            raise FileExistsError(f"{final} already exists; two writers for one host?")
-        os.rename(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fsync:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with atomic_write(final, tmp, fsync=fsync, overwrite=False) as f:
+        # LZ4: reading a 100k-row file back (ingest, reconcile) takes 3.9 ms against zstd's
+        # 6.3 ms, for files 11% larger (content hashes do not compress).
+        pq.write_table(table, f, compression="lz4")
     return final

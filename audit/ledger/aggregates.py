@@ -262,7 +262,7 @@ class Aggregates:
         """`save` for a caller that holds `ingesting`: the state cannot change meanwhile, so
         the rows are written from where they are (no copy). Readers go on throughout: they
         never write the state, and `lock` is not taken."""
-        if self.snapshots is None or getattr(ledger, "_aggregates", None) is not self:
+        if self.snapshots is None or ledger._aggregates is not self:
             return  # dropped (invalidate): the ledger's next user reloads it
         cur = ledger.cursor()
         try:
@@ -418,7 +418,7 @@ class Aggregates:
         reloads it from the ledger, and it no longer counts against the process's bound."""
         self._pending = []
         self.dropped = True
-        if getattr(ledger, "_aggregates", None) is self:
+        if ledger._aggregates is self:
             ledger._aggregates = None
 
     def get(self, run: int, keys: np.ndarray) -> Records:
@@ -485,7 +485,7 @@ def default_max_state_bytes() -> int:
 
 def for_ledger(ledger: Ledger) -> Aggregates:
     """The ledger's aggregates, loaded on first use by this process."""
-    agg = getattr(ledger, "_aggregates", None)
+    agg = ledger._aggregates
     if agg is None:
         agg = Aggregates.load(ledger)
         ledger._aggregates = agg

@@ -17,7 +17,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 
@@ -31,6 +31,10 @@ from audit.core.schema import (
     sql_columns,
 )
 from audit.hook.spool import replayed_sql
+
+if TYPE_CHECKING:  # both import this module
+    from audit.ledger.aggregates import Aggregates
+    from audit.ledger.lookup import LookupIndex
 
 log = logging.getLogger("tally.lookup")
 
@@ -229,6 +233,11 @@ class Ledger:
     def __init__(self, path: str | os.PathLike, *, read_only: bool = False) -> None:
         self.path = Path(path)
         self.ledger_id: str | None = None
+        # What this process derives from the ledger, made on first need and owned here: the
+        # per-record aggregates (audit.ledger.aggregates.for_ledger, dropped by their
+        # `invalidate`) and the lookup index (audit.ledger.lookup.for_ledger, flushed at close).
+        self._aggregates: Aggregates | None = None
+        self._lookup: LookupIndex | None = None
         if read_only and not self.path.exists():
             raise TallyError(f"no ledger at {self.path}")
         try:
@@ -304,13 +313,13 @@ class Ledger:
     def close(self) -> None:
         # The lookup index's runs still in memory go to disk (audit.ledger.lookup.flush): the
         # next process then indexes none of those files again.
-        index = getattr(self, "_lookup", None)
+        index = self._lookup
         if index is not None:
             try:
                 index.flush()
             except Exception as exc:  # noqa: BLE001 (derived data: lookups scan instead)
                 log.warning("lookup index not written: %s: %s", type(exc).__name__, exc)
-        agg = getattr(self, "_aggregates", None)
+        agg = self._aggregates
         if agg is not None:  # its state no longer counts against the process's bound
             agg.invalidate(self)
         self.con.close()

@@ -193,7 +193,7 @@ class LiveLedger:
                 self._hot.move_to_end(key)
                 while len(self._hot) > self.HOT:
                     self._hot.popitem(last=False)
-        agg = getattr(self.ledger, "_aggregates", None)  # None: being reloaded, not here
+        agg = self.ledger._aggregates  # None: being reloaded, not here
         if not fresh and agg is not None:  # by the version in memory: no snapshot to open
             with self._answers_lock:
                 hit = self._hit((agg.version, *key))

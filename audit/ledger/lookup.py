@@ -37,6 +37,8 @@ import duckdb
 import numpy as np
 import xxhash
 
+from audit.core.paths import atomic_write
+
 log = logging.getLogger("tally.lookup")
 
 # Each kind's column, and the left shift that puts its values' bits at the top of 64 (keys are
@@ -304,7 +306,7 @@ class LookupIndex:
 def for_ledger(ledger) -> LookupIndex:
     """The lookup index of a writable ledger, opened once per process (audit.ledger.ingest
     keeps it up to date; audit.ledger.queries.record reads it)."""
-    index = getattr(ledger, "_lookup", None)
+    index = ledger._lookup
     if index is None:
         cur = ledger.cursor()
         try:
@@ -394,18 +396,10 @@ def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, codes: 
     header[0] = (_MAGIC, lo, hi, len(codes) if rows is None else rows, files, owner,
                  len(codes), _width(lo, hi), 0)
     header["digest"] = _digest(header, codes)
-    with open(tmp, "wb") as f:
+    with atomic_write(path, tmp) as f:
         f.write(header.tobytes())
         # The array's own buffer: a tobytes() copy cost as much as the write.
         f.write(np.ascontiguousarray(codes, np.uint64).data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
     run = _read_run(path, owner, verify=False)  # its digest was just taken from these codes
     assert run is not None
     return run

@@ -45,6 +45,8 @@ import duckdb
 import numpy as np
 import xxhash
 
+from audit.core.paths import atomic_write, fsync_dir
+
 log = logging.getLogger("tally.state")
 
 MAGIC = b"TLYSNAP1"
@@ -125,14 +127,6 @@ def _header_digest(fields: dict) -> str:
     return xxhash.xxh3_64_hexdigest(json.dumps(fields, sort_keys=True).encode())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _pause(step: str) -> None:
     """For the kill tests only (tests/test_snapshot.py): with TALLY_SNAPSHOT_TEST_PAUSE_S set,
     each step of a write is logged and followed by that many seconds, so that a kill can land
@@ -151,7 +145,7 @@ def write_snapshot(directory: Path, run: int, run_id: str, ledger_id: str, data:
     new = not directory.exists()
     directory.mkdir(exist_ok=True)
     if new:
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
     for old in directory.glob(f".run-{run}.*.tmp"):  # a killed write's (one writer: DuckDB's
         old.unlink(missing_ok=True)                    # file lock is held by this process)
     final = directory / f"run-{run}.state"
@@ -170,33 +164,23 @@ def write_snapshot(directory: Path, run: int, run_id: str, ledger_id: str, data:
     fields["data_offset"] = offset
     pause = bool(os.environ.get("TALLY_SNAPSHOT_TEST_PAUSE_S"))
     step = max(1, len(raw) // 4) if pause else SLICE
-    try:
-        with open(tmp, "wb") as f:
-            f.write(b"\0" * offset)
-            _pause("begun")
-            h = xxhash.xxh3_128()
-            for i in range(0, len(raw), step):
-                part = raw[i: i + step]
-                h.update(part)
-                f.write(part)
-                _pause(f"rows to {i + len(part)} of {len(raw)} bytes")
-            h.update(tail)
-            f.write(tail)
-            fields["checksum"] = h.hexdigest()
-            fields["header_digest"] = _header_digest(fields)
-            head = json.dumps(fields).encode()
-            assert 16 + len(head) <= offset
-            f.seek(0)
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
-            f.flush()
-            os.fsync(f.fileno())
-        _pause("synced")
-        os.rename(tmp, final)
-        _pause("renamed")
-        _fsync_dir(directory)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(final, tmp, on=_pause) as f:
+        f.write(b"\0" * offset)
+        _pause("begun")
+        h = xxhash.xxh3_128()
+        for i in range(0, len(raw), step):
+            part = raw[i: i + step]
+            h.update(part)
+            f.write(part)
+            _pause(f"rows to {i + len(part)} of {len(raw)} bytes")
+        h.update(tail)
+        f.write(tail)
+        fields["checksum"] = h.hexdigest()
+        fields["header_digest"] = _header_digest(fields)
+        head = json.dumps(fields).encode()
+        assert 16 + len(head) <= offset
+        f.seek(0)
+        f.write(MAGIC + struct.pack("<Q", len(head)) + head)
     return offset + len(raw) + len(tail)
 
 
