@@ -26,14 +26,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
 from audit.preflight import load_checkpoint_meta, run_preflight
 from pipeline.loader import KeyedLoader, LoaderConfig, state_for_host
-from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
+from pipeline.manifest import MANIFEST_SCHEMA
+from pipeline.manifest_file import write_manifest_table
 from pipeline.shadow import ShadowSource
 
 
@@ -46,12 +46,7 @@ def write_manifest(path: Path, records: int, seed: int = 0) -> np.ndarray:
         "n_tokens": lengths, "domain": ["web"] * records, "split": ["train"] * records,
         "source": ["bench.array_record"] * records,
         "source_index": np.arange(records, dtype=np.int64)}, schema=MANIFEST_SCHEMA)
-    fp = Fingerprint()
-    fp.update(table)
-    table = table.replace_schema_metadata({
-        FINGERPRINT_KEY.decode(): fp.hexdigest(), "tally.records": str(records),
-        "tally.train_records": str(records)})
-    pq.write_table(table, path)
+    write_manifest_table(table, path)
     return lengths
 
 

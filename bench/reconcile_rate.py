@@ -24,14 +24,14 @@ import duckdb
 import numpy as np
 import psutil
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from audit.hook.segments import Segments
 from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
 from audit.reconcile import reconcile
-from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, ROW_GROUP_RECORDS, Fingerprint
+from pipeline.manifest import MANIFEST_SCHEMA, ROW_GROUP_RECORDS
+from pipeline.manifest_file import write_manifest_table
 from pipeline.runners import RunnerSpec
 
 DOMAINS = np.array(["web", "code", "wiki", "books"])
@@ -49,12 +49,7 @@ def make_manifest(path: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
         "source": pa.array(np.char.add("train-", (np.arange(n) // 500_000).astype(str))),
         "source_index": np.arange(n, dtype=np.int64) % 500_000,
     }, schema=MANIFEST_SCHEMA)
-    fp = Fingerprint()
-    fp.update(t)
-    with pq.ParquetWriter(path, MANIFEST_SCHEMA) as w:
-        w.write_table(t, row_group_size=ROW_GROUP_RECORDS)
-        w.add_key_value_metadata({FINGERPRINT_KEY.decode(): fp.hexdigest(),
-                                  "tally.records": str(n), "tally.train_records": str(n)})
+    write_manifest_table(t, path, row_group_size=ROW_GROUP_RECORDS)
     return hashes, lengths
 
 

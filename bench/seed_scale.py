@@ -56,12 +56,12 @@ from bench import api_latency, ingest_rate, lookup_latency, manifest_rate, resta
 from bench.api_latency import RUN, write
 from bench.reconcile_rate import DOMAINS, PeakRSS, spool_query, spool_query_agrees
 from pipeline.manifest import (
-    FINGERPRINT_KEY,
     MANIFEST_SCHEMA,
     ROW_GROUP_RECORDS,
     Fingerprint,
     build_manifest,
 )
+from pipeline.manifest_file import manifest_metadata
 from pipeline.runners import RunnerSpec
 from pipeline.synth import synth_corpus
 
@@ -112,8 +112,7 @@ def write_manifest(path: Path, n: int, chunk: int = 8 * ROW_GROUP_RECORDS) -> No
             }, schema=MANIFEST_SCHEMA)
             fp.update(t)
             w.write_table(t, row_group_size=ROW_GROUP_RECORDS)
-        w.add_key_value_metadata({FINGERPRINT_KEY.decode(): fp.hexdigest(),
-                                  "tally.records": str(n), "tally.train_records": str(n)})
+        w.add_key_value_metadata(manifest_metadata(fp.hexdigest(), n, n))
 
 
 class PackedLoader:

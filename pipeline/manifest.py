@@ -25,7 +25,6 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import xxhash
 
 from pipeline import progress
 from pipeline.corpus import CorpusArg, CorpusError, Shard, hash_range, open_corpus, repeat
@@ -33,32 +32,11 @@ from pipeline.manifest_file import (  # noqa: F401
     FINGERPRINT_KEY,
     MANIFEST_SCHEMA,
     ROW_GROUP_RECORDS,
+    Fingerprint,
     manifest_info,
+    manifest_metadata,
 )
 from pipeline.runners import RunnerSpec, pipeline
-
-
-class Fingerprint:
-    """xxh3_64 per column over the manifest in key order, then over the column digests.
-
-    Fed table by table; the result does not depend on how the rows were batched.
-    """
-
-    def __init__(self) -> None:
-        self._h = {name: xxhash.xxh3_64() for name in MANIFEST_SCHEMA.names}
-
-    def update(self, table: pa.Table) -> None:
-        for name in MANIFEST_SCHEMA.names:
-            col = table[name]
-            if pa.types.is_string(col.type):
-                vals = col.to_pylist()
-                self._h[name].update(("\0".join(vals) + "\0").encode() if vals else b"")
-            else:
-                arr = col.to_numpy()
-                self._h[name].update(np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")))
-
-    def hexdigest(self) -> str:
-        return xxhash.xxh3_64_hexdigest(b"".join(h.digest() for h in self._h.values()))
 
 
 def manifest_rows(shard: Shard, start: int, end: int) -> pa.Table:
@@ -183,13 +161,8 @@ def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus: str,
         if expected != total:
             raise CorpusError(f"manifest job produced {expected} of {total} records")
         n_train = sum(s.num_records for s in shards if s.split == "train")
-        w.add_key_value_metadata({
-            FINGERPRINT_KEY.decode(): fp.hexdigest(),
-            "tally.records": str(total),
-            "tally.train_records": str(n_train),
-            "tally.corpus": corpus,
-            **metadata,
-        })
+        w.add_key_value_metadata({**manifest_metadata(fp.hexdigest(), total, n_train,
+                                                      corpus=corpus), **metadata})
     os.replace(tmp, out)
     return ManifestSummary(out, total, n_train, tokens, fp.hexdigest(), 0.0, 0)
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import xxhash
 
 from audit.core.errors import TallyError
 from pipeline.corpus import CorpusError
@@ -30,6 +32,55 @@ FINGERPRINT_KEY = b"tally.manifest_fingerprint"
 # range by key range; equal groups let it cut its ranges on group boundaries, so that no group
 # is decoded twice (twice the manifest's decode cost with 1M-record groups cut in halves).
 ROW_GROUP_RECORDS = 1 << 17
+
+
+class Fingerprint:
+    """xxh3_64 per column over the manifest in key order, then over the column digests.
+
+    Fed table by table; the result does not depend on how the rows were batched.
+    """
+
+    def __init__(self) -> None:
+        self._h = {name: xxhash.xxh3_64() for name in MANIFEST_SCHEMA.names}
+
+    def update(self, table: pa.Table) -> None:
+        for name in MANIFEST_SCHEMA.names:
+            col = table[name]
+            if pa.types.is_string(col.type):
+                vals = col.to_pylist()
+                self._h[name].update(("\0".join(vals) + "\0").encode() if vals else b"")
+            else:
+                arr = col.to_numpy()
+                self._h[name].update(np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")))
+
+    def hexdigest(self) -> str:
+        return xxhash.xxh3_64_hexdigest(b"".join(h.digest() for h in self._h.values()))
+
+
+def manifest_metadata(fingerprint: str, records: int, train_records: int,
+                      **extra: str) -> dict[str, str]:
+    """The manifest's `tally.*` metadata block, as manifest_info reads it back: the
+    fingerprint, the records, the train records, and `extra` keys (e.g. `corpus`)."""
+    return {FINGERPRINT_KEY.decode(): fingerprint, "tally.records": str(records),
+            "tally.train_records": str(train_records),
+            **{f"tally.{k}": str(v) for k, v in extra.items()}}
+
+
+def write_manifest_table(table: pa.Table, path: str | Path, *, fingerprint: str | None = None,
+                         row_group_size: int | None = None, **extra: str) -> Path:
+    """A manifest held whole in one table (tests, benchmarks, small corpora) written with its
+    metadata block: train records counted from `split`, the fingerprint computed (Fingerprint)
+    unless given. The Beam job (pipeline.manifest) streams its own with manifest_metadata."""
+    table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
+    if fingerprint is None:
+        fp = Fingerprint()
+        fp.update(table)
+        fingerprint = fp.hexdigest()
+    train = int(pc.sum(pc.equal(table["split"], "train")).as_py() or 0)
+    with pq.ParquetWriter(path, MANIFEST_SCHEMA) as w:
+        w.write_table(table, row_group_size=row_group_size)
+        w.add_key_value_metadata(manifest_metadata(fingerprint, table.num_rows, train, **extra))
+    return Path(path)
 
 
 def uniform_row_groups(meta: pq.FileMetaData) -> int | None:

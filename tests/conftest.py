@@ -34,15 +34,14 @@ def uniform_manifest(path: Path, n: int) -> Path:
     """A manifest of `n` train records (keys 0..n-1, content hash = key, 10 tokens each, one
     domain), for tests that need a manifest but not a corpus."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from pipeline.manifest_file import write_manifest_table
 
     keys = np.arange(n)
     t = pa.table({"record_key": keys, "content_hash": keys.astype(np.uint64),
                   "n_tokens": np.full(n, 10, np.int32), "domain": ["web"] * n,
                   "split": ["train"] * n, "source": ["s"] * n, "source_index": keys})
-    pq.write_table(t.replace_schema_metadata({"tally.manifest_fingerprint": "f", "tally.records":
-                                              str(n), "tally.train_records": str(n)}), path)
-    return path
+    return write_manifest_table(t, path, fingerprint="f")
 
 
 def record_tokens(key: int, length: int = 64) -> np.ndarray:

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from api.alerts import Thresholds
@@ -25,6 +24,7 @@ from api.app import create_app
 from audit.ledger.database import Ledger
 from audit.ledger.ingest import ingest
 from pipeline.manifest import MANIFEST_SCHEMA
+from pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, free_port, poll, write_steps
 from tests.conftest import ROOT
 
@@ -38,11 +38,7 @@ def write_manifest(path: Path) -> Path:
                   "domain": ["web" if k % 3 else "code" for k in keys],
                   "split": ["train"] * N + ["heldout"] * HELDOUT,
                   "source": ["s"] * len(keys), "source_index": keys}, schema=MANIFEST_SCHEMA)
-    t = t.replace_schema_metadata({"tally.manifest_fingerprint": "f00d",
-                                   "tally.records": str(N + HELDOUT),
-                                   "tally.train_records": str(N)})
-    pq.write_table(t, path)
-    return path
+    return write_manifest_table(t, path, fingerprint="f00d")
 
 
 def test_live_ingest_every_endpoint_exactly_once(tmp_path):

@@ -28,6 +28,7 @@ from audit.hook.writer import LedgerWriter
 from audit.ledger.database import Ledger
 from audit.reconcile.html import MAX_HEATMAP_HOSTS, PALETTE, heatmap_chart, nice_ticks
 from pipeline.manifest import MANIFEST_SCHEMA
+from pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, poll
 from tests.browser import Browser, chromium
 
@@ -45,10 +46,7 @@ def _manifest(path: Path) -> Path:
                   "domain": ["web" if k % 3 else "code" for k in keys],
                   "split": ["train"] * N + ["heldout"] * HELDOUT,
                   "source": ["s"] * len(keys), "source_index": keys}, schema=MANIFEST_SCHEMA)
-    pq.write_table(t.replace_schema_metadata({
-        "tally.manifest_fingerprint": "feed", "tally.records": str(N + HELDOUT),
-        "tally.train_records": str(N)}), path)
-    return path
+    return write_manifest_table(t, path, fingerprint="feed")
 
 
 def _write_run(spool: Path, run_id: str) -> None:

@@ -16,7 +16,8 @@ from audit.ledger.ingest import ingest
 from audit.reconcile import reconcile
 from audit.reconcile.partials import MaxSpans, Spans
 from audit.reconcile.plan import MAX_RUN_STEPS, make_plan
-from pipeline.manifest import FINGERPRINT_KEY, MANIFEST_SCHEMA, Fingerprint
+from pipeline.manifest import MANIFEST_SCHEMA
+from pipeline.manifest_file import write_manifest_table
 from pipeline.runners import RunnerSpec
 from tests.sql_reference import from_report, reference
 
@@ -34,12 +35,7 @@ def write_manifest(path, n_train, n_heldout, rng, row_group=None):
         "source": [f"train-{i % 4}.array_record" for i in range(n)],
         "source_index": np.arange(n, dtype=np.int64),
     }, schema=MANIFEST_SCHEMA)
-    fp = Fingerprint()
-    fp.update(t)
-    with pq.ParquetWriter(path, MANIFEST_SCHEMA) as w:
-        w.write_table(t, row_group_size=row_group)
-        w.add_key_value_metadata({FINGERPRINT_KEY.decode(): fp.hexdigest(),
-                                  "tally.records": str(n), "tally.train_records": str(n_train)})
+    write_manifest_table(t, path, row_group_size=row_group)
     return t
 
 

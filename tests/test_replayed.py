@@ -28,6 +28,7 @@ from audit.hook import spool as sp
 from audit.hook.segments import Segments
 from audit.hook.writer import LedgerWriter, publish
 from pipeline.manifest import MANIFEST_SCHEMA
+from pipeline.manifest_file import write_manifest_table
 from pipeline.replay import WRITER_VERSION
 from tests.api_helpers import content_hash_of
 from tests.conftest import ROOT
@@ -50,10 +51,7 @@ def _manifest(path: Path) -> Path:
                   "domain": ["web" if k % 3 else "code" for k in keys],
                   "split": ["train"] * N + ["heldout"] * HELDOUT,
                   "source": ["s"] * len(keys), "source_index": keys}, schema=MANIFEST_SCHEMA)
-    pq.write_table(t.replace_schema_metadata({
-        "tally.manifest_fingerprint": "feed", "tally.records": str(N + HELDOUT),
-        "tally.train_records": str(N)}), path)
-    return path
+    return write_manifest_table(t, path, fingerprint="feed")
 
 
 def _keys(step: int, host: int) -> np.ndarray:

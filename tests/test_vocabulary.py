@@ -22,7 +22,6 @@ from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from api.app import create_app
@@ -33,6 +32,7 @@ from audit.ledger.database import Ledger
 from audit.reconcile.verdict import plural
 from audit.reconcile.vocabulary import CHARTS, HEATMAP_FONT_PX, PALETTE
 from pipeline.manifest import MANIFEST_SCHEMA
+from pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, poll
 from tests.browser import Browser, chromium
 
@@ -52,10 +52,7 @@ def _manifest(path: Path) -> Path:
                   "split": ["train"] * N,
                   "source": ["books" if k % 2 else "crawl" for k in keys],
                   "source_index": keys}, schema=MANIFEST_SCHEMA)
-    pq.write_table(t.replace_schema_metadata({
-        "tally.manifest_fingerprint": "feed", "tally.records": str(N),
-        "tally.train_records": str(N)}), path)
-    return path
+    return write_manifest_table(t, path, fingerprint="feed")
 
 
 def _write_run(spool: Path, run_id: str) -> None:
