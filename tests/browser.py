@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -36,21 +37,23 @@ class Browser:
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
 
-        def fds() -> None:  # the child reads commands on fd 3, writes answers on fd 4
-            a, b = os.dup(to_child_r), os.dup(from_child_w)  # out of the way of 3 and 4
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
+        # The child reads commands on fd 3 and writes answers on fd 4. Bash puts them there
+        # before it execs Chromium (dash takes no fd above 9 in a redirection): a preexec_fn
+        # would run Python between fork and exec, which can deadlock in a test process that
+        # JAX's threads share. The pipe ends are first moved to fd 10 or above, out of the way
+        # of 3 and 4.
+        a = fcntl.fcntl(to_child_r, fcntl.F_DUPFD_CLOEXEC, 10)
+        b = fcntl.fcntl(from_child_w, fcntl.F_DUPFD_CLOEXEC, 10)
         self.proc = subprocess.Popen(
-            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            ["/bin/bash", "-c", f'exec "$@" 3<&{a} 4>&{b} {a}<&- {b}>&-', "bash", chromium(),
+             "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
              "--no-first-run", "--disable-background-networking", "--disable-component-update",
              "--disable-sync", "--disable-extensions", "--hide-scrollbars",
              "--remote-debugging-pipe", f"--user-data-dir={self._profile.name}",
              f"--window-size={width},{height}", "about:blank"],
-            close_fds=False, preexec_fn=fds,  # fds 3 and 4 made in fds()
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        os.close(to_child_r)
-        os.close(from_child_w)
+            pass_fds=(a, b), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for fd in (a, b, to_child_r, from_child_w):
+            os.close(fd)
         self._buf = b""
         self._id = 0
 
