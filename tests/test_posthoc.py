@@ -265,6 +265,8 @@ def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_or
     assert d["records"]["more_often_b"] == 4 and d["records"]["same"] == n - 4
     assert {f["code"] for f in d["findings"]} >= {"diverged", "same_set_per_epoch",
                                                   "unequal_length"}
+    said = next(f["message"] for f in d["findings"] if f["code"] == "same_set_per_epoch")
+    assert said.startswith("in 1 epoch (0) both runs") and "(s)" not in said, said
 
 
 # ---- the command line ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from audit.posthoc.multiset import jaccard
 from audit.provenance import plan_fingerprint, provenance
 from audit.reconcile.partials import Partial
 from audit.reconcile.report import files_left_out, json_default
-from audit.reconcile.verdict import left_out_findings
+from audit.reconcile.verdict import left_out_findings, plural
 
 DIFF_VERSION = 1
 STATUS = ("identical", "same_data_other_order", "different")
@@ -298,7 +298,8 @@ def findings(d: dict[str, Any]) -> list[dict[str, Any]]:
     if padded:
         extra = sum(abs(e["exposures_a"] - e["exposures_b"]) for e in padded)
         add("INFO", "same_set_per_epoch",
-            f"in {len(padded)} epoch(s) ({', '.join(str(e['epoch']) for e in padded[:5])}) both "
+            f"in {plural(len(padded), 'epoch')} ({', '.join(str(e['epoch']) for e in padded[:5])}) "
+            "both "
             f"runs consumed the same set of records ({padded[0]['records_a']:,} in epoch "
             f"{padded[0]['epoch']}) but not equally often ({extra:,} exposures apart): one "
             "repeats records within the epoch (sampler padding, a duplicate)",
