@@ -45,8 +45,10 @@ def plan_fingerprint(files: Iterable[Any]) -> str:
             size = os.stat(f.path).st_size
         except OSError:
             size = f.rows
-        out.append((os.path.basename(f.path), int(size) if f.spool_file is not None
-                    else int(f.rows)))
+        # A spool file by its path in the spool (run/attempt=A/host=H/name: every host has
+        # files of the same names), a ledger export's by its name.
+        name = f.spool_file.rel if f.spool_file is not None else os.path.basename(f.path)
+        out.append((name, int(size) if f.spool_file is not None else int(f.rows)))
     return files_fingerprint(out)
 
 
