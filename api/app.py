@@ -321,17 +321,11 @@ class BodyLimit:
                     raise HTTPException(413, self.detail)
             return message
 
-        started = False
-
-        async def watched(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watched = errors.WatchedSend(send)
         try:
             await self.app(scope, counted, watched)
         except HTTPException as exc:  # raised where no handler answers it (a middleware)
-            if exc.status_code != 413 or started:
+            if exc.status_code != 413 or watched.started:
                 raise
             await self._too_large()(scope, receive, send)
 

@@ -144,18 +144,12 @@ class Unhandled:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         _instance.set(scope["path"])
-        started = False
-
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watched = WatchedSend(send)
         try:
             await self.app(scope, receive, watched)
         except Exception:
             log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
-            if not started:  # else the server closes the connection of the answer begun
+            if not watched.started:  # else the server closes the connection of the answer begun
                 await problem(500, "the service failed to answer this request: an internal "
                                    "error, logged with its traceback by the service")(
                     scope, receive, send)
@@ -185,3 +179,15 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return problem(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+class WatchedSend:
+    """An ASGI `send` that remembers whether the answer has begun: until then a middleware may
+    still answer with a problem instead (the catch-all's 500, the body limit's 413)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
