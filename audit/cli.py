@@ -192,15 +192,23 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
+    from pipeline.formats import Fields
     from pipeline.manifest import build_manifest
 
+    named = {k: getattr(args, f"{k}_field") for k in ("text", "tokens", "id", "domain")}
+    fields = Fields(**{k: v for k, v in named.items() if v is not None}) if any(
+        v is not None for v in named.values()) else None
     summary = build_manifest(args.corpus, args.output, runner=_runner(args),
                              chunk_records=args.chunk_records, progress=_progress(args),
-                             sequence_length=args.sequence_length, dtype=args.dtype)
+                             sequence_length=args.sequence_length, dtype=args.dtype,
+                             fmt=args.format, fields=fields, tokenizer=args.tokenizer,
+                             bos_id=args.bos_id, eos_id=args.eos_id,
+                             special_tokens=args.special_tokens, max_tokens=args.max_tokens)
     if args.json:
         _print_json({"path": str(summary.path), "records": summary.records,
                      "train_records": summary.train_records, "tokens": summary.tokens,
-                     "fingerprint": summary.fingerprint, "seconds": round(summary.seconds, 3)})
+                     "fingerprint": summary.fingerprint, "seconds": round(summary.seconds, 3),
+                     "content_basis": json.loads(summary.basis.to_json())})
         return 0
     print(summary.line())
     return 0
@@ -246,7 +254,9 @@ def _cmd_exposure(args: argparse.Namespace) -> int:
     from audit.posthoc.exposure import exposure, summary
 
     result = exposure(manifest=args.manifest, docs=args.docs, runs=args.run, out=args.output,
-                      spool=args.spool, ledger=args.ledger, eos_token_id=args.eos_token_id)
+                      spool=args.spool, ledger=args.ledger, eos_token_id=args.eos_token_id,
+                      text_field=args.text_field, id_field=args.id_field,
+                      tokenizer=args.tokenizer)
     if args.json:
         _print_json(result)
     else:
@@ -297,7 +307,9 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
                "  tally exposure --manifest m.parquet --ledger ledger.duckdb --run exp1 --run "
                "exp2 --docs hashes.parquet -o exposure\n"
                "  tally exposure --manifest mix.parquet --spool spool --run exp1 --docs "
-               "evalset.parquet --eos-token-id 100257 -o exposure")
+               "evalset.parquet --eos-token-id 100257 -o exposure\n"
+               "  tally exposure --manifest m.parquet --spool spool --run exp1 --docs "
+               "evalset.jsonl.zst --tokenizer tokenizer.json -o exposure")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--spool", help="spool directory the runs were written to")
     src.add_argument("--ledger", help="DuckDB ledger file (opened read-only)")
@@ -305,8 +317,18 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--run", required=True, action="append",
                    help="run id (repeat for several runs)")
     s.add_argument("--docs", required=True,
-                   help="the documents: a corpus directory in Tally's formats, or a Parquet "
-                        "file with a content_hash, record_key or tokens column")
+                   help="the documents: a corpus directory in Tally's formats, a Parquet file "
+                        "with a content_hash, record_key or tokens column, or text: JSON lines "
+                        "(.jsonl, .json; .gz, .zst) or Parquet with a text column, hashed as "
+                        "the manifest hashes its documents")
+    s.add_argument("--text-field", default="text",
+                   help="documents given as text: the field that holds it (default text)")
+    s.add_argument("--id-field", default="id",
+                   help="documents given as text: the field of each one's own id (default id)")
+    s.add_argument("--tokenizer",
+                   help="documents given as text, against a manifest that hashes token ids "
+                        "of a tokenizer: that tokenizer (a tokenizer.json; its settings are "
+                        "read from the manifest)")
     s.add_argument("--eos-token-id", type=int,
                    help="an OLMo mix's manifest: look for each document inside the mix, as "
                         "the tokens between two EOS tokens, and match it to the instances that "
@@ -661,9 +683,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("manifest", help="Beam job: the corpus manifest with its fingerprint")
     s.add_argument("corpus", nargs="+",
-                   help="corpus directory (*.array_record and/or *.parquet shards), an OLMo "
-                        "numpy token mix's index (*.json), or OLMo token files (several, or a "
-                        "directory of *.npy) with --sequence-length and --dtype")
+                   help="corpus directory (Tally's *.array_record / *.parquet token shards, "
+                        "or a text corpus: Dolma JSON lines (.jsonl/.json, .gz, .zst), Parquet "
+                        "with a text column, a Hugging Face save_to_disk directory, ArrayRecord "
+                        "files of tf.train.Example, MosaicML MDS shards), an OLMo numpy token "
+                        "mix's index (*.json), or OLMo token files (several, or a directory of "
+                        "*.npy) with --sequence-length and --dtype")
     s.add_argument("-o", "--output", required=True, help="manifest Parquet file to write")
     s.add_argument("--chunk-records", type=int, default=20_000,
                    help="records per pipeline element (default 20000)")
@@ -672,9 +697,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per instance: each file holds n_tokens // L instances")
     g.add_argument("--dtype", help="the files' token dtype, little-endian: uint16 or uint32 "
                                    "(also uint8, int32)")
+    from pipeline.formats import FORMATS
+
+    g = s.add_argument_group(
+        "text corpora (Dolma JSON lines, Parquet, Hugging Face datasets, ...)",
+        "Each document is hashed over the token ids the run's tokenizer makes of it, with the "
+        "run's settings, or over its UTF-8 bytes without --tokenizer; a token field is hashed "
+        "as it is.")
+    g.add_argument("--format", choices=FORMATS,
+                   help="the files' format (default: found by their names or layout)")
+    g.add_argument("--tokenizer", help="the run's tokenizer: a tokenizer.json file, a directory "
+                                       "holding one, or a name in the local Hugging Face cache "
+                                       "(never downloaded)")
+    g.add_argument("--text-field", help="the field holding each document's text (default text)")
+    g.add_argument("--tokens-field", help="a field holding token ids instead (e.g. input_ids)")
+    g.add_argument("--id-field", help="the field holding the document's id, kept as doc_id "
+                                      "(default id; absent: null)")
+    g.add_argument("--domain-field", help="the field holding the domain (default: domain, else "
+                                          "Dolma's source, else 'default')")
+    g.add_argument("--bos-id", type=int, help="token id the loader puts before each document")
+    g.add_argument("--eos-id", type=int, help="token id the loader puts after each document")
+    g.add_argument("--special-tokens", action="store_true",
+                   help="encode with the tokenizer's own special tokens "
+                        "(add_special_tokens=True)")
+    g.add_argument("--max-tokens", type=int,
+                   help="keep each document's first N token ids, as a loader that truncates")
     _quiet_json(s)
     _add_runner_args(s)
     _examples(s, "tally manifest corpus -o manifest.parquet",
+              "tally manifest dolma/documents -o dolma.parquet --tokenizer tokenizer.json "
+              "--eos-id 50279",
+              "tally manifest data/ -o m.parquet --format parquet_text --tokens-field input_ids",
               "tally manifest /data/corpus -o /data/manifest.parquet --runner dask --workers 4 "
               "-q --json",
               "tally manifest /data/mix/index.json -o /data/mix-manifest.parquet",

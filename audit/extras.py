@@ -3,7 +3,7 @@ install when it is missing.
 
 The base install (numpy, pyarrow, xxhash, duckdb, pydantic, tqdm) is what a training host that
 only writes the spool, and the ledger, need; the roles' packages come with extras (pyproject's
-`beam`, `train`, `api`, and `all`)."""
+`beam`, `train`, `api`, `text`, and `all`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ MODULE_EXTRA = {
     "orbax": "train",
     "fastapi": "api", "starlette": "api", "uvicorn": "api", "fastapi_offline": "api",
     "prometheus_client": "api",
+    "tokenizers": "text", "zstandard": "text",
+    "datasets": "hf",
+    "torch": "torch", "torchdata": "torch",
 }
 # What a command imports first, by extra (checked before it starts, so that nothing runs half).
 COMMAND_NEEDS = {

@@ -45,7 +45,8 @@ def write_manifest(path: Path, records: int, seed: int = 0) -> np.ndarray:
         "content_hash": rng.integers(0, 2**63, records, dtype=np.int64).view(np.uint64),
         "n_tokens": lengths, "domain": ["web"] * records, "split": ["train"] * records,
         "source": ["bench.array_record"] * records,
-        "source_index": np.arange(records, dtype=np.int64)}, schema=MANIFEST_SCHEMA)
+        "source_index": np.arange(records, dtype=np.int64),
+        "doc_id": pa.nulls(records, pa.string())}, schema=MANIFEST_SCHEMA)
     write_manifest_table(table, path)
     return lengths
 

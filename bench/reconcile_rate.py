@@ -48,6 +48,7 @@ def make_manifest(path: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
         "split": pa.array(np.full(n, "train")),
         "source": pa.array(np.char.add("train-", (np.arange(n) // 500_000).astype(str))),
         "source_index": np.arange(n, dtype=np.int64) % 500_000,
+        "doc_id": pa.nulls(n, pa.string()),
     }, schema=MANIFEST_SCHEMA)
     write_manifest_table(t, path, row_group_size=ROW_GROUP_RECORDS)
     return hashes, lengths

@@ -109,6 +109,7 @@ def write_manifest(path: Path, n: int, chunk: int = 8 * ROW_GROUP_RECORDS) -> No
                                    [f"train-{s}" for s in range(lo // 500_000,
                                                                 keys[-1] // 500_000 + 1)]),
                 "source_index": keys % 500_000,
+                "doc_id": pa.nulls(len(keys), pa.string()),
             }, schema=MANIFEST_SCHEMA)
             fp.update(t)
             w.write_table(t, row_group_size=ROW_GROUP_RECORDS)

@@ -17,11 +17,20 @@ directory holding them, `*.npy` at any depth in path order) with their sequence 
 dtype. Each token file is one shard (format 'olmo', train split) whose records are the file's
 fixed-length instances; its base key is the file's instance offset, so record keys are the
 mix's global instance ids.
+
+A text corpus (pipeline.formats: Dolma JSON lines, Parquet with a text or token column, a
+Hugging Face `datasets` directory, ...) is a directory of files of one format, or a list of
+them: each file is one shard, in the same global order (train files by path, then held-out
+files by path; a format that knows its own splits, such as a `datasets` directory, says which
+files are which). A file whose records are counted only by reading it (compressed JSON lines)
+has no count and no base key up front: the manifest job numbers its records when it puts the
+parts together.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +41,8 @@ import pyarrow.parquet as pq
 
 from audit.core.errors import CorpusError
 from audit.core.hashing import TOKEN_DTYPE, content_hash, hash_runs
-from pipeline import olmo
+from pipeline import formats, olmo
+from pipeline.formats import Fields
 
 MAGIC = b"TLY1"
 _HEADER = len(MAGIC) + 2
@@ -66,17 +76,27 @@ def decode_record(raw: bytes, where: str) -> tuple[np.ndarray, str]:
 @dataclass(frozen=True)
 class Shard:
     path: Path
-    fmt: str  # 'array_record' | 'parquet' | 'olmo'
+    fmt: str  # 'array_record' | 'parquet' | 'olmo' | a text format (pipeline.formats.FORMATS)
     split: str  # 'train' | 'heldout'
-    num_records: int
-    base_key: int  # record key of the shard's first record
+    num_records: int | None  # None: known only once read (a text format's count() said so)
+    base_key: int | None  # record key of the shard's first record; None after an unknown count
     olmo: olmo.OlmoFile | None = None  # fmt 'olmo': the token file, its label and layout
+    fields: Fields | None = None  # a text format: which field holds what
+    name: str = ""  # a text format: the file's path relative to the corpus directory
+
+    @property
+    def text(self) -> bool:
+        """A shard of a text format (read through pipeline.formats)."""
+        return self.fields is not None
 
     @property
     def source(self) -> str:
         """The manifest's `source`: the file's name (an OLMo file: its path relative to the
-        mix's common directory, as names repeat across a mix's directories)."""
-        return self.olmo.source if self.olmo is not None else self.path.name
+        mix's common directory, as names repeat across a mix's directories; a text corpus'
+        file: its path relative to the corpus directory)."""
+        if self.olmo is not None:
+            return self.olmo.source
+        return self.name or self.path.name
 
     @property
     def size_bytes(self) -> int:
@@ -132,20 +152,35 @@ def list_shards(corpus: CorpusArg, *, sequence_length: int | None = None,
 
 
 def open_corpus(corpus: CorpusArg, *, sequence_length: int | None = None,
-                dtype: str | None = None) -> Corpus:
+                dtype: str | None = None, fmt: str | None = None,
+                fields: Fields | None = None) -> Corpus:
     """The corpus a manifest reads: a directory of ArrayRecord / Parquet shards, an OLMo mix's
-    index (`*.json`), or token files (several, or a directory of `*.npy`) with their
-    `sequence_length` and `dtype`. CorpusError, in one line, for anything else."""
+    index (`*.json`), token files (several, or a directory of `*.npy`) with their
+    `sequence_length` and `dtype`, or a text corpus (a directory or a list of files of one
+    format of pipeline.formats, found by the files' names or layout or named by `fmt`; `fields`
+    says which field holds what). CorpusError, in one line, for anything else."""
     paths = [Path(corpus)] if isinstance(corpus, str | Path) else [Path(p) for p in corpus]
     flags = sequence_length is not None or dtype is not None
     if not paths:
         raise CorpusError("no corpus given")
-    if len(paths) == 1 and paths[0].suffix == ".json":
+    if (fmt is not None or fields is not None) and flags:
+        raise CorpusError("--sequence-length/--dtype read OLMo token files; --format and the "
+                          "field flags read a text corpus: not both")
+    if fmt is not None:
+        return _text_corpus(paths, formats.module(fmt), fields)
+    if len(paths) == 1 and paths[0].suffix == ".json" and fields is None:
         return _olmo_corpus(olmo.load_index(paths[0]), paths[0], sequence_length, dtype)
     if len(paths) == 1 and paths[0].is_dir():
         root = paths[0]
         if not flags:
-            return Corpus(_tally_shards(root), str(root.resolve()))
+            if fields is None and _tally_dir(root):
+                return Corpus(_tally_shards(root), str(root.resolve()))
+            if fields is None and _token_files_in(root):  # an OLMo mix's directory (its
+                raise CorpusError(  # index.json must not read as another format's)
+                    f"corpus {root} holds token files (*{TOKEN_FILE_SUFFIX}) and no "
+                    "ArrayRecord or Parquet shards: give --sequence-length and --dtype to read "
+                    "them as an OLMo token mix, or the mix's index .json")
+            return _text_corpus(paths, None, fields)
         tokens = _token_files_in(root)
         if not tokens:
             raise CorpusError(f"corpus {root} holds no token files (*{TOKEN_FILE_SUFFIX}) "
@@ -154,6 +189,8 @@ def open_corpus(corpus: CorpusArg, *, sequence_length: int | None = None,
     if len(paths) == 1 and not paths[0].exists() and not flags and (
             paths[0].suffix != TOKEN_FILE_SUFFIX):
         raise CorpusError(f"corpus {paths[0]} is not a directory")
+    if not flags and all(formats.detect(p) is not None for p in paths):
+        return _text_corpus(paths, None, fields)
     dirs = [p for p in paths if p.is_dir()]
     if dirs:
         raise CorpusError(f"corpus {dirs[0]} is a directory: give one directory, an OLMo "
@@ -195,6 +232,95 @@ def _token_files_in(root: Path) -> list[Path]:
     """The token files under `root`, at any depth, in path order (hidden ones left out)."""
     return sorted(p for p in root.rglob(f"*{TOKEN_FILE_SUFFIX}") if p.is_file() and not
                   any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def _is_tally_shard(path: Path) -> bool:
+    """A Parquet file with a `tokens` column, or an ArrayRecord file of TLY1 records (one
+    that cannot be read counts as Tally's, whose reader then names the damage)."""
+    try:
+        if path.suffix == ".parquet":
+            return "tokens" in pq.read_schema(path).names
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        reader = ArrayRecordReader(str(path))
+        try:
+            return reader.num_records() == 0 or reader.read([0])[0][:4] == MAGIC
+        finally:
+            reader.close()
+    except Exception:
+        return True
+
+
+def _tally_dir(root: Path) -> bool:
+    """The directory holds Tally's own shards (not a text corpus stored as Parquet or as
+    ArrayRecord of another record format)."""
+    paths = [p for p in root.iterdir() if p.suffix in FORMATS and not p.name.startswith(".")]
+    return bool(paths) and all(_is_tally_shard(p) for p in paths)
+
+
+# Files a text corpus directory may hold beside its data, left out without a word. Any other
+# file in no known format is refused: left out silently, its records would be missing.
+_NOT_DATA = ("readme", "license", "licence", ".gitattributes")
+
+
+def _data_files(root: Path) -> list[Path]:
+    return [p for p in sorted(root.rglob("*")) if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(root).parts) and not (
+        p.name.lower().startswith(_NOT_DATA) or p.suffix == ".md")]
+
+
+def _text_corpus(paths: list[Path], fmt: formats.Format | None, fields: Fields | None
+                 ) -> Corpus:
+    """Shards of a text corpus (see the module's docstring), counted where the format can."""
+    fields = fields or Fields()
+    if fields.tokens and fields.tokens == fields.text:
+        raise CorpusError(f"--tokens-field and --text-field both name {fields.tokens!r}")
+    root = paths[0] if len(paths) == 1 and paths[0].is_dir() else None
+    listed: list[tuple[Path, str]]
+    mod = fmt if fmt is not None else (formats.detect(root) if root is not None else None)
+    if root is not None and mod is not None and mod.matches(root) and hasattr(mod, "shards"):
+        listed = list(mod.shards(root))  # the format's own order and splits
+    else:
+        files = _data_files(root) if root is not None else paths
+        if root is not None and fmt is not None:
+            files = [p for p in files if fmt.matches(p)] or files
+        if not files:
+            raise CorpusError(f"corpus {root} holds no shards (*.array_record or *.parquet) and "
+                              f"no documents (formats: {', '.join(formats.FORMATS)})")
+        dirs = [p for p in files if p.is_dir()]
+        if dirs and root is None:
+            raise CorpusError(f"corpus {dirs[0]} is a directory: give one directory, or files")
+        if mod is None:
+            found = {}
+            for p in files:
+                m = formats.detect(p)
+                if m is None:
+                    raise CorpusError(f"corpus file {p}: in no known format (by its name: "
+                                      f"{', '.join(formats.FORMATS)}); remove it, or name the "
+                                      "format with --format")
+                found.setdefault(m.NAME, (m, p))
+            if len(found) > 1:
+                (a, (_, pa_)), (b, (_, pb)) = list(found.items())[:2]
+                raise CorpusError(f"corpus {root or 'files'} mixes formats {a} ({pa_.name}) and "
+                                  f"{b} ({pb.name}): give the files of one format")
+            mod = next(iter(found.values()))[0]
+        listed = sorted(((p, _split_of(p)) for p in files),
+                        key=lambda ps: (ps[1] != "train", str(ps[0])))
+    base = root if root is not None else Path(olmo.common_dir([p for p, _ in listed]))
+    shards: list[Shard] = []
+    key: int | None = 0
+    for p, split in sorted(listed, key=lambda ps: ps[1] != "train"):  # stable: format's order
+        n = mod.count(p, fields)
+        try:
+            name = str(p.relative_to(base))
+        except ValueError:
+            name = p.name
+        shards.append(Shard(p, mod.NAME, split, n, key, fields=fields, name=name))
+        key = None if key is None or n is None else key + n
+    used = {"tokens": fields.tokens} if fields.tokens else {"text": fields.text}
+    used |= {"id": fields.id} | ({"domain": fields.domain} if fields.domain else {})
+    return Corpus(shards, str(Path(base).resolve()),
+                  {"tally.format": mod.NAME, "tally.fields": json.dumps(used, sort_keys=True)})
 
 
 def _tally_shards(root: Path) -> list[Shard]:
@@ -317,6 +443,9 @@ class TokenSource:
 
     def __init__(self, corpus: str | Path, split: str = "train") -> None:
         self.shards = [s for s in list_shards(corpus) if s.split == split]
+        if any(s.text for s in self.shards):
+            raise CorpusError(f"corpus {corpus} is a text corpus: TokenSource reads token "
+                              "shards (Tally's, an OLMo mix)")
         if not self.shards:
             raise CorpusError(f"corpus {corpus} has no {split} shards")
         self.base_key = self.shards[0].base_key

@@ -309,6 +309,9 @@ class ManifestHashes:
         self.hash = train["content_hash"].to_numpy()
         self.n_tokens = train["n_tokens"].to_numpy()
         self.fingerprint = info["manifest_fingerprint"]
+        # Hashes taken from the manifest are under its content basis (pipeline.text), which
+        # the run's spool then says ("" for a manifest that records none: token ids).
+        self.content_basis = info.get("content_basis", "")
 
     def __len__(self) -> int:
         return len(self.hash)
@@ -447,7 +450,9 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *,
 
     `spool`: a spool directory (a `LedgerWriter` is made for this host: host and host count
     from the loader's `ShardOptions`, records_per_epoch from the data source, `run_id` and
-    `writer_options` as `LedgerWriter` takes them) or a `LedgerWriter` already made.
+    `writer_options` as `LedgerWriter` takes them: `content_basis=` says how a loop that
+    tokenizes text hashes, TextHasher(...).basis; with `hashes`, the manifest's) or a
+    `LedgerWriter` already made.
     `start_step`: the training step of a fresh loader's first batch (a sampler resumed by its
     own start offset, MaxText's `initial_step`: the step the run resumed at). A loader
     restored from its own state already continues from its batch ordinal: leave it 0 there,
@@ -477,6 +482,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *,
         writer_options.setdefault("records_per_epoch", records)
         if hashes is not None:
             writer_options.setdefault("manifest_fingerprint", hashes.fingerprint)
+            writer_options.setdefault("content_basis", hashes.content_basis or None)
         writer = LedgerWriter(Path(spool), run_id, **writer_options)
     if dataset:
         return AuditedDataset(loader, writer, start_step=start_step, tokens_field=tokens_field,

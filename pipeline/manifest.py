@@ -1,15 +1,19 @@
 """The manifest job (Beam): one row per corpus record, in the corpus' global order.
 
-Columns: record_key, content_hash, n_tokens, domain, split, source, source_index. The file's
-metadata holds the manifest fingerprint (`tally.manifest_fingerprint`), which a run records to
-say which corpus it trained against.
+Columns: record_key, content_hash, n_tokens, domain, split, source, source_index, doc_id. The
+file's metadata holds the manifest fingerprint (`tally.manifest_fingerprint`), which a run
+records to say which corpus it trained against, and the content basis the hashes are taken
+under (`tally.content_basis`, pipeline.text).
 
 The pipeline's elements are record ranges of a shard; each range is read, hashed with the
 project's one hash function, and written as an Arrow part file by one worker, so no element is
-one Python object per record. The driver then concatenates the parts in key order into the
-manifest, checking that they cover every record exactly once. Bad input (a record without
-tokens, a token array of the wrong type) is reported by the worker that found it and raised by
-the driver as one clear error naming the file and the record.
+one Python object per record. A text corpus' file whose records are counted only by reading it
+(compressed JSON lines) is one element, read once, its part written batch by batch. The driver
+then concatenates the parts in corpus order into the manifest, numbering the records (so keys
+after a file of unknown count need no first pass over it) and checking that the parts cover
+every element, each range whole. Bad input (a record without tokens, a token array of the wrong
+type, an undecodable line, a missing text field) is reported by the worker that found it and
+raised by the driver as one clear error naming the file and the record; no manifest is written.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import progress
+from audit.core.hashing import hash_runs
+from pipeline import formats, progress
 from pipeline.corpus import CorpusArg, CorpusError, Shard, hash_range, open_corpus, repeat
+from pipeline.formats import Documents, Fields
 from pipeline.manifest_file import (  # noqa: F401
     FINGERPRINT_KEY,
     MANIFEST_SCHEMA,
@@ -37,6 +43,9 @@ from pipeline.manifest_file import (  # noqa: F401
     manifest_metadata,
 )
 from pipeline.runners import RunnerSpec, pipeline
+from pipeline.text import TOKEN_IDS, ContentBasis, TextHasher
+
+TEXT_BATCH = 1024  # documents per batch a worker tokenizes and writes (one row group each)
 
 
 def manifest_rows(shard: Shard, start: int, end: int) -> pa.Table:
@@ -51,28 +60,78 @@ def manifest_rows(shard: Shard, start: int, end: int) -> pa.Table:
         "split": repeat(shard.split, n),
         "source": repeat(shard.source, n),
         "source_index": np.arange(start, end, dtype=np.int64),
+        "doc_id": pa.nulls(n, pa.string()),
     }, schema=MANIFEST_SCHEMA)
+
+
+def document_rows(shard: Shard, docs: Documents, hasher: TextHasher | None) -> pa.Table:
+    """Manifest rows of a batch of a text shard's documents: token ids hashed as they are,
+    text under the hasher's basis. `record_key` is the final key when the shard's base key is
+    known, else -1 (the driver numbers the records)."""
+    n = len(docs)
+    if docs.tokens is not None:
+        flat, offsets = docs.tokens
+        lengths = np.diff(offsets)
+        hashes, lengths = hash_runs(flat, offsets[:-1], lengths), lengths.astype(np.int32)
+    else:
+        assert hasher is not None and docs.text is not None
+        hashes, lengths = hasher.hash_texts(docs.text)
+    index = np.arange(docs.start, docs.start + n, dtype=np.int64)
+    return pa.Table.from_pydict({
+        "record_key": index + shard.base_key if shard.base_key is not None else
+        np.full(n, -1, np.int64),
+        "content_hash": hashes,
+        "n_tokens": lengths,
+        "domain": docs.domain,
+        "split": repeat(shard.split, n),
+        "source": repeat(shard.source, n),
+        "source_index": index,
+        "doc_id": pa.array(docs.doc_id, pa.string()),
+    }, schema=MANIFEST_SCHEMA)
+
+
+def part_name(index: int, start: int) -> str:
+    """The part file of the element that reads shard `index` from record `start`."""
+    return f"part-{index:06d}-{start:012d}.parquet"
 
 
 class _WritePart(beam.DoFn):
     """Writes one record range's manifest rows as a part file (or an error file)."""
 
-    def __init__(self, parts: str) -> None:
+    def __init__(self, parts: str, hasher: TextHasher | None = None) -> None:
         self.parts = parts
+        self.hasher = hasher
 
-    def process(self, chunk: tuple[Shard, int, int]):
-        shard, start, end = chunk
-        key = shard.base_key + start
-        try:
-            table = manifest_rows(shard, start, end)
-        except CorpusError as exc:
-            Path(self.parts, f"error-{key:012d}.txt").write_text(str(exc))
-            return
-        final = Path(self.parts, f"part-{key:012d}.parquet")
+    def process(self, chunk: tuple[int, Shard, int, int | None]):
+        index, shard, start, end = chunk
+        final = Path(self.parts, part_name(index, start))
         tmp = final.with_name("." + final.name)
-        pq.write_table(table, tmp)
+        try:
+            if shard.text:
+                rows = self._write_text(shard, start, end, tmp)
+            else:
+                table = manifest_rows(shard, start, end)
+                pq.write_table(table, tmp)
+                rows = table.num_rows
+        except CorpusError as exc:
+            tmp.unlink(missing_ok=True)
+            Path(self.parts, f"error-{index:06d}-{start:012d}.txt").write_text(str(exc))
+            return
         os.replace(tmp, final)
-        yield key, table.num_rows
+        yield index, rows
+
+    def _write_text(self, shard: Shard, start: int, end: int | None, tmp: Path) -> int:
+        """Streams the range's documents into the part, one row group per batch: memory is a
+        batch's, whatever the file's size."""
+        mod, rows = formats.module(shard.fmt), 0
+        with pq.ParquetWriter(tmp, MANIFEST_SCHEMA) as w:
+            for docs in mod.read(shard.path, shard.fields, start, end, batch=TEXT_BATCH):
+                if docs.start != start + rows:
+                    raise CorpusError(f"{shard.path}: the {shard.fmt} reader gave record "
+                                      f"{docs.start} where {start + rows} was due")
+                w.write_table(document_rows(shard, docs, self.hasher))
+                rows += len(docs)
+        return rows
 
 
 @dataclass
@@ -84,31 +143,53 @@ class ManifestSummary:
     fingerprint: str
     seconds: float
     bytes_read: int
+    basis: ContentBasis = ContentBasis()
 
     def line(self) -> str:
+        unit = "bytes of text" if self.basis.kind == "bytes" else "tokens"
         return (f"manifest {self.path}: {self.records:,} records ({self.train_records:,} train), "
-                f"{self.tokens:,} tokens, fingerprint {self.fingerprint}, "
+                f"{self.tokens:,} {unit}, fingerprint {self.fingerprint}, "
                 f"{self.seconds:.1f} s ({self.records / max(self.seconds, 1e-9):,.0f} records/s, "
-                f"{self.bytes_read / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)")
+                f"{self.bytes_read / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s); content hashes "
+                f"over {self.basis.describe()}")
 
 
 def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | None = None,
                    chunk_records: int = 20_000, progress: bool = False,
-                   sequence_length: int | None = None, dtype: str | None = None
-                   ) -> ManifestSummary:
+                   sequence_length: int | None = None, dtype: str | None = None,
+                   fmt: str | None = None, fields: Fields | None = None,
+                   tokenizer: str | Path | None = None, bos_id: int | None = None,
+                   eos_id: int | None = None, special_tokens: bool = False,
+                   max_tokens: int | None = None) -> ManifestSummary:
     """Run the manifest job over `corpus` and write `out` (Parquet) atomically.
 
-    `corpus`: a directory of shards, an OLMo mix's index JSON, or OLMo token files (a list, or
-    a directory of them) with their `sequence_length` and `dtype` (`pipeline.corpus`)."""
+    `corpus`: a directory of shards, an OLMo mix's index JSON, OLMo token files (a list, or
+    a directory of them) with their `sequence_length` and `dtype` (`pipeline.corpus`), or a
+    text corpus (a directory or files of a format of pipeline.formats, `fmt` to name it,
+    `fields` to say which field holds what). A text corpus is hashed over the token ids
+    `tokenizer` makes of each document with the run's settings (pipeline.text), or over its
+    bytes without a tokenizer; a token field is hashed as it is."""
     runner = runner or RunnerSpec()
     t0 = time.perf_counter()
+    settings = dict(bos_id=bos_id, eos_id=eos_id, special_tokens=special_tokens,
+                    max_tokens=max_tokens)
+    # Loaded before the corpus is listed: a tokenizer that does not load fails in a second.
+    hasher = TextHasher(tokenizer, **settings) if tokenizer is not None else None
     # Absolute paths: workers of a cluster do not share this process's working directory.
     source = open_corpus([Path(c).absolute() for c in (
         [corpus] if isinstance(corpus, str | Path) else corpus)],
-        sequence_length=sequence_length, dtype=dtype)
+        sequence_length=sequence_length, dtype=dtype, fmt=fmt, fields=fields)
     shards = source.shards
-    chunks = [(s, a, min(a + chunk_records, s.num_records))
-              for s in shards for a in range(0, s.num_records, chunk_records)]
+    basis = _basis(shards, hasher, tokenizer, settings)
+    if hasher is None and basis.kind != TOKEN_IDS:
+        hasher = TextHasher(None)
+    chunks: list[tuple[int, Shard, int, int | None]] = []
+    for i, s in enumerate(shards):
+        if s.num_records is None:
+            chunks.append((i, s, 0, None))
+        else:
+            chunks += [(i, s, a, min(a + chunk_records, s.num_records))
+                       for a in range(0, s.num_records, chunk_records)]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     parts = out.absolute().with_name(f".{out.name}.parts")
@@ -119,52 +200,81 @@ def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | N
                 pipeline(runner, partitions=len(chunks)) as p:
             _ = (p | "ranges" >> beam.Create(chunks)
                    | "spread" >> beam.Reshuffle()
-                   | "hash" >> beam.ParDo(_WritePart(str(parts))))
+                   | "hash" >> beam.ParDo(_WritePart(str(parts), hasher)))
         errors = sorted(parts.glob("error-*.txt"))
         if errors:
             raise CorpusError(errors[0].read_text()
                               + (f" (and {len(errors) - 1} more bad ranges)" if len(errors) > 1
                                  else ""))
-        summary = _concatenate(parts, out, shards, source.name, source.metadata)
+        summary = _concatenate(parts, out, chunks, source.name,
+                               {**source.metadata, **{f"tally.{k}": v
+                                                      for k, v in basis.metadata().items()}})
     finally:
         shutil.rmtree(parts, ignore_errors=True)
     summary.seconds = time.perf_counter() - t0
     summary.bytes_read = sum(s.size_bytes for s in shards)
+    summary.basis = basis
     return summary
 
 
-def _concatenate(parts: Path, out: Path, shards: list[Shard], corpus: str,
-                 metadata: dict[str, str]) -> ManifestSummary:
-    total = sum(s.num_records for s in shards)
+def _basis(shards: list[Shard], hasher: TextHasher | None, tokenizer: str | Path | None,
+           settings: dict) -> ContentBasis:
+    """What the manifest's hashes rest on; CorpusError when the settings do not apply."""
+    tokens = [s for s in shards if not s.text or s.fields.tokens]
+    given = tokenizer is not None or any(v not in (None, False) for v in settings.values())
+    if tokens and given:
+        what = "token ids" if not tokens[0].text else f"token ids ({tokens[0].fields.tokens!r})"
+        raise CorpusError(f"corpus file {tokens[0].path} holds {what}, which are hashed as "
+                          "they are: --tokenizer, --bos-id, --eos-id, --special-tokens and "
+                          "--max-tokens apply to text")
+    if tokens:
+        return ContentBasis(TOKEN_IDS)
+    return hasher.basis if hasher is not None else TextHasher(None, **settings).basis
+
+
+def _concatenate(parts: Path, out: Path, chunks: list[tuple[int, Shard, int, int | None]],
+                 corpus: str, metadata: dict[str, str]) -> ManifestSummary:
+    """The parts in corpus order into `out`, records numbered as they come; CorpusError when
+    an element's part is missing or holds other than its range."""
     fp = Fingerprint()
     tmp = out.with_name(f".{out.name}.tmp")
-    expected, tokens = 0, 0
+    key, tokens, n_train = 0, 0, 0
     pending: list[pa.Table] = []  # rows not yet written: row groups are cut at equal sizes
     with pq.ParquetWriter(tmp, MANIFEST_SCHEMA) as w:
-        for part in sorted(parts.glob("part-*.parquet")):
-            table = pq.read_table(part)
-            first = table["record_key"][0].as_py()
-            if first != expected:
-                raise CorpusError(f"manifest job lost records {expected}..{first - 1} "
-                                  "(a worker failed without an error?)")
-            pending.append(table)
-            if sum(t.num_rows for t in pending) >= ROW_GROUP_RECORDS:
-                rows = pa.concat_tables(pending)
-                whole = rows.num_rows // ROW_GROUP_RECORDS * ROW_GROUP_RECORDS
-                w.write_table(rows.slice(0, whole), row_group_size=ROW_GROUP_RECORDS)
-                pending = [rows.slice(whole)] if whole < rows.num_rows else []
-            fp.update(table)
-            expected += table.num_rows
-            tokens += int(np.sum(table["n_tokens"].to_numpy(), dtype=np.int64))
+        for index, shard, start, end in chunks:
+            part = parts / part_name(index, start)
+            want = f"records {start}..{end - 1}" if end is not None else "records"
+            if not part.exists():
+                raise CorpusError(f"manifest job lost {want} of {shard.path} (keys from {key}; "
+                                  "a worker failed without an error?)")
+            pf = pq.ParquetFile(part)
+            n = pf.metadata.num_rows
+            if end is not None and n != end - start:
+                raise CorpusError(f"manifest job wrote {n} rows for records {start}..{end - 1} "
+                                  f"of {shard.path}")
+            if shard.base_key is not None and shard.base_key + start != key:
+                raise CorpusError(f"manifest job lost records {key}..{shard.base_key + start - 1}"
+                                  " (a worker failed without an error?)")
+            for g in range(pf.num_row_groups):
+                table = pf.read_row_group(g)
+                table = table.set_column(0, "record_key", pa.array(
+                    np.arange(key, key + table.num_rows, dtype=np.int64)))
+                pending.append(table)
+                if sum(t.num_rows for t in pending) >= ROW_GROUP_RECORDS:
+                    rows = pa.concat_tables(pending)
+                    whole = rows.num_rows // ROW_GROUP_RECORDS * ROW_GROUP_RECORDS
+                    w.write_table(rows.slice(0, whole), row_group_size=ROW_GROUP_RECORDS)
+                    pending = [rows.slice(whole)] if whole < rows.num_rows else []
+                fp.update(table)
+                key += table.num_rows
+                tokens += int(np.sum(table["n_tokens"].to_numpy(), dtype=np.int64))
+            n_train += n if shard.split == "train" else 0
         if pending:
             w.write_table(pa.concat_tables(pending))
-        if expected != total:
-            raise CorpusError(f"manifest job produced {expected} of {total} records")
-        n_train = sum(s.num_records for s in shards if s.split == "train")
-        w.add_key_value_metadata({**manifest_metadata(fp.hexdigest(), total, n_train,
+        w.add_key_value_metadata({**manifest_metadata(fp.hexdigest(), key, n_train,
                                                       corpus=corpus), **metadata})
     os.replace(tmp, out)
-    return ManifestSummary(out, total, n_train, tokens, fp.hexdigest(), 0.0, 0)
+    return ManifestSummary(out, key, n_train, tokens, fp.hexdigest(), 0.0, 0)
 
 
 class _progress:

@@ -26,7 +26,14 @@ MANIFEST_SCHEMA = pa.schema([
     ("split", pa.string()),
     ("source", pa.string()),
     ("source_index", pa.int64()),
+    ("doc_id", pa.string()),  # the document's own id in a text corpus; null when it has none
 ])
+# Manifests written before `doc_id` lack it; every reader takes both.
+LEGACY_SCHEMA = pa.schema([f for f in MANIFEST_SCHEMA if f.name != "doc_id"])
+# The fingerprint covers these columns, and `doc_id` only when some record has one: a token
+# corpus' fingerprint is the one it had before `doc_id` existed, so runs that recorded it still
+# match a rebuilt manifest.
+FINGERPRINT_COLUMNS = LEGACY_SCHEMA.names
 FINGERPRINT_KEY = b"tally.manifest_fingerprint"
 # Records per row group, the same in every group but the last. Reconcile reads the manifest key
 # range by key range; equal groups let it cut its ranges on group boundaries, so that no group
@@ -35,16 +42,26 @@ ROW_GROUP_RECORDS = 1 << 17
 
 
 class Fingerprint:
-    """xxh3_64 per column over the manifest in key order, then over the column digests.
+    """xxh3_64 per column over the manifest in key order, then over the column digests
+    (`doc_id`'s only when some record has one; a null one is hashed as the byte 0xff, which no
+    UTF-8 string is).
 
     Fed table by table; the result does not depend on how the rows were batched.
     """
 
     def __init__(self) -> None:
-        self._h = {name: xxhash.xxh3_64() for name in MANIFEST_SCHEMA.names}
+        self._h = {name: xxhash.xxh3_64() for name in FINGERPRINT_COLUMNS}
+        self._doc_id = xxhash.xxh3_64()
+        self._any_doc_id = False
 
     def update(self, table: pa.Table) -> None:
-        for name in MANIFEST_SCHEMA.names:
+        if "doc_id" in table.column_names:
+            ids = table["doc_id"]
+            if ids.null_count < len(ids):
+                self._any_doc_id = True
+            self._doc_id.update(b"".join(b"\xff\0" if v is None else v.encode() + b"\0"
+                                         for v in ids.to_pylist()))
+        for name in FINGERPRINT_COLUMNS:
             col = table[name]
             if pa.types.is_string(col.type):
                 vals = col.to_pylist()
@@ -54,7 +71,10 @@ class Fingerprint:
                 self._h[name].update(np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")))
 
     def hexdigest(self) -> str:
-        return xxhash.xxh3_64_hexdigest(b"".join(h.digest() for h in self._h.values()))
+        digests = [h.digest() for h in self._h.values()]
+        if self._any_doc_id:
+            digests.append(self._doc_id.digest())
+        return xxhash.xxh3_64_hexdigest(b"".join(digests))
 
 
 def manifest_metadata(fingerprint: str, records: int, train_records: int,
@@ -70,7 +90,10 @@ def write_manifest_table(table: pa.Table, path: str | Path, *, fingerprint: str 
                          row_group_size: int | None = None, **extra: str) -> Path:
     """A manifest held whole in one table (tests, benchmarks, small corpora) written with its
     metadata block: train records counted from `split`, the fingerprint computed (Fingerprint)
-    unless given. The Beam job (pipeline.manifest) streams its own with manifest_metadata."""
+    unless given; a table without `doc_id` gets a null one. The Beam job (pipeline.manifest)
+    streams its own with manifest_metadata."""
+    if "doc_id" not in table.column_names:
+        table = table.append_column("doc_id", pa.nulls(table.num_rows, pa.string()))
     table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
     if fingerprint is None:
         fp = Fingerprint()
@@ -99,7 +122,7 @@ def manifest_info(path: str | Path) -> dict[str, str]:
         raise CorpusError(f"cannot read manifest {path}: {exc}") from None
     md = meta.metadata or {}
     schema = meta.schema.to_arrow_schema().remove_metadata()
-    if not schema.equals(MANIFEST_SCHEMA) or not all(
+    if not (schema.equals(MANIFEST_SCHEMA) or schema.equals(LEGACY_SCHEMA)) or not all(
             k in md for k in (FINGERPRINT_KEY, b"tally.records", b"tally.train_records")):
         raise CorpusError(f"{path} is not a Tally manifest (build one with `tally manifest`)")
     return {k.decode()[len("tally."):]: v.decode() for k, v in md.items()

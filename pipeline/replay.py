@@ -186,10 +186,20 @@ def batches(contract: Contract, cursor: Cursor, steps: int
     return np.concatenate(out_i), np.concatenate(out_o), np.concatenate(out_r)
 
 
+def _torch_loader(loader: Any) -> bool:
+    """A torch DataLoader (torch imported only when the factory already did)."""
+    torch_data = sys.modules.get("torch.utils.data")
+    return torch_data is not None and isinstance(loader, torch_data.DataLoader)
+
+
 def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> HostReplay:
     """Write one host's replayed spool files; returns what was written."""
     t0 = time.perf_counter()
     loader = make_loader(spec.loader, host, spec.hosts)
+    if _torch_loader(loader):  # a torch DataLoader: its own contract (pipeline.loaders)
+        from pipeline.loaders.torch_loader import replay_host as replay_torch_host
+
+        return replay_torch_host(spec, host, hashes, loader)
     try:
         contract = contract_of(loader)
     except AttachError as exc:
@@ -206,7 +216,9 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
             "manifest_fingerprint": hashes.fingerprint if hashes is not None else "",
             "records_per_epoch": str(len(hashes) if hashes is not None
                                      else len(loader._data_source)),
-            "checkpoint_dir": "", "replayed": "1"}
+            "checkpoint_dir": "", "replayed": "1",
+            # Hashes from the manifest are under its content basis (pipeline.text).
+            "content_basis": hashes.content_basis if hashes is not None else ""}
     per_file = max(1, ROWS_PER_FILE // max(1, contract.batch_size))
     rows = files = 0
     first = last = None
@@ -331,6 +343,10 @@ def check(spec: ReplaySpec) -> None:
     # The factory once here (and every host's state), so that bad input fails in one line
     # before any worker starts or any file is written.
     loader = make_loader(spec.loader, 0, spec.hosts)
+    if _torch_loader(loader):
+        from pipeline.loaders.torch_loader import check_replay
+
+        return check_replay(spec, loader)
     try:
         contract_of(loader)
     except AttachError as exc:

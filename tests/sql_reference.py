@@ -46,11 +46,13 @@ def reference(ledger_path: str, manifest: str, run_id: str, at_step: int | None 
         FROM starts WHERE epoch >= 0 GROUP BY ALL HAVING count(*) > 1)"""))
     out["unknown_keys"], out["unknown_segments"] = one(
         "SELECT count(DISTINCT record_key), count(*) FROM j WHERE NOT known")
-    out["hash_checked"], out["hash_mismatches"], out["hash_unverifiable"] = map(int, one("""
+    (out["hash_checked"], out["hash_mismatches"], out["hash_unverifiable"],
+     out["hash_overlong"]) = map(int, one("""
         SELECT count(*) FILTER (WHERE "offset" = 0 AND n_tokens = m_tokens),
                count(*) FILTER (WHERE "offset" = 0 AND n_tokens = m_tokens
                                 AND content_hash <> m_hash),
-               count(*) FILTER (WHERE NOT ("offset" = 0 AND n_tokens = m_tokens))
+               count(*) FILTER (WHERE NOT ("offset" = 0 AND n_tokens = m_tokens)),
+               count(*) FILTER (WHERE "offset" = 0 AND n_tokens > m_tokens)
         FROM j WHERE known"""))
     out["heldout_consumed_records"], out["heldout_exposures"] = one("""
         SELECT count(DISTINCT record_key), count(*) FROM j
@@ -143,7 +145,7 @@ def from_report(r: dict, steps, records=None) -> dict:
         "epoch_duplicates": c["epoch_duplicates"],
         "epoch_duplicate_records": c["epoch_duplicate_records"],
         **{k: i[k] for k in ("unknown_keys", "unknown_segments", "hash_checked",
-                             "hash_mismatches", "hash_unverifiable",
+                             "hash_mismatches", "hash_unverifiable", "hash_overlong",
                              "heldout_consumed_records", "heldout_exposures")},
         "per_host": per_host,
         "overlap_matrix": r["hosts"]["overlap_matrix"],

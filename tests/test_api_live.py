@@ -37,7 +37,8 @@ def write_manifest(path: Path) -> Path:
                   "n_tokens": np.full(len(keys), 64, np.int32),
                   "domain": ["web" if k % 3 else "code" for k in keys],
                   "split": ["train"] * N + ["heldout"] * HELDOUT,
-                  "source": ["s"] * len(keys), "source_index": keys}, schema=MANIFEST_SCHEMA)
+                  "source": ["s"] * len(keys), "source_index": keys,
+                  "doc_id": [None] * len(keys)}, schema=MANIFEST_SCHEMA)
     return write_manifest_table(t, path, fingerprint="f00d")
 
 

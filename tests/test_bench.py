@@ -139,7 +139,7 @@ def test_seed_scale_reuses_a_kept_run_and_its_loader_goes_on_where_it_stopped(tm
     common = ["--records", "3000", "--rows", "30000", "--hosts", "4", "--batch", "4",
               "--flush-every", "10", "--corpus-records", "300", "--requests", "2", "--clients",
               "2", "--lookups", "3", "--live-rows-per-s", "3000", "--live-flush-every", "5",
-              "--dir", str(tmp_path / "s")]
+              "--clients-seconds", "3", "--dir", str(tmp_path / "s")]
     # The first run's live writer publishes its last files after the service stopped: the
     # rerun ingests them before it places the loader (else its writer repeats their steps).
     first = seed_scale.main([*common, "--keep", "--stages", "serve,lookup"])
@@ -181,3 +181,23 @@ def test_attach_cost_benchmark_runs():
 
     res = attach_cost.main(["--batches", "5", "--rows", "2", "--tokens", "16"])
     assert res["plain_ms"] > 0 and res["audited_ms"] > 0 and res["ratio"] > 0
+
+
+def test_text_manifest_benchmark_runs(tmp_path):
+    from pathlib import Path
+
+    from bench import text_manifest_rate
+
+    res = text_manifest_rate.main(["--files", "4", "--docs-per-file", "60", "--vocab-size",
+                                   "600", "--words", "3000", "--train-mb", "0.3", "--runners",
+                                   "multi_processing", "--no-fixed", "--dir", str(tmp_path / "d")])
+    # The job's token hashes equalled the bare tokenizer's (asserted in the bench), every run.
+    assert res["docs"] == 240 and res["tokens"] > 0 and 1 < res["bytes_per_token"] < 8
+    assert res["reference_one_thread"] > 0.9  # the reference ran on one thread
+    assert set(res["runs"]) == {"multi_processing", "bytes", "files4x"}
+    assert all(r["ratio"] > 0 and r["cpu_ratio"] > 0 and r["worker_peak_rss"] > 0
+               and r["driver_peak_rss"] > 0 and len(r["worker_cpu_s"]) >= 1
+               for r in res["runs"].values())
+    assert res["extrapolation"]["the bare tokenizer"]["core_hours"] > 0
+    # The tokenizer stays cached; the corpus and the manifests are removed.
+    assert [p.name for p in (tmp_path / "d").iterdir()] == [Path(res["tokenizer"]).name]

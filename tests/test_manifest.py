@@ -37,6 +37,7 @@ def reference(root):
             rows["split"].append("heldout" if p.name.startswith("heldout") else "train")
             rows["source"].append(p.name)
             rows["source_index"].append(i)
+            rows["doc_id"].append(None)
             key += 1
         r.close()
     return pa.table(rows, schema=MANIFEST_SCHEMA)

@@ -85,6 +85,7 @@ def oracle(files: list[tuple[str, str, Path]], dtype: str) -> pa.Table:
             rows["split"].append("train")
             rows["source"].append(source)
             rows["source_index"].append(i)
+            rows["doc_id"].append(None)
             key += 1
     return pa.table(rows, schema=MANIFEST_SCHEMA)
 

@@ -409,9 +409,9 @@ def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
     res = exposure(manifest=tmp / "m.parquet", docs=tmp_path / "keys.parquet", runs=["r1"],
                    out=tmp_path / "keys", spool=tmp / "spool")
     assert (res["matched"], res["matched_records"], res["unknown_record_keys"]) == (1, 3, 1)
-    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "bad.parquet")
-    for docs, words in ((tmp_path / "bad.parquet", "no content_hash, record_key or tokens"),
-                        (tmp_path / "none", "no such corpus directory or Parquet file")):
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
+    for docs, words in ((tmp_path / "bad.parquet", "no content_hash, record_key, tokens or text"),
+                        (tmp_path / "none", "no such corpus directory, JSON lines or Parquet")):
         with pytest.raises(TallyError, match=words):
             exposure(manifest=tmp / "m.parquet", docs=docs, runs=["r1"], out=tmp_path / "x",
                      ledger=tmp / "l.duckdb")

@@ -34,6 +34,7 @@ def write_manifest(path, n_train, n_heldout, rng, row_group=None):
         "split": ["train"] * n_train + ["heldout"] * n_heldout,
         "source": [f"train-{i % 4}.array_record" for i in range(n)],
         "source_index": np.arange(n, dtype=np.int64),
+        "doc_id": pa.nulls(n, pa.string()),
     }, schema=MANIFEST_SCHEMA)
     write_manifest_table(t, path, row_group_size=row_group)
     return t

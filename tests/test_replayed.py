@@ -50,7 +50,8 @@ def _manifest(path: Path) -> Path:
                   "n_tokens": np.full(len(keys), 32, np.int32),
                   "domain": ["web" if k % 3 else "code" for k in keys],
                   "split": ["train"] * N + ["heldout"] * HELDOUT,
-                  "source": ["s"] * len(keys), "source_index": keys}, schema=MANIFEST_SCHEMA)
+                  "source": ["s"] * len(keys), "source_index": keys,
+                  "doc_id": [None] * len(keys)}, schema=MANIFEST_SCHEMA)
     return write_manifest_table(t, path, fingerprint="feed")
 
 

@@ -51,7 +51,7 @@ def _manifest(path: Path) -> Path:
                   "domain": ["web" if k % 3 else "code" for k in keys],
                   "split": ["train"] * N,
                   "source": ["books" if k % 2 else "crawl" for k in keys],
-                  "source_index": keys}, schema=MANIFEST_SCHEMA)
+                  "source_index": keys, "doc_id": [None] * len(keys)}, schema=MANIFEST_SCHEMA)
     return write_manifest_table(t, path, fingerprint="feed")
 
 

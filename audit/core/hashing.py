@@ -3,6 +3,10 @@
 xxh3_64 with seed 0 over a record's token ids as little-endian int32 bytes. The manifest job,
 the training hook and every check use these functions and nothing else, so a hash computed
 anywhere in Tally compares equal to one computed anywhere else.
+
+A text corpus hashed without a tokenizer (the manifest's `bytes` content basis,
+pipeline.text) uses the same xxh3_64 over the document's UTF-8 bytes (`bytes_hash`); a loop
+that has the document's text hashes it with the same function.
 """
 
 from __future__ import annotations
@@ -40,3 +44,9 @@ def hash_runs(flat_tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) 
     begin = (starts * 4).tolist()
     end = ((starts + lengths) * 4).tolist()
     return np.array([_xxh3(view[b:e]) for b, e in zip(begin, end, strict=True)], dtype=np.uint64)
+
+
+def bytes_hash(data: bytes | str) -> int:
+    """xxh3_64 (seed 0) of a document's bytes (a str: its UTF-8 encoding), as a Python int: the
+    content hash of the `bytes` basis, for text corpora hashed without a tokenizer."""
+    return _xxh3(data.encode("utf-8") if isinstance(data, str) else data)

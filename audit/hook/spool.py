@@ -79,6 +79,10 @@ OPTIONAL_META_KEYS = (
     # continues it (audit.hook.writer). The ledger refuses files of another spool id for an
     # attempt and host it holds: a run id reused after its spool was removed.
     "spool_id",
+    # What the loop's content hashes are taken over (pipeline.text.ContentBasis, JSON): said by
+    # a loop that tokenizes text on the fly or hashes bytes; "" when the run did not say
+    # (unknown: never a finding). Reconcile compares it with the manifest's.
+    "content_basis",
 )
 META_PREFIX = "tally."
 # A metric row a writer publishes when its host's share of the attempt ended at the run's last
@@ -400,6 +404,7 @@ def _info(meta: dict[str, str], f: SpoolFile) -> dict[str, Any]:
         "checkpoint_dir": meta["checkpoint_dir"] or None,
         "replayed": is_replayed(meta),
         "spool_id": meta["spool_id"] or None,
+        "content_basis": meta["content_basis"] or None,
     }
     for key, from_path in (("run_id", f.run_id), ("attempt", f.attempt), ("host", f.host)):
         if info[key] != from_path:

@@ -27,7 +27,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +44,9 @@ from audit.core.schema import (
 )
 from audit.hook import spool as sp
 from audit.hook.segments import FIELDS, Segments, segments_from_batch
+
+if TYPE_CHECKING:  # the hook imports only core at run time (docs/DESIGN.md, roles)
+    from pipeline.text import ContentBasis
 
 
 class WriterError(TallyError):
@@ -70,6 +73,20 @@ def _published(directory: Path) -> tuple[int | None, str | None]:
     return int(meta.get(f"{sp.META_PREFIX}last_step".encode(), b"-1")), spool_id
 
 
+def _basis_json(basis: ContentBasis | str | None) -> str:
+    """The basis as its JSON (a ContentBasis, or its JSON already); "" for none."""
+    if basis is None or basis == "":
+        return ""
+    if isinstance(basis, str):
+        return basis
+    to_json = getattr(basis, "to_json", None)
+    if to_json is None:
+        raise WriterArgumentError(f"content_basis {basis!r}: expected a "
+                                  "pipeline.text.ContentBasis (TextHasher(...).basis) or its "
+                                  "JSON")
+    return to_json()
+
+
 class LedgerWriter:
     def __init__(
         self,
@@ -83,6 +100,7 @@ class LedgerWriter:
         records_per_epoch: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         manifest_fingerprint: str | None = None,
+        content_basis: ContentBasis | str | None = None,
         flush_every: int = 100,
         flush_seconds: float = 30.0,
         queue_size: int = 8,
@@ -135,6 +153,9 @@ class LedgerWriter:
             "records_per_epoch": "" if records_per_epoch is None else str(records_per_epoch),
             "checkpoint_dir": "" if checkpoint_dir is None else os.path.abspath(checkpoint_dir),
             "spool_id": self.spool_id,
+            # What this loop's content hashes are taken over (pipeline.text.ContentBasis: a
+            # loop that tokenizes text on the fly passes TextHasher(...).basis); "" unknown.
+            "content_basis": _basis_json(content_basis),
         }
         # Background state: touched only by the writer thread, except _error (handed over).
         self._steps: list[int] = []

@@ -13,6 +13,7 @@ from audit.core.schema.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -46,6 +47,12 @@ SCHEMA_VERSION = 4
 # gets the columns at its first writable opening (readers that do not know them are unchanged).
 _IDENTITY_COLUMNS = (("mtime_ns", "BIGINT"), ("footer_hash", "UBIGINT"), ("spool_id", "VARCHAR"))
 _FILE_IDENTITY = ",\n    ".join(f"{name} {kind}" for name, kind in _IDENTITY_COLUMNS)
+# What the run's content hashes are taken over (pipeline.text.ContentBasis, JSON; NULL: the
+# run did not say), from its spool files' `tally.content_basis`. Added the same way: a ledger
+# made before it gets the column at its first writable opening; a read-only one without it
+# reads as NULL (`run_content_basis`).
+_RUN_COLUMNS = (("content_basis", "VARCHAR"),)
+_RUN_EXTRA = ",\n    ".join(f"{name} {kind}" for name, kind in _RUN_COLUMNS)
 
 _DDL = f"""
 CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
@@ -55,7 +62,8 @@ CREATE TABLE runs (
     run INTEGER PRIMARY KEY,
     run_id VARCHAR NOT NULL UNIQUE,
     manifest_fingerprint VARCHAR,
-    first_ingested TIMESTAMP NOT NULL DEFAULT current_timestamp
+    first_ingested TIMESTAMP NOT NULL DEFAULT current_timestamp,
+    {_RUN_EXTRA}
 );
 CREATE TABLE attempts (
     run INTEGER NOT NULL,
@@ -227,6 +235,17 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
 
 
+def _json_differences(was: str, now: str) -> str:
+    """The keys of two JSON objects whose values differ, "key now, not was" (raw when either
+    is not an object)."""
+    try:
+        a, b = json.loads(was), json.loads(now)
+        keys = sorted(k for k in {*a, *b} if a.get(k) != b.get(k) and k != "tokenizer_name")
+    except (ValueError, AttributeError):
+        return f"{now}, not {was}"
+    return "; ".join(f"{k} {b.get(k)}, not {a.get(k)}" for k in keys) or f"{now}, not {was}"
+
+
 class Ledger:
     """An open ledger file. Use as a context manager; `cursor()` per thread."""
 
@@ -299,6 +318,23 @@ class Ledger:
             for name, kind in _IDENTITY_COLUMNS:
                 if name not in have:
                     self.con.execute(f"ALTER TABLE segments ADD COLUMN {name} {kind}")
+            have = self._columns("runs")
+            for name, kind in _RUN_COLUMNS:
+                if name not in have:
+                    self.con.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+
+    def _columns(self, table: str) -> set[str]:
+        return {r[0] for r in self.con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = 'main' "
+            "AND table_name = ?", [table]).fetchall()}
+
+    def run_content_basis(self, run: int) -> str | None:
+        """The content basis (JSON) the run's spool files said; None when they did not, or
+        the ledger predates the column (opened read-only)."""
+        if "content_basis" not in self._columns("runs"):
+            return None
+        row = one(self.con, "SELECT content_basis FROM runs WHERE run = ?", [run])
+        return row[0] if row else None
 
     def _ledger_id(self) -> str | None:
         """The ledger's random id (`meta`), which its state snapshots carry
@@ -331,19 +367,28 @@ class Ledger:
         self.close()
 
     # ---- writes used by ingest (inside the caller's transaction) ---------------------------
-    def ensure_run(self, cur: duckdb.DuckDBPyConnection, run_id: str, fingerprint: str) -> int:
-        row = one(cur, "SELECT run, manifest_fingerprint FROM runs WHERE run_id = ?", [run_id])
+    def ensure_run(self, cur: duckdb.DuckDBPyConnection, run_id: str, fingerprint: str,
+                   content_basis: str | None = None) -> int:
+        row = one(cur, "SELECT run, manifest_fingerprint, content_basis FROM runs "
+                  "WHERE run_id = ?", [run_id])
         if row is None:
             run = one(cur, "SELECT nextval('run_ids')")[0]
-            cur.execute("INSERT INTO runs (run, run_id, manifest_fingerprint) VALUES (?, ?, ?)",
-                        [run, run_id, fingerprint or None])
+            cur.execute("INSERT INTO runs (run, run_id, manifest_fingerprint, content_basis) "
+                        "VALUES (?, ?, ?, ?)",
+                        [run, run_id, fingerprint or None, content_basis or None])
             return run
-        run, known = row
+        run, known, known_basis = row
         if fingerprint and known and fingerprint != known:
             raise ValueError(f"manifest fingerprint {fingerprint} differs from the run's {known}")
-        if fingerprint and not known:
-            cur.execute("UPDATE runs SET manifest_fingerprint = ? WHERE run = ?",
-                        [fingerprint, run])
+        # One basis a run, like its manifest: a file hashed otherwise is set aside, named.
+        if content_basis and known_basis and content_basis != known_basis:
+            differ = _json_differences(known_basis, content_basis)
+            raise ValueError(f"content basis differs from the run's ({differ}): the file's "
+                             "content hashes are taken otherwise")
+        if (fingerprint and not known) or (content_basis and not known_basis):
+            cur.execute("UPDATE runs SET manifest_fingerprint = coalesce(manifest_fingerprint, "
+                        "?), content_basis = coalesce(content_basis, ?) WHERE run = ?",
+                        [fingerprint or None, content_basis or None, run])
         return run
 
     def ensure_attempt(self, cur: duckdb.DuckDBPyConnection, run: int, attempt: int,

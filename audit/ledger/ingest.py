@@ -387,10 +387,11 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
             i = f.info
             key = (i["run_id"], i["fingerprint"], i["attempt"], i["resumed_from_step"],
                    i["host_count"], i["writer_version"], i["records_per_epoch"],
-                   i["checkpoint_dir"])
+                   i["checkpoint_dir"], i["content_basis"])
             if key not in known:
                 try:
-                    run = ledger.ensure_run(cur, i["run_id"], i["fingerprint"])
+                    run = ledger.ensure_run(cur, i["run_id"], i["fingerprint"],
+                                            i["content_basis"])
                     cuts = agg.cuts(cur, run)
                     ledger.ensure_attempt(cur, run, i["attempt"], i["resumed_from_step"],
                                           i["host_count"], i["writer_version"],

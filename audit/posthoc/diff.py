@@ -96,7 +96,8 @@ def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Pa
                             at_step=at_step, bucket_records=bucket_records,
                             memory_gb=memory_gb, job="diff", left_out=got.left_out,
                             replayed_files=got.replayed_files,
-                            segment_files=got.segment_files, host_ids=got.host_ids)
+                            segment_files=got.segment_files, host_ids=got.host_ids,
+                            content_bases=got.content_bases)
         runs[r].replay_ranges = []  # a diff compares effective rows only
     plan = DiffPlan(runs, sources, 1)
     if window is not None and window < 1:

@@ -29,7 +29,7 @@ from audit.posthoc.multiset import jaccard
 from audit.provenance import plan_fingerprint, provenance
 from audit.reconcile.partials import Partial
 from audit.reconcile.report import files_left_out, json_default
-from audit.reconcile.verdict import left_out_findings, plural
+from audit.reconcile.verdict import basis_differences, left_out_findings, plural
 
 DIFF_VERSION = 1
 STATUS = ("identical", "same_data_other_order", "different")
@@ -154,6 +154,9 @@ def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table
         counts = _padded(m.exposure_counts.get(r), max(1, len(m.exposure_counts.get(r, []))))
         runs[r] = {
             **plan.sources[r].to_dict(), "run_manifest_fingerprint": p.run_fingerprint,
+            # How the run's content hashes differ from the manifest's (reconcile's rule).
+            "content_basis_differences": basis_differences(p.content_basis,
+                                                           p.run_content_bases),
             # Written by `tally replay` from the loader's contract, not recorded live (as a
             # reconcile's report.json says it, from the spool's files or the ledger's attempts).
             "replayed": replayed_run(p.replayed_files, p.segment_files),
@@ -247,6 +250,12 @@ def findings(d: dict[str, Any]) -> list[dict[str, Any]]:
                 f"run {r.upper()} ({run['run_id']}) trained against manifest {fp}, this diff "
                 f"compares against {d['manifest']['fingerprint']}: per-record numbers may be "
                 "wrong", run=r)
+        if run.get("content_basis_differences"):
+            add("FAIL", "manifest_mismatch",
+                f"run {r.upper()} ({run['run_id']}) hashes its records otherwise than the "
+                f"manifest ({'; '.join(run['content_basis_differences'])}): steps with the "
+                "same records may show other tokens", run=r,
+                differences=run["content_basis_differences"])
         if run["unknown_keys"]:
             add("WARN", "unknown_keys",
                 f"run {r.upper()} consumed {run['unknown_keys']:,} record keys that are not in "

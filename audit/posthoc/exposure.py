@@ -5,8 +5,12 @@ audit.core.exposure), at which steps, on which hosts, in which epochs.
 A document is identified by its content: its tokens' content hash (audit.core.hashing), given
 as a corpus directory in Tally's formats (hashed here), or as a Parquet file with a
 `content_hash` column, a `record_key` column (the manifest says those records' hashes) or a
-`tokens` column. A document matches every corpus record with its hash: one that equals several
-records (exact duplicates in the corpus) matches them all, and their exposures add up.
+`tokens` column. Documents given as text (JSON lines, plain or compressed, or Parquet with a text
+column) are hashed under the manifest's content basis (pipeline.text): their UTF-8 bytes, or the
+token ids of the manifest's own tokenizer with its settings (`text_hashes`). A document matches
+every corpus record with its hash: one that equals several records (exact duplicates in the
+corpus) matches them all, and their exposures add up; each matched record is named by its
+record key and by the corpus' own id of it (`doc_id`, null in manifests without the column).
 
 The same answer comes from a run's spool (its published segment files, restart lineage applied)
 or from a ledger, for the CLI (`exposure`) and for the live API (`answer`, inside the service's
@@ -55,8 +59,9 @@ CONSUMED_SCHEMA = pa.schema([
 # OUT/exposure.parquet: one row per document, matched record and run (a document without a
 # match has one row per run with a null record_key).
 TABLE_SCHEMA = pa.schema([
-    ("document", pa.int64()), ("content_hash", pa.uint64()), ("record_key", pa.int64()),
-    ("split", pa.string()), ("domain", pa.string()), ("run_id", pa.string()),
+    ("document", pa.int64()), ("document_id", pa.string()), ("content_hash", pa.uint64()),
+    ("record_key", pa.int64()), ("doc_id", pa.string()), ("split", pa.string()),
+    ("domain", pa.string()), ("run_id", pa.string()),
     ("exposures", pa.int64()), ("first_step", pa.int64()), ("last_step", pa.int64()),
     ("hosts", pa.list_(pa.int32())), ("epochs", pa.list_(pa.int32())),
 ])
@@ -77,6 +82,8 @@ class ManifestHashes:
     content_hash: pa.Array  # uint64, by record key
     split: pa.DictionaryArray
     domain: pa.DictionaryArray
+    doc_id: pa.Array | None = None  # the corpus' own id of each record (None: no column)
+    content_basis: str = ""  # the manifest's (pipeline.text.ContentBasis JSON; "": token ids)
 
     @classmethod
     def load(cls, path: str | Path) -> ManifestHashes:
@@ -111,6 +118,12 @@ class ManifestHashes:
         arr = getattr(self, col)
         return arr.dictionary.take(arr.indices.take(pa.array(keys))).to_pylist()
 
+    def doc_ids(self, keys: np.ndarray) -> list[str | None]:
+        """The corpus' own ids of records (None each, for a manifest without `doc_id`)."""
+        if self.doc_id is None:
+            return [None] * len(keys)
+        return self.doc_id.take(pa.array(keys, pa.int64())).to_pylist()
+
 
 @functools.lru_cache(maxsize=4)
 def _load_hashes(path: str, mtime_ns: int, size: int) -> ManifestHashes:
@@ -118,14 +131,18 @@ def _load_hashes(path: str, mtime_ns: int, size: int) -> ManifestHashes:
     from pipeline.manifest_file import manifest_info
 
     info = manifest_info(path)
-    t = pq.read_table(path, columns=["record_key", "content_hash", "split", "domain"])
+    has_ids = "doc_id" in pq.read_schema(path).names  # manifests before text corpora: none
+    t = pq.read_table(path, columns=["record_key", "content_hash", "split", "domain"]
+                      + ["doc_id"] * has_ids)
     if not np.array_equal(t["record_key"].to_numpy(), np.arange(t.num_rows)):
         raise TallyError(f"manifest {path}: record keys are not 0..N-1 (rebuild it with "
                          "`tally manifest`)")
     return ManifestHashes(path, info["manifest_fingerprint"],
                           t["content_hash"].combine_chunks(),
                           t["split"].combine_chunks().dictionary_encode(),
-                          t["domain"].combine_chunks().dictionary_encode())
+                          t["domain"].combine_chunks().dictionary_encode(),
+                          t["doc_id"].combine_chunks().cast(pa.string()) if has_ids else None,
+                          info.get("content_basis", ""))
 
 
 # ---- the documents ------------------------------------------------------------------------------
@@ -135,10 +152,12 @@ class Documents:
     """The documents asked about: each one's content hash (None: no such record key)."""
 
     path: str
-    kind: str  # "corpus" | "parquet"
-    by: str  # "tokens" | "content_hash" | "record_key"
+    kind: str  # "corpus" | "parquet" | "jsonl"
+    by: str  # "tokens" | "content_hash" | "record_key" | "text"
     content_hash: np.ndarray  # uint64
     known: np.ndarray  # bool: False for a record key beyond the manifest (no hash)
+    ids: list[str | None] | None = None  # each document's own id (text documents)
+    basis: str | None = None  # text documents: what they were hashed over, in words
 
     def __len__(self) -> int:
         return len(self.content_hash)
@@ -159,9 +178,72 @@ def parse_hashes(values: list[Any], where: str) -> np.ndarray:
     return out
 
 
-def load_documents(path: str | Path, manifest: ManifestHashes) -> Documents:
-    """The documents of a corpus directory (every shard, hashed) or of a Parquet file with a
-    `content_hash`, `record_key` or `tokens` column."""
+def text_hasher(manifest: ManifestHashes, tokenizer: str | os.PathLike | None = None) -> Any:
+    """A pipeline.text.TextHasher that hashes text as the manifest hashed its documents: their
+    UTF-8 bytes, or the token ids of the manifest's own tokenizer (`tokenizer`, whose
+    fingerprint must be the manifest's) with the manifest's settings (BOS/EOS, special tokens,
+    token limit, read from its `tally.content_basis`). TallyError, in one line, otherwise."""
+    from pipeline.text import BYTES, TOKEN_IDS, ContentBasis, TextHasher
+
+    basis = ContentBasis.from_json(manifest.content_basis, f"manifest {manifest.path}")
+    if basis.kind == TOKEN_IDS:
+        raise TallyError(f"manifest {manifest.path} hashes token ids (a corpus stored as token "
+                         "ids), so documents given as text would need the tokenizer the corpus "
+                         "was tokenized with, which the manifest does not name: give the "
+                         "documents' token ids (a Parquet `tokens` column) or content hashes")
+    if basis.kind == BYTES:
+        if tokenizer is not None:
+            raise TallyError(f"manifest {manifest.path} hashes each document's UTF-8 bytes (it "
+                             "was built without a tokenizer): leave --tokenizer out")
+        return TextHasher(None)
+    if tokenizer is None:
+        raise TallyError(f"manifest {manifest.path} hashes the token ids of tokenizer "
+                         f"{basis.tokenizer_name or '?'} ({basis.tokenizer}): give that "
+                         "tokenizer with --tokenizer (its settings are read from the manifest)")
+    hasher = TextHasher(tokenizer, bos_id=basis.bos_id, eos_id=basis.eos_id,
+                        special_tokens=basis.special_tokens, max_tokens=basis.max_tokens)
+    if hasher.basis.tokenizer != basis.tokenizer:
+        raise TallyError(f"tokenizer {tokenizer} ({hasher.basis.tokenizer}) is not the "
+                         f"manifest's: manifest {manifest.path} hashes the token ids of "
+                         f"tokenizer {basis.tokenizer_name or '?'} ({basis.tokenizer})")
+    return hasher
+
+
+def _text_format(p: Path) -> Any:
+    """The pipeline.formats module that reads `p` as text documents (None: neither)."""
+    from pipeline.formats import jsonl, parquet_text
+
+    return next((m for m in (jsonl, parquet_text) if m.matches(p)), None)
+
+
+def load_text_documents(p: Path, manifest: ManifestHashes, *, text_field: str = "text",
+                        id_field: str = "id", tokenizer: str | os.PathLike | None = None
+                        ) -> Documents:
+    """Documents given as text (JSON lines, plain or compressed, or Parquet with a text
+    column), read by pipeline.formats and hashed under the manifest's basis (text_hasher),
+    DOC_CHUNK at a time. Each document keeps its own id (`id_field`; absent: None)."""
+    from pipeline.formats import Fields, jsonl
+
+    hasher = text_hasher(manifest, tokenizer)
+    fmt = _text_format(p)
+    fields = Fields(text=text_field, id=id_field)
+    hashes, ids = [], []
+    for docs in fmt.read(p, fields, 0, None, DOC_CHUNK):
+        if docs.text is None:  # a reader that found token ids where text was asked for
+            raise TallyError(f"documents {p}: no text field {text_field!r}")
+        hashes.append(hasher.hash_texts(docs.text)[0])
+        ids += docs.doc_id
+    h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
+    return Documents(str(p), "jsonl" if fmt is jsonl else "parquet", "text", h,
+                     np.ones(len(h), bool), ids, hasher.basis.describe())
+
+
+def load_documents(path: str | Path, manifest: ManifestHashes, *, text_field: str = "text",
+                   id_field: str = "id", tokenizer: str | os.PathLike | None = None
+                   ) -> Documents:
+    """The documents of a corpus directory (every shard, hashed), of a Parquet file with a
+    `content_hash`, `record_key` or `tokens` column, or given as text: JSON lines (`.jsonl`,
+    `.json`, gzip or zstandard) or Parquet with a `text_field` column (load_text_documents)."""
     from pipeline.corpus import hash_range, list_shards
 
     p = Path(path)
@@ -169,13 +251,34 @@ def load_documents(path: str | Path, manifest: ManifestHashes) -> Documents:
         hashes = [hash_range(s, lo, min(lo + DOC_CHUNK, s.num_records))[0]
                   for s in list_shards(p) for lo in range(0, s.num_records, DOC_CHUNK)]
         h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
-        return Documents(str(p), "corpus", "tokens", h, np.ones(len(h), bool))
+        return _not_text(Documents(str(p), "corpus", "tokens", h, np.ones(len(h), bool)),
+                         tokenizer)
     if not p.is_file():
-        raise TallyError(f"documents {p}: no such corpus directory or Parquet file")
+        raise TallyError(f"documents {p}: no such corpus directory, JSON lines or Parquet "
+                         "file")
+    if p.suffix != ".parquet" and _text_format(p) is not None:
+        return load_text_documents(p, manifest, text_field=text_field, id_field=id_field,
+                                   tokenizer=tokenizer)
     try:
         names = pq.read_schema(p).names
     except Exception as exc:
-        raise TallyError(f"documents {p}: not a Parquet file ({exc})") from None
+        raise TallyError(f"documents {p}: not a Parquet or JSON lines file ({exc})") from None
+    if not {"content_hash", "record_key", "tokens"} & set(names) and text_field in names:
+        return load_text_documents(p, manifest, text_field=text_field, id_field=id_field,
+                                   tokenizer=tokenizer)
+    return _not_text(_hashed_parquet(p, names, manifest), tokenizer)
+
+
+def _not_text(docs: Documents, tokenizer: str | os.PathLike | None) -> Documents:
+    if tokenizer is not None:
+        raise TallyError(f"documents {docs.path}: --tokenizer goes with documents given as "
+                         f"text; these are given by {docs.by}")
+    return docs
+
+
+def _hashed_parquet(p: Path, names: list[str], manifest: ManifestHashes) -> Documents:
+    """Documents of a Parquet file by content_hash, record_key or tokens column."""
+    from pipeline.corpus import hash_range
     if "content_hash" in names:
         col = pq.read_table(p, columns=["content_hash"])["content_hash"].combine_chunks()
         if col.null_count:
@@ -209,8 +312,8 @@ def load_documents(path: str | Path, manifest: ManifestHashes) -> Documents:
                  for lo in range(0, n, DOC_CHUNK)]
         h = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
         return Documents(str(p), "parquet", "tokens", h, np.ones(len(h), bool))
-    raise TallyError(f"documents {p}: no content_hash, record_key or tokens column (has "
-                     f"{', '.join(names)})")
+    raise TallyError(f"documents {p}: no content_hash, record_key, tokens or text column "
+                     f"(has {', '.join(names)}; a text column of another name: --text-field)")
 
 
 def load_document_tokens(path: str | Path, eos: int, manifest: ManifestHashes
@@ -339,15 +442,20 @@ def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
 # ---- documents x records x runs ---------------------------------------------------------------
 
 def join(docs_hash: np.ndarray, doc: np.ndarray, key: np.ndarray, index: ManifestHashes,
-         consumed: dict[str, pa.Table]) -> pa.Table:
+         consumed: dict[str, pa.Table], doc_ids: list[str | None] | None = None) -> pa.Table:
     """One row per document, matched record and run (a document without a match: one row per
-    run with a null record key), in document, record and run order."""
+    run with a null record key), in document, record and run order. `doc_ids`: each
+    document's own id (`document_id`); `doc_id` is the matched record's, the corpus'."""
     unmatched = np.setdiff1d(np.arange(len(docs_hash)), doc)
+    order = np.concatenate([doc, unmatched]).astype(np.int64)
     pairs = pa.table({
-        "document": np.concatenate([doc, unmatched]).astype(np.int64),
+        "document": order,
+        "document_id": pa.array([doc_ids[i] for i in order.tolist()] if doc_ids is not None
+                                else [None] * len(order), pa.string()),
         "content_hash": np.concatenate([docs_hash[doc], docs_hash[unmatched]]),
         "record_key": pa.concat_arrays([pa.array(key, pa.int64()),
                                         pa.nulls(len(unmatched), pa.int64())]),
+        "doc_id": pa.array(index.doc_ids(key) + [None] * len(unmatched), pa.string()),
         "split": pa.array(index.names("split", key) + [None] * len(unmatched), pa.string()),
         "domain": pa.array(index.names("domain", key) + [None] * len(unmatched), pa.string()),
     })
@@ -361,7 +469,8 @@ def join(docs_hash: np.ndarray, doc: np.ndarray, key: np.ndarray, index: Manifes
         for name, t in (("pairs", pairs), ("runs", runs), ("found", found)):
             con.register(name, t)
         return con.sql("""
-            SELECT p.document, p.content_hash, p.record_key, p.split, p.domain, r.run_id,
+            SELECT p.document, p.document_id, p.content_hash, p.record_key, p.doc_id, p.split,
+                   p.domain, r.run_id,
                    coalesce(f.exposures, 0) AS exposures, f.first_step, f.last_step, f.hosts,
                    f.epochs
             FROM pairs p CROSS JOIN runs r
@@ -417,9 +526,13 @@ def summarize(table: pa.Table, documents: int, run_ids: list[str]) -> dict[str, 
 
 def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: str | Path,
              spool: str | Path | None = None, ledger: str | Path | None = None,
-             eos_token_id: int | None = None) -> dict:
+             eos_token_id: int | None = None, text_field: str = "text", id_field: str = "id",
+             tokenizer: str | os.PathLike | None = None) -> dict:
     """Documents -> matched records -> each run's exposures; writes OUT/exposure.parquet and
     OUT/exposure.json, returns the latter's content.
+
+    Documents given as text (`text_field`, `id_field`) are hashed under the manifest's
+    content basis; one hashed as token ids of a tokenizer needs that tokenizer (`tokenizer`).
 
     With `eos_token_id`, the manifest is an OLMo mix's (built from its index) and a document
     matches the instances that hold its tokens: every run of tokens between two EOS tokens of
@@ -437,7 +550,8 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
     index = ManifestHashes.load(manifest)
     occurrences = None
     if eos_token_id is None:
-        docs_ = load_documents(docs, index)
+        docs_ = load_documents(docs, index, text_field=text_field, id_field=id_field,
+                               tokenizer=tokenizer)
         doc, key = index.match(docs_.content_hash[docs_.known])
         doc = np.flatnonzero(docs_.known)[doc]
     else:
@@ -460,7 +574,7 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
                 # What ingest set aside, counted as the spool's reader counts it.
                 left_out[r] = files_left_out(quarantined_of(cur, r), [], 0)
                 replayed[r] = replayed_of(cur, run)["replayed"]
-    table = join(docs_.content_hash, doc, key, index, consumed)
+    table = join(docs_.content_hash, doc, key, index, consumed, docs_.ids)
     per_run = summarize(table, len(docs_), runs)
     findings = Findings()
     for r, facts in per_run["runs"].items():
@@ -473,7 +587,8 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
     result = {
         "exposure_version": EXPOSURE_VERSION,
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "docs": {"path": docs_.path, "kind": docs_.kind, "by": docs_.by},
+        "docs": {"path": docs_.path, "kind": docs_.kind, "by": docs_.by,
+                 **({"content_basis": docs_.basis} if docs_.basis else {})},
         "manifest": {"path": str(manifest), "fingerprint": index.fingerprint,
                      "records": index.records},
         "source": {"kind": "spool" if spool is not None else "ledger",
@@ -483,6 +598,9 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
         "matched": int(len(distinct(doc))),
         "matched_records": int(len(distinct(key))),
         **per_run,
+        # The matched records, each named by its key and the corpus' own id (doc_id; null in
+        # a manifest without one), the first EXAMPLES of them.
+        "matches": _matches(table),
         "findings": findings.to_list(),
     }
     if occurrences is not None:  # documents found inside an OLMo mix
@@ -493,6 +611,26 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
     pq.write_table(table, out / "exposure.parquet")
     (out / "exposure.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+EXAMPLES = 100  # matched (document, record) pairs exposure.json names; the table has all
+
+
+def _matches(table: pa.Table) -> list[dict[str, Any]]:
+    """The first EXAMPLES matched (document, record) pairs: the document (index, own id), the
+    record (key, the corpus' doc_id) and its exposures per run."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in table.filter(pc.is_valid(table["record_key"])).select(
+            ["document", "document_id", "record_key", "doc_id", "run_id", "exposures"]
+            ).to_pylist():
+        pair = (r["document"], r["record_key"])
+        if pair not in out:
+            if len(out) == EXAMPLES:
+                break
+            out[pair] = {k: r[k] for k in ("document", "document_id", "record_key", "doc_id")
+                         } | {"exposures": {}}
+        out[pair]["exposures"][r["run_id"]] = r["exposures"]
+    return list(out.values())
 
 
 def _inside_mix(manifest: ManifestHashes, docs: str | Path, eos: int

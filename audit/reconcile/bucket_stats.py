@@ -126,6 +126,7 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     out.exposure_counts = bincount(e_train)  # records seen e times, by e
     out.hash_checked = int(full.sum())
     out.hash_unverifiable = int(len(full) - full.sum())
+    out.hash_overlong = int((starts & (c["n_tokens"] > man["n_tokens"][j])).sum())
     out.hash_mismatches = int(mismatch.sum())
     out.heldout_consumed_records = int(((exposures > 0) & ~train).sum())
     out.heldout_exposures = int(exposures[~train].sum())

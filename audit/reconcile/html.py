@@ -700,6 +700,15 @@ def _replayed_banner(r: dict[str, Any]) -> str:
            f"<strong>{what}</strong></p>\n"
 
 
+def _basis_line(integ: dict[str, Any]) -> str:
+    """One line: what the content-hash figures rest on (the manifest's content basis)."""
+    basis = integ.get("content_basis")
+    if not basis:
+        return ""
+    return (f'<p data-fact="content basis">content hashes over '
+            f'{_e(basis["description"])}.</p>')
+
+
 def findings_html(found: list[dict[str, Any]], links: Links | None = None) -> str:
     if not found:
         return ('<ul class="findings"><li>No findings: every train record was seen as often '
@@ -920,7 +929,7 @@ if r['at_step'] is not None else ''}. {_links_note(links, api)}</small></p>
 <section id="integrity"><h2>Integrity</h2><p>unknown keys {integ['unknown_keys']:,};
 content-hash mismatches {integ['hash_mismatches']:,} of {integ['hash_checked']:,} checked
 ({integ['hash_unverifiable']:,} partial segments not checkable); held-out records consumed
-{integ['heldout_consumed_records']:,}.</p></section>
+{integ['heldout_consumed_records']:,}.</p>{_basis_line(integ)}</section>
 <p><small>Tally report v{r['report_version']}, generated {r['generated_at']}.</small></p>
 {provenance_html(r.get('provenance'))}
 </body></html>"""

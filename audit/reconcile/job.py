@@ -454,7 +454,8 @@ def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
                          finished=inputs.finished, milestones=inputs.milestones,
                          metric_files=inputs.metric_files,
                          replayed_files=inputs.replayed_files,
-                         segment_files=inputs.segment_files, host_ids=inputs.host_ids)
+                         segment_files=inputs.segment_files, host_ids=inputs.host_ids,
+                         content_bases=inputs.content_bases)
         parts = work / "records"
         bar.stage("key buckets", total=plan.buckets + 1,
                   count=lambda: sum(1 for _ in parts.glob("part-*.parquet")))

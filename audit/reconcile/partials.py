@@ -213,6 +213,9 @@ class Partial(Mergeable):
     exposure_counts: np.ndarray = summed(_empty)  # train records seen e times, by e
     hash_checked: int = summed()
     hash_unverifiable: int = summed()
+    # Of those, record starts longer than the manifest's whole record: no correct loop makes
+    # one (a segment is a part of its record), so the loop's records are not the manifest's.
+    hash_overlong: int = summed()
     hash_mismatches: int = summed()
     heldout_consumed_records: int = summed()
     heldout_exposures: int = summed()

@@ -117,6 +117,10 @@ class Plan:
     # that exist: by host number, one file of host 65,535 sized the overlap 65,536 x 65,536
     # (32 GiB) and the report listed 65,536 hosts.
     host_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # What content hashes are taken over (pipeline.text.ContentBasis, JSON): the manifest's
+    # ("": token ids), and each the run's files said, distinct, in file order (none: unknown).
+    content_basis: str = ""
+    run_content_bases: list[str] = field(default_factory=list)
 
     def host_index(self, host: np.ndarray) -> np.ndarray:
         """The positions of hosts (numbers of hosts in `host_ids`) in `host_ids`."""
@@ -153,6 +157,8 @@ class Inputs:
     segment_files: int | None = None
     # The hosts with segment rows (None: the hosts of `files`, a spool's).
     host_ids: list[int] | None = None
+    # The content bases (JSON) the run's files said, distinct, in file order; none: unknown.
+    content_bases: list[str] = field(default_factory=list)
 
 
 def _footer(f: sp.SpoolFile) -> dict[str, str]:
@@ -169,6 +175,7 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
     step) of a file before it, the rule ingest applies (each host-step counts once)."""
     files, attempts, fingerprint, left_out, metric_files = [], {}, None, [], []
+    bases: dict[str, None] = {}  # the run's content bases, distinct, in file order
     replayed: set[str] = set()  # paths of replayed files
     kept: dict[tuple[int, int], list[tuple[int, int, str]]] = {}  # (attempt, host) -> ranges
     listed = [f for f, _ in sp.scan(spool)]
@@ -202,6 +209,8 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
             info["first_step"] = min(info["first_step"], first)
             info["rows"] = info.get("rows", 0) + rows
             fingerprint = fingerprint or md.get("tally.manifest_fingerprint") or None
+            if md.get(f"{sp.META_PREFIX}content_basis"):
+                bases[md[f"{sp.META_PREFIX}content_basis"]] = None
             if sp.is_replayed(md, sp.META_PREFIX):
                 replayed.add(str(f.path))
         except Exception:
@@ -224,7 +233,7 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
     # Replayed files counted among those read (a duplicate left out counts once, in its twin).
     return Inputs(files, attempts, fingerprint, left_out, metric_files=metric_files,
                   replayed_files=sum(f.path in replayed for f in files),
-                  segment_files=len(files))
+                  segment_files=len(files), content_bases=list(bases))
 
 
 MILESTONE_LOSSES = ("heldout_loss", "train_loss")
@@ -342,6 +351,7 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
                            [run_id])
         if not run:
             raise TallyError(f"run {run_id!r} is not in ledger {ledger_path}")
+        basis = ledger.run_content_basis(run[0]["run"])
         rows = ledger.query("""
             SELECT a.attempt, a.resumed_from_step, a.host_count, min(h.step) AS first_step,
                    max(h.step) AS last_step, coalesce(sum(h.segments), 0) AS rows
@@ -383,7 +393,8 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
              np.asarray(losses["c"], np.int64)[names == n]) for n in MILESTONE_LOSSES]
     return Inputs(files, attempts, run[0]["manifest_fingerprint"], quarantined, non_finite,
                   finished, milestones(sums), replayed_files=marked["replayed_files"],
-                  segment_files=marked["segment_files"], host_ids=host_ids)
+                  segment_files=marked["segment_files"], host_ids=host_ids,
+                  content_bases=[basis] if basis else [])
 
 
 def check_span(what: str, first: int, last: int, memory_gb: float, job: str) -> None:
@@ -416,7 +427,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
               milestones: list[dict[str, Any]] | None = None,
               metric_files: list[sp.SpoolFile] | None = None, replayed_files: int = 0,
               segment_files: int | None = None, host_ids: list[int] | None = None,
-              job: str = "reconcile") -> Plan:
+              job: str = "reconcile", content_bases: list[str] | None = None) -> Plan:
     """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
     `memory_gb`) sets the key range each bucket covers, and bounds the span of steps the `job`
     (reconcile, diff) keeps per-step series over (check_span). `host_ids`: the hosts with
@@ -450,6 +461,8 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     plan.replayed_files = replayed_files
     plan.segment_files = len(files) if segment_files is None else segment_files
     plan.host_ids = ids
+    plan.content_basis = info.get("content_basis", "")
+    plan.run_content_bases = list(content_bases or [])
     last = max([a["last_step"] for a in attempts.values()] + [0])
     if at_step is not None:
         last = min(last, at_step)

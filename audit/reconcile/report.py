@@ -20,7 +20,7 @@ from audit.reconcile import host_steps, loss
 from audit.reconcile.html import render_html, segment_files, step_or_none
 from audit.reconcile.partials import EXAMPLES, Partial, Spans
 from audit.reconcile.plan import Plan
-from audit.reconcile.verdict import findings
+from audit.reconcile.verdict import basis_differences, findings
 
 REPORT_VERSION = 1
 
@@ -156,9 +156,16 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
         "epochs": _epochs(merged, plan, n, last),
         "domains": domains,
         "sources": sources,
-        "integrity": {k: int(getattr(merged, k)) for k in (
+        "integrity": {**{k: int(getattr(merged, k)) for k in (
             "unknown_keys", "unknown_segments", "hash_checked", "hash_mismatches",
-            "hash_unverifiable", "heldout_consumed_records", "heldout_exposures")},
+            "hash_unverifiable", "hash_overlong", "heldout_consumed_records",
+            "heldout_exposures")},
+            # What the content-hash figures rest on: the manifest's basis.
+            "content_basis": _basis(plan.content_basis)},
+        # The run's basis as its spool said it ([]: it did not say) and how it differs.
+        "content_basis": {"run": [_basis(b) for b in plan.run_content_bases],
+                          "differences": basis_differences(plan.content_basis,
+                                                           plan.run_content_bases)},
         "examples": {"unknown": merged.unknown_examples,
                      "hash_mismatch": merged.hash_mismatch_examples,
                      "heldout": merged.heldout_examples,
@@ -184,6 +191,19 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
         "domains": pa.Table.from_pylist(domains) if domains else pa.table({}),
     }
     return report, tables
+
+
+def _basis(raw: str) -> dict[str, Any]:
+    """A content basis (JSON, pipeline.text.ContentBasis) as the report says it."""
+    from audit.core.errors import CorpusError
+    from pipeline.text import ContentBasis
+
+    try:
+        b = ContentBasis.from_json(raw)
+    except CorpusError as exc:
+        return {"kind": None, "description": str(exc)}
+    return {"kind": b.kind, "description": b.describe(),
+            **{k: v for k, v in json.loads(b.to_json()).items() if k != "kind"}}
 
 
 def _loss(merged: Partial, plan: Plan, exposures_by_step: np.ndarray, n: int,

@@ -53,11 +53,46 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
             f"{integ['unknown_keys']:,} consumed record keys are not in the manifest "
             f"({integ['unknown_segments']:,} segments): the loader read another corpus, or the "
             "manifest is stale", keys=integ["unknown_keys"])
-    if integ["hash_mismatches"]:
+    differ = (r.get("content_basis") or {}).get("differences") or []
+    if differ:
+        # Every consumed hash was taken over something else than the manifest's: the hash
+        # mismatches are this one cause, not content drift (no hash_mismatch flood below).
+        basis = integ.get("content_basis") or {}
+        said = [f"{integ['hash_mismatches']:,} of {integ['hash_checked']:,} consumed records' "
+                "hashes differ"] if integ["hash_checked"] else []
+        if integ["hash_unverifiable"]:  # another length than the record's: not checkable
+            said.append(f"{plural(integ['hash_unverifiable'], 'segment')} "
+                        f"{'is' if integ['hash_unverifiable'] == 1 else 'are'} of another "
+                        "length than the manifest's record and could not be checked")
+        add("FAIL", "manifest_mismatch",
+            f"the run hashes its records otherwise than the manifest ({'; '.join(differ)}; the "
+            f"manifest hashes {basis.get('description', 'token ids')}): because of it, "
+            f"{' and '.join(said) or 'no consumed record could be checked'}. Rebuild the "
+            "manifest with the run's tokenizer and settings (tally manifest --tokenizer ...), "
+            "or hash in the loop as the manifest does",
+            differences=differ, mismatches=integ["hash_mismatches"],
+            unverifiable=integ["hash_unverifiable"])
+    elif integ["hash_mismatches"]:
         add("FAIL", "hash_mismatch",
             f"{integ['hash_mismatches']:,} consumed records differ from the manifest's content "
             "hash: the corpus files changed after the manifest was built",
             mismatches=integ["hash_mismatches"])
+    starts_seen = total + integ["heldout_exposures"]
+    if not differ and integ.get("hash_overlong", 0) * 2 >= max(1, starts_seen):
+        # The run did not say how it hashes, and most of its record starts are longer than
+        # the manifest's whole record, which no loop reading these records makes: its rows
+        # count padding as tokens, or it tokenizes otherwise (an EOS or BOS added). The
+        # coverage stands; the hashes cannot be checked. A few such starts are left to the
+        # integrity figures (synthetic spools make them; a systematic cause makes most).
+        k = integ["hash_overlong"]
+        add("WARN", "records_longer",
+            f"{k:,} of the run's record starts are longer than the manifest's whole record "
+            "(its n_tokens), so their content hashes could not be checked: the loop counts "
+            "padding as tokens (give the batch's tokens_segment_ids or a padding mask), or its "
+            "records are not the manifest's (a BOS or EOS added, another tokenizer: build the "
+            "manifest with the run's settings, tally manifest --tokenizer ... --eos-id ..., "
+            "and say them in the loop, LedgerWriter content_basis=)",
+            overlong=k, unverifiable=integ["hash_unverifiable"])
     if integ["heldout_consumed_records"]:
         add("FAIL", "heldout_leak",
             f"{integ['heldout_consumed_records']:,} held-out records were trained on "
@@ -76,6 +111,24 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
     if n and not total:
         add("WARN", "nothing_consumed", "no train record has been consumed yet")
     return [f.to_dict() for f in evidence.attach(out, r, steps)]
+
+
+def basis_differences(manifest_basis: str, run_bases: list[str]) -> list[str]:
+    """How the run's content bases (JSON, pipeline.text.ContentBasis; none: unknown, never a
+    difference) differ from the manifest's ("": token ids), in words."""
+    from audit.core.errors import CorpusError
+    from pipeline.text import ContentBasis
+
+    want = ContentBasis.from_json(manifest_basis, "the manifest")
+    out: list[str] = []
+    for raw in run_bases:
+        try:
+            got = ContentBasis.from_json(raw, "the run's spool")
+        except CorpusError as exc:
+            out.append(str(exc))
+            continue
+        out += [d for d in want.differences(got) if d not in out]
+    return out
 
 
 def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:

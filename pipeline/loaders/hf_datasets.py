@@ -1,0 +1,259 @@
+"""Hugging Face `datasets` fed through a torch DataLoader, audited in one line.
+
+    ds = Dataset.load_from_disk(DIR).with_format("torch")
+    node = split_dataset_by_node(ds, rank, world_size)           # or the whole of ds
+    loader = DataLoader(node, batch_size=B, ...)
+    loader = hf_datasets.audited(loader, "spool", "exp1", full=ds, rank=rank,
+                                 world_size=world_size)
+    for batch in loader: ...                       # the same batches, same objects, same order
+
+**A map-style `Dataset`**: the loader's sampler indexes the node's dataset, so the audit is
+torch's (`pipeline.loaders.torch_loader`) with one key mapping: a node-local index back to the
+row's index in the dataset that was split (`full`). `split_dataset_by_node` on a map-style
+dataset is `full.shard(world_size, rank, contiguous=True)` (datasets' arrow_dataset.py,
+checked on 5.0.1): with div, mod = divmod(len(full), world_size), node `rank` holds rows
+div * rank + min(rank, mod) onward, div (+ 1 while rank < mod) of them; `contiguous=False` is
+rows rank, rank + world_size, ... (`NodeKeys`). The split is not readable from the node's
+dataset itself (a contiguous `select` slices the table and keeps no offset), so `full`,
+`rank` and `world_size` are given, and a node whose length is not the shard's is refused.
+`split_dataset_by_node(full, rank, world_size)` here does datasets' split and marks the node
+(`tally_record_keys`, `tally_records_per_epoch`), so that a `tally replay` loader factory that
+builds its loader on it replays the same keys (torch_loader's replay reads the marks).
+
+**An `IterableDataset`** (`to_iterable_dataset(num_shards=K)`, `split_dataset_by_node`,
+`shuffle`, its `state_dict` / `load_state_dict`, a torchdata StatefulDataLoader over it): its
+examples come from the dataset's own iterator, in workers or not, with no sampler to read; its
+`state_dict` counts Arrow chunks and rebatching, not examples. So the record key is carried by
+the example: an index column added to the map-style dataset before it becomes iterable and
+before any shuffle (the user's one line, `ds = ds.map(lambda _, i: {"tally_key": i},
+with_indices=True)`), read from each batch (`key_field`). Steps count the batches the loop got;
+`state_dict()` is the loader's (or, for a plain DataLoader, the dataset's) with the next step
+added (`tally_step`), so a restore continues steps, and keys come with the examples.
+
+Content hashed, as torch_loader does: the batch's tokens (`tokens_field`, `mask_field`), or the
+manifest's hashes (`hashes=PATH`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import datasets
+    from datasets.distributed import split_dataset_by_node as _hf_split
+except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
+    raise ModuleNotFoundError(f"pipeline.loaders.hf_datasets needs the hf extra "
+                              f"({_exc.name} is not installed): pip install 'tally[hf]'",
+                              name=_exc.name) from None
+
+from pipeline.loaders import (
+    AttachError,
+    Consumed,
+    Hashes,
+    Tokens,
+    field,
+    hand_over,
+    leading_rows,
+    torch_loader,
+)
+
+KEY_FIELD = "tally_key"
+STEP_KEY = "tally_step"
+
+
+# ---- map-style: node-local index -> the index in the dataset that was split ------------------
+
+class NodeKeys:
+    """Node `rank`'s indices -> indices of the `n`-row dataset split over `world_size` nodes,
+    as `Dataset.shard(world_size, rank, contiguous)` took them (vectorised, picklable)."""
+
+    def __init__(self, n: int, rank: int, world_size: int, contiguous: bool = True) -> None:
+        if not 0 <= rank < world_size:
+            raise AttachError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.n, self.rank, self.world_size, self.contiguous = n, rank, world_size, contiguous
+        div, mod = divmod(n, world_size)
+        if contiguous:
+            self.start = div * rank + min(rank, mod)
+            self.length = div + (1 if rank < mod else 0)
+        else:
+            self.start, self.length = rank, len(range(rank, n, world_size))
+
+    def __call__(self, idx: Any) -> np.ndarray:
+        idx = np.asarray(idx, np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.length):
+            raise AttachError(f"node index {int(idx.max())} beyond node {self.rank}'s "
+                              f"{self.length} rows")
+        if self.contiguous:
+            return self.start + idx
+        return self.rank + self.world_size * idx
+
+
+def mark(node: Any, n: int, rank: int, world_size: int, contiguous: bool = True) -> Any:
+    """Mark `node` (datasets' shard `rank` of `world_size` of an `n`-row dataset) with its key
+    mapping and the whole dataset's size, which torch_loader reads live and in replay."""
+    keys = NodeKeys(n, rank, world_size, contiguous)
+    if len(node) != keys.length:
+        raise AttachError(f"the node's dataset has {len(node)} rows; shard {rank} of "
+                          f"{world_size} of a {n}-row dataset has {keys.length} (give the "
+                          "dataset that was split as full=, and the same rank / world_size)")
+    node.tally_record_keys = keys
+    node.tally_records_per_epoch = n
+    return node
+
+
+def split_dataset_by_node(dataset: Any, rank: int, world_size: int) -> Any:
+    """datasets' `split_dataset_by_node`; a map-style node comes back marked (see `mark`)."""
+    node = _hf_split(dataset, rank=rank, world_size=world_size)
+    if isinstance(dataset, datasets.Dataset):
+        mark(node, len(dataset), rank, world_size)
+    return node
+
+
+# ---- IterableDataset: the key carried by the example -----------------------------------------
+
+class AuditedIterableLoader:
+    """A DataLoader over a `datasets.IterableDataset` whose batches are recorded as the loop
+    gets them: record keys from the batch's `key_field`. Everything else is the loader's."""
+
+    def __init__(self, loader: Any, writer: Any, *, host: int, start_step: int = 0,
+                 key_field: str = KEY_FIELD, key_of: Callable | None = None,
+                 tokens_field: str | int | None = "input_ids",
+                 mask_field: str | int | None = None, hashes: Any = None) -> None:
+        self.loader, self.writer, self.host = loader, writer, host
+        self.next_step = start_step
+        self.key_field, self.key_of = key_field, key_of
+        self.tokens_field, self.mask_field, self.hashes = tokens_field, mask_field, hashes
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            self._record(batch)
+            yield batch
+
+    def _record(self, batch: Any) -> None:
+        if not hasattr(batch, "keys") or self.key_field not in batch:
+            raise AttachError(f"the batch has no {self.key_field!r} field: add the row index "
+                              "to the map-style dataset before it becomes iterable (and before "
+                              f"any shuffle): ds = ds.map(lambda _, i: {{{self.key_field!r}: i}}"
+                              ", with_indices=True)")
+        idx = np.asarray(batch[self.key_field], np.int64).reshape(-1)
+        rows = leading_rows(batch)
+        if rows is not None and rows != len(idx):
+            raise AttachError(f"the batch has {rows} rows and {len(idx)} keys")
+        step, self.next_step = self.next_step, self.next_step + 1
+        epoch = getattr(self.loader.dataset, "epoch", -1)
+        epoch = epoch if isinstance(epoch, int) else -1
+        if self.hashes is not None:
+            hashes = self.hashes
+            content: Any = lambda keys: Hashes(*hashes.lookup(keys))  # noqa: E731
+        else:
+            mask = None if self.mask_field is None else field(batch, self.mask_field)
+            content = Tokens(field(batch, self.tokens_field), mask)
+        key_of, host = self.key_of, self.host
+
+        def consumed() -> Consumed:  # on the writer's thread
+            keys = idx if key_of is None else np.asarray(key_of(idx), np.int64).reshape(-1)
+            return Consumed(step, host, keys, content, np.full(len(idx), epoch, np.int64))
+
+        hand_over(self.writer, step, consumed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state (a StatefulDataLoader's), else the dataset's; plus the next step.
+        Taken between batches of a plain DataLoader it is exact only without workers."""
+        if callable(getattr(self.loader, "state_dict", None)):
+            state = dict(self.loader.state_dict())
+        else:
+            state = {"dataset": self.loader.dataset.state_dict()}
+        state[STEP_KEY] = self.next_step
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        step = state.pop(STEP_KEY, None)
+        if step is not None:
+            self.next_step = int(step)
+        if callable(getattr(self.loader, "load_state_dict", None)):
+            self.loader.load_state_dict(state)
+        else:
+            self.loader.dataset.load_state_dict(state["dataset"])
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+# ---- the one line ----------------------------------------------------------------------------
+
+def audited(loader: Any, spool: Any, run_id: str | None = None, *, full: Any = None,
+            rank: int | None = None, world_size: int | None = None, contiguous: bool = True,
+            host: int | None = None, host_count: int | None = None, start_step: int = 0,
+            key_of: Callable[[np.ndarray], np.ndarray] | None = None,
+            key_field: str = KEY_FIELD, tokens_field: str | int | None = "input_ids",
+            mask_field: str | int | None = None, hashes: Any = None,
+            **options: Any) -> Any:
+    """`loader` (a torch DataLoader or torchdata StatefulDataLoader over a `datasets.Dataset`
+    or `datasets.IterableDataset`), recording every batch it hands out (see the module's doc).
+
+    Map-style: `full`, `rank`, `world_size` (and `contiguous`) say how the loader's dataset was
+    split from `full` (omit them for the whole dataset, or use this module's
+    `split_dataset_by_node`); record key = the row's index in `full`, or `key_of(that index)`.
+    Iterable: record key = the batch's `key_field`, or `key_of(it)`. `host` / `host_count`
+    default to `rank` / `world_size`; the rest is torch_loader.audited's (a spool directory or a
+    LedgerWriter, run_id, start_step, tokens_field, mask_field, hashes, writer options)."""
+    from audit.hook.writer import LedgerWriter
+
+    dataset = getattr(loader, "dataset", None)
+    host = rank if host is None else host
+    host_count = world_size if host_count is None else host_count
+    if isinstance(dataset, datasets.Dataset):
+        if full is not None or rank is not None or world_size is not None:
+            if full is None or rank is None or world_size is None:
+                raise AttachError("a split dataset: give full= (the dataset that was split), "
+                                  "rank= and world_size= together")
+            mark(dataset, len(full), rank, world_size, contiguous)
+        node_keys = getattr(dataset, "tally_record_keys", None)
+        keys: Callable | None = node_keys
+        if key_of is not None:
+            keys = key_of if node_keys is None else (lambda i: key_of(node_keys(i)))
+        if not isinstance(spool, LedgerWriter):
+            options.setdefault("records_per_epoch",
+                               getattr(dataset, "tally_records_per_epoch", len(dataset)))
+        return torch_loader.audited(loader, spool, run_id, host=host, host_count=host_count,
+                                    start_step=start_step, key_of=keys,
+                                    tokens_field=tokens_field, mask_field=mask_field,
+                                    hashes=hashes, **options)
+    if not isinstance(dataset, datasets.IterableDataset):
+        raise AttachError(f"expected a DataLoader over a datasets.Dataset or IterableDataset, "
+                          f"got one over {type(dataset).__name__} (use "
+                          "pipeline.loaders.torch_loader for a torch Dataset)")
+    writer = spool
+    if isinstance(spool, LedgerWriter):
+        host = spool.host if host is None else host
+    else:
+        distributed = getattr(dataset, "_distributed", None)
+        if host is None and distributed is not None:
+            host, host_count = distributed.rank, distributed.world_size
+        if host is None or host_count is None:
+            raise AttachError("give host= and host_count= (or rank= and world_size=, or a "
+                              "LedgerWriter)")
+        if run_id is None:
+            raise AttachError("audited(loader, spool, run_id): a spool directory needs a run id")
+    if isinstance(hashes, (str, os.PathLike)):
+        from pipeline.grain_attach import ManifestHashes
+
+        hashes = ManifestHashes(hashes)
+    if not isinstance(spool, LedgerWriter):
+        if hashes is not None:
+            options.setdefault("manifest_fingerprint", hashes.fingerprint)
+            basis = getattr(hashes, "content_basis", "")
+            if basis:
+                options.setdefault("content_basis", basis)
+        writer = LedgerWriter(Path(spool), run_id, host=host, host_count=host_count, **options)
+    return AuditedIterableLoader(loader, writer, host=host, start_step=start_step,
+                                 key_field=key_field, key_of=key_of, tokens_field=tokens_field,
+                                 mask_field=mask_field, hashes=hashes)

@@ -1,0 +1,264 @@
+"""Hugging Face `datasets` through a torch DataLoader, audited in one line
+(pipeline.loaders.hf_datasets): map-style nodes of `split_dataset_by_node` record each row's
+index in the dataset that was split (truth read back from the tokens), reconcile over the
+`tally manifest` of the saved dataset is PASS, and `tally replay` writes the same rows; an
+IterableDataset records the key its examples carry, a StatefulDataLoader restore continues it
+exactly, and ranks that forget `split_dataset_by_node` are named by reconcile with their numbers
+next to the same setup split (PASS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+torch = pytest.importorskip("torch")
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("torchdata")
+
+from datasets.distributed import split_dataset_by_node  # noqa: E402
+from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+
+from pipeline.loaders import AttachError, hf_datasets  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 8
+
+
+def record_tokens(i: int) -> list[int]:
+    return np.random.default_rng(9_000 + i).integers(1, 50_000, SEQ).tolist()
+
+
+def token_dataset(n: int, keyed: bool = False) -> datasets.Dataset:
+    ds = datasets.Dataset.from_dict({"input_ids": [record_tokens(i) for i in range(n)]})
+    if keyed:  # the user's one line for an IterableDataset: the row index, before any shuffle
+        ds = ds.map(lambda _, i: {"tally_key": i}, with_indices=True)
+    return ds
+
+
+def saved(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "hf"
+    if not path.exists():
+        token_dataset(n).save_to_disk(str(path), num_shards=2)
+    return path
+
+
+def truth(batch: dict, by_tokens: dict) -> list[int]:
+    return [by_tokens[tuple(row.tolist())] for row in batch["input_ids"]]
+
+
+def by_tokens_of(n: int) -> dict:
+    return {tuple(record_tokens(i)): i for i in range(n)}
+
+
+def spool_table(spool: Path, run: str = "r") -> pa.Table:
+    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
+    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
+    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
+    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
+                                   ("row", "ascending")])
+
+
+def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})})
+
+
+def tally_manifest(dataset_dir: Path, out: Path) -> Path:
+    r = tally("manifest", str(dataset_dir), "-o", str(out), "-q", "--tokens-field", "input_ids")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def reconcile(spool: Path, m: Path, out: Path) -> dict:
+    r = tally("reconcile", "--spool", str(spool), "--manifest", str(m), "--run", "r", "-o",
+              str(out), "-q", "--json")
+    assert r.returncode in (0, 1), r.stderr
+    return json.loads((out / "report.json").read_text())
+
+
+def make_loader(host: int, hosts: int) -> DataLoader:
+    """The factory `tally replay --loader tests.test_hf_loader:make_loader` calls: node `host`
+    of the saved dataset, split and marked by hf_datasets.split_dataset_by_node."""
+    full = datasets.load_from_disk(os.environ["TALLY_TEST_HF"]).with_format("torch")
+    node = hf_datasets.split_dataset_by_node(full, host, hosts)
+    return DataLoader(node, batch_size=4, sampler=RandomSampler(
+        node, generator=torch.Generator().manual_seed(17 + host)))
+
+
+def test_node_keys_are_datasets_shards():
+    """NodeKeys gives each node's rows as Dataset.shard (split_dataset_by_node) takes them."""
+    for n in (4, 7, 10, 101):  # datasets refuses an empty shard (n < world size)
+        ds = datasets.Dataset.from_dict({"i": list(range(n))})
+        for w in (1, 3, 4):
+            for r in range(w):
+                for contiguous in (True, False):
+                    node = ds.shard(w, r, contiguous=contiguous)
+                    keys = hf_datasets.NodeKeys(n, r, w, contiguous)
+                    assert keys.length == len(node)
+                    assert keys(np.arange(len(node))).tolist() == node["i"]
+
+
+def test_map_style_nodes_true_keys_reconcile_pass_and_replay(tmp_path):
+    n, hosts = 101, 3  # 34, 34, 33 rows a node
+    path = saved(tmp_path, n)
+    full = datasets.load_from_disk(str(path)).with_format("torch")
+    by_tokens = by_tokens_of(n)
+    got_all = {}
+    for h in range(hosts):
+        def loader_of(h=h):
+            node = split_dataset_by_node(full, rank=h, world_size=hosts)
+            return DataLoader(node, batch_size=4, sampler=RandomSampler(
+                node, generator=torch.Generator().manual_seed(17 + h)))
+        bare = list(loader_of())
+        loader = hf_datasets.audited(loader_of(), tmp_path / "live", "r", full=full, rank=h,
+                                     world_size=hosts, fsync=False)
+        got = list(loader)
+        loader.writer.finish()
+        assert len(got) == len(bare) == 9
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, bare,
+                                                                                   strict=True))
+        got_all[h] = got
+    t = spool_table(tmp_path / "live").to_pydict()
+    step, host, key = (np.array(t[c]) for c in ("step", "host", "record_key"))
+    for h, got in got_all.items():
+        for s, batch in enumerate(got):
+            assert key[(step == s) & (host == h)].tolist() == truth(batch, by_tokens)
+    assert sorted(key.tolist()) == list(range(n))
+
+    m = tally_manifest(path, tmp_path / "m.parquet")
+    rep = reconcile(tmp_path / "live", m, tmp_path / "rep")
+    assert rep["verdict"] == "PASS", rep["findings"]
+    assert rep["coverage"]["never_seen"] == 0
+
+    # Replay from the loader factory (the node marked by hf_datasets.split_dataset_by_node):
+    # the live spool row for row, into a spool marked replayed.
+    r = tally("replay", "--loader", "tests.test_hf_loader:make_loader", "--hosts", str(hosts),
+              "--steps", "9", "--spool", str(tmp_path / "replay"), "--run", "r", "--manifest",
+              str(m), "--json", env={"TALLY_TEST_HF": str(path)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["rows"] == n
+    assert spool_table(tmp_path / "replay").equals(spool_table(tmp_path / "live"))
+    meta = pq.read_schema(next((tmp_path / "replay").rglob("seg-*.parquet"))).metadata
+    assert meta[b"tally.replayed"] == b"1"
+    assert meta[b"tally.records_per_epoch"] == str(n).encode()  # the whole dataset's
+
+
+def test_refused_in_one_line(tmp_path):
+    full = token_dataset(10).with_format("torch")
+    node = split_dataset_by_node(full, rank=0, world_size=3)
+    with pytest.raises(AttachError, match="has 4 rows; shard 0 of 2"):
+        hf_datasets.audited(DataLoader(node, batch_size=2), tmp_path, "r", full=full, rank=0,
+                            world_size=2)
+    with pytest.raises(AttachError, match="together"):
+        hf_datasets.audited(DataLoader(node, batch_size=2), tmp_path, "r", full=full)
+    plain = token_dataset(10).to_iterable_dataset().with_format("torch")  # no key column
+    loader = hf_datasets.audited(DataLoader(plain, batch_size=2), tmp_path, "r", host=0,
+                                 host_count=1, fsync=False)
+    with pytest.raises(AttachError, match="with_indices=True"):
+        next(iter(loader))
+    loader.writer.close()
+
+
+def iterable_node(n: int, shards: int, rank: int, world: int, split: bool = True,
+                  shuffle: bool = False):
+    ds = token_dataset(n, keyed=True).to_iterable_dataset(num_shards=shards)
+    if shuffle:
+        ds = ds.shuffle(seed=5, buffer_size=16)
+    ds = ds.with_format("torch")
+    return split_dataset_by_node(ds, rank=rank, world_size=world) if split else ds
+
+
+@pytest.mark.parametrize("shards,world,shuffle,workers", [(4, 2, False, 0), (3, 2, True, 0),
+                                                          (4, 2, False, 2)])
+def test_iterable_true_keys(tmp_path, shards, world, shuffle, workers):
+    n = 50
+    by_tokens = by_tokens_of(n)
+    seen = []
+    for h in range(world):
+        bare = list(DataLoader(iterable_node(n, shards, h, world, shuffle=shuffle),
+                               batch_size=4, num_workers=workers))
+        loader = hf_datasets.audited(
+            DataLoader(iterable_node(n, shards, h, world, shuffle=shuffle), batch_size=4,
+                       num_workers=workers),
+            tmp_path, "r", fsync=False, records_per_epoch=n)  # host from the split
+        got = list(loader)
+        loader.writer.finish()
+        assert len(got) == len(bare)
+        for a, b in zip(got, bare, strict=True):
+            assert torch.equal(a["input_ids"], b["input_ids"])
+        t = spool_table(tmp_path).to_pydict()
+        step, host, key = (np.array(t[c]) for c in ("step", "host", "record_key"))
+        for s, batch in enumerate(got):
+            assert key[(step == s) & (host == h)].tolist() == truth(batch, by_tokens)
+        seen += key[host == h].tolist()
+    assert sorted(seen) == list(range(n))
+
+
+def test_iterable_state_dict_restore_continues_keys(tmp_path):
+    """A StatefulDataLoader over a split IterableDataset, saved after 5 batches and restored in
+    a new loader: the two spools together are the uninterrupted run's, row for row."""
+    n, h, world, cut = 60, 1, 2, 5
+
+    def fresh():
+        return hf_datasets.audited(StatefulDataLoader(iterable_node(n, 4, h, world),
+                                                      batch_size=3),
+                                   tmp_path / name, "r", fsync=False, records_per_epoch=n)
+
+    name = "whole"
+    whole = fresh()
+    list(whole)
+    whole.writer.close()
+    name = "a"
+    first = fresh()
+    it = iter(first)
+    for _ in range(cut):
+        next(it)
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps
+    assert state[hf_datasets.STEP_KEY] == cut
+    first.writer.close()
+    name = "b"
+    second = fresh()
+    second.load_state_dict(state)
+    list(second)
+    second.writer.close()
+    both = pa.concat_tables([spool_table(tmp_path / "a"), spool_table(tmp_path / "b")])
+    assert spool_table(tmp_path / "b")["step"].to_pylist()[0] == cut
+    assert both.equals(spool_table(tmp_path / "whole"))
+
+
+def test_forgotten_split_named_and_split_passes(tmp_path):
+    """3 shards on 2 ranks (not a multiple: datasets' skip-every-other-example fallback). Split
+    by node, the ranks read 50 records once between them: PASS. Without
+    split_dataset_by_node (datasets' documented pitfall) each rank iterates all 50: reconcile
+    names it (`no_sharding`: 50 of 50 records shared by the 2 hosts, each read twice)."""
+    n, shards, world = 50, 3, 2
+    token_dataset(n).save_to_disk(str(tmp_path / "hf"))
+    m = tally_manifest(tmp_path / "hf", tmp_path / "m.parquet")
+    for name, split in (("split", True), ("unsplit", False)):
+        for h in range(world):
+            loader = hf_datasets.audited(
+                DataLoader(iterable_node(n, shards, h, world, split=split), batch_size=5),
+                tmp_path / name, "r", host=h, host_count=world, fsync=False,
+                records_per_epoch=n)
+            list(loader)
+            loader.writer.finish()
+    ok = reconcile(tmp_path / "split", m, tmp_path / "rs")
+    assert ok["verdict"] == "PASS", ok["findings"]
+    assert ok["coverage"]["never_seen"] == 0
+    bad = reconcile(tmp_path / "unsplit", m, tmp_path / "ru")
+    assert bad["verdict"] == "FAIL", bad["findings"]
+    codes = {f["code"]: f for f in bad["findings"]}
+    assert "no_sharding" in codes, bad["findings"]
+    assert codes["no_sharding"]["numbers"]["hosts"] == world
+    assert "50 of 50 shared" in codes["no_sharding"]["message"]
+    assert bad["coverage"]["epoch_duplicate_records"] == n
+    assert bad["coverage"]["histogram"]["2"] == n and bad["coverage"]["never_seen"] == 0

@@ -1,0 +1,348 @@
+"""torch's DataLoader and torchdata's StatefulDataLoader audited in one line
+(pipeline.loaders.torch_loader): the loop gets the same batches; the spool's record keys, epochs
+and steps are what the batches held (truth read back from the tokens); a restored
+StatefulDataLoader continues them exactly, workers or not; `tally replay` writes the same rows
+from the loader factory; DistributedSampler's padding is named by reconcile with its numbers,
+and the same setup without a remainder is PASS."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchdata")
+
+from torch.utils.data import (  # noqa: E402
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
+
+from audit.core.hashing import content_hash  # noqa: E402
+from pipeline.loaders import AttachError  # noqa: E402
+from pipeline.loaders import torch_loader as tally_torch  # noqa: E402
+from pipeline.manifest_file import write_manifest_table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 8
+
+
+def record_tokens(i: int) -> np.ndarray:
+    return np.random.default_rng(7_000 + i).integers(1, 50_000, SEQ, dtype=np.int64)
+
+
+class Records(Dataset):
+    """Record i: SEQ random tokens (so the tokens name the record), padded to SEQ + 2."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        ids = np.zeros(SEQ + 2, np.int64)
+        ids[1:SEQ + 1] = record_tokens(i)  # left and right padding
+        mask = (ids != 0).astype(np.int64)
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+class EveryThird(torch.utils.data.Sampler):
+    """A user batch sampler: batches of 3 indices, strided."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        order = [i for s in range(3) for i in range(s, self.n, 3)]
+        return iter([order[k:k + 3] for k in range(0, len(order), 3)])
+
+    def __len__(self) -> int:
+        return -(-self.n // 3)
+
+
+def manifest(path: Path, n: int) -> Path:
+    keys = np.arange(n)
+    t = pa.table({"record_key": keys,
+                  "content_hash": np.array([content_hash(record_tokens(i)) for i in range(n)],
+                                           np.uint64),
+                  "n_tokens": np.full(n, SEQ, np.int32), "domain": ["web"] * n,
+                  "split": ["train"] * n, "source": ["s"] * n, "source_index": keys})
+    return write_manifest_table(t, path)
+
+
+def truth_of(batch: dict, by_tokens: dict) -> list[int]:
+    return [by_tokens[row[m.bool()].numpy().tobytes()]
+            for row, m in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
+
+
+def by_tokens_of(n: int) -> dict:
+    return {record_tokens(i).tobytes(): i for i in range(n)}
+
+
+def spool_table(spool: Path, run: str) -> pa.Table:
+    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
+    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
+    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
+    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
+                                   ("row", "ascending")])
+
+
+def make_loader(host: int, hosts: int, kind: str | None = None, n: int | None = None,
+                workers: int = 0) -> DataLoader:
+    """The factory `tally replay --loader tests.test_torch_loader:make_loader` calls."""
+    kind = kind or os.environ.get("TALLY_TEST_KIND", "distributed")
+    n = n or int(os.environ.get("TALLY_TEST_N", "203"))
+    ds = Records(n)
+    if kind == "distributed":
+        return DataLoader(ds, batch_size=4, sampler=DistributedSampler(
+            ds, num_replicas=hosts, rank=host, shuffle=True, seed=3), num_workers=workers)
+    if kind == "random":
+        return DataLoader(ds, batch_size=5, sampler=RandomSampler(
+            ds, generator=torch.Generator().manual_seed(11)), num_workers=workers)
+    if kind == "sequential":
+        return DataLoader(ds, batch_size=6, sampler=SequentialSampler(ds), num_workers=workers)
+    if kind == "batch_sampler":
+        return DataLoader(ds, batch_sampler=EveryThird(n), num_workers=workers)
+    if kind == "stateful":
+        return StatefulDataLoader(ds, batch_size=4, sampler=StatefulDistributedSampler(
+            ds, num_replicas=hosts, rank=host, shuffle=True, seed=5), num_workers=workers)
+    raise ValueError(kind)
+
+
+def run_epochs(loader, epochs: int, steps: int | None = None) -> list:
+    out = []
+    sampler = getattr(loader, "sampler", None)
+    for e in range(epochs):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(e)
+        for b in loader:
+            out.append(b)
+            if steps is not None and len(out) == steps:
+                return out
+    return out
+
+
+@pytest.mark.parametrize("kind,hosts,workers", [
+    ("distributed", 3, 0), ("random", 1, 0), ("sequential", 1, 0), ("batch_sampler", 1, 0),
+    ("stateful", 2, 0), ("distributed", 2, 2)])
+def test_same_batches_and_true_keys(tmp_path, kind, hosts, workers):
+    n, host = 203, hosts - 1
+    bare = run_epochs(make_loader(host, hosts, kind, n, workers), 2)
+    loader = tally_torch.audited(make_loader(host, hosts, kind, n, workers), tmp_path, "r",
+                                 host=host, host_count=hosts, mask_field="attention_mask",
+                                 fsync=False)
+    got = run_epochs(loader, 2)
+    loader.writer.finish()
+    assert len(got) == len(bare) == 2 * len(loader)
+    for a, b in zip(got, bare, strict=True):  # the loop's batches: unchanged
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    by_tokens = by_tokens_of(n)
+    t = spool_table(tmp_path, "r").to_pydict()
+    steps = np.array(t["step"])
+    assert sorted(set(steps.tolist())) == list(range(len(got)))
+    per_epoch = len(got) // 2
+    for s, batch in enumerate(got):
+        at = steps == s
+        assert np.array(t["record_key"])[at].tolist() == truth_of(batch, by_tokens)
+        want_epoch = s // per_epoch if kind in ("distributed", "stateful") else -1
+        assert set(np.array(t["epoch"])[at].tolist()) == {want_epoch}
+    assert set(t["n_tokens"]) == {SEQ}  # the padding mask left the padding out
+    assert set(t["host"]) == {host}
+    # Hashes from the rows' tokens are the manifest's: the integrity check holds.
+    want = {i: content_hash(record_tokens(i)) for i in range(n)}
+    assert all(want[k] == h for k, h in zip(t["record_key"], t["content_hash"], strict=True))
+
+
+def test_key_of_and_hash_sources(tmp_path):
+    n = 40
+    m = manifest(tmp_path / "m.parquet", n)
+    runs = {}
+    for name, opts in {"batch": {"mask_field": "attention_mask"},
+                       "source": {"content": "source"},
+                       "manifest": {"hashes": m}}.items():
+        loader = tally_torch.audited(make_loader(0, 1, "sequential", n), tmp_path / name, "r",
+                                     host=0, host_count=1, fsync=False, **opts)
+        run_epochs(loader, 1)
+        loader.writer.close()
+        runs[name] = spool_table(tmp_path / name, "r")
+    assert runs["manifest"].equals(runs["batch"])
+    # Read again from the dataset: the padded row as the dataset stores it (SEQ + 2 tokens).
+    assert set(runs["source"]["n_tokens"].to_pylist()) == {SEQ + 2}
+    assert runs["source"]["record_key"].equals(runs["batch"]["record_key"])
+    loader = tally_torch.audited(make_loader(0, 1, "sequential", n), tmp_path / "k", "r",
+                                 host=0, host_count=1, key_of=lambda i: i + 1000,
+                                 mask_field="attention_mask", start_step=50, fsync=False)
+    run_epochs(loader, 1)
+    loader.writer.close()
+    t = spool_table(tmp_path / "k", "r")
+    assert t["record_key"].to_pylist() == [i + 1000 for i in range(n)]
+    assert t["step"].to_pylist()[0] == 50
+
+
+def test_refused_in_one_line(tmp_path):
+    ds = Records(10)
+    cases = [(DataLoader(Stream(), batch_size=2), "IterableDataset"),
+             (DataLoader(ds, batch_size=None), "batch_size=None"),
+             (DataLoader(ds, batch_size=2, num_workers=1, in_order=False), "in_order=False")]
+    for loader, says in cases:
+        with pytest.raises(AttachError, match=says):
+            tally_torch.audited(loader, tmp_path, "r", host=0, host_count=1)
+    with pytest.raises(AttachError, match="host="):
+        tally_torch.audited(DataLoader(ds, batch_size=2), tmp_path, "r")
+    with pytest.raises(AttachError, match="generator"):
+        tally_torch.check_deterministic(DataLoader(ds, batch_size=2, shuffle=True))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_restore_continues_keys_and_steps(tmp_path, workers):
+    """Saved mid-epoch 1 (of 0, 1, 2), restored in a new loader: the restored run's rows
+    (another spool) and the rows before the save are, together, the uninterrupted run's."""
+    n, hosts, host, cut = 101, 2, 1, 19  # 13 batches an epoch: the cut is inside epoch 1
+
+    def fresh():
+        return make_loader(host, hosts, "stateful", n, workers)
+
+    whole = tally_torch.audited(fresh(), tmp_path / "whole", "r", host=host, host_count=hosts,
+                                mask_field="attention_mask", fsync=False)
+    run_epochs(whole, 3)
+    whole.writer.close()
+
+    first = tally_torch.audited(fresh(), tmp_path / "a", "r", host=host, host_count=hosts,
+                                mask_field="attention_mask", fsync=False)
+    sampler, k = first.sampler, 0
+    for e in range(3):
+        sampler.set_epoch(e)
+        for _ in first:
+            k += 1
+            if k == cut:
+                break
+        if k == cut:
+            break
+    state = first.state_dict()
+    assert state[tally_torch.STATE_KEY] == 13  # epoch 1 began at step 13
+    first.writer.close()
+    state = json.loads(json.dumps(state))  # what a checkpoint keeps
+
+    second = tally_torch.audited(fresh(), tmp_path / "b", "r", host=host, host_count=hosts,
+                                 mask_field="attention_mask", fsync=False)
+    second.load_state_dict(state)
+    for e in (1, 2):
+        second.sampler.set_epoch(e)
+        for _ in second:
+            pass
+    second.writer.close()
+    both = pa.concat_tables([spool_table(tmp_path / "a", "r"), spool_table(tmp_path / "b", "r")])
+    assert both.equals(spool_table(tmp_path / "whole", "r"))
+
+
+def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_replay_equals_live_row_for_row(tmp_path):
+    """`tally replay` with a torch loader factory: the live spool row for row, from the
+    beginning (two epochs, set_epoch between) and from saved StatefulDataLoader states."""
+    n, hosts, steps = 203, 3, 30  # 17 batches an epoch
+    for h in range(hosts):
+        loader = tally_torch.audited(make_loader(h, hosts, "distributed", n), tmp_path / "live",
+                                     "r", host=h, host_count=hosts,
+                                     mask_field="attention_mask", fsync=False)
+        run_epochs(loader, 2, steps)
+        loader.writer.close()
+    m = manifest(tmp_path / "m.parquet", n)
+    env = {"TALLY_TEST_KIND": "distributed", "TALLY_TEST_N": str(n)}
+    r = tally("replay", "--loader", "tests.test_torch_loader:make_loader", "--hosts", str(hosts),
+              "--steps", str(steps), "--spool", str(tmp_path / "replay"), "--run", "r",
+              "--manifest", str(m), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["rows"] == hosts * steps * 4
+    assert spool_table(tmp_path / "replay", "r").equals(spool_table(tmp_path / "live", "r"))
+
+    # From saved states (StatefulDataLoader, mid-epoch 0): the rest of the live run.
+    states = tmp_path / "states"
+    states.mkdir()
+    for h in range(hosts):
+        loader = tally_torch.audited(make_loader(h, hosts, "stateful", n), tmp_path / "s-live",
+                                     "r", host=h, host_count=hosts,
+                                     mask_field="attention_mask", fsync=False)
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        (states / f"dataloader_{h}-of-{hosts}.json").write_text(json.dumps(loader.state_dict()))
+        for _ in it:
+            pass
+        loader.writer.close()
+    from pipeline.replay import ReplaySpec, replay  # in process: the CLI was run above
+
+    os.environ.update({**env, "TALLY_TEST_KIND": "stateful"})
+    try:
+        done = replay(ReplaySpec(loader="tests.test_torch_loader:make_loader", hosts=hosts,
+                                 steps=12, spool=tmp_path / "s-replay", run_id="r", manifest=m,
+                                 states=states, fsync=False))
+    finally:
+        os.environ.pop("TALLY_TEST_KIND")
+        os.environ.pop("TALLY_TEST_N")
+    assert [h.first_step for h in done] == [5] * hosts
+    live = spool_table(tmp_path / "s-live", "r")
+    live = live.filter(pa.compute.greater_equal(live["step"], 5))
+    assert spool_table(tmp_path / "s-replay", "r").equals(live)
+
+
+def reconcile(spool: Path, m: Path, out: Path) -> dict:
+    r = tally("reconcile", "--spool", str(spool), "--manifest", str(m), "--run", "r", "-o",
+              str(out), "-q", "--json")
+    assert r.returncode in (0, 1), r.stderr
+    return json.loads((out / "report.json").read_text())
+
+
+def test_distributed_sampler_padding_named_and_clean_setup_passes(tmp_path):
+    """DistributedSampler(drop_last=False) over 203 records on 4 ranks pads each epoch to 204
+    with the permutation's first record again: reconcile names `padding` with that count (one a
+    epoch, two over two epochs). 200 records on 4 ranks (a multiple) is PASS."""
+    hosts, epochs = 4, 2
+    for n, name in ((203, "padded"), (200, "clean")):
+        for h in range(hosts):
+            loader = tally_torch.audited(make_loader(h, hosts, "distributed", n),
+                                         tmp_path / name, "r", host=h, host_count=hosts,
+                                         mask_field="attention_mask", fsync=False)
+            run_epochs(loader, epochs)
+            loader.writer.finish()
+        manifest(tmp_path / f"{name}.parquet", n)
+    pad = 4 - 203 % 4  # DistributedSampler's padding per epoch: 1 record
+    rep = reconcile(tmp_path / "padded", tmp_path / "padded.parquet", tmp_path / "rp")
+    codes = {f["code"]: f for f in rep["findings"]}
+    assert rep["verdict"] == "FAIL" and "padding" in codes, rep["findings"]
+    assert codes["padding"]["numbers"]["duplicates"] == pad * epochs, codes["padding"]
+    assert rep["coverage"]["epoch_duplicate_records"] <= pad * epochs
+    assert rep["coverage"]["never_seen"] == 0
+    ok = reconcile(tmp_path / "clean", tmp_path / "clean.parquet", tmp_path / "rc")
+    assert ok["verdict"] == "PASS", ok["findings"]
+    assert ok["coverage"]["never_seen"] == 0 and ok["coverage"]["epoch_duplicates"] == 0
+
+
+def test_attach_cost_benchmark_runs():
+    from bench import torch_attach_cost
+
+    res = torch_attach_cost.main(["--batches", "5", "--steps", "2", "--step-ms", "1"])
+    assert res["plain_ms"] > 0 and res["audited_ms"] > 0 and res["loop_ratio"] > 0
