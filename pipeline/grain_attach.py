@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 from audit.core.errors import TallyError
 from audit.core.hashing import as_token_array, hash_runs
 from audit.hook.segments import Segments
+from pipeline.loaders import leading_rows
 from pipeline.manifest_file import manifest_info
 
 # The operations that map one element to one element (checked by exact class or subclass).
@@ -351,19 +352,6 @@ def _inner_state(it: Any) -> dict[str, Any]:
     return json.loads(it.get_state())
 
 
-def _leading_rows(batch: Any) -> int | None:
-    """The leading dimension of the batch's first array (dicts, tuples and lists walked)."""
-    if hasattr(batch, "shape"):
-        return int(batch.shape[0]) if batch.shape else None
-    values = batch.values() if isinstance(batch, Mapping) else \
-        batch if isinstance(batch, (list, tuple)) else ()
-    for v in values:
-        rows = _leading_rows(v)
-        if rows is not None:
-            return rows
-    return None
-
-
 class AuditedIterator(Iterator[Any]):
     """The loader's iterator, recording each batch it hands out (same objects, same order).
     `get_state`, `set_state`, `save`, `load` and `start_prefetch` are the iterator's own."""
@@ -385,7 +373,7 @@ class AuditedIterator(Iterator[Any]):
             raise AttachError("the loader gave a batch after the positions its sampler holds "
                               "ran out: its length is not what Tally computed")
         indices, ordinal, _ = nxt
-        rows = _leading_rows(batch)
+        rows = leading_rows(batch)
         if rows is not None and rows != len(indices):
             raise AttachError(f"batch {ordinal} has {rows} rows, the loader's contract says "
                               f"{len(indices)}: an operation changed the element count")

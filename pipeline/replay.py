@@ -55,8 +55,8 @@ from pipeline.grain_attach import (
     contract_of,
 )
 
-ROWS_PER_FILE = 1 << 20  # ~1M rows a spool file (whole steps): ~27 MB, read in ~40 ms
-WRITER_VERSION = sp.REPLAY_WRITER_VERSION  # what readers tell a replayed file by (spool.py)
+# Rows a replayed file holds and the writer_version it says: one home for every replay.
+from pipeline.loaders.replayed import ROWS_PER_FILE, WRITER_VERSION
 
 
 class ReplayError(TallyError):

@@ -120,6 +120,31 @@ def hand_over(writer: Any, step: int, consumed: Callable[[], Consumed]) -> None:
     writer.write_segments(step, segments)
 
 
+def batch_content(batch: Any, *, hashes: Any = None, tokens_field: str | int | None = None,
+                  mask_field: str | int | None = None) -> Any:
+    """What one batch's rows are hashed from: the manifest's hashes by record key (`hashes`,
+    looked up on the writer's thread), else the batch's own tokens and optional mask."""
+    if hashes is not None:
+        return lambda keys: Hashes(*hashes.lookup(keys))
+    mask = None if mask_field is None else field(batch, mask_field)
+    return Tokens(field(batch, tokens_field), mask)
+
+
+def record(writer: Any, step: int, host: int, indices: np.ndarray, content: Any,
+           epochs: Callable[[], np.ndarray] | int,
+           key_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+    """Hand one batch to `writer`: the loader's `indices` (record keys through `key_of`) and
+    their epochs (one for all, or a function of nothing, both resolved on the writer's
+    thread)."""
+
+    def consumed() -> Consumed:
+        keys = indices if key_of is None else np.asarray(key_of(indices), np.int64).reshape(-1)
+        ep = epochs() if callable(epochs) else np.full(len(indices), epochs, np.int64)
+        return Consumed(step, host, keys, content, ep)
+
+    hand_over(writer, step, consumed)
+
+
 def field(batch: Any, name: str | int | None) -> Any:
     """batch[name] for a dict batch (or a tuple's item name), the batch itself for None."""
     if name is None:
@@ -132,6 +157,30 @@ def field(batch: Any, name: str | int | None) -> Any:
     if isinstance(batch, (list, tuple)) and isinstance(name, int):
         return batch[name]
     raise AttachError(f"cannot take field {name!r} of a {type(batch).__name__} batch")
+
+
+class SteppedLoader:
+    """An audited loader whose every other attribute is the user's loader's own, and whose
+    saved state carries the next step (STEP_KEY) beside the loader's (or dataset's) state."""
+
+    STEP_KEY = "tally_step"
+    loader: Any
+    next_step: int
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        step = state.pop(self.STEP_KEY, None)
+        if step is not None:
+            self.next_step = int(step)
+        if callable(getattr(self.loader, "load_state_dict", None)):
+            self.loader.load_state_dict(state)
+        else:
+            self.loader.dataset.load_state_dict(state.get("dataset", state))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 def leading_rows(batch: Any) -> int | None:

@@ -53,17 +53,15 @@ except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: 
 
 from pipeline.loaders import (
     AttachError,
-    Consumed,
-    Hashes,
-    Tokens,
-    field,
-    hand_over,
+    SteppedLoader,
+    batch_content,
     leading_rows,
+    record,
     torch_loader,
 )
 
 KEY_FIELD = "tally_key"
-STEP_KEY = "tally_step"
+STEP_KEY = SteppedLoader.STEP_KEY
 
 
 # ---- map-style: node-local index -> the index in the dataset that was split ------------------
@@ -116,7 +114,7 @@ def split_dataset_by_node(dataset: Any, rank: int, world_size: int) -> Any:
 
 # ---- IterableDataset: the key carried by the example -----------------------------------------
 
-class AuditedIterableLoader:
+class AuditedIterableLoader(SteppedLoader):
     """A DataLoader over a `datasets.IterableDataset` whose batches are recorded as the loop
     gets them: record keys from the batch's `key_field`. Everything else is the loader's."""
 
@@ -147,19 +145,9 @@ class AuditedIterableLoader:
         step, self.next_step = self.next_step, self.next_step + 1
         epoch = getattr(self.loader.dataset, "epoch", -1)
         epoch = epoch if isinstance(epoch, int) else -1
-        if self.hashes is not None:
-            hashes = self.hashes
-            content: Any = lambda keys: Hashes(*hashes.lookup(keys))  # noqa: E731
-        else:
-            mask = None if self.mask_field is None else field(batch, self.mask_field)
-            content = Tokens(field(batch, self.tokens_field), mask)
-        key_of, host = self.key_of, self.host
-
-        def consumed() -> Consumed:  # on the writer's thread
-            keys = idx if key_of is None else np.asarray(key_of(idx), np.int64).reshape(-1)
-            return Consumed(step, host, keys, content, np.full(len(idx), epoch, np.int64))
-
-        hand_over(self.writer, step, consumed)
+        content = batch_content(batch, hashes=self.hashes, tokens_field=self.tokens_field,
+                                mask_field=self.mask_field)
+        record(self.writer, step, self.host, idx, content, epoch, self.key_of)
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state (a StatefulDataLoader's), else the dataset's; plus the next step.
@@ -170,21 +158,6 @@ class AuditedIterableLoader:
             state = {"dataset": self.loader.dataset.state_dict()}
         state[STEP_KEY] = self.next_step
         return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        step = state.pop(STEP_KEY, None)
-        if step is not None:
-            self.next_step = int(step)
-        if callable(getattr(self.loader, "load_state_dict", None)):
-            self.loader.load_state_dict(state)
-        else:
-            self.loader.dataset.load_state_dict(state["dataset"])
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
 
 
 # ---- the one line ----------------------------------------------------------------------------

@@ -60,9 +60,15 @@ except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: 
                               f"({_exc.name} is not installed): pip install 'tally[torch]'",
                               name=_exc.name) from None
 
-from pipeline.loaders import AttachError, Consumed, Hashes, Tokens, field, hand_over, leading_rows
+from pipeline.loaders import (
+    AttachError,
+    SteppedLoader,
+    batch_content,
+    leading_rows,
+    record,
+)
 
-STEP_KEY = "tally_step"
+STEP_KEY = SteppedLoader.STEP_KEY
 
 
 # ---- streaming's own modules, imported lazily ------------------------------------------------
@@ -190,7 +196,7 @@ def check_loader(loader: Any) -> None:
 
 # ---- the audited loader ----------------------------------------------------------------------
 
-class AuditedStreamingLoader:
+class AuditedStreamingLoader(SteppedLoader):
     """A DataLoader over a StreamingDataset whose batches are recorded as the loop gets them.
     `len()`, `state_dict()`, `load_state_dict()` and every other attribute are the loader's;
     `state_dict()` adds the next step (`tally_step`)."""
@@ -236,19 +242,9 @@ class AuditedStreamingLoader:
             raise AttachError(f"step {self.next_step}: the batch has {rows} rows, streaming's "
                               f"partition {len(ids)} samples")
         step, self.next_step = self.next_step, self.next_step + 1
-        if self.hashes is not None:
-            hashes = self.hashes
-            content: Any = lambda keys: Hashes(*hashes.lookup(keys))  # noqa: E731
-        else:
-            mask = None if self.mask_field is None else field(batch, self.mask_field)
-            content = Tokens(field(batch, self.tokens_field), mask)
-        key_of, host = self.key_of, self.host
-
-        def consumed() -> Consumed:  # on the writer's thread
-            keys = ids if key_of is None else np.asarray(key_of(ids), np.int64).reshape(-1)
-            return Consumed(step, host, keys, content, np.full(len(ids), epoch, np.int64))
-
-        hand_over(self.writer, step, consumed)
+        content = batch_content(batch, hashes=self.hashes, tokens_field=self.tokens_field,
+                                mask_field=self.mask_field)
+        record(self.writer, step, self.host, ids, content, epoch, self.key_of)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -262,21 +258,6 @@ class AuditedStreamingLoader:
         state = dict(self.loader.state_dict() or {})
         state[STEP_KEY] = self.next_step
         return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        step = state.pop(STEP_KEY, None)
-        if step is not None:
-            self.next_step = int(step)
-        if callable(getattr(self.loader, "load_state_dict", None)):
-            self.loader.load_state_dict(state)
-        else:
-            self.loader.dataset.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
 
 
 def _manifest(hashes: Any) -> Any:
@@ -375,64 +356,25 @@ def replay(dataset: Any, spool: str | os.PathLike, run_id: str, *, host: int, nu
     """Write host `host`'s (rank's) replayed spool files: `batches(...)`, hashed from the
     manifest `hashes`, marked replayed as `tally replay` marks them. Returns
     pipeline.replay.HostReplay."""
-    import pyarrow as pa
 
-    from audit.core.schema import MAX_STEP, SEGMENT_SCHEMA
-    from audit.hook import spool as sp
-    from audit.hook.writer import publish
-    from pipeline.replay import ROWS_PER_FILE, WRITER_VERSION, HostReplay, ReplayError
+    from pipeline.loaders.replayed import ReplayedHost
+    from pipeline.replay import HostReplay, ReplayError
 
     t0 = time.perf_counter()
     if not _is_streaming_dataset(dataset):
         raise ReplayError(f"expected a StreamingDataset, got {type(dataset).__name__}")
     hashes = _manifest(hashes)
     hosts = num_nodes * ranks_per_node
-    directory = sp.host_dir(Path(spool), run_id, 0, host)
-    directory.mkdir(parents=True, exist_ok=True)
-    meta = {"format_version": sp.FORMAT_VERSION, "run_id": run_id, "attempt": "0",
-            "host": str(host), "host_count": str(hosts), "resumed_from_step": "",
-            "writer_version": WRITER_VERSION, "manifest_fingerprint": hashes.fingerprint,
-            "records_per_epoch": str(int(dataset.num_samples)), "checkpoint_dir": "",
-            "replayed": "1", "content_basis": getattr(hashes, "content_basis", "") or ""}
-    rows = files = 0
-    first = last = None
-    seq = sp.next_seq(directory)
-    pending: list[tuple[int, np.ndarray, int]] = []
+    def resolve(idx: np.ndarray, _epoch: np.ndarray):
+        content, n_tokens = hashes.lookup(idx)
+        return idx, n_tokens, content
 
-    def flush() -> None:
-        nonlocal seq, files, rows, first, last, pending
-        if not pending:
-            return
-        lens = [len(i) for _, i, _ in pending]
-        step = np.repeat(np.array([s for s, _, _ in pending], np.int64), lens)
-        key = np.concatenate([i for _, i, _ in pending])
-        epoch = np.repeat(np.array([e for _, _, e in pending], np.int64), lens)
-        row = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
-        content, n_tokens = hashes.lookup(key)
-        table = pa.Table.from_pydict({
-            "step": step, "host": np.full(len(key), host, np.int32), "row": row,
-            "record_key": key, "offset": np.zeros(len(key), np.int32),
-            "n_tokens": np.asarray(n_tokens).astype(np.int32), "content_hash": content,
-            "epoch": epoch.astype(np.int32)}, schema=SEGMENT_SCHEMA)
-        lo, hi = int(step[0]), int(step[-1])
-        if hi >= MAX_STEP:
-            raise ReplayError(f"step {hi} is beyond the spool's {MAX_STEP - 1}")
-        publish(directory, "seg", table, {**meta, "kind": "seg", "rows": str(len(key)),
-                                          "first_step": str(lo), "last_step": str(hi)},
-                lo, seq, fsync=fsync)
-        seq, files, rows = seq + 1, files + 1, rows + len(key)
-        first = lo if first is None else first
-        last = hi
-        pending = []
-
-    n_pending = 0
+    out = ReplayedHost(spool, run_id, host, hosts, records_per_epoch=int(dataset.num_samples),
+                       resolve=resolve, fsync=fsync, fingerprint=hashes.fingerprint,
+                       content_basis=getattr(hashes, "content_basis", "") or "")
     for item in batches(dataset, num_nodes=num_nodes, ranks_per_node=ranks_per_node,
                         rank=host, workers=workers, batch_size=batch_size, steps=steps,
                         drop_last=drop_last, state=state, start_step=start_step):
-        pending.append(item)
-        n_pending += len(item[1])
-        if n_pending >= ROWS_PER_FILE:
-            flush()
-            n_pending = 0
-    flush()
-    return HostReplay(host, rows, files, first, last, time.perf_counter() - t0)
+        out.add(*item)
+    out.flush()
+    return HostReplay(host, out.rows, out.files, out.first, out.last, time.perf_counter() - t0)

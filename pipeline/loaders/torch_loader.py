@@ -51,12 +51,10 @@ except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: 
 
 from pipeline.loaders import (
     AttachError,
-    Consumed,
     Hashes,
-    Tokens,
-    field,
-    hand_over,
+    batch_content,
     leading_rows,
+    record,
 )
 
 STATE_KEY = "tally_epoch_base"  # the step of ordinal 0 of the epoch a saved state is inside
@@ -222,20 +220,15 @@ class AuditedIterator(Iterator[Any]):
         o.next_step = step + 1
         epoch = self._rec.epoch
         if o.content == "batch":
-            mask = None if o.mask_field is None else field(batch, o.mask_field)
-            content: Any = Tokens(field(batch, o.tokens_field), mask)
+            content: Any = batch_content(batch, tokens_field=o.tokens_field,
+                                         mask_field=o.mask_field)
         elif o.content == "source":
             content = o.source_content(idx)
         else:
             content = o.manifest_content
-        keys_of, epoch_of, host = o.keys_of, o.epoch_of, o.host
-
-        def consumed() -> Consumed:  # on the writer's thread
-            epochs = np.asarray(epoch_of(idx), np.int64) if epoch_of is not None \
-                else np.full(len(idx), epoch, np.int64)
-            return Consumed(step, host, keys_of(idx), content, epochs)
-
-        hand_over(o.writer, step, consumed)
+        epoch_of = o.epoch_of
+        record(o.writer, step, o.host, idx, content, epoch if epoch_of is None else
+               (lambda: np.asarray(epoch_of(idx), np.int64)), o.keys_of)
         return batch
 
     def __getattr__(self, name: str) -> Any:
@@ -477,12 +470,9 @@ def read_state(path: Path) -> dict[str, Any]:
 def replay_host(spec: Any, host: int, hashes: Any, loader: DataLoader) -> Any:
     """Write host `host`'s replayed spool files for `spec` (pipeline.replay.ReplaySpec) from
     a torch DataLoader; returns pipeline.replay.HostReplay."""
-    import pyarrow as pa
 
-    from audit.core.schema import MAX_STEP, SEGMENT_SCHEMA
-    from audit.hook import spool as sp
-    from audit.hook.writer import publish
-    from pipeline.replay import ROWS_PER_FILE, WRITER_VERSION, HostReplay, ReplayError
+    from pipeline.loaders.replayed import ReplayedHost
+    from pipeline.replay import HostReplay, ReplayError
 
     t0 = time.perf_counter()
     try:
@@ -503,60 +493,25 @@ def replay_host(spec: Any, host: int, hashes: Any, loader: DataLoader) -> Any:
         from pipeline.grain_attach import SourceHashes
 
         source = SourceHashes(loader.dataset, "input_ids")
-    directory = sp.host_dir(spec.spool, spec.run_id, 0, host)
-    directory.mkdir(parents=True, exist_ok=True)
-    meta = {"format_version": sp.FORMAT_VERSION, "run_id": spec.run_id, "attempt": "0",
-            "host": str(host), "host_count": str(spec.hosts), "resumed_from_step": "",
-            "writer_version": WRITER_VERSION,
-            "manifest_fingerprint": hashes.fingerprint if hashes is not None else "",
-            "records_per_epoch": str(getattr(loader.dataset, "tally_records_per_epoch",
-                                             len(loader.dataset))), "checkpoint_dir": "",
-            "replayed": "1",
-            "content_basis": getattr(hashes, "content_basis", "") if hashes is not None else ""}
-    rows = files = 0
-    first = last = None
-    seq = sp.next_seq(directory)
-    pending: list[tuple[int, np.ndarray, int]] = []
-    n_pending = 0
-
-    def flush() -> None:
-        nonlocal seq, files, rows, first, last, pending, n_pending
-        if not pending:
-            return
-        lens = [len(i) for _, i, _ in pending]
-        step = np.repeat(np.array([s for s, _, _ in pending], np.int64), lens)
-        idx = np.concatenate([i for _, i, _ in pending])
-        epoch = np.repeat(np.array([e for _, _, e in pending], np.int64), lens)
-        row = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+    def resolve(idx: np.ndarray, epoch: np.ndarray):
         key = keys_of(idx)
         if source is not None:
             seg = source.segments(idx, epoch)
-            content, n_tokens = seg.content_hash, seg.n_tokens
-        else:
-            content, n_tokens = hashes.lookup(key)
-        table = pa.Table.from_pydict({
-            "step": step, "host": np.full(len(idx), host, np.int32), "row": row,
-            "record_key": key, "offset": np.zeros(len(idx), np.int32),
-            "n_tokens": np.asarray(n_tokens).astype(np.int32), "content_hash": content,
-            "epoch": epoch.astype(np.int32)}, schema=SEGMENT_SCHEMA)
-        lo, hi = int(step[0]), int(step[-1])
-        if hi >= MAX_STEP:
-            raise ReplayError(f"step {hi} is beyond the spool's {MAX_STEP - 1}")
-        publish(directory, "seg", table, {**meta, "kind": "seg", "rows": str(len(idx)),
-                                          "first_step": str(lo), "last_step": str(hi)},
-                lo, seq, fsync=spec.fsync)
-        seq, files, rows = seq + 1, files + 1, rows + len(idx)
-        first = lo if first is None else first
-        last = hi
-        pending, n_pending = [], 0
+            return key, seg.n_tokens, seg.content_hash
+        content, n_tokens = hashes.lookup(key)
+        return key, n_tokens, content
 
+    out = ReplayedHost(spec.spool, spec.run_id, host, spec.hosts,
+                       records_per_epoch=getattr(loader.dataset, "tally_records_per_epoch",
+                                                 len(loader.dataset)),
+                       resolve=resolve, fsync=spec.fsync,
+                       fingerprint=hashes.fingerprint if hashes is not None else "",
+                       content_basis=getattr(hashes, "content_basis", "")
+                       if hashes is not None else "")
     for item in index_batches(loader, spec.steps, start_step=spec.start_step, state=state):
-        pending.append(item)
-        n_pending += len(item[1])
-        if n_pending >= ROWS_PER_FILE:
-            flush()
-    flush()
-    return HostReplay(host, rows, files, first, last, time.perf_counter() - t0)
+        out.add(*item)
+    out.flush()
+    return HostReplay(host, out.rows, out.files, out.first, out.last, time.perf_counter() - t0)
 
 
 def check_replay(spec: Any, loader: DataLoader) -> None:
