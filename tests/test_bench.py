@@ -168,7 +168,7 @@ def test_replay_benchmark_runs(tmp_path):
     from bench import replay_rate
 
     res = replay_rate.main(["--hosts", "3", "--steps", "7", "--rows", "2", "--records", "500",
-                            "--reference-steps", "5", "--workers", "2", "--dir",
+                            "--reference-steps", "5", "--workers", "1", "--dir",
                             str(tmp_path)])
     assert res["keys"] == 42
     for kind in ("index", "block"):

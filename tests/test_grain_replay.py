@@ -165,8 +165,22 @@ def test_replay_from_checkpointed_loader_states(mix, tmp_path):
     assert after.equals(spool_table(tmp_path / "replay", "ck"))
 
 
-def test_replay_bad_input_is_one_line(mix, tmp_path):
+def test_replay_bad_input_is_one_line(mix, tmp_path, monkeypatch, capsys):
     env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_BATCH": "4"}
+
+    def tally(*args: str, env: dict) -> subprocess.CompletedProcess:
+        # The CLI's own main, in this process (as its supervised child runs it): every case is
+        # refused before any work, and six child processes importing Grain and JAX cost 40 s.
+        from audit.cli import main
+
+        monkeypatch.chdir(ROOT)
+        for k, v in {**env, "TALLY_SUPERVISED": "1"}.items():
+            monkeypatch.setenv(k, v)
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
     base = ["replay", "--hosts", "4", "--steps", "3", "--spool", str(tmp_path / "s"),
             "--run", "bad", "--manifest", str(mix["manifest"])]
     cases = {
