@@ -55,12 +55,9 @@ from pipeline.grain_attach import (
     contract_of,
 )
 
-# Rows a replayed file holds and the writer_version it says: one home for every replay.
-from pipeline.loaders.replayed import ROWS_PER_FILE, WRITER_VERSION
-
-
-class ReplayError(TallyError):
-    """Replay cannot go on (the message says what and where)."""
+# Rows a replayed file holds, the writer_version it says, what a host's replay did and the
+# error that stops one: one home for every replay, Grain's and the PyTorch side's.
+from pipeline.loaders.replayed import ROWS_PER_FILE, WRITER_VERSION, HostReplay, ReplayError
 
 
 @dataclass(frozen=True)
@@ -76,15 +73,6 @@ class ReplaySpec:
     states: Path | None = None  # a directory of Grain's process_<h>-of-<H>.json
     fsync: bool = True
 
-
-@dataclass
-class HostReplay:
-    host: int
-    rows: int
-    files: int
-    first_step: int | None
-    last_step: int | None
-    seconds: float
 
 
 def load_factory(spec: str) -> Any:

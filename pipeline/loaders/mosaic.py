@@ -355,10 +355,9 @@ def replay(dataset: Any, spool: str | os.PathLike, run_id: str, *, host: int, nu
            fsync: bool = True) -> Any:
     """Write host `host`'s (rank's) replayed spool files: `batches(...)`, hashed from the
     manifest `hashes`, marked replayed as `tally replay` marks them. Returns
-    pipeline.replay.HostReplay."""
+    pipeline.loaders.replayed.HostReplay."""
 
-    from pipeline.loaders.replayed import ReplayedHost
-    from pipeline.replay import HostReplay, ReplayError
+    from pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
 
     t0 = time.perf_counter()
     if not _is_streaming_dataset(dataset):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,24 @@ from audit.hook.writer import publish
 # What a replay's files say (audit.hook.spool.is_replayed reads either).
 WRITER_VERSION = sp.REPLAY_WRITER_VERSION
 ROWS_PER_FILE = 1 << 20  # ~1M rows a file (whole steps): ~27 MB, read in ~40 ms
+
+
+class ReplayError(TallyError):
+    """Replay cannot go on (the message says what and where)."""
+
+
+@dataclass
+class HostReplay:
+    """What one host's replay wrote."""
+
+    host: int
+    rows: int
+    files: int
+    first_step: int | None
+    last_step: int | None
+    seconds: float
+
+
 # indices, epochs -> (record keys, n_tokens, content hashes) of those rows.
 Resolve = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
@@ -68,7 +87,7 @@ class ReplayedHost:
         key, n_tokens, content = self.resolve(idx, epoch)
         lo, hi = int(step[0]), int(step[-1])
         if hi >= MAX_STEP:
-            raise TallyError(f"step {hi} is beyond the spool's {MAX_STEP - 1}")
+            raise ReplayError(f"step {hi} is beyond the spool's {MAX_STEP - 1}")
         table = pa.Table.from_pydict({
             "step": step, "host": np.full(len(idx), self.host, np.int32), "row": row,
             "record_key": np.asarray(key, np.int64), "offset": np.zeros(len(idx), np.int32),

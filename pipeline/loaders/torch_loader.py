@@ -469,10 +469,9 @@ def read_state(path: Path) -> dict[str, Any]:
 
 def replay_host(spec: Any, host: int, hashes: Any, loader: DataLoader) -> Any:
     """Write host `host`'s replayed spool files for `spec` (pipeline.replay.ReplaySpec) from
-    a torch DataLoader; returns pipeline.replay.HostReplay."""
+    a torch DataLoader; returns pipeline.loaders.replayed.HostReplay."""
 
-    from pipeline.loaders.replayed import ReplayedHost
-    from pipeline.replay import HostReplay, ReplayError
+    from pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
 
     t0 = time.perf_counter()
     try:
@@ -516,7 +515,7 @@ def replay_host(spec: Any, host: int, hashes: Any, loader: DataLoader) -> Any:
 
 def check_replay(spec: Any, loader: DataLoader) -> None:
     """What a torch replay refuses before it writes anything (pipeline.replay.check)."""
-    from pipeline.replay import ReplayError
+    from pipeline.loaders.replayed import ReplayError
 
     try:
         check_loader(loader)
