@@ -169,7 +169,16 @@ def open_corpus(corpus: CorpusArg, *, sequence_length: int | None = None,
     if fmt is not None:
         return _text_corpus(paths, formats.module(fmt), fields)
     if len(paths) == 1 and paths[0].suffix == ".json" and fields is None:
-        return _olmo_corpus(olmo.load_index(paths[0]), paths[0], sequence_length, dtype)
+        try:
+            index = olmo.load_index(paths[0])
+        except CorpusError as exc:
+            if "not valid JSON (Extra data" not in str(exc):
+                raise
+            # JSON values one after another (one a line) are not one JSON document: a Dolma
+            # file named *.json, not a broken index.
+            raise CorpusError(f"{exc}; a JSON lines file of documents? give --format jsonl"
+                              ) from None
+        return _olmo_corpus(index, paths[0], sequence_length, dtype)
     if len(paths) == 1 and paths[0].is_dir():
         root = paths[0]
         if not flags:

@@ -236,3 +236,14 @@ def test_library_errors_are_corpus_errors(tmp_path):
     with pytest.raises(CorpusError, match=r"mixes formats jsonl \(a\.jsonl\) and parquet_text"):
         build_manifest(root, tmp_path / "m.parquet")
     assert not (tmp_path / "m.parquet").exists()
+
+
+def test_a_single_json_lines_file_named_json_is_read_with_format_jsonl(tmp_path):
+    """A lone `*.json` argument is an OLMo mix's index by default: a Dolma file of that name
+    gets a one-line error that says what to give, and --format jsonl reads it."""
+    path = write_jsonl(tmp_path / "docs.json", documents(5))
+    with pytest.raises(CorpusError, match=r"not valid JSON.*give --format jsonl"):
+        build_manifest(path, tmp_path / "m.parquet")
+    s = build_manifest(path, tmp_path / "m.parquet", fmt="jsonl")
+    assert s.records == 5
+    assert _table(tmp_path / "m.parquet")["doc_id"].to_pylist() == [f"doc-{i}" for i in range(5)]
