@@ -416,7 +416,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
     from audit.ledger.database import Ledger
-    from audit.preflight import PreflightVerdict, record_verdict, run_preflight
+    from audit.preflight import PreflightVerdict
 
     try:
         if args.loader:
@@ -425,9 +425,13 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
             return verdict.exit_code
         if args.checkpoint is None:
             raise TallyError("give --checkpoint (a run of Tally's keyed loader) or --loader "
-                             "MODULE:FUNCTION (your own grain.DataLoader factory)")
-        if args.states or args.at_step is not None:
-            raise TallyError("--states and --at-step go with --loader")
+                             "MODULE:FUNCTION (your own Grain, torch or Streaming loader's "
+                             "factory)")
+        if args.states or args.at_step is not None or args.ranks_per_node != 1:
+            raise TallyError("--states, --at-step and --ranks-per-node go with --loader")
+        # The keyed loader's check imports Grain: only here, not for --loader.
+        from audit.preflight import record_verdict, run_preflight
+
         cfg = None
         if args.config:
             from trainer.config import TrainConfig
@@ -462,7 +466,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                       spool=Path(args.spool), run_id=args.run,
                       manifest=Path(args.manifest) if args.manifest else None,
                       hashes=args.hashes, start_step=args.start_step,
-                      states=Path(args.states) if args.states else None)
+                      states=Path(args.states) if args.states else None,
+                      ranks_per_node=args.ranks_per_node)
     t0 = time.perf_counter()
     hosts = replay(spec, workers=args.workers)
     seconds = time.perf_counter() - t0
@@ -485,11 +490,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _add_replay_parser(sub: Any) -> None:
-    s = sub.add_parser("replay", help="write the spool a run's Grain DataLoader fed, from the "
-                                      "loader's own contract, without running the run")
+    s = sub.add_parser("replay", help="write the spool a run's loader fed (Grain, torch "
+                                      "DataLoader, MosaicML Streaming), from the loader's own "
+                                      "contract, without running the run")
     s.add_argument("--loader", required=True,
                    help="MODULE:FUNCTION; FUNCTION(host, host_count) returns that host's "
-                        "grain.DataLoader (MODULE importable from here or PYTHONPATH)")
+                        "grain.DataLoader, torch DataLoader / StatefulDataLoader, or "
+                        "(Streaming)DataLoader over a StreamingDataset (MODULE importable "
+                        "from here or PYTHONPATH)")
     s.add_argument("--hosts", type=int, required=True, help="host count of the run")
     s.add_argument("--steps", type=int, required=True, help="steps to replay on every host")
     s.add_argument("--spool", required=True, help="spool directory to write")
@@ -502,7 +510,12 @@ def _add_replay_parser(sub: Any) -> None:
                    help="the step of each host's first replayed batch when the loader starts "
                         "fresh (a sampler resumed by its own start offset)")
     s.add_argument("--states", help="directory of the loader states a run checkpointed "
-                                    "(Grain's process_<h>-of-<H>.json): replay from there")
+                                    "(Grain's process_<h>-of-<H>.json, torch's "
+                                    "dataloader_<h>-of-<H>.json|.pt, Streaming's one "
+                                    "streaming.json): replay from there")
+    s.add_argument("--ranks-per-node", type=int, default=1,
+                   help="a Streaming loader's ranks a node: its partition follows the nodes "
+                        "(--hosts ranks in all; default 1)")
     s.add_argument("--workers", type=int, help="processes (default: one per core for large "
                                                "replays)")
     _quiet_json(s, quiet=None)
@@ -515,7 +528,6 @@ def _add_replay_parser(sub: Any) -> None:
 
 def _loader_preflight(args: argparse.Namespace) -> Any:
     from audit.ledger.database import Ledger
-    from audit.preflight import record_verdict
     from audit.preflight.loader_check import run_loader_preflight
 
     if args.checkpoint or args.config:
@@ -523,9 +535,11 @@ def _loader_preflight(args: argparse.Namespace) -> Any:
                          "Tally's keyed loader (give --states or --at-step)")
     call = dict(run_id=args.run, manifest=args.manifest, loader=args.loader,
                 new_hosts=args.hosts, at_step=args.at_step, states=args.states,
-                horizon=args.horizon)
+                horizon=args.horizon, ranks_per_node=args.ranks_per_node)
     if not args.record:
         return run_loader_preflight(args.ledger, **call)
+    from audit.preflight import record_verdict  # the keyed check's module (imports Grain)
+
     if not Path(args.ledger).is_file():
         raise TallyError(f"no ledger at {args.ledger}")
     with Ledger(args.ledger) as ledger:
@@ -856,12 +870,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                "per core for large plans)")
     s.add_argument("--record", action="store_true",
                    help="record the verdict in the ledger (opens it for writing)")
-    g = s.add_argument_group("your own grain.DataLoader (instead of --checkpoint)")
+    g = s.add_argument_group("your own loader: Grain, torch DataLoader, MosaicML Streaming "
+                             "(instead of --checkpoint)")
     g.add_argument("--loader", help="MODULE:FUNCTION; FUNCTION(host, host_count) returns the "
                                     "relaunched job's loader for that host")
     g.add_argument("--states", help="directory of the loader states the run checkpointed "
-                                    "(Grain's process_<i>-of-<n>.json); new host h restores "
-                                    "old host h %% n's")
+                                    "(Grain's process_<i>-of-<n>.json, torch's "
+                                    "dataloader_<i>-of-<n>.json|.pt: new host h restores old "
+                                    "host h %% n's; Streaming's one streaming.json)")
+    g.add_argument("--ranks-per-node", type=int, default=1,
+                   help="a Streaming loader's ranks a node on the new topology (default 1)")
     g.add_argument("--at-step", type=non_negative_int,
                    help="the step of the relaunched loaders' first "
                                                "batch (they start fresh: a sampler resumed "

@@ -20,6 +20,8 @@ MODULE_EXTRA = {
     "tokenizers": "text", "zstandard": "text",
     "datasets": "hf",
     "torch": "torch", "torchdata": "torch",
+    "olmo_core": "olmo",
+    "litdata": "litdata", "streaming": "streaming",
 }
 # What a command imports first, by extra (checked before it starts, so that nothing runs half).
 COMMAND_NEEDS = {
@@ -29,8 +31,10 @@ COMMAND_NEEDS = {
     "diff": ("apache_beam",),
     "train": ("jax", "flax", "optax", "grain", "orbax"),
     "compare": ("jax", "flax", "orbax"),
-    "preflight": ("grain", "orbax"),
-    "replay": ("grain",),
+    # preflight and replay: what the user's loader needs (Grain, torch, streaming) is imported
+    # by its factory or on use, and a missing one is named then (`missing`).
+    "preflight": (),
+    "replay": (),
     "serve": ("fastapi", "uvicorn", "fastapi_offline", "prometheus_client"),
     "demo": ("apache_beam", "jax", "flax", "grain", "fastapi", "uvicorn", "fastapi_offline"),
 }

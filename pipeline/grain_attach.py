@@ -42,14 +42,12 @@ from typing import Any
 
 import grain
 import numpy as np
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from audit.core.errors import TallyError
 from audit.core.hashing import as_token_array, hash_runs
 from audit.hook.segments import Segments
 from pipeline.loaders import leading_rows
-from pipeline.manifest_file import manifest_info
+from pipeline.manifest_file import ManifestHashes, manifest_info  # noqa: F401  (re-exported)
 
 # The operations that map one element to one element (checked by exact class or subclass).
 ONE_TO_ONE = (grain.transforms.Map, grain.transforms.RandomMap, grain.transforms.TfRandomMap)
@@ -292,43 +290,6 @@ class SourceHashes:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(toks) else lengths
         return Segments.build(row=np.arange(len(keys)), record_key=keys, n_tokens=lengths,
                               content_hash=hash_runs(flat, starts, lengths), epoch=epochs)
-
-
-class ManifestHashes:
-    """Hashes and lengths from the manifest's train split (8 + 4 bytes a record in memory);
-    nothing is read from the corpus, so integrity figures prove only the keys."""
-
-    def __init__(self, manifest: str | os.PathLike) -> None:
-        info = manifest_info(manifest)
-        table = pq.read_table(manifest, columns=["record_key", "content_hash", "n_tokens",
-                                                 "split"])
-        train = table.filter(pc.equal(table["split"], "train"))
-        keys = train["record_key"].to_numpy()
-        if not np.array_equal(keys, np.arange(len(keys))):
-            raise TallyError(f"manifest {manifest}: train record keys are not "
-                             f"0..{len(keys) - 1} in order")
-        self.hash = train["content_hash"].to_numpy()
-        self.n_tokens = train["n_tokens"].to_numpy()
-        self.fingerprint = info["manifest_fingerprint"]
-        # Hashes taken from the manifest are under its content basis (pipeline.text), which
-        # the run's spool then says ("" for a manifest that records none: token ids).
-        self.content_basis = info.get("content_basis", "")
-
-    def __len__(self) -> int:
-        return len(self.hash)
-
-    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(content hashes, lengths) of record keys, or TallyError for keys beyond the split."""
-        if len(keys) and (keys.min() < 0 or keys.max() >= len(self.hash)):
-            bad = keys[(keys < 0) | (keys >= len(self.hash))][0]
-            raise TallyError(f"record key {bad} is outside the manifest's train split "
-                             f"(0..{len(self.hash) - 1}): is it this corpus' manifest?")
-        return self.hash[keys], self.n_tokens[keys]
-
-    def segments(self, keys: np.ndarray, epochs: np.ndarray) -> Segments:
-        h, n = self.lookup(keys)
-        return Segments.build(row=np.arange(len(keys)), record_key=keys, n_tokens=n,
-                              content_hash=h, epoch=epochs)
 
 
 # ---- the live attach -------------------------------------------------------------------

@@ -6,6 +6,7 @@ the pre-flight check and the API read manifests without importing Beam.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from audit.core.errors import TallyError
+from audit.hook.segments import Segments
 from pipeline.corpus import CorpusError
 
 MANIFEST_SCHEMA = pa.schema([
@@ -155,3 +157,42 @@ class ManifestDomains:
         return cls(str(path), info["manifest_fingerprint"], len(keys), n,
                    dom.indices.to_numpy(zero_copy_only=False).astype(np.int32),
                    dom.dictionary.to_pylist())
+
+
+class ManifestHashes:
+    """Hashes and lengths from the manifest's train split (8 + 4 bytes a record in memory);
+    nothing is read from the corpus, so integrity figures prove only the keys. Here, not beside
+    Grain's attach (which re-exports it), so that the PyTorch-side adapters' audits and replays
+    read it without Grain."""
+
+    def __init__(self, manifest: str | os.PathLike) -> None:
+        info = manifest_info(manifest)
+        table = pq.read_table(manifest, columns=["record_key", "content_hash", "n_tokens",
+                                                 "split"])
+        train = table.filter(pc.equal(table["split"], "train"))
+        keys = train["record_key"].to_numpy()
+        if not np.array_equal(keys, np.arange(len(keys))):
+            raise TallyError(f"manifest {manifest}: train record keys are not "
+                             f"0..{len(keys) - 1} in order")
+        self.hash = train["content_hash"].to_numpy()
+        self.n_tokens = train["n_tokens"].to_numpy()
+        self.fingerprint = info["manifest_fingerprint"]
+        # Hashes taken from the manifest are under its content basis (pipeline.text), which
+        # the run's spool then says ("" for a manifest that records none: token ids).
+        self.content_basis = info.get("content_basis", "")
+
+    def __len__(self) -> int:
+        return len(self.hash)
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(content hashes, lengths) of record keys, or TallyError for keys beyond the split."""
+        if len(keys) and (keys.min() < 0 or keys.max() >= len(self.hash)):
+            bad = keys[(keys < 0) | (keys >= len(self.hash))][0]
+            raise TallyError(f"record key {bad} is outside the manifest's train split "
+                             f"(0..{len(self.hash) - 1}): is it this corpus' manifest?")
+        return self.hash[keys], self.n_tokens[keys]
+
+    def segments(self, keys: np.ndarray, epochs: np.ndarray) -> Segments:
+        h, n = self.lookup(keys)
+        return Segments.build(row=np.arange(len(keys)), record_key=keys, n_tokens=n,
+                              content_hash=h, epoch=epochs)

@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -45,15 +45,12 @@ from audit.core.errors import TallyError
 from audit.core.schema import MAX_STEP, SEGMENT_SCHEMA
 from audit.hook import spool as sp
 from audit.hook.writer import publish
-from pipeline.grain_attach import (
-    AttachError,
-    Contract,
-    Cursor,
-    ManifestHashes,
-    SamplerKeys,
-    SourceHashes,
-    contract_of,
-)
+
+# Grain (pipeline.grain_attach imports it) only for a Grain loader: a torch or Streaming
+# factory's replay and pre-flight run without it (audit.extras).
+if TYPE_CHECKING:
+    from pipeline.grain_attach import Contract, Cursor
+    from pipeline.manifest_file import ManifestHashes
 
 # Rows a replayed file holds, the writer_version it says, what a host's replay did and the
 # error that stops one: one home for every replay, Grain's and the PyTorch side's.
@@ -70,8 +67,9 @@ class ReplaySpec:
     manifest: Path | None = None
     hashes: str = "manifest"  # or "source": read every record back from the data source
     start_step: int = 0
-    states: Path | None = None  # a directory of Grain's process_<h>-of-<H>.json
+    states: Path | None = None  # a directory of the loader's saved states (loader_kind's)
     fsync: bool = True
+    ranks_per_node: int = 1  # Streaming's topology: --hosts ranks, this many a node
 
 
 
@@ -111,6 +109,8 @@ def state_path(states: Path, host: int, hosts: int) -> Path:
 def read_state(states: Path, host: int, hosts: int, loader: Any) -> dict[str, Any]:
     """Host `host`'s checkpointed loader state, checked against `loader` as Grain checks it."""
     from grain._src.python.data_loader import _source_repr
+
+    from pipeline.grain_attach import AttachError, contract_of
 
     path = state_path(states, host, hosts)
     if not path.is_file():
@@ -180,14 +180,33 @@ def _torch_loader(loader: Any) -> bool:
     return torch_data is not None and isinstance(loader, torch_data.DataLoader)
 
 
+def loader_kind(loader: Any) -> str:
+    """Whose contract plans the factory's loader: "streaming" (a torch DataLoader or
+    StreamingDataLoader over a StreamingDataset), "torch" (any other torch DataLoader), else
+    "grain". Nothing is imported that the factory did not import already."""
+    if not _torch_loader(loader):
+        return "grain"
+    streaming = sys.modules.get("streaming.base.dataset")
+    if streaming is not None and isinstance(loader.dataset, streaming.StreamingDataset):
+        return "streaming"
+    return "torch"
+
+
 def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> HostReplay:
     """Write one host's replayed spool files; returns what was written."""
     t0 = time.perf_counter()
     loader = make_loader(spec.loader, host, spec.hosts)
-    if _torch_loader(loader):  # a torch DataLoader: its own contract (pipeline.loaders)
+    kind = loader_kind(loader)
+    if kind == "streaming":  # streaming's own partition (pipeline.loaders.mosaic)
+        from pipeline.loaders.mosaic import replay_spec_host
+
+        return replay_spec_host(spec, host, hashes, loader)
+    if kind == "torch":  # a torch DataLoader: its own contract (pipeline.loaders)
         from pipeline.loaders.torch_loader import replay_host as replay_torch_host
 
         return replay_torch_host(spec, host, hashes, loader)
+    from pipeline.grain_attach import AttachError, SamplerKeys, SourceHashes, contract_of
+
     try:
         contract = contract_of(loader)
     except AttachError as exc:
@@ -256,6 +275,8 @@ def _advance(contract: Contract, cursor: Cursor, k: int) -> Cursor:
         nxt[w] += taken * contract.batch_size
     over = any(nxt[w] > contract.stream_length(w) for w in range(w_n))
     if not over:
+        from pipeline.grain_attach import Cursor
+
         return Cursor(nxt, (cursor.next_stream + k) % w_n)
     for _ in range(k):  # near the end of a finite loader: batch by batch
         step = contract.next_batch(cursor)
@@ -267,7 +288,11 @@ def _advance(contract: Contract, cursor: Cursor, k: int) -> Cursor:
 
 def _replay_hosts(args: tuple) -> list[HostReplay]:
     spec, hosts = args
-    hashes = ManifestHashes(spec.manifest) if spec.hashes == "manifest" else None
+    hashes = None
+    if spec.hashes == "manifest":
+        from pipeline.manifest_file import ManifestHashes
+
+        hashes = ManifestHashes(spec.manifest)
     return [replay_host(spec, h, hashes) for h in hosts]
 
 
@@ -330,11 +355,23 @@ def check(spec: ReplaySpec) -> None:
         raise ReplayError(f"--states {spec.states}: not a directory")
     # The factory once here (and every host's state), so that bad input fails in one line
     # before any worker starts or any file is written.
+    if spec.ranks_per_node < 1:
+        raise ReplayError(f"--ranks-per-node must be at least 1, got {spec.ranks_per_node}")
     loader = make_loader(spec.loader, 0, spec.hosts)
-    if _torch_loader(loader):
+    kind = loader_kind(loader)
+    if kind == "streaming":
+        from pipeline.loaders.mosaic import check_replay as check_streaming
+
+        return check_streaming(spec, loader)
+    if spec.ranks_per_node != 1:
+        raise ReplayError("--ranks-per-node is for a Streaming loader (its partition follows "
+                          f"the nodes); the factory's is a {kind} loader")
+    if kind == "torch":
         from pipeline.loaders.torch_loader import check_replay
 
         return check_replay(spec, loader)
+    from pipeline.grain_attach import AttachError, contract_of
+
     try:
         contract_of(loader)
     except AttachError as exc:

@@ -12,7 +12,8 @@ def test_hook_cost_benchmark_runs():
 
 
 def test_ingest_benchmark_runs(tmp_path):
-    res = ingest_rate.main(["--files", "8", "--rows", "1000", "--dir", str(tmp_path)])
+    res = ingest_rate.main(["--files", "8", "--rows", "1000", "--keys", "perm", "--records",
+                            "5000", "--dir", str(tmp_path / "b")])
     assert res["rows"] == 8000 and res["ratio"] > 0
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from audit.ledger.aggregates import Aggregates, Deltas, _Staged
-from audit.ledger.state import COMPACT, PENDING, Once, Starts
+from audit.ledger.state import COMPACT, PENDING, Once, Records, RunState, Starts
 
 
 def _general_only(agg: Aggregates, run: int) -> None:
@@ -75,3 +75,52 @@ def test_records_started_once_change_what_the_general_way_changes(hosts):
     ra, rg = a.get(keys), g.get(keys)
     for name in ("exposures", "host_ptr", "hosts", "epoch_ptr", "epochs", "dup"):
         assert np.array_equal(getattr(ra, name), getattr(rg, name)), name
+
+
+def _batch(keys: np.ndarray, step: int, host: int, state: RunState) -> Records:
+    """The records of `keys` seen once more at `step` on `host` (as aggregates' general way
+    puts them), from their state in `state`."""
+    r = state.get(keys)
+    out = Records.empty(keys)
+    n = len(keys)
+    out.exposures = r.exposures + 1
+    out.steps = r.steps.copy()
+    first_three = np.flatnonzero(r.exposures < 3)
+    out.steps[first_three, r.exposures[first_three]] = step
+    out.host_ptr, out.hosts = np.arange(n + 1), np.full(n, host, np.int64)
+    out.epoch_ptr, out.epochs = np.zeros(n + 1, np.int64), np.zeros(0, np.int64)
+    out.dup = np.zeros(n, bool)
+    return out
+
+
+def test_a_batch_costs_its_rows_not_the_pending_table():
+    """The regression guard of the random-key ingest slowdown (issue 35): while one step of
+    all hosts is larger than the pending bound, a batch whose records were not pending leaves
+    every older pending run as it was (the same arrays: nothing of size pending copied,
+    merged or sorted), and a batch that takes records over tombstones them in place."""
+    rng = np.random.default_rng(0)
+    st = RunState()
+    st.PENDING_MAX = 3_000  # one step of all hosts (4 x 1,000) is larger
+    hosts, records = 4, 10_000_000
+    for step in range(3):
+        for h in range(hosts):
+            keys = np.unique(rng.integers(0, records, 1_000))
+            before = [(r.keys, r.steps) for r in st.pending]
+            st.put(_batch(keys, step, h, st))
+            st.observe(0, h, hosts, step)
+            st.settle()
+            after = {id(r.keys) for r in st.pending}
+            # No pending record among them (1,000 of 10M): older runs untouched, unless the
+            # watermark moved (a step of all hosts done) and settled them.
+            if st.watermark < step:
+                assert all(id(k) in after for k, _ in before), (step, h)
+            assert len(st.pending) <= RunState.PENDING_RUNS
+    # A batch that takes pending records over: tombstones, lookups see the newest triples.
+    taken = st.pending[-1].keys[:10]
+    st.put(_batch(taken, 3, 0, st))
+    assert sum(r.count for r in st.pending) == sum(
+        len(r.keys) if r.alive is None else int(r.alive.sum()) for r in st.pending)
+    got = st.get(taken)
+    assert (got.exposures == 2).all() and (got.steps[:, 1] == 3).all()
+    keys, _ = st._pending_table()
+    assert len(np.unique(keys)) == len(keys)  # one live entry a record

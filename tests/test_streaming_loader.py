@@ -281,3 +281,21 @@ def test_refused_in_one_line(tmp_path, mds):
     with pytest.raises(AttachError, match="StreamingDataset"):
         mosaic.audited(DataLoader(list(range(8)), batch_size=2), tmp_path, "r", host=0,
                        host_count=1)
+
+
+def test_attach_cost_benchmark_runs():
+    """bench/streaming_attach_cost.py end to end at a toy size (its own MDS directory and
+    world, both undone): the figures it reports exist and the audited epoch had the plain
+    one's batches."""
+    from bench import streaming_attach_cost
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
+    before = {k: os.environ.get(k) for k in names}
+    res = streaming_attach_cost.main(["--samples", "240", "--tokens", "16", "--ranks", "2",
+                                      "--rank", "1", "--steps", "2", "--step-ms", "1",
+                                      "--plan-samples", "400"])
+    assert res["batches"] == 240 // 2 // 8
+    assert res["plain_ms"] > 0 and res["audited_ms"] > 0 and res["plan_ms"] > 0
+    assert res["audited_cpu_ms"] > 0 and res["audited_main_ms"] > 0
+    assert res["big_plan_ms"] > 0 and res["loop_ratio"] > 0
+    assert {k: os.environ.get(k) for k in names} == before

@@ -352,6 +352,15 @@ def _settled(steps: np.ndarray, watermark: int) -> np.ndarray:
     return np.where((steps < watermark) & (steps != NO_STEP), SETTLED, steps)
 
 
+def _merged(runs: list[PendingRun]) -> PendingRun:
+    """Pending runs as one, sorted by key (live entries only: disjoint across runs)."""
+    parts = [r.live() for r in runs]
+    pk = np.concatenate([k for k, _ in parts])
+    order = np.argsort(pk, kind="stable")
+    return PendingRun(pk[order], np.concatenate([s for _, s in parts]).reshape(-1, 3)[order],
+                      min(r.lo for r in runs), max(r.hi for r in runs), None, len(pk))
+
+
 def _live(steps: np.ndarray) -> np.ndarray:
     """Triples with a step at or after the watermark (after `_settled`): a step that is
     neither SETTLED nor NO_STEP, the int64 extremes, column by column (numpy's any(axis=1)
@@ -442,20 +451,48 @@ def _to_slots(ptr: np.ndarray, hosts: np.ndarray, layout: HostLayout
 
 class PendingRun(NamedTuple):
     """One run of the pending table: sorted keys, their triples, `lo`, a lower bound of the
-    real steps in it (a watermark at or below it skips the run untouched), and `hi`, an upper
-    bound of its records' first real steps (what a forced watermark can reach)."""
+    real steps in it (a watermark at or below it skips the run untouched), `hi`, an upper
+    bound of its records' first real steps (what a forced watermark can reach), and `alive`:
+    None, or False where a newer run took the record over (a tombstone: taking it out would
+    copy the run, O(pending) a batch), with `count` the live entries."""
 
     keys: np.ndarray
     steps: np.ndarray
     lo: int
     hi: int
+    alive: np.ndarray | None = None
+    count: int = -1
 
     @classmethod
     def of(cls, keys: np.ndarray, steps: np.ndarray) -> PendingRun:
         if not len(keys):
-            return cls(keys, steps, NO_STEP, SETTLED)
+            return cls(keys, steps, NO_STEP, SETTLED, None, 0)
         first = np.where(steps == SETTLED, NO_STEP, steps).min(axis=1)
-        return cls(keys, steps, int(first.min()), int(first.max()))
+        return cls(keys, steps, int(first.min()), int(first.max()), None, len(keys))
+
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, triples) of the live entries."""
+        if self.alive is None:
+            return self.keys, self.steps
+        return self.keys[self.alive], self.steps[self.alive]
+
+    def without(self, gone: np.ndarray) -> PendingRun | None:
+        """The run with the records `gone` (sorted) taken over by a newer run: tombstoned,
+        compacted once half of it is dead; None once none is left."""
+        pos = np.minimum(np.searchsorted(self.keys, gone), len(self.keys) - 1)
+        pos = pos[self.keys[pos] == gone]
+        if self.alive is not None:
+            pos = pos[self.alive[pos]]
+        if not len(pos):
+            return self
+        count = self.count - len(pos)
+        if not count:
+            return None
+        alive = np.ones(len(self.keys), bool) if self.alive is None else self.alive
+        alive[pos] = False
+        if 2 * count < len(self.keys):
+            return PendingRun(self.keys[alive], self.steps[alive], self.lo, self.hi, None, count)
+        return self._replace(alive=alive, count=count)
 
 
 @dataclass
@@ -534,10 +571,12 @@ class RunState:
         out.steps = np.where(np.arange(3) < np.minimum(out.exposures, 3)[:, None], SETTLED,
                              NO_STEP)
         pend = np.flatnonzero(flags & PENDING)
-        for pk, ps, *_ in self.pending if len(pend) else ():
+        for pk, ps, _, _, alive, _ in self.pending if len(pend) else ():
             want = keys[pend]
             pos = np.minimum(np.searchsorted(pk, want), len(pk) - 1)
             hit = pk[pos] == want
+            if alive is not None:
+                hit &= alive[pos]
             out.steps[pend[hit]] = ps[pos[hit]]
         # Hosts: the row's mask, or its slots (stored in order) else the map's; in row order.
         if not self.hosts_in_rows.slots:
@@ -679,8 +718,9 @@ class RunState:
         live = _live(steps)
         rows = q.rows.copy()
         rows["flags"][live] |= PENDING
+        was = (self.data["flags"][q.keys] & PENDING) != 0
         np.put(self.data.view(np.uint64), q.keys, rows.view(np.uint64))
-        self._pend(q.keys, steps, live)
+        self._pend(q.keys, steps, live, was)
 
     def put(self, r: Records) -> None:
         """The records' new state (their steps below the watermark become SETTLED)."""
@@ -733,7 +773,7 @@ class RunState:
         flags[live] |= PENDING
         rows["flags"] = flags
         np.put(self.data.view(np.uint64), r.keys, rows.view(np.uint64))
-        self._pend(r.keys, steps, live)
+        self._pend(r.keys, steps, live, (old & PENDING) != 0)
 
     RELAYOUT_ROWS = 1 << 24  # rows moved to a new host layout at a time (bounded temporaries)
 
@@ -763,33 +803,37 @@ class RunState:
             self.many_hosts.update(lo + keys[many], *_take_csr(ptr, hosts, np.flatnonzero(many)),
                                    removed=np.zeros(0, np.int64))
 
-    def _pend(self, keys: np.ndarray, steps: np.ndarray, live: np.ndarray) -> None:
+    # Runs kept at most before the smaller ones merge: a lookup searches each run for its
+    # PENDING records only, so many runs cost little; merging all of them whenever there were
+    # more than 8 sorted the whole table nearly every batch once a step of all hosts outgrew
+    # a few batches (16 hosts x 500k rows: 0.7 s a batch).
+    PENDING_RUNS = 32
+
+    def _pend(self, keys: np.ndarray, steps: np.ndarray, live: np.ndarray,
+              was: np.ndarray) -> None:
         """The pending table takes these records' triples (settled below the watermark: `live`
-        those with a step at or after it, flagged PENDING in their rows)."""
+        those with a step at or after it, flagged PENDING in their rows; `was`: those flagged
+        PENDING before, the only ones an older run can hold)."""
+        gone = keys[was]
         runs = []
         for run in self.pending:
-            pk = run.keys
-            pos = np.minimum(np.searchsorted(keys, pk), len(keys) - 1)
-            keep = keys[pos] != pk
-            if keep.any():  # a run that lost records keeps its bound (a lower bound still)
-                runs.append(run if keep.all() else run._replace(keys=pk[keep],
-                                                                 steps=run.steps[keep]))
+            kept = run.without(gone) if len(gone) else run
+            if kept is not None:  # a run that lost records keeps its bounds (bounds still)
+                runs.append(kept)
         if live.any():
             runs.append(PendingRun.of(keys[live], steps[live]))
-        if len(runs) > 8:  # a few runs at most: each costs a search per lookup
-            pk = np.concatenate([r.keys for r in runs])
-            order = np.argsort(pk, kind="stable")
-            runs = [PendingRun(pk[order], np.concatenate([r.steps for r in runs])[order],
-                               min(r.lo for r in runs), max(r.hi for r in runs))]
+        if len(runs) > self.PENDING_RUNS:  # the smaller half merged: each entry merges
+            runs.sort(key=lambda r: r.count)  # O(log) times over its life, as in an LSM tree
+            small, runs = runs[: len(runs) // 2 + 1], runs[len(runs) // 2 + 1:]
+            runs.append(_merged(small))
         self.pending = runs
 
     def _pending_table(self) -> tuple[np.ndarray, np.ndarray]:
         """The pending table as one sorted (keys, triples)."""
         if not self.pending:
             return np.zeros(0, np.int64), np.zeros((0, 3), np.int64)
-        pk = np.concatenate([r.keys for r in self.pending])
-        order = np.argsort(pk, kind="stable")
-        return pk[order], np.concatenate([r.steps for r in self.pending])[order]
+        merged = _merged(self.pending)
+        return merged.keys, merged.steps
 
     # ---- the watermark ---------------------------------------------------------------------
     def observe(self, attempt: int, host: int, host_count: int, last_step: int | None) -> None:
@@ -818,15 +862,23 @@ class RunState:
         pending records it moves on regardless, and a start that arrives below it later takes
         the exact, slower way (recomputed from the ledger)."""
         self.advance()
-        # Forced only where it can settle something: when every pending start is at or
-        # after the watermark already (one step of all hosts larger than the bound: 16 hosts
-        # x 500k rows), sorting the table each batch settled nothing and cost 0.3 s a batch.
-        if sum(len(r.keys) for r in self.pending) > self.PENDING_MAX and min(
-                r.lo for r in self.pending) < max(r.hi for r in self.pending):
-            real = np.concatenate([r.steps for r in self.pending])
-            real = np.where(real == SETTLED, NO_STEP, real)
-            first = np.sort(real.min(axis=1))
-            self.watermark = max(self.watermark, int(first[len(first) // 2]))
+        total = sum(r.count for r in self.pending)
+        if total > self.PENDING_MAX:
+            # Forced to where about half the table settles, chosen from the runs' bounds
+            # (sorting the table's first steps each batch cost 0.8 s a batch at 8M pending),
+            # never past the newest first step present: every pending start at or after the
+            # watermark already (one step of all hosts larger than the bound: 16 hosts x 500k
+            # rows) settles nothing, and its hosts may still be sending that step.
+            runs = sorted(self.pending, key=lambda r: r.hi)
+            newest = runs[-1].hi
+            done, forced = 0, newest
+            for r in runs:
+                done += r.count
+                if 2 * done >= total:
+                    forced = min(r.hi + 1, newest)
+                    break
+            if forced > min(r.lo for r in runs):
+                self.watermark = max(self.watermark, forced)
         self.lower(self.watermark)
 
     def lower(self, watermark: int) -> None:
@@ -838,8 +890,8 @@ class RunState:
             if run.lo >= watermark:  # no step of it below the watermark: nothing to settle
                 runs.append(run)     # (0.8 s of a 1M-row batch's 3.5 s went to such runs)
                 continue
-            pk = run.keys
-            ps = _settled(run.steps, watermark)
+            pk, ps = run.live()
+            ps = _settled(ps, watermark)
             live = _live(ps)
             if live.any():
                 runs.append(PendingRun.of(pk[live], ps[live]))
@@ -885,4 +937,6 @@ class RunState:
                 "levels": 100 * len(self.levels),
                 "many_hosts": self.many_hosts.nbytes(),
                 "far_epochs": self.far_epochs.nbytes(),
-                "pending": sum(int(r.keys.nbytes + r.steps.nbytes) for r in self.pending)}
+                "pending": sum(int(r.keys.nbytes + r.steps.nbytes)
+                               + (0 if r.alive is None else int(r.alive.nbytes))
+                               for r in self.pending)}

@@ -1,12 +1,23 @@
-"""Pre-flight for a user's Grain DataLoader: `tally preflight --loader MODULE:FUNCTION`.
+"""Pre-flight for a user's own loader: `tally preflight --loader MODULE:FUNCTION`.
 
 The new topology's loaders come from the user's own factory, FUNCTION(host, host_count), as the
 relaunched job would build them, started where it would start them: restored from the loader
-states the run checkpointed (`--states`: Grain's `process_<i>-of-<n>.json`, new host h taking
-old host h % n's, the transfer a job does when the host count changes), or fresh with their first
-batch at `--at-step` (a sampler resumed by its own start offset, MaxText's `initial_step`). The
-plan is read from the loaders' index contract exactly as replay reads it (`pipeline.replay`):
-nothing of the pipeline runs, so a plan of 64 hosts x 1,000 steps takes seconds.
+states the run checkpointed (`--states`), or fresh with their first batch at `--at-step` (a
+sampler resumed by its own start offset, MaxText's `initial_step`). Which planner reads the
+plan follows from the loader the factory returns (`pipeline.replay.loader_kind`), each from the
+tool's own contract exactly as replay reads it; nothing of the pipeline runs and no record is
+read, so a plan of 64 hosts x 1,000 steps takes seconds:
+- Grain: the index contract (`pipeline.grain_attach`); states `process_<i>-of-<n>.json`, new
+  host h taking old host h % n's (the transfer a job does when the host count changes).
+- torch DataLoader / torchdata StatefulDataLoader (any sampler): the batch sampler drawn alone
+  (`pipeline.loaders.torch_loader.index_batches`, torchdata's own restore of a saved state);
+  states `dataloader_<i>-of-<n>.json|.pt`, new host h restoring old host h % n's as the job's
+  `load_state_dict` would. A StatefulDistributedSampler's saved offset counts the old rank's
+  own samples, so restored on another world size it repeats (fewer ranks) or skips (more).
+- MosaicML Streaming: streaming's own partition (`pipeline.loaders.mosaic.batches`) on the new
+  ranks (`--ranks-per-node`), from the one global state `streaming.json` (streaming re-partitions
+  a saved sample offset elastically, keeping num_canonical_nodes) or fresh at `--at-step`.
+The planners differ; the check does not.
 
 The checks need no epochs (a custom sampler need not say them): the run's effective exposures
 before the step, from the ledger, plus the plan's, against the ideal of the DESIGN ("every
@@ -19,17 +30,19 @@ relaunch would do:
 - `skips`: records the plan leaves below floor(C/N) when its horizon reaches a multiple of N;
 - `planned_twice`: records planned more often than the horizon itself allows, on two hosts;
 - `global_batch_changed`, `ledger_behind`, `horizon_short` as the keyed-loader check says them.
-What a correct loader also does is allowed and said as INFO: with W worker streams a host's
-reads at a step boundary are not a prefix of its order (each stream but one up to a batch
-ahead), and a sampler may drop N mod hosts or N mod global batch records an epoch. Not caught:
-a fault whose plan stays within one epoch's unseen records until past the horizon (a twice
-sharded loader starting at an epoch's start with a horizon short of the corpus): the finding
-`horizon_short` says the check ended there.
+What a correct loader also does is allowed and said as INFO: with W Grain worker streams a
+host's reads at a step boundary are not a prefix of its order (each stream but one up to a batch
+ahead; torch and Streaming hand batches over in the order drawn: no allowance), and a sampler
+may drop N mod hosts or N mod global batch records an epoch. Not caught: a fault whose plan
+stays within one epoch's unseen records until past the horizon (a twice sharded loader starting
+at an epoch's start with a horizon short of the corpus): the finding `horizon_short` says the
+check ended there.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +52,17 @@ from audit.core.errors import TallyError
 from audit.core.exposure import effective_sql, start_sql
 from audit.ledger.database import Ledger, one
 from audit.preflight.verdict import PreflightVerdict
-from pipeline.grain_attach import SamplerKeys, contract_of
-from pipeline.replay import batches, make_loader, read_state
+from pipeline.replay import loader_kind, make_loader
 
 DEFAULT_MAX_HORIZON = 1000
 
 
 def run_loader_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str | Path,
                          loader: str, new_hosts: int, *, at_step: int | None = None,
-                         states: str | Path | None = None, horizon: int | None = None
-                         ) -> PreflightVerdict:
-    """Plan the user's loaders on `new_hosts` and check the plan against the ledger."""
+                         states: str | Path | None = None, horizon: int | None = None,
+                         ranks_per_node: int = 1) -> PreflightVerdict:
+    """Plan the user's loaders on `new_hosts` and check the plan against the ledger
+    (`ranks_per_node`: a Streaming loader's ranks a node)."""
     t0 = time.perf_counter()
     if new_hosts < 1:
         raise TallyError(f"--hosts must be at least 1, got {new_hosts}")
@@ -58,20 +71,102 @@ def run_loader_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str
     if (states is None) == (at_step is None):
         raise TallyError("give the loader states the run checkpointed (--states DIR) or the "
                          "step the relaunched loaders start at (--at-step S), one of them")
+    if states is not None and not Path(states).is_dir():
+        raise TallyError(f"--states {states}: not a directory")
     from pipeline.manifest_file import manifest_info
 
     n = int(manifest_info(manifest)["train_records"])
+    args = (run_id, n, loader, new_hosts, at_step, states, horizon, ranks_per_node, t0)
     if isinstance(ledger, Ledger):
-        return _check(ledger, run_id, n, loader, new_hosts, at_step, states, horizon, t0)
+        return _check(ledger, *args)
     if not Path(ledger).is_file():
         raise TallyError(f"no ledger at {ledger}")
     with Ledger(ledger, read_only=True) as opened:
-        return _check(opened, run_id, n, loader, new_hosts, at_step, states, horizon, t0)
+        return _check(opened, *args)
 
 
-def _old_states(states: Path, spec: str) -> tuple[dict[int, dict], int]:
+@dataclass
+class _Plan:
+    """A relaunch's plan, whichever tool's: its first step, its global batch, and each host's
+    record keys for a horizon (`keys(steps)` -> keys, step of each, host of each); `slack` and
+    `remainder` are what a correct loader of this kind may show (see _plan_findings)."""
+
+    kind: str
+    step: int
+    batch: int
+    keys: Any
+    slack: int = 0
+    remainder: int = 0
+
+
+def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None, n: int,
+             ranks_per_node: int) -> _Plan:
+    first = make_loader(spec, 0, new_hosts)
+    kind = loader_kind(first)
+    if ranks_per_node != 1 and kind != "streaming":
+        raise TallyError(f"--ranks-per-node is for a Streaming loader; {spec} returns a {kind} "
+                         "loader")
+    from pipeline.loaders import AttachError
+
+    try:
+        if kind == "torch":
+            return _torch_plan(spec, new_hosts, at_step, states, n)
+        if kind == "streaming":
+            return _streaming_plan(first, new_hosts, at_step, states, ranks_per_node)
+    except AttachError as exc:
+        raise TallyError(f"--loader {spec}: {exc}") from None
+    return _grain_plan(spec, first, new_hosts, at_step, states, n)
+
+
+def _grain_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
+                states: Path | None, n: int) -> _Plan:
+    from pipeline.grain_attach import SamplerKeys, contract_of
+    from pipeline.replay import batches
+
+    loaders = [first] + [make_loader(spec, h, new_hosts) for h in range(1, new_hosts)]
+    try:
+        contracts = [contract_of(x) for x in loaders]
+    except TallyError as exc:
+        raise TallyError(f"--loader {spec}: {exc}") from None
+    old: dict[int, dict] = {}
+    if states is not None:
+        old, at_step = _old_grain_states(states, spec)
+    cursors, firsts = [], []
+    for h, c in enumerate(contracts):
+        st = old[h % len(old)] if old else None
+        cur_h = c.cursor(st)
+        cursors.append(cur_h)
+        nxt = c.next_batch(cur_h)
+        firsts.append(None if nxt is None else nxt[1])
+    # The relaunch's step: --at-step, else the step the checkpointed loaders were at.
+    step = int(at_step)
+    new_batch = sum(c.batch_size for c in contracts)
+
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        k, at, on = [], [], []
+        for h, (x, c, cu) in enumerate(zip(loaders, contracts, cursors, strict=True)):
+            idx, ordinal, _ = batches(c, cu, steps)
+            k.append(SamplerKeys(x._sampler).keys(idx))
+            at.append(ordinal - (firsts[h] or 0) + step)
+            on.append(np.full(len(idx), h, np.int32))
+        return np.concatenate(k), np.concatenate(at), np.concatenate(on)
+
+    # With W worker streams a host's reads at a step boundary are not a prefix of its order:
+    # each stream but one may be up to a batch ahead, on the run's side and on the plan's
+    # (assumed alike), so that many records may sit across an epoch's end in a correct run.
+    slack = 2 * sum((c.streams - 1) * c.batch_size for c in contracts)
+    # Samplers that drop an epoch's remainder leave up to N mod hosts (per-host blocks) or
+    # N mod global batch records unread each epoch, by design.
+    remainder = n % new_hosts + n % max(1, new_batch)
+    return _Plan("grain", step, new_batch, keys, slack, remainder)
+
+
+def _old_grain_states(states: Path, spec: str) -> tuple[dict[int, dict], int]:
     """Every old host's state, by host (process_<i>-of-<n>.json, one n for all), and the step
     they resume at: the old loaders' next batch ordinal (the lowest, should hosts differ)."""
+    from pipeline.grain_attach import contract_of
+    from pipeline.replay import read_state
+
     found = sorted(states.glob("process_*-of-*.json"))
     counts = {p.name.rsplit("-of-", 1)[1].removesuffix(".json") for p in found}
     if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
@@ -89,9 +184,68 @@ def _old_states(states: Path, spec: str) -> tuple[dict[int, dict], int]:
     return out, step or 0
 
 
+def _torch_plan(spec: str, new_hosts: int, at_step: int | None, states: Path | None,
+                n: int) -> _Plan:
+    """New host h's loader restored from old host h % n's saved state, as the relaunched job's
+    `load_state_dict` restores it, or fresh with its first batch at --at-step."""
+    from pipeline.loaders import torch_loader as tl
+
+    old: dict[int, dict] = {}
+    if states is not None:
+        _, old = tl.saved_states(states)
+        # The relaunch's step: the step the checkpointed loaders were at (the lowest).
+        at_step = min(tl.resume_step(st) for st in old.values())
+    step = int(at_step)
+
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        k, at, on = [], [], []
+        for h in range(new_hosts):
+            # Loaders made afresh for each plan: drawing moves a sampler on (its epoch, an
+            # offset it was given), as the relaunched job's loaders start from their factory.
+            x = make_loader(spec, h, new_hosts)
+            st = old[h % len(old)] if old else None
+            # A restored loader numbers its steps from its state; a fresh one from --at-step.
+            kh, ah = tl.planned_keys(x, steps, start_step=0 if old else step, state=st)
+            k.append(kh)
+            at.append(ah)
+            on.append(np.full(len(kh), h, np.int32))
+        return np.concatenate(k), np.concatenate(at), np.concatenate(on)
+
+    batch = int(len(keys(1)[0]))  # the rows of the plan's first step
+    remainder = n % new_hosts + n % max(1, batch)
+    # The DataLoader hands batches over in the order its batch sampler drew them, workers or
+    # not: no allowance for streams read ahead.
+    return _Plan("torch", step, batch, keys, 0, remainder)
+
+
+def _streaming_plan(loader: Any, new_hosts: int, at_step: int | None, states: Path | None,
+                    ranks_per_node: int) -> _Plan:
+    """Streaming's partition of the factory's dataset on the new ranks, from the one global
+    saved state (its `tally_step` the relaunch's step) or fresh at --at-step."""
+    from pipeline.loaders import AttachError, mosaic
+
+    # One dataset for every rank (the factory's for host 0): streaming's partition is global.
+    state = None
+    if states is not None:
+        state = mosaic.saved_state(states)
+        if state.get(mosaic.STEP_KEY) is None:
+            raise AttachError(f"{Path(states) / mosaic.STATE_FILE} has no {mosaic.STEP_KEY}: "
+                              "save the audited loader's state_dict() (it carries the step)")
+        at_step = int(state[mosaic.STEP_KEY])
+    step = int(at_step)
+    shape = mosaic.loader_shape(loader)
+
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return mosaic.planned_keys(loader, hosts=new_hosts, ranks_per_node=ranks_per_node,
+                                   steps=steps, state=state, start_step=step)
+
+    # In order, as torch's DataLoader hands over its workers' batches: no allowance.
+    return _Plan("streaming", step, shape["batch_size"] * new_hosts, keys)
+
+
 def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
            at_step: int | None, states: str | Path | None, horizon: int | None,
-           t0: float) -> PreflightVerdict:
+           ranks_per_node: int, t0: float) -> PreflightVerdict:
     cur = ledger.cursor()
     try:
         row = one(cur, "SELECT run FROM runs WHERE run_id = ?", [run_id])
@@ -99,29 +253,15 @@ def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
             raise TallyError(f"run {run_id!r} is not in ledger {ledger.path} (ingest its spool "
                              "first)")
         run = row[0]
-        loaders = [make_loader(spec, h, new_hosts) for h in range(new_hosts)]
-        try:
-            contracts = [contract_of(x) for x in loaders]
-        except TallyError as exc:
-            raise TallyError(f"--loader {spec}: {exc}") from None
-        old: dict[int, dict] = {}
-        if states is not None:
-            old, at_step = _old_states(Path(states), spec)
-        cursors, firsts = [], []
-        for h, c in enumerate(contracts):
-            st = old[h % len(old)] if old else None
-            cur_h = c.cursor(st)
-            cursors.append(cur_h)
-            nxt = c.next_batch(cur_h)
-            firsts.append(None if nxt is None else nxt[1])
-        # The relaunch's step: --at-step, else the step the checkpointed loaders were at.
-        step = at_step
-        new_batch = sum(c.batch_size for c in contracts)
+        plan = _planner(spec, new_hosts, at_step, None if states is None else Path(states), n,
+                        ranks_per_node)
+        step, new_batch = plan.step, plan.batch
         old_hosts, old_batch, last = _ledger_shape(cur, run, step)
         v = PreflightVerdict(run_id, "safe", numbers={
             "checkpoint_step": step, "old_hosts": old_hosts, "new_hosts": new_hosts,
             "old_global_batch": old_batch, "new_global_batch": new_batch,
-            "records_per_epoch": n, "plan": "loader", "loader": spec})
+            "records_per_epoch": n, "plan": "loader", "loader": spec,
+            "loader_kind": plan.kind})
         add = v.findings.add
         if step > 0 and (last is None or last < step - 1):
             held = "nothing" if last is None else f"steps up to {last}"
@@ -140,21 +280,14 @@ def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
     consumed = int(counts.sum())
     to_multiple = n - consumed % n if consumed % n else n
     steps = horizon or min(DEFAULT_MAX_HORIZON, -(-to_multiple // max(1, new_batch)))
-    keys, at_steps, on_host = [], [], []
-    for h, (x, c, cu) in enumerate(zip(loaders, contracts, cursors, strict=True)):
-        idx, ordinal, _ = batches(c, cu, steps)
-        keys.append(SamplerKeys(x._sampler).keys(idx))
-        at_steps.append(ordinal - (firsts[h] or 0) + step)
-        on_host.append(np.full(len(idx), h, np.int32))
-    k, s, hh = np.concatenate(keys), np.concatenate(at_steps), np.concatenate(on_host)
-    # With W worker streams a host's reads at a step boundary are not a prefix of its order:
-    # each stream but one may be up to a batch ahead, on the run's side and on the plan's
-    # (assumed alike), so that many records may sit across an epoch's end in a correct run.
-    slack = 2 * sum((c.streams - 1) * c.batch_size for c in contracts)
-    # Samplers that drop an epoch's remainder leave up to N mod hosts (per-host blocks) or
-    # N mod global batch records unread each epoch, by design.
-    remainder = n % new_hosts + n % max(1, new_batch)
-    _plan_findings(v, counts, k, s, hh, n, steps, add, slack=slack, remainder=remainder)
+    from pipeline.loaders import AttachError
+
+    try:
+        k, s, hh = plan.keys(steps)
+    except AttachError as exc:
+        raise TallyError(f"--loader {spec}: {exc}") from None
+    _plan_findings(v, counts, k, s, hh, n, steps, add, slack=plan.slack,
+                   remainder=plan.remainder)
     return _done(v, t0)
 
 

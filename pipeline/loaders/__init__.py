@@ -15,7 +15,8 @@ its own package (torch, ...) and a missing one is one line naming the extra.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,31 @@ class Consumed:
                               content_hash=content_hash, epoch=self.epochs)
 
 
+def manifest_hashes(hashes: Any) -> Any:
+    """A manifest path as its hashes by record key (pipeline.manifest_file.ManifestHashes);
+    anything else (None, hashes already read) as it is."""
+    if isinstance(hashes, (str, os.PathLike)):
+        from pipeline.manifest_file import ManifestHashes
+
+        return ManifestHashes(hashes)
+    return hashes
+
+
+def spool_options(hashes: Any, options: dict[str, Any], records: int | None
+                   ) -> dict[str, Any]:
+    """A LedgerWriter's options for an adapter's spool: the records an epoch (`records`, None:
+    not known), and from the manifest's hashes, its fingerprint and content basis (what the
+    hashes are of), unless the user gave them."""
+    if records is not None:
+        options.setdefault("records_per_epoch", records)
+    if hashes is not None:
+        options.setdefault("manifest_fingerprint", hashes.fingerprint)
+        basis = getattr(hashes, "content_basis", "")
+        if basis:
+            options.setdefault("content_basis", basis)
+    return options
+
+
 def hand_over(writer: Any, step: int, consumed: Callable[[], Consumed]) -> None:
     """Queue one step on `writer` (a LedgerWriter): `consumed` runs on the writer's thread, so
     that key mapping, reads and hashing cost the training thread nothing."""
@@ -181,6 +207,75 @@ class SteppedLoader:
         if name == "loader":
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+class PlannedLoader(SteppedLoader):
+    """An audited loader whose every pass is planned from the tool before it starts (its
+    workers not yet moving the tool's shared counters): `_plan()` gives the pass's epoch and
+    the sample ids of each batch it will hand out, and the k-th batch the loop gets is recorded
+    with the plan's k-th. A batch whose rows or a pass whose length is not the plan's stops the
+    loop with AttachError: the loader is not the one planned. `len()`, `load_state_dict()` and
+    every other attribute are the loader's; `state_dict()` adds the next step."""
+
+    PLAN = "the tool's plan"  # what the errors call the plan
+    writer: Any
+    host: int
+    key_of: Callable[[np.ndarray], np.ndarray] | None
+    hashes: Any
+    tokens_field: str | int | None
+    mask_field: str | int | None
+
+    def __init__(self, loader: Any, writer: Any, *, host: int, start_step: int = 0,
+                 key_of: Callable | None = None, tokens_field: str | int | None = "input_ids",
+                 mask_field: str | int | None = None, hashes: Any = None) -> None:
+        self.loader, self.writer, self.host = loader, writer, host
+        self.next_step = start_step
+        self.key_of, self.hashes = key_of, hashes
+        self.tokens_field, self.mask_field = tokens_field, mask_field
+
+    def _plan(self) -> tuple[int, list[np.ndarray]]:
+        raise NotImplementedError
+
+    def spool_epoch(self, epoch: int) -> int:
+        """The spool's epoch (0 first) of the tool's `epoch`."""
+        return epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, batches = self._plan()
+        k = -1
+        for k, batch in enumerate(self.loader):
+            if k >= len(batches):
+                raise AttachError(f"batch {k} of epoch {epoch}: {self.PLAN} gives this rank "
+                                  f"{len(batches)} batches (a loader or dataset that is not "
+                                  "the one attached?)")
+            self._record(batch, batches[k], self.spool_epoch(epoch))
+            yield batch
+        if k + 1 != len(batches):
+            raise AttachError(f"epoch {epoch} ended after {k + 1} batches; {self.PLAN} "
+                              f"gives this rank {len(batches)}")
+
+    def _record(self, batch: Any, ids: np.ndarray, epoch: int) -> None:
+        rows = leading_rows(batch)
+        if rows is not None and rows != len(ids):
+            raise AttachError(f"step {self.next_step}: the batch has {rows} rows, {self.PLAN} "
+                              f"{len(ids)} samples")
+        step, self.next_step = self.next_step, self.next_step + 1
+        content = batch_content(batch, hashes=self.hashes, tokens_field=self.tokens_field,
+                                mask_field=self.mask_field)
+        record(self.writer, step, self.host, ids, content, epoch, self.key_of)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state, plus the next step (STEP_KEY)."""
+        if not callable(getattr(self.loader, "state_dict", None)):
+            raise AttachError(f"a plain {type(self.loader).__name__} has no state: use the "
+                              "tool's own stateful loader (or save its state and the step "
+                              "yourself)")
+        state = dict(self.loader.state_dict() or {})
+        state[self.STEP_KEY] = self.next_step
+        return state
 
 
 def leading_rows(batch: Any) -> int | None:

@@ -36,7 +36,6 @@ manifest's hashes (`hashes=PATH`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,9 @@ from pipeline.loaders import (
     SteppedLoader,
     batch_content,
     leading_rows,
+    manifest_hashes,
     record,
+    spool_options,
     torch_loader,
 )
 
@@ -216,17 +217,10 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, full: Any = N
                               "LedgerWriter)")
         if run_id is None:
             raise AttachError("audited(loader, spool, run_id): a spool directory needs a run id")
-    if isinstance(hashes, (str, os.PathLike)):
-        from pipeline.grain_attach import ManifestHashes
-
-        hashes = ManifestHashes(hashes)
+    hashes = manifest_hashes(hashes)
     if not isinstance(spool, LedgerWriter):
-        if hashes is not None:
-            options.setdefault("manifest_fingerprint", hashes.fingerprint)
-            basis = getattr(hashes, "content_basis", "")
-            if basis:
-                options.setdefault("content_basis", basis)
-        writer = LedgerWriter(Path(spool), run_id, host=host, host_count=host_count, **options)
+        writer = LedgerWriter(Path(spool), run_id, host=host, host_count=host_count,
+                              **spool_options(hashes, options, None))
     return AuditedIterableLoader(loader, writer, host=host, start_step=start_step,
                                  key_field=key_field, key_of=key_of, tokens_field=tokens_field,
                                  mask_field=mask_field, hashes=hashes)

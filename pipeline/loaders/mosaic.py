@@ -62,10 +62,10 @@ except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: 
 
 from pipeline.loaders import (
     AttachError,
+    PlannedLoader,
     SteppedLoader,
-    batch_content,
-    leading_rows,
-    record,
+    manifest_hashes,
+    spool_options,
 )
 
 STEP_KEY = SteppedLoader.STEP_KEY
@@ -196,19 +196,15 @@ def check_loader(loader: Any) -> None:
 
 # ---- the audited loader ----------------------------------------------------------------------
 
-class AuditedStreamingLoader(SteppedLoader):
-    """A DataLoader over a StreamingDataset whose batches are recorded as the loop gets them.
-    `len()`, `state_dict()`, `load_state_dict()` and every other attribute are the loader's;
-    `state_dict()` adds the next step (`tally_step`)."""
+class AuditedStreamingLoader(PlannedLoader):
+    """A DataLoader over a StreamingDataset whose batches are recorded as the loop gets them,
+    each pass planned by streaming's partition (pipeline.loaders.PlannedLoader)."""
 
-    def __init__(self, loader: Any, writer: Any, *, host: int, start_step: int = 0,
-                 key_of: Callable | None = None, tokens_field: str | int | None = "input_ids",
-                 mask_field: str | int | None = None, hashes: Any = None) -> None:
+    PLAN = "streaming's partition"
+
+    def __init__(self, loader: Any, writer: Any, **options: Any) -> None:
         check_loader(loader)
-        self.loader, self.writer, self.host = loader, writer, host
-        self.next_step = start_step
-        self.key_of, self.hashes = key_of, hashes
-        self.tokens_field, self.mask_field = tokens_field, mask_field
+        super().__init__(loader, writer, **options)
         self.last_plan: tuple[int, int, list[np.ndarray]] | None = None  # epoch, sample, plan
 
     def _plan(self) -> tuple[int, list[np.ndarray]]:
@@ -221,61 +217,6 @@ class AuditedStreamingLoader(SteppedLoader):
                        batch_size=int(loader.batch_size), drop_last=bool(loader.drop_last))
         self.last_plan = (epoch, sample_in_epoch, batches)
         return epoch, batches
-
-    def __iter__(self) -> Iterator[Any]:
-        epoch, batches = self._plan()  # before the pass starts its workers
-        k = -1
-        for k, batch in enumerate(self.loader):
-            if k >= len(batches):
-                raise AttachError(f"batch {k} of epoch {epoch}: streaming's partition gives "
-                                  f"this rank {len(batches)} batches (a loader or dataset "
-                                  "that is not the one attached?)")
-            self._record(batch, batches[k], epoch)
-            yield batch
-        if k + 1 != len(batches):
-            raise AttachError(f"epoch {epoch} ended after {k + 1} batches; streaming's "
-                              f"partition gives this rank {len(batches)}")
-
-    def _record(self, batch: Any, ids: np.ndarray, epoch: int) -> None:
-        rows = leading_rows(batch)
-        if rows is not None and rows != len(ids):
-            raise AttachError(f"step {self.next_step}: the batch has {rows} rows, streaming's "
-                              f"partition {len(ids)} samples")
-        step, self.next_step = self.next_step, self.next_step + 1
-        content = batch_content(batch, hashes=self.hashes, tokens_field=self.tokens_field,
-                                mask_field=self.mask_field)
-        record(self.writer, step, self.host, ids, content, epoch, self.key_of)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The StreamingDataLoader's state, plus the next step."""
-        if not callable(getattr(self.loader, "state_dict", None)):
-            raise AttachError("a plain DataLoader has no state: use streaming's "
-                              "StreamingDataLoader (or save dataset.state_dict(n, ...) and "
-                              "the step yourself)")
-        state = dict(self.loader.state_dict() or {})
-        state[STEP_KEY] = self.next_step
-        return state
-
-
-def _manifest(hashes: Any) -> Any:
-    if isinstance(hashes, (str, os.PathLike)):
-        from pipeline.grain_attach import ManifestHashes  # one home for the manifest's hashes
-
-        return ManifestHashes(hashes)
-    return hashes
-
-
-def _writer_options(hashes: Any, options: dict[str, Any], records: int) -> dict[str, Any]:
-    options.setdefault("records_per_epoch", records)
-    if hashes is not None:
-        options.setdefault("manifest_fingerprint", hashes.fingerprint)
-        basis = getattr(hashes, "content_basis", "")
-        if basis:
-            options.setdefault("content_basis", basis)
-    return options
 
 
 def audited(loader: Any, spool: Any, run_id: str | None = None, *, host: int | None = None,
@@ -296,7 +237,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, host: int | N
 
     check_loader(loader)
     world = streaming_module("streaming.base.world").World.detect()
-    hashes = _manifest(hashes)
+    hashes = manifest_hashes(hashes)
     writer = spool
     if isinstance(spool, LedgerWriter):
         host = spool.host if host is None else host
@@ -306,7 +247,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, host: int | N
         if run_id is None:
             raise AttachError("audited(loader, spool, run_id): a spool directory needs a run id")
         writer = LedgerWriter(Path(spool), run_id, host=host, host_count=host_count,
-                              **_writer_options(hashes, writer_options,
+                              **spool_options(hashes, writer_options,
                                                 int(loader.dataset.num_samples)))
     return AuditedStreamingLoader(loader, writer, host=host, start_step=start_step,
                                   key_of=key_of, tokens_field=tokens_field,
@@ -362,7 +303,7 @@ def replay(dataset: Any, spool: str | os.PathLike, run_id: str, *, host: int, nu
     t0 = time.perf_counter()
     if not _is_streaming_dataset(dataset):
         raise ReplayError(f"expected a StreamingDataset, got {type(dataset).__name__}")
-    hashes = _manifest(hashes)
+    hashes = manifest_hashes(hashes)
     hosts = num_nodes * ranks_per_node
     def resolve(idx: np.ndarray, _epoch: np.ndarray):
         content, n_tokens = hashes.lookup(idx)
@@ -377,3 +318,94 @@ def replay(dataset: Any, spool: str | os.PathLike, run_id: str, *, host: int, nu
         out.add(*item)
     out.flush()
     return HostReplay(host, out.rows, out.files, out.first, out.last, time.perf_counter() - t0)
+
+
+# ---- `tally replay` and `tally preflight --loader`: a factory's Streaming loader ------------
+
+# Streaming's state is global (every rank's StreamingDataLoader.state_dict() is the same: the
+# epoch, the samples the whole job consumed in it, num_canonical_nodes, shuffle_seed,
+# initial_physical_nodes), so a run's checkpoint holds one: `streaming.json` in --states.
+STATE_FILE = "streaming.json"
+
+
+def saved_state(states: Path) -> dict[str, Any]:
+    """The loader state in `states`/streaming.json (a StreamingDataLoader's `state_dict()`, the
+    audited one's carrying `tally_step`), or AttachError saying what is wrong."""
+    import json
+
+    path = Path(states) / STATE_FILE
+    if not path.is_file():
+        raise AttachError(f"no Streaming loader state at {path} (save any rank's "
+                          "StreamingDataLoader.state_dict() there as JSON: it is global)")
+    try:
+        state = json.loads(path.read_text())
+        int(state["epoch"]), int(state["sample_in_epoch"])
+    except Exception as exc:  # noqa: BLE001
+        raise AttachError(f"{path}: not a Streaming loader state ({type(exc).__name__}: "
+                          f"{exc})") from None
+    return state
+
+
+def topology_of(hosts: int, ranks_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of `hosts` ranks, `ranks_per_node` on each node."""
+    if ranks_per_node < 1 or hosts % ranks_per_node:
+        raise AttachError(f"--ranks-per-node {ranks_per_node} does not divide --hosts {hosts}")
+    return hosts // ranks_per_node, ranks_per_node
+
+
+def loader_shape(loader: Any) -> dict[str, Any]:
+    """What of the loader decides its batches: workers, batch size, drop_last."""
+    check_loader(loader)
+    return {"workers": _loader_workers(loader), "batch_size": int(loader.batch_size),
+            "drop_last": bool(loader.drop_last)}
+
+
+def planned_keys(loader: Any, *, hosts: int, ranks_per_node: int, steps: int,
+                 state: dict[str, Any] | None = None, start_step: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sample ids, step, rank) of every rank's next `steps` batches on `hosts` ranks, from the
+    saved global `state` or fresh at `start_step`: streaming's own partition (`batches`) of the
+    loader's dataset, one dataset for every rank (the partition is global)."""
+    nodes, per_node = topology_of(hosts, ranks_per_node)
+    shape = loader_shape(loader)
+    keys, at, ranks = [], [], []
+    for rank in range(hosts):
+        try:
+            for step, ids, _ in batches(loader.dataset, num_nodes=nodes, ranks_per_node=per_node,
+                                        rank=rank, steps=steps, state=state,
+                                        start_step=start_step, **shape):
+                keys.append(ids)
+                at.append(np.full(len(ids), step, np.int64))
+                ranks.append(np.full(len(ids), rank, np.int32))
+        except (ValueError, KeyError) as exc:  # streaming refuses the topology or the state
+            raise AttachError(f"streaming cannot partition for {nodes} node(s) x {per_node} "
+                              f"rank(s): {exc}") from None
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
+    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
+
+
+def check_replay(spec: Any, loader: Any) -> None:
+    """What a Streaming replay refuses before it writes anything (pipeline.replay.check)."""
+    from pipeline.loaders.replayed import ReplayError
+
+    try:
+        check_loader(loader)
+        topology_of(spec.hosts, spec.ranks_per_node)
+        if spec.states is not None:
+            saved_state(spec.states)
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader}: {exc}") from None
+    if spec.hashes != "manifest":
+        raise ReplayError("--hashes source: a Streaming replay takes hashes from the manifest "
+                          "(the samples are not read)")
+
+
+def replay_spec_host(spec: Any, host: int, hashes: Any, loader: Any) -> Any:
+    """Host (rank) `host`'s replayed spool for `spec` (pipeline.replay.ReplaySpec) from the
+    factory's Streaming loader: `replay` on --hosts ranks, --ranks-per-node a node."""
+    nodes, per_node = topology_of(spec.hosts, spec.ranks_per_node)
+    state = saved_state(spec.states) if spec.states is not None else None
+    return replay(loader.dataset, spec.spool, spec.run_id, host=host, num_nodes=nodes,
+                  ranks_per_node=per_node, steps=spec.steps, hashes=hashes, state=state,
+                  start_step=spec.start_step, fsync=spec.fsync, **loader_shape(loader))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,7 +53,9 @@ from pipeline.loaders import (
     Hashes,
     batch_content,
     leading_rows,
+    manifest_hashes,
     record,
+    spool_options,
 )
 
 STATE_KEY = "tally_epoch_base"  # the step of ordinal 0 of the epoch a saved state is inside
@@ -351,19 +352,10 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, host: int | N
                               "host_count= (or a LedgerWriter)")
         if run_id is None:
             raise AttachError("audited(loader, spool, run_id): a spool directory needs a run id")
-    if isinstance(hashes, (str, os.PathLike)):
-        from pipeline.grain_attach import ManifestHashes  # one home for the manifest's hashes
-
-        hashes = ManifestHashes(hashes)
+    hashes = manifest_hashes(hashes)
     if not isinstance(spool, LedgerWriter):
-        writer_options.setdefault("records_per_epoch", len(loader.dataset))
-        if hashes is not None:
-            writer_options.setdefault("manifest_fingerprint", hashes.fingerprint)
-            basis = getattr(hashes, "content_basis", "")
-            if basis:
-                writer_options.setdefault("content_basis", basis)
         writer = LedgerWriter(Path(spool), run_id, host=host, host_count=host_count,
-                              **writer_options)
+                              **spool_options(hashes, writer_options, len(loader.dataset)))
     return AuditedLoader(loader, writer, host=host, start_step=start_step, key_of=key_of,
                          tokens_field=tokens_field, mask_field=mask_field, content=content,
                          hashes=hashes, epoch_of=epoch_of)
@@ -533,3 +525,58 @@ def check_replay(spec: Any, loader: DataLoader) -> None:
             except Exception as exc:
                 raise ReplayError(f"{path}: not a saved DataLoader state "
                                   f"({type(exc).__name__}: {exc})") from None
+
+
+# ---- pre-flight: the relaunch's plan, from the loaders and the states it restores ------------
+
+def saved_states(states: Path) -> tuple[int, dict[int, dict[str, Any]]]:
+    """(n, every old host's saved state by host) from `dataloader_<h>-of-<n>.json|.pt` in
+    `states`, one n for all; AttachError naming what was found otherwise."""
+    found = sorted(p for p in states.glob("dataloader_*-of-*.*") if p.suffix in (".json", ".pt"))
+    counts = {p.stem.rsplit("-of-", 1)[-1] for p in found}
+    if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
+        raise AttachError(f"--states {states}: expected the saved StatefulDataLoader states "
+                         f"dataloader_<h>-of-<n>.json (or .pt) for one host count n, found "
+                         f"{[p.name for p in found[:4]] or 'none'}")
+    n = int(next(iter(counts)))
+    out = {}
+    for h in range(n):
+        path = state_file(states, h, n)
+        if path is None:
+            raise AttachError(f"--states {states}: no state for old host {h} of {n} "
+                             f"(dataloader_{h}-of-{n}.json or .pt)")
+        try:
+            out[h] = read_state(path)
+            resume_step(out[h])
+        except Exception as exc:  # noqa: BLE001  (a file that is not a loader state)
+            raise AttachError(f"{path}: not a saved StatefulDataLoader state "
+                             f"({type(exc).__name__}: {exc})") from None
+    return n, out
+
+
+def resume_step(state: dict[str, Any]) -> int:
+    """The step of the next batch a StatefulDataLoader restored from `state` hands out: the
+    epoch's base step (`tally_epoch_base`, 0 for a state saved without Tally) plus the batches
+    the epoch had yielded (torchdata's own count: `_num_yielded`, or with workers the snapshot's
+    step plus the steps since it)."""
+    base = int(state.get(STATE_KEY) or 0)
+    if "_snapshot" in state:
+        return base + int(state["_snapshot"]["_snapshot_step"]) + \
+            int(state["_steps_since_snapshot"])
+    return base + int(state["_num_yielded"])
+
+
+def planned_keys(loader: DataLoader, steps: int, *, start_step: int = 0,
+                 state: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(record keys, step of each) of the loader's next `steps` batches as `index_batches`
+    draws them (from `state` when given), keys through the dataset's `tally_record_keys`."""
+    check_loader(loader)
+    check_deterministic(loader)
+    keys_of = _keys_function(loader, None)
+    keys, at = [], []
+    for step, idx, _ in index_batches(loader, steps, start_step=start_step, state=state):
+        keys.append(keys_of(idx))
+        at.append(np.full(len(idx), step, np.int64))
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(keys), np.concatenate(at)
