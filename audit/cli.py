@@ -495,8 +495,9 @@ def _add_replay_parser(sub: Any) -> None:
                                       "contract, without running the run")
     s.add_argument("--loader", required=True,
                    help="MODULE:FUNCTION; FUNCTION(host, host_count) returns that host's "
-                        "grain.DataLoader, torch DataLoader / StatefulDataLoader, or "
-                        "(Streaming)DataLoader over a StreamingDataset (MODULE importable "
+                        "grain.DataLoader, torch DataLoader / StatefulDataLoader, "
+                        "(Streaming)DataLoader over a StreamingDataset, litdata "
+                        "StreamingDataLoader, or OLMo-core data loader (MODULE importable "
                         "from here or PYTHONPATH)")
     s.add_argument("--hosts", type=int, required=True, help="host count of the run")
     s.add_argument("--steps", type=int, required=True, help="steps to replay on every host")
@@ -512,7 +513,9 @@ def _add_replay_parser(sub: Any) -> None:
     s.add_argument("--states", help="directory of the loader states a run checkpointed "
                                     "(Grain's process_<h>-of-<H>.json, torch's "
                                     "dataloader_<h>-of-<H>.json|.pt, Streaming's one "
-                                    "streaming.json): replay from there")
+                                    "streaming.json, litdata's litdata_<h>-of-<H>.json, "
+                                    "OLMo-core's checkpoint step dir (train/rank<r>.pt)): "
+                                    "replay from there")
     s.add_argument("--ranks-per-node", type=int, default=1,
                    help="a Streaming loader's ranks a node: its partition follows the nodes "
                         "(--hosts ranks in all; default 1)")
@@ -870,14 +873,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                "per core for large plans)")
     s.add_argument("--record", action="store_true",
                    help="record the verdict in the ledger (opens it for writing)")
-    g = s.add_argument_group("your own loader: Grain, torch DataLoader, MosaicML Streaming "
-                             "(instead of --checkpoint)")
+    g = s.add_argument_group("your own loader: Grain, torch DataLoader, MosaicML Streaming, "
+                             "litdata, OLMo-core (instead of --checkpoint)")
     g.add_argument("--loader", help="MODULE:FUNCTION; FUNCTION(host, host_count) returns the "
                                     "relaunched job's loader for that host")
     g.add_argument("--states", help="directory of the loader states the run checkpointed "
                                     "(Grain's process_<i>-of-<n>.json, torch's "
                                     "dataloader_<i>-of-<n>.json|.pt: new host h restores old "
-                                    "host h %% n's; Streaming's one streaming.json)")
+                                    "host h %% n's; Streaming's one streaming.json; "
+                                    "litdata's litdata_<i>-of-<n>.json; OLMo-core's "
+                                    "checkpoint step dir, train/rank<r>.pt)")
     g.add_argument("--ranks-per-node", type=int, default=1,
                    help="a Streaming loader's ranks a node on the new topology (default 1)")
     g.add_argument("--at-step", type=non_negative_int,
@@ -929,11 +934,32 @@ _CHILD = "TALLY_SUPERVISED"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    kept = _logging_state()
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:  # while starting, before the command's own handling
         print("tally: interrupted", file=sys.stderr)
         return 130
+    finally:
+        # A command called in-process (a notebook, a test) leaves logging as it found it:
+        # its quiet levels and handlers silenced the progress lines of what ran next.
+        _restore_logging(kept)
+
+
+_LOGGERS = ("", "tally")  # the loggers a command sets up
+
+
+def _logging_state() -> list[tuple[logging.Logger, int, list[logging.Handler], bool]]:
+    return [(log, log.level, list(log.handlers), log.propagate)
+            for log in map(logging.getLogger, _LOGGERS)]
+
+
+def _restore_logging(kept: list[tuple[logging.Logger, int, list[logging.Handler], bool]]
+                     ) -> None:
+    for log, level, handlers, propagate in kept:
+        log.setLevel(level)
+        log.handlers[:] = handlers
+        log.propagate = propagate
 
 
 def _main(argv: list[str]) -> int:

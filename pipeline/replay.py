@@ -183,12 +183,20 @@ def _torch_loader(loader: Any) -> bool:
 def loader_kind(loader: Any) -> str:
     """Whose contract plans the factory's loader: "streaming" (a torch DataLoader or
     StreamingDataLoader over a StreamingDataset), "torch" (any other torch DataLoader), else
-    "grain". Nothing is imported that the factory did not import already."""
+    "grain"; "olmo" for an OLMo-core data loader (not a torch DataLoader); "litdata" for
+    litdata's StreamingDataLoader. Nothing is imported that the factory did not import
+    already."""
+    olmo = sys.modules.get("olmo_core.data.data_loader")
+    if olmo is not None and isinstance(loader, olmo.DataLoaderBase):
+        return "olmo"
     if not _torch_loader(loader):
         return "grain"
     streaming = sys.modules.get("streaming.base.dataset")
     if streaming is not None and isinstance(loader.dataset, streaming.StreamingDataset):
         return "streaming"
+    litdata = sys.modules.get("litdata.streaming.dataloader")  # a torch DataLoader subclass
+    if litdata is not None and isinstance(loader, litdata.StreamingDataLoader):
+        return "litdata"
     return "torch"
 
 
@@ -201,10 +209,18 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
         from pipeline.loaders.mosaic import replay_spec_host
 
         return replay_spec_host(spec, host, hashes, loader)
+    if kind == "litdata":  # litdata's plan (pipeline.loaders.litdata_loader)
+        from pipeline.loaders.litdata_loader import replay_spec_host as replay_litdata_host
+
+        return replay_litdata_host(spec, host, hashes, loader)
     if kind == "torch":  # a torch DataLoader: its own contract (pipeline.loaders)
         from pipeline.loaders.torch_loader import replay_host as replay_torch_host
 
         return replay_torch_host(spec, host, hashes, loader)
+    if kind == "olmo":  # OLMo-core's own order (pipeline.loaders.olmo_core)
+        from pipeline.loaders.olmo_core import replay_spec_host as replay_olmo_host
+
+        return replay_olmo_host(spec, host, hashes, loader)
     from pipeline.grain_attach import AttachError, SamplerKeys, SourceHashes, contract_of
 
     try:
@@ -366,10 +382,18 @@ def check(spec: ReplaySpec) -> None:
     if spec.ranks_per_node != 1:
         raise ReplayError("--ranks-per-node is for a Streaming loader (its partition follows "
                           f"the nodes); the factory's is a {kind} loader")
+    if kind == "litdata":
+        from pipeline.loaders.litdata_loader import check_replay as check_litdata
+
+        return check_litdata(spec, loader)
     if kind == "torch":
         from pipeline.loaders.torch_loader import check_replay
 
         return check_replay(spec, loader)
+    if kind == "olmo":
+        from pipeline.loaders.olmo_core import check_replay as check_olmo
+
+        return check_olmo(spec, loader)
     from pipeline.grain_attach import AttachError, contract_of
 
     try:

@@ -98,8 +98,12 @@ def _dask_cluster(spec: RunnerSpec) -> Iterator[str]:
         signals.held = True
         # The workers import Beam, which logs at import: pipeline.workers quiets them first.
         try:
+            # No dashboard; the scheduler's HTTP server (metrics) still starts, on port 8787
+            # unless told otherwise, and a second local cluster on the machine then warned
+            # on stderr that the port was taken: any free port, on loopback.
             cluster = LocalCluster(n_workers=spec.workers, threads_per_worker=1,
                                    processes=True, dashboard_address=None,
+                                   scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
                                    silence_logs=logging.ERROR, preload=["pipeline.workers"])
         except Exception:
             signals.release()  # the signal that stopped its workers: the interrupt

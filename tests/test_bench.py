@@ -98,31 +98,9 @@ def test_restart_benchmark_runs(tmp_path):
     assert not (tmp_path / "d").exists()  # the data is removed
 
 
-def test_seed_scale_benchmark_runs(tmp_path):
-    from bench import seed_scale
-
-    res = seed_scale.main(["--records", "3000", "--rows", "30000", "--hosts", "4", "--batch",
-                           "4", "--flush-every", "10", "--corpus-records", "300",
-                           "--requests", "2", "--clients", "2", "--lookups", "3",
-                           "--live-rows-per-s", "3000", "--live-flush-every", "5",
-                           "--clients-seconds", "4", "--dir", str(tmp_path / "s")])
-    assert res["rows"] >= 30000 and res["epochs"] > 1  # several epochs of packed documents
-    assert res["state_bytes_per_record"] > 0 and res["reconcile_rate"] > 0
-    assert res["verdict"] == "PASS"  # a healthy packed loader: exact epochs, hashes match
-    # The one-query reference over the spool agreed with the report (asserted in the bench).
-    q = res["spool_query"]
-    assert q["exposures"] == res["exposures"] and q["multi_host_records"] > 0
-    assert res["reconcile_ratio"] > 0 and q["hash_mismatches"] == 0
-    assert set(res["live"]["p99_concurrent"]) == set(res["live"]["p99"])
-    # The clients went on for the window; the writer's and the service's rates timed over it.
-    window = res["live"]["window"]
-    assert window["seconds"] >= 4 and window["written_rows_per_s"] > 0
-    assert window["ingested_rows_per_s"] > 0
-    assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
-    assert not (tmp_path / "s").exists()  # the data is removed
-
-
-def test_seed_scale_reuses_a_kept_run_and_its_loader_goes_on_where_it_stopped(tmp_path):
+def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path):
+    """The bench at a toy size, every stage, the run kept; then a second run on the kept run
+    (--reuse), whose loader goes on where the first stopped. One test: each run is ~20 s."""
     from bench import seed_scale
 
     # The loader moved to a step makes what the loader that made every step before it makes.
@@ -141,14 +119,28 @@ def test_seed_scale_reuses_a_kept_run_and_its_loader_goes_on_where_it_stopped(tm
               "--flush-every", "10", "--corpus-records", "300", "--requests", "2", "--clients",
               "2", "--lookups", "3", "--live-rows-per-s", "3000", "--live-flush-every", "5",
               "--clients-seconds", "3", "--dir", str(tmp_path / "s")]
+    res = seed_scale.main([*common, "--keep"])
+    assert res["rows"] >= 30000 and res["epochs"] > 1  # several epochs of packed documents
+    assert res["state_bytes_per_record"] > 0 and res["reconcile_rate"] > 0
+    assert res["verdict"] == "PASS"  # a healthy packed loader: exact epochs, hashes match
+    # The one-query reference over the spool agreed with the report (asserted in the bench).
+    q = res["spool_query"]
+    assert q["exposures"] == res["exposures"] and q["multi_host_records"] > 0
+    assert res["reconcile_ratio"] > 0 and q["hash_mismatches"] == 0
+    assert set(res["live"]["p99_concurrent"]) == set(res["live"]["p99"])
+    # The clients went on for the window; the writer's and the service's rates timed over it.
+    window = res["live"]["window"]
+    assert window["seconds"] >= 3 and window["written_rows_per_s"] > 0
+    assert window["ingested_rows_per_s"] > 0
+    assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
+    assert (tmp_path / "s" / "ledger.duckdb").exists()  # kept
     # The first run's live writer publishes its last files after the service stopped: the
     # rerun ingests them before it places the loader (else its writer repeats their steps).
-    first = seed_scale.main([*common, "--keep", "--stages", "serve,lookup"])
-    assert (tmp_path / "s" / "ledger.duckdb").exists() and "reconcile_rate" not in first
     again = seed_scale.main([*common, "--reuse", "--stages", "serve,reconcile"])
-    assert again["rows"] >= first["rows"] + first["live"]["live_rows"]
+    assert again["rows"] >= res["rows"] + res["live"]["live_rows"]
     assert again["verdict"] == "PASS"  # the run went on where it stopped
-    assert again["live"]["live_rows"] > 0 and not (tmp_path / "s").exists()
+    assert again["live"]["live_rows"] > 0
+    assert not (tmp_path / "s").exists()  # the data is removed
 
 
 def test_state_size_benchmark_runs():

@@ -85,7 +85,7 @@ def fractions(counts):
     return (counts == 0).mean(), (counts >= 2).mean()
 
 
-@pytest.mark.parametrize("hosts,batch", [(8, 4), (64, 2)])
+@pytest.mark.parametrize("hosts,batch", [(8, 4), (32, 2)])
 def test_sharded_twice_is_named_live_and_by_replay(mix, tmp_path, hosts, batch):
     steps = N // (hosts * batch)  # one epoch's worth of consumption
     truth = live(mix, tmp_path / "spool", "twice", hosts, batch, steps, "twice")

@@ -242,3 +242,32 @@ def test_array_record_corpus_without_the_extra_names_it(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("tally: error: 'tally exposure' needs the beam extra"), r.stderr
     assert "unreadable" not in r.stderr
+
+
+def test_tallys_handler_writes_to_the_stderr_of_the_moment(capsys):
+    """A command run in-process (audit.cli.main under one capture) sets up Tally's handler;
+    the next command's lines in the same process must reach the stderr of its own moment,
+    not the stream that was stderr when the handler was made."""
+    import io
+    import logging
+
+    from audit.core import logs
+
+    log = logging.getLogger("tally.test_handler")
+    log.propagate = False
+    h = logs.handler()
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    try:
+        before = sys.stderr
+        sys.stderr = io.StringIO()
+        try:
+            log.info("first")
+            first = sys.stderr.getvalue()
+        finally:
+            sys.stderr = before
+        log.info("second")
+        assert first == "tally: [info] first\n"
+        assert capsys.readouterr().err == "tally: [info] second\n"
+    finally:
+        log.removeHandler(h)

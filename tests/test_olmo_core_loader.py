@@ -172,16 +172,22 @@ def fit(mix: dict, root: Path, steps: int, seen: Seen, **options) -> tally_olmo.
     return tally
 
 
-def test_trainer_callback_records_each_step_across_a_checkpoint(tmp_path, mix):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, mix) -> dict:
     """The real Trainer (one rank) runs 13 steps, checkpointing at step 10 and at its end;
-    restarted with a longer duration it restores that checkpoint and runs on into epoch 2.
-    Each step's record keys are the batch's `index` (and the instances its tokens hold), the
+    restarted with a longer duration it restores that checkpoint and runs on into epoch 2."""
+    root, seen = tmp_path_factory.mktemp("trained"), Seen(mix)
+    first = fit(mix, root, 13, seen)
+    again = fit(mix, root, 27, seen)  # N / GB = 20 steps an epoch
+    return {"root": root, "seen": seen, "first": first, "again": again}
+
+
+def test_trainer_callback_records_each_step_across_a_checkpoint(trained, mix):
+    """Each step's record keys are the batch's `index` (and the instances its tokens hold), the
     hashes the manifest's; the second run is attempt 1 resumed at step 13; reconcile: PASS;
     `replay` from the step-13 checkpoint's trainer state writes the second run's rows."""
-    seen = Seen(mix)
-    first = fit(mix, tmp_path, 13, seen)
+    tmp_path, seen, first, again = (trained[k] for k in ("root", "seen", "first", "again"))
     assert (first.writer.attempt, first.writer.host, first.writer.host_count) == (0, 0, 1)
-    again = fit(mix, tmp_path, 27, seen)  # N / GB = 20 steps an epoch
     assert again.writer.attempt == 1
     meta = pq.read_schema(next((tmp_path / "spool/r/attempt=1").rglob("seg-*"))).metadata
     assert meta[b"tally.resumed_from_step"] == b"13"
@@ -241,19 +247,30 @@ def live(mix: dict, work: Path, spool: Path, world: int, epochs: int, stop: int 
     return got, states
 
 
-def test_plain_loop_two_ranks_and_replay_equal_row_for_row(tmp_path, mix):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, mix) -> dict:
+    """Two ranks, two epochs of a plain loop (`live`), each rank's audited loader state saved
+    at step 7 where a Trainer checkpoint keeps a rank's state: `train/rank<r>.pt`."""
+    root, world, stop = tmp_path_factory.mktemp("two"), 2, 7
+    got, states = live(mix, root / "work", root / "live", world, 2, stop)
+    (root / "states/train").mkdir(parents=True)
+    for rank, state in states.items():
+        torch.save(state, root / f"states/train/rank{rank}.pt")
+    return {"root": root, "world": world, "stop": stop, "got": got, "states": states}
+
+
+def test_plain_loop_two_ranks_and_replay_equal_row_for_row(tmp_path, mix, two_ranks):
     """Two ranks, two epochs: every instance once an epoch over the ranks, the spool's keys the
     batches'; `replay` of each rank from a loader of the same configuration, from nothing and
     from the state saved at step 7, writes the live rows, marked replayed."""
-    world, stop = 2, 7
-    got, states = live(mix, tmp_path / "work", tmp_path / "live", world, 2, stop)
+    world, stop, got, states = (two_ranks[k] for k in ("world", "stop", "got", "states"))
     per_epoch = N // GB
     for epoch in range(2):
         ids = [i for rank in got for b in rank[epoch * per_epoch:(epoch + 1) * per_epoch]
                for i in b]
         assert sorted(ids) == list(range(N))
     assert states[0]["batches_processed"] == stop and states[0][tally_olmo.STEP_KEY] == stop
-    live_t = spool_table(tmp_path / "live")
+    live_t = spool_table(two_ranks["root"] / "live")
     assert live_t["record_key"].to_pylist() == [
         i for step in range(2 * per_epoch) for rank in range(world) for i in got[rank][step]]
     for name, first in (("all", 0), ("mid", stop)):
@@ -269,10 +286,8 @@ def test_plain_loop_two_ranks_and_replay_equal_row_for_row(tmp_path, mix):
         assert meta[b"tally.replayed"] == b"1"
 
 
-def resume(mix: dict, root: Path, name: str, *, world: int = 2, stop: int = 5,
-           load_state: bool = True, **again) -> None:
-    """`world` ranks run `stop` steps of epoch 1 and save their loader state; a second attempt
-    (a loader built with `again`: world, seed, gb) restores it or not and ends the epoch."""
+def checkpoint(mix: dict, root: Path, name: str, world: int, stop: int) -> list[dict]:
+    """`world` ranks run `stop` steps of epoch 1 into spool `root/name`; their loader states."""
     states = []
     for rank in range(world):
         loader = tally_olmo.audited(make_loader(mix, root / "work", world=world, rank=rank),
@@ -283,6 +298,14 @@ def resume(mix: dict, root: Path, name: str, *, world: int = 2, stop: int = 5,
                 break
         states.append(loader.state_dict())
         loader.writer.finish()
+    return states
+
+
+def resume(mix: dict, root: Path, name: str, *, world: int = 2, stop: int = 5,
+           load_state: bool = True, **again) -> None:
+    """`world` ranks run `stop` steps of epoch 1 and save their loader state; a second attempt
+    (a loader built with `again`: world, seed, gb) restores it or not and ends the epoch."""
+    states = checkpoint(mix, root, name, world, stop)
     world2 = again.pop("world", world)
     for rank in range(world2):
         writer = LedgerWriter(root / name, "r", host=rank, host_count=world2, attempt=1,
@@ -358,3 +381,172 @@ def test_refused_in_one_line(tmp_path, mix, monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r"^pipeline.loaders.olmo_core needs the olmo "
                        r"extra \(olmo_core is not installed\): pip install 'tally\[olmo\]'$"):
         importlib.import_module("pipeline.loaders.olmo_core")
+
+
+# ---- the factory-based commands: `tally replay` and `tally preflight --loader` ---------------
+
+ROOT = Path(__file__).resolve().parent.parent
+FACTORY = "tests.test_olmo_core_loader:make_factory"
+
+
+def make_factory(host: int, hosts: int) -> NumpyFSLDataLoader:
+    """The job's factory as `--loader` calls it: dp rank `host` of `hosts` of the mix at
+    TALLY_TEST_OLMO (its index.json), TALLY_TEST_GB instances a global batch (default GB)."""
+    index = Path(os.environ["TALLY_TEST_OLMO"])
+    paths = {"paths": [str(f.path) for f in load_index(index).files]}
+    return make_loader(paths, index.parent / "factory-work", world=hosts, rank=host,
+                       gb=int(os.environ.get("TALLY_TEST_GB", GB)))
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys, mix):
+    """`tally ARGS` through audit.cli.main in this process: (exit status, stdout, stderr)."""
+
+    def run(*args: str, **env: str) -> tuple[int, str, str]:
+        monkeypatch.chdir(ROOT)
+        for k, v in {"TALLY_TEST_OLMO": str(mix["index"]), "TALLY_SUPERVISED": "1",
+                     **env}.items():
+            monkeypatch.setenv(k, v)
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        for k in env:
+            monkeypatch.delenv(k)
+        return code, out, err
+
+    return run
+
+
+def test_cli_replay_of_a_factory_equals_the_live_spool(cli, tmp_path, mix, two_ranks, trained):
+    """`tally replay --loader` over an OLMo-core factory: the two ranks from the start and
+    from their states saved at step 7 (`train/rank<r>.pt`), and the Trainer's own checkpoint
+    directory (save/step13: train/rank0.pt, its global_step), each equal to the live spool
+    row for row, marked replayed."""
+    base = ["replay", "--loader", FACTORY, "--run", "r", "--manifest", str(mix["manifest"])]
+    live_t, steps = spool_table(two_ranks["root"] / "live"), 2 * (N // GB)
+    stop = two_ranks["stop"]
+    for name, first, extra in (("all", 0, []),
+                               ("mid", stop, ["--states", str(two_ranks["root"] / "states")])):
+        code, out, err = cli(*base, "--hosts", "2", "--steps", str(steps - first), "--spool",
+                             str(tmp_path / name), "--json", *extra)
+        assert code == 0, err
+        assert json.loads(out)["first_step"] == first
+        want = live_t.filter(pa.compute.greater_equal(live_t["step"], first))
+        assert spool_table(tmp_path / name).equals(want), name
+    meta = pq.read_schema(next((tmp_path / "mid").rglob("seg-*.parquet"))).metadata
+    assert meta[b"tally.replayed"] == b"1"
+    code, out, err = cli(*base, "--hosts", "1", "--steps", "14", "--spool",
+                         str(tmp_path / "trainer"), "--states",
+                         str(trained["root"] / "save/step13"))
+    assert code == 0, err
+    t = spool_table(trained["root"] / "spool")
+    assert spool_table(tmp_path / "trainer").equals(
+        t.filter(pa.compute.greater_equal(t["step"], 13)))
+
+
+STOP = 5  # the pre-flight run: 2 ranks x GB / 2 instances, checkpointed after 5 steps
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory, mix) -> dict:
+    """2 ranks run 5 steps (40 instances) and save their loader states as a Trainer keeps
+    them (`train/rank<r>.pt`); the spool ingested into a ledger."""
+    root = tmp_path_factory.mktemp("ckpt")
+    states = checkpoint(mix, root, "spool", 2, STOP)
+    (root / "states/train").mkdir(parents=True)
+    for rank, state in enumerate(states):
+        torch.save(state, root / f"states/train/rank{rank}.pt")
+    with supervised_child():
+        assert main(["ingest", str(root / "spool"), "--ledger", str(root / "ledger.duckdb"),
+                     "-q"]) == 0
+    before = [i for rank in range(2) for i in spool_table(root / "spool")
+              .filter(pa.compute.equal(spool_table(root / "spool")["host"], rank))
+              ["record_key"].to_pylist()]
+    assert len(before) == len(set(before)) == STOP * GB
+    return {"root": root, "states": root / "states", "before": set(before)}
+
+
+def preflight(cli, mix, run: dict, hosts: int, *extra: str, **env: str) -> tuple[int, dict]:
+    code, out, err = cli("preflight", "--run", "r", "--ledger",
+                         str(run["root"] / "ledger.duckdb"), "--manifest", str(mix["manifest"]),
+                         "--loader", FACTORY, "--hosts", str(hosts), "--json", "-q", *extra,
+                         **env)
+    assert code in (0, 1), err
+    v = json.loads(out)
+    assert v["numbers"]["loader_kind"] == "olmo"
+    return code, v
+
+
+def relaunched(mix: dict, run: dict, hosts: int, gb: int, restore: bool) -> list[int]:
+    """What the relaunch really reads to the epoch's end: the real loaders of `hosts` ranks,
+    restored as OLMo-core's Checkpointer restores them (rank r: train/rank<r>.pt, else
+    train/rank0.pt) or not at all."""
+    got = []
+    for rank in range(hosts):
+        loader = make_loader(mix, run["root"] / "work", world=hosts, rank=rank, gb=gb)
+        if restore:
+            path = run["states"] / f"train/rank{rank}.pt"
+            path = path if path.is_file() else run["states"] / "train/rank0.pt"
+            loader.load_state_dict(torch.load(path, weights_only=False))
+        loader.reshuffle(1)
+        got += [i for b in loader for i in b["index"].tolist()]
+    return got
+
+
+def test_preflight_world_size_change_restored_passes(cli, mix, checkpointed):
+    """2 -> 4 ranks (ranks 2 and 3 load rank0.pt, as OLMo-core's Checkpointer does) and
+    2 -> 1, the states restored: OLMo-core continues at the global tokens consumed: SAFE,
+    no repeat and nothing skipped; the real restored loaders read exactly the rest."""
+    assert sorted(relaunched(mix, checkpointed, 4, GB, True)) == sorted(
+        set(range(N)) - checkpointed["before"])
+    for hosts in (4, 1):
+        code, v = preflight(cli, mix, checkpointed, hosts, "--states",
+                            str(checkpointed["states"]))
+        assert code == 0 and v["status"] == "safe", v["findings"]
+        n = v["numbers"]
+        assert (n["checkpoint_step"], n["old_hosts"], n["new_hosts"]) == (STOP, 2, hosts)
+        assert n["old_global_batch"] == n["new_global_batch"] == GB
+        assert (n["repeats"], n["skipped"], n["reached_multiple"]) == (0, 0, True)
+
+
+def test_preflight_refuses_the_real_faults_with_their_counts(cli, mix, checkpointed):
+    """The loader state not restored (fresh loaders at step 5) starts the epoch again: the 40
+    instances consumed are planned again and 40 are left unseen at the epoch's end. A global
+    batch of 12 restores batches_processed = 40 // 12 = 3: instances 36..39 of the order are
+    read again (and 160 mod 12 = 4 dropped by design: within the allowance). The counts are
+    the real relaunched loaders'."""
+    before = checkpointed["before"]
+    fresh = relaunched(mix, checkpointed, 2, GB, False)[:N - STOP * GB]
+    code, v = preflight(cli, mix, checkpointed, 2, "--at-step", str(STOP))
+    codes = {f["code"]: f for f in v["findings"]}
+    assert code == 1 and {"repeats", "skips"} <= set(codes), v["findings"]
+    assert v["numbers"]["repeats"] == len(before & set(fresh)) == STOP * GB
+    assert v["numbers"]["skipped"] == N - len(before | set(fresh)) == STOP * GB
+    assert v["numbers"]["first_bad_step"] == STOP
+
+    wider = relaunched(mix, checkpointed, 2, 12, True)
+    code, v = preflight(cli, mix, checkpointed, 2, "--states", str(checkpointed["states"]),
+                        TALLY_TEST_GB="12")
+    codes = {f["code"]: f for f in v["findings"]}
+    assert code == 1 and {"global_batch_changed", "repeats"} <= set(codes), v["findings"]
+    assert codes["global_batch_changed"]["numbers"] == {"before": GB, "after": 12}
+    assert v["numbers"]["repeats"] == len(before & set(wider)) == STOP * GB % 12 == 4
+    assert codes["skips_within_allowance"]["numbers"]["records"] == N % 12
+
+
+def test_factory_commands_refuse_bad_input_in_one_line(cli, mix, tmp_path, checkpointed):
+    """States that are not an OLMo-core checkpoint, and hashes from the source: one line."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/rank0.pt").write_text("not a state")
+    replay = ["replay", "--loader", FACTORY, "--hosts", "2", "--steps", "3", "--run", "r",
+              "--manifest", str(mix["manifest"]), "--spool", str(tmp_path / "s")]
+    pre = ["preflight", "--run", "r", "--ledger", str(checkpointed["root"] / "ledger.duckdb"),
+           "--manifest", str(mix["manifest"]), "--loader", FACTORY, "--hosts", "2"]
+    for args, said in ((replay + ["--states", str(tmp_path)], "rank0.pt: not an OLMo-core"),
+                       (replay + ["--states", str(mix["root"])], "no OLMo-core trainer state"),
+                       (replay + ["--hashes", "source"], "hashes from the manifest"),
+                       (pre + ["--states", str(tmp_path)], "rank0.pt: not an OLMo-core"),
+                       (pre + ["--states", str(mix["root"])], "no OLMo-core trainer state")):
+        code, out, err = cli(*args)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not (tmp_path / "s").exists()

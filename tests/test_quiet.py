@@ -97,14 +97,24 @@ def test_a_host_that_dies_is_named_in_tallys_lines_without_a_gloo_traceback(corp
 def test_reconcile_without_q_prints_only_tallys_lines(tmp_path, runner):
     """Beam's workers (a local Dask cluster's, or the SDK workers of multi_processing) logged
     "WARNING:root:apitools not found, and bigquery client libraries are not available" at
-    their import of Beam, and the SDK workers some 20 INFO lines each."""
+    their import of Beam, and the SDK workers some 20 INFO lines each. A local Dask cluster's
+    scheduler warned "Port 8787 is already in use" whenever another one ran on the machine
+    (its HTTP server's default port): the port is held here while the job runs."""
+    import socket
+
     spool = tmp_path / "spool"
     write_steps(spool, "r", host=0, hosts=1, steps=range(6), n=40, seed=0, flush_every=3)
     uniform_manifest(tmp_path / "m.parquet", 40)
-    done = subprocess.run([sys.executable, "-m", "audit.cli", "reconcile", "--spool",
-                           str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run", "r",
-                           "-o", str(tmp_path / "rep"), *runner],
-                          env=ENV, capture_output=True, text=True, timeout=180)
+    with socket.socket() as taken:
+        try:
+            taken.bind(("", 8787))
+            taken.listen()
+        except OSError:
+            pass  # another process holds it already: the same situation
+        done = subprocess.run([sys.executable, "-m", "audit.cli", "reconcile", "--spool",
+                               str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run",
+                               "r", "-o", str(tmp_path / "rep"), *runner],
+                              env=ENV, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reconcile r: writing the report" in done.stderr  # Tally's own lines stay
     assert_quiet(done.stderr)

@@ -15,6 +15,7 @@ import logging
 import re
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 FORMATS = ("text", "json")
 # A LogRecord's own attributes; anything else on a record came from `extra=`.
@@ -55,9 +56,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever `sys.stderr` is when a line goes out. One bound to the stream of
+    its creation kept writing to that one in a process that replaced stderr since (a command
+    run in-process under pytest's capture, then another test: its progress lines vanished)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always the current sys.stderr
+
+
 def handler(fmt: str = "text", level: int = logging.NOTSET) -> logging.Handler:
     """A stderr handler in `fmt` ('text' or 'json')."""
-    h = logging.StreamHandler(sys.stderr)
+    h = _Stderr()
     h.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     h.setLevel(level)
     return h

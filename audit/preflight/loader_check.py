@@ -17,6 +17,12 @@ read, so a plan of 64 hosts x 1,000 steps takes seconds:
 - MosaicML Streaming: streaming's own partition (`pipeline.loaders.mosaic.batches`) on the new
   ranks (`--ranks-per-node`), from the one global state `streaming.json` (streaming re-partitions
   a saved sample offset elastically, keeping num_canonical_nodes) or fresh at `--at-step`.
+- litdata: litdata's own plan (`pipeline.loaders.litdata_loader.batches`), new rank h built
+  under litdata's env vars and restored from old rank h % n's `litdata_<i>-of-<n>.json` (the
+  ranks' states are equal; on another topology litdata's elastic restripe), or fresh.
+- OLMo-core: its own order (`pipeline.loaders.olmo_core.planned_keys`) on the new dp ranks,
+  rank r restoring the Trainer checkpoint's `train/rank<r>.pt` (else rank0.pt) as its
+  Checkpointer does, at the state's global_step, or fresh at `--at-step`.
 The planners differ; the check does not.
 
 The checks need no epochs (a custom sampler need not say them): the run's effective exposures
@@ -113,6 +119,10 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
             return _torch_plan(spec, new_hosts, at_step, states, n)
         if kind == "streaming":
             return _streaming_plan(first, new_hosts, at_step, states, ranks_per_node)
+        if kind == "litdata":
+            return _litdata_plan(spec, first, new_hosts, at_step, states, n)
+        if kind == "olmo":
+            return _olmo_plan(spec, first, new_hosts, at_step, states, n)
     except AttachError as exc:
         raise TallyError(f"--loader {spec}: {exc}") from None
     return _grain_plan(spec, first, new_hosts, at_step, states, n)
@@ -241,6 +251,63 @@ def _streaming_plan(loader: Any, new_hosts: int, at_step: int | None, states: Pa
 
     # In order, as torch's DataLoader hands over its workers' batches: no allowance.
     return _Plan("streaming", step, shape["batch_size"] * new_hosts, keys)
+
+
+def _olmo_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
+               states: Path | None, n: int) -> _Plan:
+    """OLMo-core's own order on the new dp ranks: rank r restored from the checkpoint's
+    train/rank<r>.pt, else train/rank0.pt, as its Checkpointer restores it (the global tokens
+    consumed, resumed at whole batches of the new global batch), or fresh from the epoch's
+    start with its first batch at --at-step."""
+    from pipeline.loaders import AttachError
+    from pipeline.loaders import olmo_core as oc
+
+    oc.factory_loader(first, 0, new_hosts)
+    if states is not None:
+        # The relaunch's step: the Trainer's global_step (or tally_step) the states were at.
+        at = {oc.resume_step(oc.read_state(oc.state_file(states, h))) for h in range(new_hosts)}
+        if None in at:
+            raise AttachError(f"--states {states}: a data loader state without its step: give "
+                              "the Trainer's checkpoint, or save the audited loader's "
+                              "state_dict() (it carries tally_step)")
+        at_step = min(at)
+    step = int(at_step)
+
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return oc.planned_keys(lambda h, hosts: make_loader(spec, h, hosts), new_hosts, steps,
+                               states=states, start_step=step)
+
+    batch = int(first.global_batch_size // first.dataset.sequence_length)
+    # Ranks take their columns of each global batch in order: no allowance for streams; an
+    # epoch leaves out its last N mod global batch instances (OLMo-core's total_size).
+    return _Plan("olmo", step, batch, keys, 0, n % max(1, batch))
+
+
+def _litdata_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
+                  states: Path | None, n: int) -> _Plan:
+    """New rank h's StreamingDataLoader built by the factory under litdata's env vars for h of
+    the new world, restored from old rank h % n's litdata_<h>-of-<n>.json (the ranks' states
+    are equal; on another world size, worker count or batch size litdata's elastic restripe
+    reads the state's global sample_in_epoch), or fresh with its first batch at --at-step."""
+    from pipeline.loaders import litdata_loader as ll
+
+    ll.check_loader(first)
+    old: dict[int, dict] = {}
+    if states is not None:
+        _, old = ll.saved_states(states)
+        # The relaunch's step: the step the checkpointed loaders were at (the lowest).
+        at_step = min(ll.resume_step(st, ll.state_file(states, h, len(old)))
+                      for h, st in old.items())
+    step = int(at_step)
+
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return ll.planned_keys(spec, hosts=new_hosts, steps=steps, states=old or None,
+                               start_step=step)
+
+    # The loader hands out its workers' batches in turn, in the order planned: no allowance
+    # for streams.
+    return _Plan("litdata", step, int(first.batch_size) * new_hosts, keys, 0,
+                 ll.epoch_remainder(n, first, new_hosts, old.get(0)))
 
 
 def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,

@@ -20,7 +20,14 @@ shuffler's `__call__(items, chunks, epoch, chunk)` gives. The epoch is the Strea
 skipping a worker that has run out. A restored loader (`load_state_dict`, same world size,
 workers and batch size) starts each worker where litdata's `_replay_sampling` /
 `_replay_chunks_sampling` of `num_samples_yielded` put it, and hands out batches from worker
-`latest_worker_idx + 1` on.
+`latest_worker_idx + 1` on. Restored on another world size, worker count or batch size (or from
+a state marked `resume_mode: elastic`), litdata 0.2.76 resumes elastically
+(`litdata.streaming.elastic`): the epoch's canonical stream (the saved topology's worker
+streams in DDP lockstep, `_canonical_plans`) drops the state's global `sample_in_epoch`, rounded
+down to a whole step of the new ranks (what the rounding drops is read again), and
+`restripe_items` deals the rest to the new ranks' workers a batch at a time (with drop_last:
+whole rounds only); batches come from worker 0 on. Each worker runs that in
+`_setup_elastic_resume`; the audit runs the same method on a copy of the dataset per worker.
 
 So the audit builds the dataset's shuffler with the dataset's own `_create_cache` /
 `_create_shuffler`, calls those functions in the training process just before each pass starts
@@ -30,9 +37,16 @@ index (nothing in a sample says where it came from unless the data holds it), an
 own iterators cannot be read without reading their shared chunk locks, so the plan is the
 least intrusive way that never touches what the loop receives.
 
-Not audited (AttachError, one line): a resume on another world size, worker count or batch
-size (litdata's elastic restripe of its canonical stream), a Combined/ParallelStreamingDataset,
-a plain torch DataLoader (its epochs and resume are not litdata's).
+Not audited (AttachError, one line): a state litdata itself refuses (its
+`_validate_state_dict`: another seed, shuffle, input dir, or drop_last — e.g. a 2-rank state,
+drop_last forced there, on 1 rank), a Combined/ParallelStreamingDataset, a plain torch
+DataLoader (its epochs and resume are not litdata's).
+
+A litdata fault the audit shows as it happens: with DataLoader workers, a state saved after an
+elastic resume loses `resume_mode` (litdata marks it in its workers' copies only), so resumed
+again on the same topology litdata replays the new grid's standard order by the samples since
+the restripe: records read twice and others never in that epoch (reconcile's duplicates,
+pre-flight's `repeats` / `skips`).
 
 Record key: the sample's global index in the optimized dataset (chunks in index.json order,
 items in order), litdata's own index; `key_of(indices)` maps them otherwise. Epoch: litdata's
@@ -42,12 +56,17 @@ token tensor (`tokens_field`, [B, L]; `mask_field`) or a manifest's hashes (`has
 
 Replay (`replay`): the same plan from a dataset built on the same directory and configuration
 in one process without a cluster (the topology is given), from the beginning or from a saved
-`state_dict()`, written as a spool marked replayed with the manifest's hashes.
+`state_dict()`, written as a spool marked replayed with the manifest's hashes. `tally replay
+--loader MODULE:FUNCTION` and `tally preflight --loader` (kind "litdata") call the factory for
+rank h of H under litdata's own env vars (WORLD_SIZE, GLOBAL_RANK) and restore new rank h from
+old rank h % n's `litdata_<h>-of-<n>.json` in --states (see `saved_states`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,12 +118,56 @@ def samples(dataset: Any) -> int:
     return int(sum(i[2] - i[1] for i in cache.get_chunk_intervals()))
 
 
+def _worker_dataset(dataset: Any, env: Any, workers: int, worker: int, batch_size: int,
+                    state: dict[str, Any]) -> Any:
+    """A shallow copy of `dataset` as DataLoader worker `worker` of `workers` on `env` holds it
+    when its `__iter__` resumes `state` (a copy: litdata's resume writes into the state), its
+    state checked by litdata's own `_validate_state_dict` (ValueError where litdata refuses)."""
+    shadow = copy.copy(dataset)
+    shadow._state_dict = copy.deepcopy(state)
+    shadow.distributed_env, shadow.worker_env = env, _WorkerEnv(workers, worker)
+    shadow.batch_size = batch_size
+    shadow.cache = shadow._create_cache(worker_env=shadow.worker_env)
+    shadow.shuffler = shadow._create_shuffler(shadow.cache)
+    shadow._shuffle_num_chunks = len(shadow.cache.get_chunk_intervals())
+    shadow._validate_state_dict()
+    shadow.current_epoch = int(shadow._state_dict["current_epoch"])
+    return shadow
+
+
+def elastic(state: dict[str, Any], env: Any, *, workers: int, batch_size: int) -> bool:
+    """Whether a dataset restored from `state` on `env` with `workers` DataLoader workers takes
+    litdata's elastic path (`StreamingDataset.__iter__`'s own test: another world size, worker
+    count or batch size than the state's, or a state saved after an elastic resume)."""
+    return state.get("resume_mode") == "elastic" or topology_changed(
+        state, world_size=env.world_size, num_workers=max(1, int(workers)),
+        batch_size=batch_size)
+
+
 def worker_streams(dataset: Any, env: Any, *, workers: int, batch_size: int, epoch: int,
                    state: dict[str, Any] | None = None) -> list[list[int]]:
     """The sample indices each of rank `env.global_rank`'s `workers` DataLoader workers (0 or
     1: one) iterates in litdata epoch `epoch` (from 1), from where `state` (a dataset state
-    that litdata restores: same topology) left them."""
+    that litdata restores) left them: on the state's topology by litdata's per-worker replay
+    (`_replay_sampling`), on another by its elastic restripe of the canonical stream
+    (`_setup_elastic_resume`, run on a copy of the dataset as each worker runs it)."""
     nw = max(1, int(workers))
+    if state is not None:
+        try:
+            shadow = _worker_dataset(dataset, env, nw, 0, batch_size, state)
+        except (ValueError, KeyError) as exc:  # litdata refuses the state (in its workers)
+            raise AttachError(f"litdata refuses to resume this state: {exc}") from None
+        if elastic(state, env, workers=nw, batch_size=batch_size):
+            same = not topology_changed(state, world_size=env.world_size, num_workers=nw,
+                                        batch_size=batch_size)
+            out = []
+            for w in range(nw):
+                if w:
+                    shadow = _worker_dataset(dataset, env, nw, w, batch_size, state)
+                shadow._setup_elastic_resume(replay_workers=same)
+                out.append([int(i) for items in shadow._elastic_item_lists for i in items])
+            return out
+        state = shadow._state_dict  # as litdata validated it (an override applied)
     shuffler = _shuffler(dataset, state)
     n_chunks = len(shuffler.cache.get_chunk_intervals())
     chunks, intervals = shuffler.get_chunks_and_intervals_per_workers(env, nw, batch_size, epoch)
@@ -150,17 +213,6 @@ def plan(dataset: Any, env: Any, *, workers: int, batch_size: int, epoch: int,
     return out
 
 
-def _restored(state: dict[str, Any], env: Any, workers: int, batch_size: int) -> None:
-    if state.get("resume_mode") == "elastic" or topology_changed(
-            state, world_size=env.world_size, num_workers=max(1, workers),
-            batch_size=batch_size):
-        raise AttachError(
-            f"the loader resumes a state saved with world size {state.get('world_size')}, "
-            f"{state.get('num_workers')} workers, batch size {state.get('batch_size')} on "
-            f"world size {env.world_size}, {max(1, workers)} workers, batch size {batch_size} "
-            "(litdata's elastic restripe): Tally audits a resume on the same topology only")
-
-
 def check_loader(loader: Any) -> None:
     """AttachError for a loader whose batches cannot be paired with litdata's plan."""
     if not isinstance(loader, StreamingDataLoader):
@@ -193,10 +245,9 @@ class AuditedLitdataLoader(PlannedLoader):
         env, nw, bs = ds.distributed_env, loader.num_workers, int(loader.batch_size)
         state, first, epoch = None, 0, loader.current_epoch + 1
         if loader.restore and ds._state_dict:
+            # Same topology: litdata's per-worker replay, handed out from the worker after the
+            # saved one; another (elastic): the restripe, from worker 0 (load_state_dict's).
             state = ds._state_dict
-            if ds._elastic_drop_first is not None:  # load_state_dict chose litdata's restripe
-                state = {**state, "resume_mode": "elastic"}
-            _restored(state, env, nw, bs)
             epoch, first = int(state["current_epoch"]), loader._latest_worker_idx % max(1, nw)
         return epoch, plan(ds, env, workers=nw, batch_size=bs, epoch=epoch, state=state,
                            first_worker=first, drop_last=bool(loader.drop_last))
@@ -251,17 +302,28 @@ def batches(dataset: Any, *, world_size: int, rank: int, workers: int, batch_siz
     without `tally_step`), on the topology given. `dataset`: a StreamingDataset on the same
     data and configuration as the run's, built in this process (its detected world unused)."""
     env = _DistributedEnv(world_size=world_size, global_rank=rank, num_nodes=num_nodes)
+    if world_size > 1 and dataset.distributed_env.world_size != world_size and \
+            not dataset.drop_last:
+        # A dataset made on another world than the run's: litdata's __init__ forces drop_last
+        # on a world above 1 (an explicit drop_last=False there is not visible here: build the
+        # dataset under the rank's WORLD_SIZE / GLOBAL_RANK, as `tally replay` does).
+        dataset = copy.copy(dataset)
+        dataset.drop_last = True
     nw, step, loader_epoch = max(1, int(workers)), start_step, 0
     resume: dict[str, Any] | None = None
     first = 0
     if state is not None:
         step = int(state.get(STEP_KEY, step))
         ds_state, loader_epoch = dict(state["dataset"]), int(state["current_epoch"])
-        _restored(ds_state, env, workers, batch_size)
-        shuffler = _shuffler(dataset, ds_state)
-        length = shuffler.get_len(env, nw, batch_size, int(dataset.current_epoch))
-        if 0 < int(state["num_samples_yielded"]) < length:  # as load_state_dict decides
-            resume, first = ds_state, (int(state["latest_worker_idx"]) + 1) % nw
+        # As StreamingDataLoader.load_state_dict decides: litdata's elastic restripe always
+        # resumes (from worker 0); a same-topology state only inside its epoch.
+        if elastic(ds_state, env, workers=nw, batch_size=batch_size):
+            resume, first = ds_state, 0
+        else:
+            shuffler = _shuffler(dataset, ds_state)
+            length = shuffler.get_len(env, nw, batch_size, int(dataset.current_epoch))
+            if 0 < int(state["num_samples_yielded"]) < length:
+                resume, first = ds_state, (int(state["latest_worker_idx"]) + 1) % nw
     done = 0
     while done < steps:
         if resume is not None:
@@ -310,3 +372,152 @@ def replay(dataset: Any, spool: str | Path, run_id: str, *, host: int, world_siz
         raise ReplayError(str(exc)) from None
     out.flush()
     return HostReplay(host, out.rows, out.files, out.first, out.last, time.perf_counter() - t0)
+
+
+# ---- `tally replay` and `tally preflight --loader`: a factory's StreamingDataLoader ---------
+
+# A StreamingDataLoader's state_dict() is per rank but names no rank (the dataset's state, the
+# loader's epoch, samples this rank yielded, the latest worker), so the ranks' states of one
+# step are equal: a relaunch loads rank h % n's (any rank's) on new rank h. On the same world
+# size litdata replays each worker's prefix; on another its elastic restripe reads the state's
+# global `sample_in_epoch`. A run's checkpoint holds `litdata_<h>-of-<n>.json` per rank.
+STATE_GLOB = "litdata_*-of-*.json"
+
+
+def state_file(states: Path, host: int, hosts: int) -> Path:
+    return Path(states) / f"litdata_{host}-of-{hosts}.json"
+
+
+def saved_states(states: Path) -> tuple[int, dict[int, dict[str, Any]]]:
+    """(n, every old rank's saved state by rank) from `litdata_<h>-of-<n>.json` in `states`,
+    one n for all; AttachError naming what is wrong otherwise."""
+    import json
+
+    found = sorted(Path(states).glob(STATE_GLOB))
+    counts = {p.stem.rsplit("-of-", 1)[-1] for p in found}
+    if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
+        raise AttachError(f"--states {states}: expected each rank's StreamingDataLoader "
+                          f"state_dict() as litdata_<h>-of-<n>.json for one rank count n, "
+                          f"found {[p.name for p in found[:4]] or 'none'}")
+    n, out = int(next(iter(counts))), {}
+    for h in range(n):
+        path = state_file(states, h, n)
+        if not path.is_file():
+            raise AttachError(f"--states {states}: no state for old rank {h} of {n} "
+                              f"({path.name})")
+        try:
+            out[h] = json.loads(path.read_text())
+            int(out[h]["current_epoch"]), int(out[h]["dataset"]["num_samples_yielded"])
+        except Exception as exc:  # noqa: BLE001  (a file that is not a loader state)
+            raise AttachError(f"{path}: not a litdata StreamingDataLoader state "
+                              f"({type(exc).__name__}: {exc})") from None
+    return n, out
+
+
+def resume_step(state: dict[str, Any], path: Any = "the state") -> int:
+    """The step a loader restored from `state` numbers its next batch: the audited loader's
+    `tally_step` (a plain StreamingDataLoader's state does not know the run's step)."""
+    if state.get(STEP_KEY) is None:
+        raise AttachError(f"{path} has no {STEP_KEY}: save the audited loader's state_dict() "
+                          "(it carries the step)")
+    return int(state[STEP_KEY])
+
+
+@contextlib.contextmanager
+def rank_env(rank: int, world_size: int) -> Iterator[None]:
+    """litdata's own topology env vars (WORLD_SIZE, GLOBAL_RANK; NNODES unset) while a factory
+    builds rank `rank`'s loader in this process: its StreamingDataset detects the run's world
+    there (and forces drop_last on a world above 1 as the run's did)."""
+    names = ("WORLD_SIZE", "GLOBAL_RANK", "NNODES")
+    old = {k: os.environ.pop(k, None) for k in names}
+    os.environ.update({"WORLD_SIZE": str(world_size), "GLOBAL_RANK": str(rank)})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def rank_loader(factory: str, rank: int, world_size: int) -> Any:
+    """The factory's loader for rank `rank` of `world_size`, built as that rank builds it."""
+    from pipeline.replay import make_loader
+
+    with rank_env(rank, world_size):
+        loader = make_loader(factory, rank, world_size)
+    check_loader(loader)
+    return loader
+
+
+def loader_shape(loader: Any) -> dict[str, Any]:
+    """What of the loader decides its batches: workers, batch size, drop_last."""
+    return {"workers": int(loader.num_workers), "batch_size": int(loader.batch_size),
+            "drop_last": bool(loader.drop_last)}
+
+
+def planned_keys(factory: str, *, hosts: int, steps: int,
+                 states: dict[int, dict[str, Any]] | None = None, start_step: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sample indices, step, rank) of every rank's next `steps` batches on `hosts` ranks:
+    rank h's loader from the factory, restored from old rank h % n's state of `states` (or
+    fresh, its first batch numbered `start_step`)."""
+    keys, at, ranks = [], [], []
+    for h in range(hosts):
+        loader = rank_loader(factory, h, hosts)
+        st = states[h % len(states)] if states else None
+        for step, ids, _ in batches(loader.dataset, world_size=hosts, rank=h, steps=steps,
+                                    state=st, start_step=start_step, **loader_shape(loader)):
+            keys.append(ids)
+            at.append(np.full(len(ids), step, np.int64))
+            ranks.append(np.full(len(ids), h, np.int32))
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
+    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
+
+
+def check_replay(spec: Any, loader: Any) -> None:
+    """What a litdata replay refuses before it writes anything (pipeline.replay.check)."""
+    from pipeline.loaders.replayed import ReplayError
+
+    try:
+        check_loader(loader)
+        if spec.states is not None:
+            saved_states(spec.states)
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader}: {exc}") from None
+    if spec.hashes != "manifest":
+        raise ReplayError("--hashes source: a litdata replay takes hashes from the manifest "
+                          "(the samples are not read)")
+
+
+def replay_spec_host(spec: Any, host: int, hashes: Any, _loader: Any = None) -> Any:
+    """Rank `host`'s replayed spool for `spec` (pipeline.replay.ReplaySpec): the factory's
+    loader built as rank `host` of --hosts builds it, restored from old rank host % n's state
+    in --states (litdata's elastic restripe where n is not --hosts) or from the beginning."""
+    from pipeline.loaders.replayed import ReplayError
+
+    try:
+        loader = rank_loader(spec.loader, host, spec.hosts)
+        state = None
+        if spec.states is not None:
+            _, old = saved_states(spec.states)
+            state = old[host % len(old)]
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader} (host {host}): {exc}") from None
+    return replay(loader.dataset, spec.spool, spec.run_id, host=host, world_size=spec.hosts,
+                  steps=spec.steps, hashes=hashes, state=state, start_step=spec.start_step,
+                  fsync=spec.fsync, **loader_shape(loader))
+
+
+def epoch_remainder(n: int, loader: Any, hosts: int,
+                    state: dict[str, Any] | None = None) -> int:
+    """Records a correct litdata pass may leave out on `hosts` ranks: a fresh epoch's drop_last
+    (N mod the rows of a step over the ranks, `_associate_chunks_and_intervals_to_workers`);
+    an elastic resume's restripe with drop_last trims the rest of its epoch to whole batches of
+    every worker of every rank (`restripe_items`): under one such round."""
+    shape = loader_shape(loader)
+    bs, nw = shape["batch_size"], max(1, shape["workers"])
+    env = _DistributedEnv(world_size=hosts, global_rank=0, num_nodes=1)
+    restripe = state is not None and elastic(state["dataset"], env, workers=nw, batch_size=bs)
+    return n % (bs * hosts) + (hosts * nw * bs - 1 if restripe else 0)

@@ -44,6 +44,11 @@ ledger is never behind a checkpoint, and `post_train` finishes it.
 Replay (`replay`): a data loader built from the run's dataset and loader configuration for one
 rank, its saved state (or none), and olmo_core's own `reshuffle` / `_get_local_instance_indices`
 give the rank's batches, written as a spool marked replayed with the manifest's hashes.
+`tally replay --loader MODULE:FUNCTION` and `tally preflight --loader` take a factory returning
+the loader of dp rank h of H (`replay_spec_host`, `planned_keys`) and the states where a Trainer
+checkpoint keeps them (`--states <checkpoint>`: `train/rank<r>.pt`, a trainer state or a
+loader's `state_dict()`), each new rank restoring its own file, else rank0.pt, as OLMo-core's
+Checkpointer does (pure data parallelism: the global rank is the dp rank).
 """
 
 from __future__ import annotations
@@ -324,3 +329,107 @@ def replay(loader: Any, spool: str | os.PathLike, run_id: str, *, steps: int, ha
     out.flush()
     return HostReplay(out.host, out.rows, out.files, out.first, out.last,
                       time.perf_counter() - t0)
+
+
+# ---- the factory-based commands: `tally replay --loader` and `tally preflight --loader` ------
+# A Trainer checkpoint keeps each rank's trainer state (its `data_loader` state and
+# `global_step`) in `<checkpoint>/train/rank<r>.pt`; a plain loop saves the audited loader's
+# `state_dict()` (with `tally_step`) the same way. OLMo-core's Checkpointer restores rank r
+# from rank<r>.pt, else from rank0.pt (a checkpoint of another world size): the loader states
+# all hold the global tokens consumed, so any rank's restores any other.
+
+def _train_dir(states: Path) -> Path:
+    """`states` is a checkpoint directory (holding train/) or its train/ directory."""
+    return states / "train" if (states / "train").is_dir() else states
+
+
+def state_file(states: Path, rank: int) -> Path:
+    """The file new dp rank `rank` restores, as OLMo-core's Checkpointer picks it."""
+    train = _train_dir(Path(states))
+    for path in (train / f"rank{rank}.pt", train / "rank0.pt"):
+        if path.is_file():
+            return path
+    raise AttachError(f"--states {states}: no OLMo-core trainer state for rank {rank} "
+                      f"(expected a checkpoint directory holding train/rank{rank}.pt or "
+                      "train/rank0.pt)")
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A trainer state or a data loader's `state_dict()`, torch.save'd; AttachError else."""
+    try:
+        # Not weights_only: a trainer state holds the RNG states (OLMo-core loads it so too).
+        state = torch.load(path, weights_only=False)
+        loader_state = state.get("data_loader", state)
+        int(loader_state["tokens_processed"]), int(loader_state["seed"])
+    except Exception as exc:  # noqa: BLE001  (a file that is not a state)
+        raise AttachError(f"{path}: not an OLMo-core trainer or data loader state "
+                          f"({type(exc).__name__}: {exc})") from None
+    return state
+
+
+def resume_step(state: dict[str, Any]) -> int | None:
+    """The step of the next batch after `state`: the Trainer's `global_step` (its steps so
+    far), the audited loader's `tally_step`, or None (a bare loader state does not say)."""
+    if "data_loader" in state:
+        return int(state["global_step"])
+    return None if state.get(STEP_KEY) is None else int(state[STEP_KEY])
+
+
+def factory_loader(loader: Any, host: int, hosts: int) -> None:
+    """AttachError unless the factory gave an audited kind of loader of dp rank host of
+    hosts (the spool's host is the loader's dp_rank)."""
+    check_loader(loader)
+    if (int(loader.dp_rank), int(loader.dp_world_size)) != (host, hosts):
+        raise AttachError(f"the factory's loader for host {host} of {hosts} is dp rank "
+                          f"{loader.dp_rank} of {loader.dp_world_size}")
+
+
+def replay_spec_host(spec: Any, host: int, hashes: Any, loader: Any) -> Any:
+    """Host (dp rank) `host`'s replayed spool for `spec` (pipeline.replay.ReplaySpec) from the
+    factory's loader, restored from --states as the Trainer restores it (else fresh, numbered
+    from --start-step): `replay`."""
+    from pipeline.loaders.replayed import ReplayError
+
+    try:
+        factory_loader(loader, host, spec.hosts)
+        state = None if spec.states is None else read_state(state_file(spec.states, host))
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader} (host {host}): {exc}") from None
+    return replay(loader, spec.spool, spec.run_id, steps=spec.steps, hashes=hashes,
+                  state=state, start_step=spec.start_step, fsync=spec.fsync)
+
+
+def check_replay(spec: Any, loader: Any) -> None:
+    """What an OLMo-core replay refuses before it writes anything (pipeline.replay.check)."""
+    from pipeline.loaders.replayed import ReplayError
+
+    if spec.hashes != "manifest":
+        raise ReplayError("--hashes source: an OLMo-core replay takes hashes from the manifest "
+                          "(the instances are not read)")
+    try:
+        factory_loader(loader, 0, spec.hosts)
+        if spec.states is not None:
+            for h in range(spec.hosts):
+                read_state(state_file(spec.states, h))
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader}: {exc}") from None
+
+
+def planned_keys(make: Callable[[int, int], Any], hosts: int, steps: int, *,
+                 states: Path | None = None, start_step: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(instance indices, step, dp rank) of every new rank's next `steps` batches: the loader
+    `make(rank, hosts)`, restored from its state in `states` as the Trainer restores it (steps
+    numbered from the state's), or fresh from epoch 1 numbered from `start_step`."""
+    keys, at, ranks = [], [], []
+    for rank in range(hosts):
+        loader = make(rank, hosts)
+        factory_loader(loader, rank, hosts)
+        state = None if states is None else read_state(state_file(states, rank))
+        for step, ids, _ in batches(loader, steps=steps, state=state, start_step=start_step):
+            keys.append(ids)
+            at.append(np.full(len(ids), step, np.int64))
+            ranks.append(np.full(len(ids), rank, np.int32))
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
+    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
