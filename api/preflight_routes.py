@@ -85,7 +85,7 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
             from pipeline.shadow import Cancelled
         except ModuleNotFoundError as exc:
             raise Unavailable(f"the pre-flight check needs the train extra ({exc.name} is not "
-                              "installed): pip install 'tally[train]'") from None
+                              "installed): pip install 'tally-audit[train]'") from None
         with svc.live.read(run_id) as snap:  # 404 for an unknown run
             roots = checkpoint_roots(svc, snap.run, snap.cur)
         if not roots:

@@ -44,7 +44,7 @@ class MissingExtra(Exception):
     def __init__(self, command: str, module: str) -> None:
         self.extra = COMMAND_EXTRA.get(command) or MODULE_EXTRA.get(module.split(".")[0], "all")
         super().__init__(f"'tally {command}' needs the {self.extra} extra ({module} is not "
-                         f"installed): pip install 'tally[{self.extra}]'")
+                         f"installed): pip install 'tally-audit[{self.extra}]'")
 
 
 def check(command: str) -> None:
@@ -62,6 +62,6 @@ def missing(command: str, exc: ModuleNotFoundError) -> MissingExtra | None:
 
 def version() -> str:
     try:
-        return metadata.version("tally")
+        return metadata.version("tally-audit")
     except metadata.PackageNotFoundError:  # a source tree that is not installed
         return "unknown"

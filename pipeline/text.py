@@ -119,7 +119,7 @@ def load_tokenizer(spec: str | os.PathLike) -> Any:
         from tokenizers import Tokenizer
     except ModuleNotFoundError:
         raise CorpusError("a tokenizer needs the `tokenizers` package: pip install "
-                          "'tally[text]'") from None
+                          "'tally-audit[text]'") from None
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"

@@ -141,4 +141,4 @@ with LedgerWriter("spool", "torch-run", host=0, host_count=1, records_per_epoch=
         r = run(*args)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (args, r.stderr)
         assert r.stderr.startswith(f"tally: error: 'tally {args[0]}' needs the {extra} extra")
-        assert f"pip install 'tally[{extra}]'" in r.stderr
+        assert f"pip install 'tally-audit[{extra}]'" in r.stderr

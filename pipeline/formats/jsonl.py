@@ -60,7 +60,7 @@ def _decompressor(kind: str) -> Any:
         import zstandard
     except ModuleNotFoundError:
         raise CorpusError("zstd-compressed JSON lines need the `zstandard` package: pip install "
-                          "'tally[text]'") from None
+                          "'tally-audit[text]'") from None
     return zstandard.ZstdDecompressor().decompressobj()
 
 

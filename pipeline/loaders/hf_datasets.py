@@ -47,7 +47,7 @@ try:
     from datasets.distributed import split_dataset_by_node as _hf_split
 except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
     raise ModuleNotFoundError(f"pipeline.loaders.hf_datasets needs the hf extra "
-                              f"({_exc.name} is not installed): pip install 'tally[hf]'",
+                              f"({_exc.name} is not installed): pip install 'tally-audit[hf]'",
                               name=_exc.name) from None
 
 from pipeline.loaders import (

@@ -79,7 +79,7 @@ try:
     import torch  # noqa: F401
 except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
     raise ModuleNotFoundError(f"pipeline.loaders.litdata_loader needs the litdata extra "
-                              f"({_exc.name} is not installed): pip install 'tally[litdata]'",
+                              f"({_exc.name} is not installed): pip install 'tally-audit[litdata]'",
                               name=_exc.name) from None
 
 from litdata.streaming.dataloader import StreamingDataLoader

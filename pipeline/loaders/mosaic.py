@@ -57,7 +57,7 @@ try:
     import torch  # noqa: F401  (streaming's dataset is a torch IterableDataset)
 except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
     raise ModuleNotFoundError(f"pipeline.loaders.mosaic needs the torch extra "
-                              f"({_exc.name} is not installed): pip install 'tally[torch]'",
+                              f"({_exc.name} is not installed): pip install 'tally-audit[torch]'",
                               name=_exc.name) from None
 
 from pipeline.loaders import (

@@ -67,7 +67,7 @@ try:
 except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
     _top = (_exc.name or "olmo_core").split(".")[0]
     raise ModuleNotFoundError(f"pipeline.loaders.olmo_core needs the olmo extra "
-                              f"({_top} is not installed): pip install 'tally[olmo]'",
+                              f"({_top} is not installed): pip install 'tally-audit[olmo]'",
                               name=_top) from None
 
 from pipeline.loaders import (

@@ -45,7 +45,7 @@ try:
     from torch.utils.data import DataLoader, IterableDataset
 except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
     raise ModuleNotFoundError(f"pipeline.loaders.torch_loader needs the torch extra "
-                              f"({_exc.name} is not installed): pip install 'tally[torch]'",
+                              f"({_exc.name} is not installed): pip install 'tally-audit[torch]'",
                               name=_exc.name) from None
 
 from pipeline.loaders import (
