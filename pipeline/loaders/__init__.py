@@ -16,7 +16,7 @@ its own package (torch, ...) and a missing one is one line naming the extra.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +276,20 @@ class PlannedLoader(SteppedLoader):
         state = dict(self.loader.state_dict() or {})
         state[self.STEP_KEY] = self.next_step
         return state
+
+
+def plan_arrays(planned: Iterable[tuple[int, int, np.ndarray]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A pre-flight plan's (rank, step, sample ids) batches as flat arrays: (record keys,
+    step of each, rank of each)."""
+    keys, at, ranks = [], [], []
+    for rank, step, ids in planned:
+        keys.append(np.asarray(ids, np.int64))
+        at.append(np.full(len(ids), step, np.int64))
+        ranks.append(np.full(len(ids), rank, np.int32))
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
+    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
 
 
 def leading_rows(batch: Any) -> int | None:

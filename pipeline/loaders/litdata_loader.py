@@ -96,6 +96,7 @@ from pipeline.loaders import (
     PlannedLoader,
     SteppedLoader,
     manifest_hashes,
+    plan_arrays,
     spool_options,
 )
 
@@ -462,18 +463,16 @@ def planned_keys(factory: str, *, hosts: int, steps: int,
     """(sample indices, step, rank) of every rank's next `steps` batches on `hosts` ranks:
     rank h's loader from the factory, restored from old rank h % n's state of `states` (or
     fresh, its first batch numbered `start_step`)."""
-    keys, at, ranks = [], [], []
-    for h in range(hosts):
-        loader = rank_loader(factory, h, hosts)
-        st = states[h % len(states)] if states else None
-        for step, ids, _ in batches(loader.dataset, world_size=hosts, rank=h, steps=steps,
-                                    state=st, start_step=start_step, **loader_shape(loader)):
-            keys.append(ids)
-            at.append(np.full(len(ids), step, np.int64))
-            ranks.append(np.full(len(ids), h, np.int32))
-    if not keys:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
-    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
+    def planned() -> Iterator[tuple[int, int, np.ndarray]]:
+        for h in range(hosts):
+            loader = rank_loader(factory, h, hosts)
+            st = states[h % len(states)] if states else None
+            for step, ids, _ in batches(loader.dataset, world_size=hosts, rank=h, steps=steps,
+                                        state=st, start_step=start_step,
+                                        **loader_shape(loader)):
+                yield h, step, ids
+
+    return plan_arrays(planned())
 
 
 def check_replay(spec: Any, loader: Any) -> None:

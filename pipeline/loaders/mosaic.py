@@ -65,6 +65,7 @@ from pipeline.loaders import (
     PlannedLoader,
     SteppedLoader,
     manifest_hashes,
+    plan_arrays,
     spool_options,
 )
 
@@ -368,21 +369,19 @@ def planned_keys(loader: Any, *, hosts: int, ranks_per_node: int, steps: int,
     loader's dataset, one dataset for every rank (the partition is global)."""
     nodes, per_node = topology_of(hosts, ranks_per_node)
     shape = loader_shape(loader)
-    keys, at, ranks = [], [], []
-    for rank in range(hosts):
-        try:
-            for step, ids, _ in batches(loader.dataset, num_nodes=nodes, ranks_per_node=per_node,
-                                        rank=rank, steps=steps, state=state,
-                                        start_step=start_step, **shape):
-                keys.append(ids)
-                at.append(np.full(len(ids), step, np.int64))
-                ranks.append(np.full(len(ids), rank, np.int32))
-        except (ValueError, KeyError) as exc:  # streaming refuses the topology or the state
-            raise AttachError(f"streaming cannot partition for {nodes} node(s) x {per_node} "
-                              f"rank(s): {exc}") from None
-    if not keys:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
-    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
+
+    def planned() -> Iterator[tuple[int, int, np.ndarray]]:
+        for rank in range(hosts):
+            for step, ids, _ in batches(loader.dataset, num_nodes=nodes,
+                                        ranks_per_node=per_node, rank=rank, steps=steps,
+                                        state=state, start_step=start_step, **shape):
+                yield rank, step, ids
+
+    try:
+        return plan_arrays(planned())
+    except (ValueError, KeyError) as exc:  # streaming refuses the topology or the state
+        raise AttachError(f"streaming cannot partition for {nodes} node(s) x {per_node} "
+                          f"rank(s): {exc}") from None
 
 
 def check_replay(spec: Any, loader: Any) -> None:

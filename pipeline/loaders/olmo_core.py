@@ -77,6 +77,7 @@ from pipeline.loaders import (
     field,
     leading_rows,
     manifest_hashes,
+    plan_arrays,
     record,
     spool_options,
 )
@@ -421,15 +422,13 @@ def planned_keys(make: Callable[[int, int], Any], hosts: int, steps: int, *,
     """(instance indices, step, dp rank) of every new rank's next `steps` batches: the loader
     `make(rank, hosts)`, restored from its state in `states` as the Trainer restores it (steps
     numbered from the state's), or fresh from epoch 1 numbered from `start_step`."""
-    keys, at, ranks = [], [], []
-    for rank in range(hosts):
-        loader = make(rank, hosts)
-        factory_loader(loader, rank, hosts)
-        state = None if states is None else read_state(state_file(states, rank))
-        for step, ids, _ in batches(loader, steps=steps, state=state, start_step=start_step):
-            keys.append(ids)
-            at.append(np.full(len(ids), step, np.int64))
-            ranks.append(np.full(len(ids), rank, np.int32))
-    if not keys:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
-    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
+    def planned() -> Iterator[tuple[int, int, np.ndarray]]:
+        for rank in range(hosts):
+            loader = make(rank, hosts)
+            factory_loader(loader, rank, hosts)
+            state = None if states is None else read_state(state_file(states, rank))
+            for step, ids, _ in batches(loader, steps=steps, state=state,
+                                        start_step=start_step):
+                yield rank, step, ids
+
+    return plan_arrays(planned())
