@@ -379,7 +379,7 @@ def test_refused_in_one_line(tmp_path, mix, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     monkeypatch.delitem(sys.modules, "pipeline.loaders.olmo_core")
     with pytest.raises(ModuleNotFoundError, match=r"^pipeline.loaders.olmo_core needs the olmo "
-                       r"extra \(olmo_core is not installed\): pip install 'tally\[olmo\]'$"):
+                       r"extra \(olmo_core is not installed\): pip install 'tally-audit\[olmo\]'$"):
         importlib.import_module("pipeline.loaders.olmo_core")
 
 
