@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from audit.core.errors import TallyError
+from tally.audit.core.errors import TallyError
 
 log = logging.getLogger("tally.api")
 

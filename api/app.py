@@ -1,6 +1,6 @@
-"""The live API (FastAPI): routes over the live ledger (audit.ledger.live), which owns the
+"""The live API (FastAPI): routes over the live ledger (tally.audit.ledger.live), which owns the
 snapshots, the cached answers and the ingest loop; the answers themselves are
-audit.ledger.queries. One process owns the ledger: a background thread ingests the spool while
+tally.audit.ledger.queries. One process owns the ledger: a background thread ingests the spool while
 request handlers read, each request inside one snapshot transaction (so an answer never sees
 half a segment file)."""
 
@@ -24,25 +24,25 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from api import docs, errors, models
-from api.alerts import Thresholds, Webhook, check_webhook, evaluate, status
-from api.findings import LiveFindings
-from api.metrics import Exposition, RequestTimer
-from api.posthoc_routes import add_routes as add_posthoc_routes
-from api.preflight_routes import add_routes as add_preflight_routes
-from audit.core.errors import NotFound, TallyError, Unavailable
-from audit.core.schema import MAX_STEP, RUN_ID_PATTERN
-from audit.ledger import queries as q
-from audit.ledger.database import Ledger
-from audit.ledger.ingest_loop import IngestLoop
-from audit.ledger.live import LiveLedger, Snap
-from audit.reconcile import vocabulary
-from audit.reconcile.html import served
-from pipeline.manifest_file import ManifestDomains
+from tally.api import docs, errors, models
+from tally.api.alerts import Thresholds, Webhook, check_webhook, evaluate, status
+from tally.api.findings import LiveFindings
+from tally.api.metrics import Exposition, RequestTimer
+from tally.api.posthoc_routes import add_routes as add_posthoc_routes
+from tally.api.preflight_routes import add_routes as add_preflight_routes
+from tally.audit.core.errors import NotFound, TallyError, Unavailable
+from tally.audit.core.schema import MAX_STEP, RUN_ID_PATTERN
+from tally.audit.ledger import queries as q
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest_loop import IngestLoop
+from tally.audit.ledger.live import LiveLedger, Snap
+from tally.audit.reconcile import vocabulary
+from tally.audit.reconcile.html import served
+from tally.pipeline.manifest_file import ManifestDomains
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 # What a browser opens by URL, so that a `?token=` opens it too: the pages, and the answers
-# report.html's evidence links open (audit.reconcile.html.served carries the page's token).
+# report.html's evidence links open (tally.audit.reconcile.html.served carries the page's token).
 PAGES = re.compile(r"/|/runs/[^/]+/report\.html"
                    r"|/v1/runs/[^/]+/(steps|hosts/\d+/steps|records/\d+)")
 # Request bodies: a pre-flight request is a few hundred bytes, an exposure request of
@@ -164,7 +164,7 @@ class Service:
                      if spool is not None else None)
         self.checkpoints = checkpoints or []
         self.preflight_seconds = preflight_seconds
-        # Live findings: reconcile re-run over the spool, with the manifest (api.findings).
+        # Live findings: reconcile re-run over the spool, with the manifest (tally.api.findings).
         self.findings = None
         if findings_every and spool is not None and manifest is not None:
             self.findings = LiveFindings(spool, manifest.path,
@@ -388,7 +388,8 @@ def create_app(ledger: Ledger, *, spool: str | Path | None = None,
                 svc.loop.stop()
             svc.live.close()
             # A clean stop leaves the per-record state's snapshot current enough for a restart
-            # in seconds (audit.ledger.snapshot); a kill leaves the last one, which catches up.
+            # in seconds (tally.audit.ledger.snapshot); a kill leaves the last one, which catches
+            # up.
             # A state dropped meanwhile (invalidated) is not reloaded only to be saved.
             agg = ledger._aggregates
             if agg is not None:

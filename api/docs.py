@@ -24,7 +24,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
-from api import errors
+from tally.api import errors
 
 STATIC = "/docs-static"
 REDOC_JS = f"{STATIC}/redoc.offline.js"

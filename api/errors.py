@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from audit.core.errors import NotFound, Unavailable
+from tally.audit.core.errors import NotFound, Unavailable
 
 log = logging.getLogger("tally.api")
 MEDIA_TYPE = "application/problem+json"
@@ -57,7 +57,7 @@ WHY = {
     403: "the checkpoint lies outside the checkpoint directories this service may read",
     404: "unknown run, host, record or report",
     409: "needs something the service was not started with (a manifest, a reports directory)",
-    413: "the request body is larger than the service reads (api.app.MAX_BODY_BYTES)",
+    413: "the request body is larger than the service reads (tally.api.app.MAX_BODY_BYTES)",
     422: "a parameter or the body is not valid",
     503: "the work ran out of its time box",
 }

@@ -90,7 +90,7 @@ class LiveFindings:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "audit.cli", "reconcile", "--spool", str(self.spool),
+            [sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool", str(self.spool),
              "--manifest", self.manifest, "--run", run_id, "-o", str(out), "-q"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         with contextlib.suppress(OSError):  # below the service and the training beside it

@@ -34,7 +34,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from audit.extras import version
+from tally.audit.extras import version
 
 OPENMETRICS_EOF = b"# EOF\n"
 # Request latency buckets, seconds: answers from the cache take a millisecond, a scan a second,
@@ -175,7 +175,7 @@ class HostCollector(Collector):
 class RequestTimer:
     """Each request's latency into `histogram` (labels method, route, status): the route is the
     template that answered (`/v1/runs/{run_id}`), else UNROUTED. A plain ASGI middleware, as
-    api.app's others; inside errors' catch-all, so a request that failed counts as a 500."""
+    tally.api.app's others; inside errors' catch-all, so a request that failed counts as a 500."""
 
     def __init__(self, app: Any, histogram: Histogram) -> None:
         self.app, self.histogram = app, histogram

@@ -1,7 +1,8 @@
 """The API's response models: the OpenAPI schema of every answer, with an example each.
 
-The answers themselves are computed as plain dicts (audit.ledger.queries, audit.posthoc.answers,
-api.alerts) and cached as encoded JSON per ledger version; these models describe them and are
+The answers themselves are computed as plain dicts (tally.audit.ledger.queries,
+tally.audit.posthoc.answers,
+tally.api.alerts) and cached as encoded JSON per ledger version; these models describe them and are
 not applied on the way out, so they must be exact: `extra="forbid"` publishes
 `additionalProperties: false`, and the schema fuzz test (tests/test_api_schema.py) checks every
 answer against them. Findings and reconcile reports are records other parts of the project
@@ -35,7 +36,8 @@ class Strict(BaseModel):
     model_config = _exact()
 
 
-# ---- coverage (audit.core.exposure.Coverage, with the API's context) -------------------------
+# ---- coverage (tally.audit.core.exposure.Coverage, with the API's context)
+# -------------------------
 
 class Histogram(Strict):
     """Records seen 0, 1, 2 and 3+ times (the 0 bin is null when N is unknown)."""
@@ -63,7 +65,7 @@ class Ideal(Strict):
 
 
 class CoverageNumbers(Strict):
-    """Coverage of the N train records (audit.core.exposure.Coverage). The members after
+    """Coverage of the N train records (tally.audit.core.exposure.Coverage). The members after
     `histogram` need N; the excess and missing exposures need the latest step."""
 
     train_records: int | None = Field(description="N; null when unknown")
@@ -106,7 +108,8 @@ class CoverageAnswer(CoverageNumbers):
     outside: Outside
 
 
-# ---- findings (audit.core.exposure.Finding) ----------------------------------------------------
+# ---- findings (tally.audit.core.exposure.Finding)
+# ----------------------------------------------------
 
 class Finding(BaseModel):
     """What a check found: how bad, a stable code, the likely cause, the numbers behind it."""
@@ -405,7 +408,7 @@ class Report(BaseModel):
 
 
 class LossAnswer(BaseModel):
-    """The loss section of the newest reconcile report (audit.reconcile.loss), and as of
+    """The loss section of the newest reconcile report (tally.audit.reconcile.loss), and as of
     when."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
@@ -488,7 +491,7 @@ _DIFF_SIDE = {
 
 
 class Diff(Strict):
-    """Two runs side by side, in diff.json's shape (audit.posthoc.answers.diff)."""
+    """Two runs side by side, in diff.json's shape (tally.audit.posthoc.answers.diff)."""
 
     model_config = _exact({
         "a": _DIFF_SIDE, "b": {**_DIFF_SIDE, "run_id": "exp2"},

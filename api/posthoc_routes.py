@@ -1,7 +1,7 @@
-"""Post-hoc audits over HTTP, from the ledger this service owns (audit.posthoc.answers): two
+"""Post-hoc audits over HTTP, from the ledger this service owns (tally.audit.posthoc.answers): two
 runs side by side (GET /v1/diff, cached per ledger version), and which records matching a list
 of posted content hashes a run consumed (POST /v1/runs/{run}/exposure, at most
-audit.posthoc.answers.MAX_HASHES hashes a request).
+tally.audit.posthoc.answers.MAX_HASHES hashes a request).
 
 No `from __future__ import annotations` here: FastAPI must see the types passed in as real
 annotations, not as strings naming local variables."""
@@ -15,13 +15,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from api import errors as problems
-from api import models
-from audit.core.errors import Unavailable
-from audit.core.schema import RUN_ID_PATTERN
-from audit.ledger import queries as q
-from audit.posthoc import answers
-from audit.posthoc.exposure import ManifestHashes
+from tally.api import errors as problems
+from tally.api import models
+from tally.audit.core.errors import Unavailable
+from tally.audit.core.schema import RUN_ID_PATTERN
+from tally.audit.ledger import queries as q
+from tally.audit.posthoc import answers
+from tally.audit.posthoc.exposure import ManifestHashes
 
 HASH_PATTERN = r"^(0x[0-9a-fA-F]{1,16}|[0-9]{1,20})$"
 DiffRun = Annotated[str, Query(pattern=RUN_ID_PATTERN, description="run id")]

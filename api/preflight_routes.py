@@ -21,9 +21,9 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from api import errors, models
-from audit.core.errors import NotFound, TallyError, Unavailable
-from audit.ledger import queries as q
+from tally.api import errors, models
+from tally.audit.core.errors import NotFound, TallyError, Unavailable
+from tally.audit.ledger import queries as q
 
 MAX_HORIZON = 2000  # steps per request: ~2 s per host on one core (bench/RESULTS.md)
 
@@ -82,7 +82,7 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
             raise Unavailable("the pre-flight check needs the manifest: start the service "
                               "with --manifest")
         try:  # the loader's packages: a service installed with the api extra alone has none
-            from pipeline.shadow import Cancelled
+            from tally.pipeline.shadow import Cancelled
         except ModuleNotFoundError as exc:
             raise Unavailable(f"the pre-flight check needs the train extra ({exc.name} is not "
                               "installed): pip install 'tally-audit[train]'") from None
@@ -152,8 +152,8 @@ def _check(svc: Any, run_id: str, body: PreflightRequest,
     """The check and its record (in a worker thread). Checkpoint errors are answered without
     the file system's own words: which paths exist, or what a directory holds, is not the
     client's to learn."""
-    from audit.preflight import load_checkpoint_meta, record_verdict, run_preflight
-    from pipeline.shadow import Cancelled
+    from tally.audit.preflight import load_checkpoint_meta, record_verdict, run_preflight
+    from tally.pipeline.shadow import Cancelled
 
     try:
         meta = load_checkpoint_meta(Path(body.checkpoint))

@@ -17,12 +17,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from audit.core.errors import TallyError
+from tally.audit.core.errors import TallyError
 
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
-    from audit.ledger.database import Ledger
-    from audit.ledger.ingest import ingest
+    from tally.audit.ledger.database import Ledger
+    from tally.audit.ledger.ingest import ingest
 
     spool = Path(args.spool)
     if not spool.is_dir():
@@ -56,9 +56,9 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _ledger_errors(path: str | Path) -> Iterator[None]:
     """A ledger whose disk is full, or whose file is damaged (truncated, overwritten), said in
-    one line naming the file (audit.ledger.database.ledger_error), whether DuckDB finds out at
+    one line naming the file (tally.audit.ledger.database.ledger_error), whether DuckDB finds out at
     open or only when a query reaches the bad block."""
-    from audit.ledger.database import ledger_error
+    from tally.audit.ledger.database import ledger_error
 
     try:
         yield
@@ -76,16 +76,16 @@ def _print_json(value: object) -> None:
 
 
 def _progress(args: argparse.Namespace) -> bool:
-    """Whether a command shows its progress: never with -q or --json (audit.core.logs and
-    pipeline.progress keep redraws to a terminal)."""
+    """Whether a command shows its progress: never with -q or --json (tally.audit.core.logs and
+    tally.pipeline.progress keep redraws to a terminal)."""
     return not getattr(args, "quiet", False) and not getattr(args, "json", False)
 
 
 def _log_to_stderr(level: int, fmt: str = "text") -> None:
     """Tally's own log lines on stderr for the long-running commands (why a per-record state
     was rebuilt, quarantined files, snapshots written; the service's alerts and live
-    reconciles), in `fmt` (audit.core.logs: `tally: [level] ...` or JSON lines)."""
-    from audit.core import logs
+    reconciles), in `fmt` (tally.audit.core.logs: `tally: [level] ...` or JSON lines)."""
+    from tally.audit.core import logs
 
     log = logging.getLogger("tally")
     for h in list(log.handlers):
@@ -98,7 +98,7 @@ def _log_to_stderr(level: int, fmt: str = "text") -> None:
 def _uvicorn_logs(fmt: str, level: int, access: bool) -> None:
     """uvicorn's own lines in Tally's format at `level` (they went out in uvicorn's, a third
     format in one stream), and its access log (one line a request) when asked."""
-    from audit.core import logs
+    from tally.audit.core import logs
 
     for name, at, on in (("uvicorn", level, True), ("uvicorn.access", logging.INFO, access)):
         log = logging.getLogger(name)
@@ -110,7 +110,7 @@ def _uvicorn_logs(fmt: str, level: int, access: bool) -> None:
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
-    from audit.ledger.database import Ledger
+    from tally.audit.ledger.database import Ledger
 
     with _ledger_errors(args.path), Ledger(args.path, read_only=True) as ledger:
         ov = ledger.overview()
@@ -146,15 +146,15 @@ def format_overview(ov: dict, path: str | Path) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from trainer.config import TrainConfig
-    from trainer.launch import launch
+    from tally.trainer.config import TrainConfig
+    from tally.trainer.launch import launch
 
     cfg = TrainConfig.load(args.config, args.overrides)
     return launch(cfg, args.hosts, resume=args.resume, force=args.force)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from trainer.evaluate import compare
+    from tally.trainer.evaluate import compare
 
     out = compare(args.a, args.b, corpus=args.corpus, records=args.records,
                   progress=_progress(args))
@@ -168,14 +168,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from audit.demo import run_demo
+    from tally.audit.demo import run_demo
 
     run_demo(Path(args.out), records=args.records, keep_serving=args.keep_serving)
     return 0
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from pipeline.synth import synth_corpus
+    from tally.pipeline.synth import synth_corpus
 
     desc = synth_corpus(args.out, records=args.records, seed=args.seed, shards=args.shards,
                         heldout_fraction=args.heldout_fraction,
@@ -192,8 +192,8 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
-    from pipeline.formats import Fields
-    from pipeline.manifest import build_manifest
+    from tally.pipeline.formats import Fields
+    from tally.pipeline.manifest import build_manifest
 
     named = {k: getattr(args, f"{k}_field") for k in ("text", "tokens", "id", "domain")}
     fields = Fields(**{k: v for k, v in named.items() if v is not None}) if any(
@@ -215,8 +215,8 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
 
 
 def _cmd_reconcile(args: argparse.Namespace) -> int:
-    from audit.reconcile import reconcile
-    from audit.reconcile.report import summary
+    from tally.audit.reconcile import reconcile
+    from tally.audit.reconcile.report import summary
 
     report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
                        spool=args.spool, ledger=args.ledger, at_step=args.at_step,
@@ -233,9 +233,9 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from audit.posthoc.diff import diff
-    from audit.posthoc.diff_report import summary
-    from audit.posthoc.sources import parse_run_source
+    from tally.audit.posthoc.diff import diff
+    from tally.audit.posthoc.diff_report import summary
+    from tally.audit.posthoc.sources import parse_run_source
 
     d = diff(a=parse_run_source(args.a, "--a"), b=parse_run_source(args.b, "--b"),
              manifest=args.manifest, out=args.output, at_step=args.at_step, window=args.window,
@@ -251,7 +251,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_exposure(args: argparse.Namespace) -> int:
-    from audit.posthoc.exposure import exposure, summary
+    from tally.audit.posthoc.exposure import exposure, summary
 
     result = exposure(manifest=args.manifest, docs=args.docs, runs=args.run, out=args.output,
                       spool=args.spool, ledger=args.ledger, eos_token_id=args.eos_token_id,
@@ -341,9 +341,9 @@ def _add_posthoc_parsers(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from api.alerts import Thresholds
-    from api.app import check_settings, create_app
-    from audit.ledger.database import Ledger
+    from tally.api.alerts import Thresholds
+    from tally.api.app import check_settings, create_app
+    from tally.audit.ledger.database import Ledger
 
     off = lambda v: None if v is not None and v < 0 else v  # noqa: E731
     th = Thresholds(epoch_duplicates=off(args.max_epoch_duplicates),
@@ -356,7 +356,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_settings(spool=args.spool, manifest=args.manifest, records=args.records,
                    reports=args.reports, checkpoints=args.checkpoints, webhook=args.webhook)
     _check_port(args.host, args.port)
-    from pipeline.progress import Progress
+    from tally.pipeline.progress import Progress
 
     level = getattr(logging, args.log_level.upper(), 5)  # uvicorn's trace: below debug
     # Tally's own news (alerts starting and stopping, live reconciles finished, quarantined
@@ -415,8 +415,8 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
-    from audit.ledger.database import Ledger
-    from audit.preflight import PreflightVerdict
+    from tally.audit.ledger.database import Ledger
+    from tally.audit.preflight import PreflightVerdict
 
     try:
         if args.loader:
@@ -430,12 +430,12 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
         if args.states or args.at_step is not None or args.ranks_per_node != 1:
             raise TallyError("--states, --at-step and --ranks-per-node go with --loader")
         # The keyed loader's check imports Grain: only here, not for --loader.
-        from audit.preflight import record_verdict, run_preflight
+        from tally.audit.preflight import record_verdict, run_preflight
 
         cfg = None
         if args.config:
-            from trainer.config import TrainConfig
-            from trainer.loop import loader_config
+            from tally.trainer.config import TrainConfig
+            from tally.trainer.loop import loader_config
 
             cfg = loader_config(TrainConfig.load(args.config))
         call = dict(run_id=args.run, manifest=args.manifest, checkpoint=args.checkpoint,
@@ -460,7 +460,7 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from pipeline.replay import ReplaySpec, replay
+    from tally.pipeline.replay import ReplaySpec, replay
 
     spec = ReplaySpec(loader=args.loader, hosts=args.hosts, steps=args.steps,
                       spool=Path(args.spool), run_id=args.run,
@@ -530,8 +530,8 @@ def _add_replay_parser(sub: Any) -> None:
 
 
 def _loader_preflight(args: argparse.Namespace) -> Any:
-    from audit.ledger.database import Ledger
-    from audit.preflight.loader_check import run_loader_preflight
+    from tally.audit.ledger.database import Ledger
+    from tally.audit.preflight.loader_check import run_loader_preflight
 
     if args.checkpoint or args.config:
         raise TallyError("--loader plans your own loader: --checkpoint and --config are for "
@@ -541,7 +541,7 @@ def _loader_preflight(args: argparse.Namespace) -> Any:
                 horizon=args.horizon, ranks_per_node=args.ranks_per_node)
     if not args.record:
         return run_loader_preflight(args.ledger, **call)
-    from audit.preflight import record_verdict  # the keyed check's module (imports Grain)
+    from tally.audit.preflight import record_verdict  # the keyed check's module (imports Grain)
 
     if not Path(args.ledger).is_file():
         raise TallyError(f"no ledger at {args.ledger}")
@@ -569,7 +569,7 @@ def _add_runner_args(p: argparse.ArgumentParser) -> None:
 
 
 def _runner(args: argparse.Namespace):
-    from pipeline.runners import RunnerSpec
+    from tally.pipeline.runners import RunnerSpec
 
     return RunnerSpec(name=args.runner, workers=args.workers, mode=args.mode,
                       dask_address=args.dask_address, beam_args=args.beam_args)
@@ -611,7 +611,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 def output_dir(text: str) -> str:
     """An argparse type: a path that can be a directory (-o of reconcile, diff, exposure),
     neither a file nor under one. `-o afile` failed in the job with a traceback."""
-    from audit.core.paths import unwritable_dir
+    from tally.audit.core.paths import unwritable_dir
 
     problem = unwritable_dir(text, probe=False)
     if problem is not None:
@@ -639,7 +639,7 @@ def _examples(p: argparse.ArgumentParser, *lines: str) -> None:
 
 
 def _log_format(p: argparse.ArgumentParser) -> None:
-    from audit.core.logs import FORMATS
+    from tally.audit.core.logs import FORMATS
 
     p.add_argument("--log-format", default="text", choices=FORMATS,
                    help="log lines on stderr: text ('tally: [level] ...', default) or json "
@@ -657,7 +657,7 @@ def _quiet_json(p: argparse.ArgumentParser, quiet: str | None = "no progress, no
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tally", description=__doc__, epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from audit.extras import version
+    from tally.audit.extras import version
 
     p.add_argument("--version", action="version", version=f"tally {version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -714,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per instance: each file holds n_tokens // L instances")
     g.add_argument("--dtype", help="the files' token dtype, little-endian: uint16 or uint32 "
                                    "(also uint8, int32)")
-    from pipeline.formats import FORMATS
+    from tally.pipeline.formats import FORMATS
 
     g = s.add_argument_group(
         "text corpora (Dolma JSON lines, Parquet, Hugging Face datasets, ...)",
@@ -963,8 +963,8 @@ def _restore_logging(kept: list[tuple[logging.Logger, int, list[logging.Handler]
 
 
 def _main(argv: list[str]) -> int:
-    from audit import extras
-    from audit.core import allocator
+    from tally.audit import extras
+    from tally.audit.core import allocator
 
     allocator.tune()  # before the work's first allocations, and inherited by its workers
     args = parse(argv)
@@ -1108,7 +1108,7 @@ def _supervise(argv: list[str], args: argparse.Namespace) -> int:
     import signal
 
     leftovers = _half_made(args)
-    child = subprocess.Popen([sys.executable, "-m", "audit.cli", *argv],
+    child = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", *argv],
                              env={**os.environ, _CHILD: "1"}, start_new_session=True)
 
     def stop(signum: int, frame: object) -> None:
@@ -1156,7 +1156,7 @@ def _half_made(args: argparse.Namespace) -> list[Path]:
         out = Path(args.output)
         return [out / ".work"] if out.exists() else [out]
     if args.command == "replay":
-        from pipeline.replay import ReplaySpec, work_dir
+        from tally.pipeline.replay import ReplaySpec, work_dir
 
         return [work_dir(ReplaySpec(loader="", hosts=1, steps=1, spool=Path(args.spool),
                                     run_id=args.run))]

@@ -19,8 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from audit.core.errors import TallyError
-from audit.reconcile.report import summary
+from tally.audit.core.errors import TallyError
+from tally.audit.reconcile.report import summary
 
 HOSTS = 4
 RUNS = (("demo-ok", ""), ("demo-per-host-seed", "per_host_seed"))
@@ -28,11 +28,11 @@ LABELS = {"demo-ok": "correct", "demo-per-host-seed": "per-host seeds"}
 
 
 def run_demo(out: Path, *, records: int = 2000, keep_serving: bool = False) -> dict:
-    from pipeline.corpus import TokenSource
-    from pipeline.manifest import build_manifest
-    from pipeline.synth import synth_corpus
-    from trainer.config import TrainConfig
-    from trainer.launch import free_port, launch
+    from tally.pipeline.corpus import TokenSource
+    from tally.pipeline.manifest import build_manifest
+    from tally.pipeline.synth import synth_corpus
+    from tally.trainer.config import TrainConfig
+    from tally.trainer.launch import free_port, launch
 
     if out.exists():
         shutil.rmtree(out)
@@ -48,7 +48,7 @@ def run_demo(out: Path, *, records: int = 2000, keep_serving: bool = False) -> d
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "audit.cli", "serve", "--spool", str(spool), "--ledger",
+        [sys.executable, "-m", "tally.audit.cli", "serve", "--spool", str(spool), "--ledger",
          str(out / "ledger.duckdb"), "--manifest", str(manifest), "--reports",
          str(out / "reports"), "--port", str(port), "--interval", "0.5"],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
@@ -72,7 +72,7 @@ def run_demo(out: Path, *, records: int = 2000, keep_serving: bool = False) -> d
             code = launch(cfg, HOSTS)
             if code:
                 raise TallyError(f"training run {run_id} failed (exit status {code})")
-            from audit.reconcile import reconcile
+            from tally.audit.reconcile import reconcile
 
             rep_dir = out / "reports" / run_id
             reports[run_id] = reconcile(run_id=run_id, manifest=manifest, out=rep_dir,

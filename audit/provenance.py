@@ -11,12 +11,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from audit.extras import version
+from tally.audit.extras import version
 
 
 def command_line(argv: list[str] | None = None) -> list[str]:
     """The command as typed: `tally ...` whether it ran as the `tally` script or as
-    `python -m audit.cli` (whose argv[0] is the module's file)."""
+    `python -m tally.audit.cli` (whose argv[0] is the module's file)."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return []
@@ -37,7 +37,7 @@ def files_fingerprint(files: Iterable[tuple[str, int]]) -> str:
 
 
 def plan_fingerprint(files: Iterable[Any]) -> str:
-    """`files_fingerprint` of a plan's input files (audit.reconcile.plan.InputFile): a spool's
+    """`files_fingerprint` of a plan's input files (tally.audit.reconcile.plan.InputFile): a spool's
     file names relative to the spool with their sizes, a ledger export's with its rows."""
     out = []
     for f in files:

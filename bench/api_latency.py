@@ -2,7 +2,8 @@
 
 Writes a spool of `--rows` consumption rows through the real writer (a healthy loader: each
 epoch a fresh permutation of `--records` keys, cut across `--hosts` hosts, `--batch` segments
-per host and step), ingests it with `audit.ledger.ingest` (aggregates included), then times the
+per host and step), ingests it with `tally.audit.ledger.ingest` (aggregates included), then times
+the
 reference: the same answers computed by one SQL query each over `effective_consumption`
 (coverage, the per-step series, per-host unique records). Then starts `tally serve` on the
 ledger in its own process, keeps writing more spool files (about `--live-rows-per-s` rows per
@@ -31,11 +32,11 @@ import httpx
 import numpy as np
 import pyarrow.parquet as pq
 
-from audit.hook import spool as sp
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.audit.hook import spool as sp
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 
 RUN = "bench"
 _A = 2_654_435_761  # multiplier of the per-epoch permutation: coprime to the record count
@@ -123,8 +124,8 @@ def references(ledger: Ledger, repeats: int) -> dict[str, float]:
 
 _SERVE = """
 import sys, uvicorn
-from api.app import create_app
-from audit.ledger.database import Ledger
+from tally.api.app import create_app
+from tally.audit.ledger.database import Ledger
 ledger, spool, port, records, mem = sys.argv[1:6]
 with Ledger(ledger) as led:
     led.con.execute(f"SET memory_limit = '{mem}'")

@@ -1,4 +1,4 @@
-"""Attach cost: what `pipeline.grain_attach.audited` adds to each batch a Grain DataLoader
+"""Attach cost: what `tally.pipeline.grain_attach.audited` adds to each batch a Grain DataLoader
 hands the loop, against the same loader unwrapped (the reference, measured in the same run).
 
 The loader: a shuffled `IndexSampler` over 1M records of `--tokens` tokens, host 3 of 64,
@@ -21,8 +21,8 @@ import grain
 import numpy as np
 from absl import flags
 
-from audit import LedgerWriter
-from pipeline.grain_attach import audited
+from tally.audit import LedgerWriter
+from tally.pipeline.grain_attach import audited
 
 RECORDS = 1_000_000
 

@@ -34,15 +34,15 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from audit.reconcile import reconcile  # noqa: E402
 from bench.reconcile_rate import make_manifest, make_spool  # noqa: E402
-from pipeline.runners import RunnerSpec  # noqa: E402
+from tally.audit.reconcile import reconcile  # noqa: E402
+from tally.pipeline.runners import RunnerSpec  # noqa: E402
 
 
 def job_work(spool: Path, manifest: Path, memory_gb: float) -> dict:
     """Thread CPU seconds of the job's two stages, element by element, in this process."""
-    from audit.reconcile.job import BucketStats, ReadConsumption
-    from audit.reconcile.plan import chunks, make_plan, spool_inputs
+    from tally.audit.reconcile.job import BucketStats, ReadConsumption
+    from tally.audit.reconcile.plan import chunks, make_plan, spool_inputs
 
     inputs = spool_inputs(spool, "bench")
     plan = make_plan(run_id="bench", manifest=manifest, files=inputs.files,
@@ -71,7 +71,7 @@ def job_work(spool: Path, manifest: Path, memory_gb: float) -> dict:
 def _import_the_job() -> bool:
     """Run on each worker before timing: its first import of Beam and Tally (~2.5 s) is a
     one-off, not part of what scales."""
-    import audit.reconcile.job  # noqa: F401
+    import tally.audit.reconcile.job  # noqa: F401
 
     return True
 

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.posthoc.diff import diff
-from audit.posthoc.sources import run_source
 from bench.reconcile_rate import PeakRSS, make_manifest
-from pipeline.runners import RunnerSpec
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.posthoc.diff import diff
+from tally.audit.posthoc.sources import run_source
+from tally.pipeline.runners import RunnerSpec
 
 
 def make_runs(spool: Path, rows: int, manifest: tuple[np.ndarray, np.ndarray],

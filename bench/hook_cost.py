@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from audit.hook.segments import segments_from_batch
-from audit.hook.writer import LedgerWriter
+from tally.audit.hook.segments import segments_from_batch
+from tally.audit.hook.writer import LedgerWriter
 
 ROWS, LENGTH = 512, 8192
 

@@ -1,4 +1,5 @@
-"""Ingest rate: `audit.ledger.ingest` against a bare DuckDB `INSERT ... SELECT` of the same tables.
+"""Ingest rate: `tally.audit.ledger.ingest` against a bare DuckDB `INSERT ... SELECT` of the same
+tables.
 
 Writes a spool of `--files` segment files of `--rows` rows each through the real writer, then
 times (a) ingest of the spool into a fresh ledger (footer, schema, metadata and value checks;
@@ -29,11 +30,11 @@ import duckdb
 import numpy as np
 import pyarrow.parquet as pq
 
-from audit.hook import spool as sp
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.audit.hook import spool as sp
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 
 
 def make_spool(spool: Path, files: int, rows: int, hosts: int = 8, records: int = 10**7,

@@ -1,8 +1,8 @@
-"""Record lookup latency with the lookup index (audit.ledger.lookup) against a scan.
+"""Record lookup latency with the lookup index (tally.audit.ledger.lookup) against a scan.
 
 Writes `--rows` consumption rows through the real writer (bench.api_latency's healthy loader),
 ingests them (which builds the index as it goes), then times `--lookups` lookups by record key
-and by content hash through `audit.ledger.queries.record`, with the index and with a scan of
+and by content hash through `tally.audit.ledger.queries.record`, with the index and with a scan of
 `consumption` (the reference, in the same run). Also times building the whole index from the
 ledger at once (what an existing ledger costs on its first start) and reports its size.
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.ledger import lookup
-from audit.ledger import queries as q
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.lookup import LookupIndex
 from bench.api_latency import Loader, write
+from tally.audit.ledger import lookup
+from tally.audit.ledger import queries as q
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.lookup import LookupIndex
 
 
 def _times(cur, kind: str, values: list[int], index: LookupIndex | None) -> np.ndarray:

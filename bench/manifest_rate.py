@@ -15,11 +15,11 @@ import logging
 import time
 from pathlib import Path
 
-from audit.core.hashing import content_hash
-from pipeline.corpus import decode_record, list_shards
-from pipeline.manifest import build_manifest
-from pipeline.runners import RunnerSpec
-from pipeline.synth import synth_corpus
+from tally.audit.core.hashing import content_hash
+from tally.pipeline.corpus import decode_record, list_shards
+from tally.pipeline.manifest import build_manifest
+from tally.pipeline.runners import RunnerSpec
+from tally.pipeline.synth import synth_corpus
 
 
 def plain(corpus: Path) -> int:

@@ -45,16 +45,16 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from audit.core.hashing import hash_runs  # noqa: E402
-from pipeline.corpus import open_corpus  # noqa: E402
-from pipeline.manifest import (  # noqa: E402
+from tally.audit.core.hashing import hash_runs  # noqa: E402
+from tally.pipeline.corpus import open_corpus  # noqa: E402
+from tally.pipeline.manifest import (  # noqa: E402
     ROW_GROUP_RECORDS,
     Fingerprint,
     build_manifest,
     manifest_rows,
 )
-from pipeline.olmo import load_index, write_mix  # noqa: E402
-from pipeline.runners import RunnerSpec  # noqa: E402
+from tally.pipeline.olmo import load_index, write_mix  # noqa: E402
+from tally.pipeline.runners import RunnerSpec  # noqa: E402
 
 LABELS = ("web", "code", "math", "books")
 # The OLMo 3 pretraining mix, as assumed for the extrapolation: ~5.93T tokens of Dolma 3 as

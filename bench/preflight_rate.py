@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.preflight import load_checkpoint_meta, run_preflight
-from pipeline.loader import KeyedLoader, LoaderConfig, state_for_host
-from pipeline.manifest import MANIFEST_SCHEMA
-from pipeline.manifest_file import write_manifest_table
-from pipeline.shadow import ShadowSource
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.preflight import load_checkpoint_meta, run_preflight
+from tally.pipeline.loader import KeyedLoader, LoaderConfig, state_for_host
+from tally.pipeline.manifest import MANIFEST_SCHEMA
+from tally.pipeline.manifest_file import write_manifest_table
+from tally.pipeline.shadow import ShadowSource
 
 
 def write_manifest(path: Path, records: int, seed: int = 0) -> np.ndarray:
@@ -52,7 +52,7 @@ def write_manifest(path: Path, records: int, seed: int = 0) -> np.ndarray:
 
 
 def old_run(out: Path, source: ShadowSource, cfg: LoaderConfig, hosts: int, steps: int) -> Path:
-    from trainer import checkpoint
+    from tally.trainer import checkpoint
 
     states = {}
     for h in range(hosts):

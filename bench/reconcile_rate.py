@@ -25,14 +25,14 @@ import numpy as np
 import psutil
 import pyarrow as pa
 
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.reconcile import reconcile
-from pipeline.manifest import MANIFEST_SCHEMA, ROW_GROUP_RECORDS
-from pipeline.manifest_file import write_manifest_table
-from pipeline.runners import RunnerSpec
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.reconcile import reconcile
+from tally.pipeline.manifest import MANIFEST_SCHEMA, ROW_GROUP_RECORDS
+from tally.pipeline.manifest_file import write_manifest_table
+from tally.pipeline.runners import RunnerSpec
 
 DOMAINS = np.array(["web", "code", "wiki", "books"])
 

@@ -97,7 +97,7 @@ def reference(hosts: int, steps: int) -> float:
 
 def replay(work: Path, hosts: int, steps: int, manifest: Path, workers: int | None,
            run: str) -> dict:
-    cmd = [sys.executable, "-m", "audit.cli", "replay", "--loader",
+    cmd = [sys.executable, "-m", "tally.audit.cli", "replay", "--loader",
            "bench.replay_rate:make_loader", "--hosts", str(hosts), "--steps", str(steps),
            "--spool", str(work / "spool"), "--run", run, "--manifest", str(manifest), "--json"]
     if workers:

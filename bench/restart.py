@@ -1,5 +1,5 @@
 """Restart time of `tally serve`: per-record state rebuilt from the ledger vs restored from its
-snapshot (audit.ledger.snapshot).
+snapshot (tally.audit.ledger.snapshot).
 
 Writes a spool of `--rows` consumption rows through the real writer (bench.api_latency's
 healthy loader over `--records` keys), ingests it with `tally ingest` (which writes the state
@@ -44,7 +44,7 @@ ANSWERS = [f"/v1/runs/{RUN}/coverage", f"/v1/runs/{RUN}/hosts",
 
 
 def _tally(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "audit.cli", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "tally.audit.cli", *args], cwd=ROOT,
                             env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

@@ -48,22 +48,22 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.hook import spool as sp
-from audit.hook.segments import Segments
-from audit.ledger import lookup
-from audit.ledger.database import Ledger
 from bench import api_latency, ingest_rate, lookup_latency, manifest_rate, restart
 from bench.api_latency import RUN, write
 from bench.reconcile_rate import DOMAINS, PeakRSS, spool_query, spool_query_agrees
-from pipeline.manifest import (
+from tally.audit.hook import spool as sp
+from tally.audit.hook.segments import Segments
+from tally.audit.ledger import lookup
+from tally.audit.ledger.database import Ledger
+from tally.pipeline.manifest import (
     MANIFEST_SCHEMA,
     ROW_GROUP_RECORDS,
     Fingerprint,
     build_manifest,
 )
-from pipeline.manifest_file import manifest_metadata
-from pipeline.runners import RunnerSpec
-from pipeline.synth import synth_corpus
+from tally.pipeline.manifest_file import manifest_metadata
+from tally.pipeline.runners import RunnerSpec
+from tally.pipeline.synth import synth_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 _A = 2_654_435_761  # multiplier of the per-epoch permutation: coprime to the record count

@@ -1,6 +1,6 @@
 """Per-record live state: bytes per record and cost per record start, by loader shape.
 
-Feeds record starts through the live aggregates (`audit.ledger.aggregates`, the ingest path's
+Feeds record starts through the live aggregates (`tally.audit.ledger.aggregates`, the ingest path's
 numpy part: grouping, the state's gathers and scatters, the agg-table deltas, the watermark;
 no DuckDB) in batches of one ingest round, for loader shapes the state must hold:
 
@@ -29,8 +29,8 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from audit.ledger.aggregates import Aggregates, _Staged
-from audit.ledger.state import Starts
+from tally.audit.ledger.aggregates import Aggregates, _Staged
+from tally.audit.ledger.state import Starts
 
 
 def starts(shape: str, records: int, hosts: int, epochs: float, seed: int = 0):

@@ -1,4 +1,5 @@
-"""Attach cost for MosaicML Streaming: what `pipeline.loaders.mosaic.audited` adds to each batch
+"""Attach cost for MosaicML Streaming: what `tally.pipeline.loaders.mosaic.audited` adds to each
+batch
 a StreamingDataLoader over a StreamingDataset hands the loop, against the same loader
 unwrapped, measured in the same run.
 
@@ -43,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from audit import LedgerWriter
-from pipeline.loaders import mosaic
+from tally.audit import LedgerWriter
+from tally.pipeline.loaders import mosaic
 
 
 def write_mds(out: Path, samples: int, tokens: int) -> Path:

@@ -63,10 +63,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from audit.core.hashing import content_hash  # noqa: E402
-from pipeline.corpus import open_corpus  # noqa: E402
-from pipeline.manifest import TEXT_BATCH, _WritePart  # noqa: E402
-from pipeline.text import TextHasher  # noqa: E402
+from tally.audit.core.hashing import content_hash  # noqa: E402
+from tally.pipeline.corpus import open_corpus  # noqa: E402
+from tally.pipeline.manifest import TEXT_BATCH, _WritePart  # noqa: E402
+from tally.pipeline.text import TextHasher  # noqa: E402
 
 # Dolma v1.6, approximately, as recalled from the Dolma paper (Soldaini et al., 2024) and
 # OLMo's release notes: ~4.4 billion documents, ~3 trillion tokens, ~11 TB of UTF-8 text.
@@ -317,7 +317,7 @@ def run_manifest(cli_args: list[str]) -> dict:
     # stderr to a file, not a pipe: nobody reads it while the command runs.
     with tempfile.TemporaryFile() as errors:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "manifest", *cli_args,
+        proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "manifest", *cli_args,
                                  "-q"], cwd=root, stdout=subprocess.DEVNULL, stderr=errors)
         # The command supervises itself: its own process waits for the one that runs the job
         # (the driver), whose descendants are the workers.

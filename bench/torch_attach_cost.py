@@ -1,4 +1,4 @@
-"""Attach cost for torch: what `pipeline.loaders.torch_loader.audited` adds to each batch a
+"""Attach cost for torch: what `tally.pipeline.loaders.torch_loader.audited` adds to each batch a
 torch DataLoader hands the loop, against the same loader unwrapped, measured in the same run.
 
 The loader: a map-style dataset of 1M records of `--tokens` tokens (`input_ids`), a
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from audit import LedgerWriter
-from pipeline.loaders.torch_loader import audited
+from tally.audit import LedgerWriter
+from tally.pipeline.loaders.torch_loader import audited
 
 RECORDS = 1_000_000
 

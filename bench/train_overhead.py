@@ -14,9 +14,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipeline.synth import synth_corpus
-from trainer.config import TrainConfig
-from trainer.loop import train
+from tally.pipeline.synth import synth_corpus
+from tally.trainer.config import TrainConfig
+from tally.trainer.loop import train
 
 
 def steady_step_s(result, warmup: int) -> float:

@@ -1,5 +1,5 @@
 """Tokenized corpora: ArrayRecord shards (Grain's native format), Parquet files, and OLMo numpy
-token mixes (`pipeline.olmo`).
+token mixes (`tally.pipeline.olmo`).
 
 A corpus is a directory of shards. Shards whose name starts with `heldout` hold the held-out
 split, all others the train split. The corpus' global order, which defines record keys, is:
@@ -18,7 +18,7 @@ dtype. Each token file is one shard (format 'olmo', train split) whose records a
 fixed-length instances; its base key is the file's instance offset, so record keys are the
 mix's global instance ids.
 
-A text corpus (pipeline.formats: Dolma JSON lines, Parquet with a text or token column, a
+A text corpus (tally.pipeline.formats: Dolma JSON lines, Parquet with a text or token column, a
 Hugging Face `datasets` directory, ...) is a directory of files of one format, or a list of
 them: each file is one shard, in the same global order (train files by path, then held-out
 files by path; a format that knows its own splits, such as a `datasets` directory, says which
@@ -39,10 +39,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.core.errors import CorpusError
-from audit.core.hashing import TOKEN_DTYPE, content_hash, hash_runs
-from pipeline import formats, olmo
-from pipeline.formats import Fields
+from tally.audit.core.errors import CorpusError
+from tally.audit.core.hashing import TOKEN_DTYPE, content_hash, hash_runs
+from tally.pipeline import formats, olmo
+from tally.pipeline.formats import Fields
 
 MAGIC = b"TLY1"
 _HEADER = len(MAGIC) + 2
@@ -76,7 +76,7 @@ def decode_record(raw: bytes, where: str) -> tuple[np.ndarray, str]:
 @dataclass(frozen=True)
 class Shard:
     path: Path
-    fmt: str  # 'array_record' | 'parquet' | 'olmo' | a text format (pipeline.formats.FORMATS)
+    fmt: str  # 'array_record' | 'parquet' | 'olmo' | a text format (tally.pipeline.formats.FORMATS)
     split: str  # 'train' | 'heldout'
     num_records: int | None  # None: known only once read (a text format's count() said so)
     base_key: int | None  # record key of the shard's first record; None after an unknown count
@@ -86,7 +86,7 @@ class Shard:
 
     @property
     def text(self) -> bool:
-        """A shard of a text format (read through pipeline.formats)."""
+        """A shard of a text format (read through tally.pipeline.formats)."""
         return self.fields is not None
 
     @property
@@ -137,7 +137,7 @@ def _count(path: Path, fmt: str) -> int:
             raise CorpusError(f"{path}: Parquet shard has no 'tokens' column (has {sorted(names)})")
         return meta.num_rows
     except (CorpusError, ModuleNotFoundError):  # the latter: the command names the extra
-        raise  # (audit.extras) where "unreadable array_record shard" read as a damaged file
+        raise  # (tally.audit.extras) where "unreadable array_record shard" read as a damaged file
     except Exception as exc:
         raise CorpusError(f"{path}: unreadable {fmt} shard: {exc}") from None
 
@@ -157,7 +157,8 @@ def open_corpus(corpus: CorpusArg, *, sequence_length: int | None = None,
     """The corpus a manifest reads: a directory of ArrayRecord / Parquet shards, an OLMo mix's
     index (`*.json`), token files (several, or a directory of `*.npy`) with their
     `sequence_length` and `dtype`, or a text corpus (a directory or a list of files of one
-    format of pipeline.formats, found by the files' names or layout or named by `fmt`; `fields`
+    format of tally.pipeline.formats, found by the files' names or layout or named by `fmt`;
+    `fields`
     says which field holds what). CorpusError, in one line, for anything else."""
     paths = [Path(corpus)] if isinstance(corpus, str | Path) else [Path(p) for p in corpus]
     flags = sequence_length is not None or dtype is not None

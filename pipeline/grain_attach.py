@@ -20,7 +20,7 @@ Where the next batch starts is read from the iterator's own checkpoint state bef
 (`last_seen_indices`, `last_worker_index`: the JSON Grain saves as `process_<i>-of-<n>.json`),
 so a loader restored by `set_state`, by Grain's checkpoint handler or by Orbax continues its keys
 exactly, and the step of a batch is `start_step` plus the loader's own batch ordinal. Replay
-(`pipeline.replay`) reads the same contract from the same states without running the loader.
+(`tally.pipeline.replay`) reads the same contract from the same states without running the loader.
 
 Content hashes: by default of what the data source returns for the record, read again on the
 writer's thread (`tokens_field` names the field of a dict record; an array record is the tokens);
@@ -43,11 +43,11 @@ from typing import Any
 import grain
 import numpy as np
 
-from audit.core.errors import TallyError
-from audit.core.hashing import as_token_array, hash_runs
-from audit.hook.segments import Segments
-from pipeline.loaders import leading_rows
-from pipeline.manifest_file import ManifestHashes, manifest_info  # noqa: F401  (re-exported)
+from tally.audit.core.errors import TallyError
+from tally.audit.core.hashing import as_token_array, hash_runs
+from tally.audit.hook.segments import Segments
+from tally.pipeline.loaders import leading_rows
+from tally.pipeline.manifest_file import ManifestHashes, manifest_info  # noqa: F401  (re-exported)
 
 # The operations that map one element to one element (checked by exact class or subclass).
 ONE_TO_ONE = (grain.transforms.Map, grain.transforms.RandomMap, grain.transforms.TfRandomMap)
@@ -407,7 +407,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *,
     restored from its own state already continues from its batch ordinal: leave it 0 there,
     or the offset counts twice. `hashes`: a manifest path to take hashes from instead of reading
     records back. Raises AttachError for a loader whose operations are not 1:1."""
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     dataset = isinstance(loader, (grain.MapDataset, grain.IterDataset))
     if dataset:

@@ -11,7 +11,7 @@
 Because `map_with_index` sits directly after the source, the index it sees is the one the
 shuffle and repeat above it asked for, `epoch * N + record_key`, and that survives slicing,
 packing and batching. Every batch row therefore says which record segments it holds: the
-`tokens`, `tokens_segment_ids`, `key` and `pos` arrays that `audit.segments_from_batch` reads.
+`tokens`, `tokens_segment_ids`, `key` and `pos` arrays that `tally.audit.segments_from_batch` reads.
 
 `elastic=True` uses Grain's ElasticIterator (batching and sharding inside, unpacked rows
 only), whose state is the global position: it restores on any host count.
@@ -37,7 +37,7 @@ import grain
 import numpy as np
 from grain import experimental as gx
 
-from audit.core.errors import TallyError
+from tally.audit.core.errors import TallyError
 
 PACKINGS = ("none", "first_fit", "concat_split")
 FAULTS = ("per_host_seed", "double_slice", "no_sharding", "naive_reshard")

@@ -3,7 +3,7 @@
 Columns: record_key, content_hash, n_tokens, domain, split, source, source_index, doc_id. The
 file's metadata holds the manifest fingerprint (`tally.manifest_fingerprint`), which a run
 records to say which corpus it trained against, and the content basis the hashes are taken
-under (`tally.content_basis`, pipeline.text).
+under (`tally.content_basis`, tally.pipeline.text).
 
 The pipeline's elements are record ranges of a shard; each range is read, hashed with the
 project's one hash function, and written as an Arrow part file by one worker, so no element is
@@ -30,11 +30,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.core.hashing import hash_runs
-from pipeline import formats, progress
-from pipeline.corpus import CorpusArg, CorpusError, Shard, hash_range, open_corpus, repeat
-from pipeline.formats import Documents, Fields
-from pipeline.manifest_file import (  # noqa: F401
+from tally.audit.core.hashing import hash_runs
+from tally.pipeline import formats, progress
+from tally.pipeline.corpus import CorpusArg, CorpusError, Shard, hash_range, open_corpus, repeat
+from tally.pipeline.formats import Documents, Fields
+from tally.pipeline.manifest_file import (  # noqa: F401
     FINGERPRINT_KEY,
     MANIFEST_SCHEMA,
     ROW_GROUP_RECORDS,
@@ -42,8 +42,8 @@ from pipeline.manifest_file import (  # noqa: F401
     manifest_info,
     manifest_metadata,
 )
-from pipeline.runners import RunnerSpec, pipeline
-from pipeline.text import TOKEN_IDS, ContentBasis, TextHasher
+from tally.pipeline.runners import RunnerSpec, pipeline
+from tally.pipeline.text import TOKEN_IDS, ContentBasis, TextHasher
 
 TEXT_BATCH = 1024  # documents per batch a worker tokenizes and writes (one row group each)
 
@@ -164,10 +164,10 @@ def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | N
     """Run the manifest job over `corpus` and write `out` (Parquet) atomically.
 
     `corpus`: a directory of shards, an OLMo mix's index JSON, OLMo token files (a list, or
-    a directory of them) with their `sequence_length` and `dtype` (`pipeline.corpus`), or a
-    text corpus (a directory or files of a format of pipeline.formats, `fmt` to name it,
+    a directory of them) with their `sequence_length` and `dtype` (`tally.pipeline.corpus`), or a
+    text corpus (a directory or files of a format of tally.pipeline.formats, `fmt` to name it,
     `fields` to say which field holds what). A text corpus is hashed over the token ids
-    `tokenizer` makes of each document with the run's settings (pipeline.text), or over its
+    `tokenizer` makes of each document with the run's settings (tally.pipeline.text), or over its
     bytes without a tokenizer; a token field is hashed as it is."""
     runner = runner or RunnerSpec()
     t0 = time.perf_counter()

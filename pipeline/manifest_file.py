@@ -16,9 +16,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from audit.core.errors import TallyError
-from audit.hook.segments import Segments
-from pipeline.corpus import CorpusError
+from tally.audit.core.errors import TallyError
+from tally.audit.hook.segments import Segments
+from tally.pipeline.corpus import CorpusError
 
 MANIFEST_SCHEMA = pa.schema([
     ("record_key", pa.int64()),
@@ -92,7 +92,7 @@ def write_manifest_table(table: pa.Table, path: str | Path, *, fingerprint: str 
                          row_group_size: int | None = None, **extra: str) -> Path:
     """A manifest held whole in one table (tests, benchmarks, small corpora) written with its
     metadata block: train records counted from `split`, the fingerprint computed (Fingerprint)
-    unless given; a table without `doc_id` gets a null one. The Beam job (pipeline.manifest)
+    unless given; a table without `doc_id` gets a null one. The Beam job (tally.pipeline.manifest)
     streams its own with manifest_metadata."""
     if "doc_id" not in table.column_names:
         table = table.append_column("doc_id", pa.nulls(table.num_rows, pa.string()))
@@ -177,7 +177,7 @@ class ManifestHashes:
         self.hash = train["content_hash"].to_numpy()
         self.n_tokens = train["n_tokens"].to_numpy()
         self.fingerprint = info["manifest_fingerprint"]
-        # Hashes taken from the manifest are under its content basis (pipeline.text), which
+        # Hashes taken from the manifest are under its content basis (tally.pipeline.text), which
         # the run's spool then says ("" for a manifest that records none: token ids).
         self.content_basis = info.get("content_basis", "")
 

@@ -27,7 +27,7 @@ labels each file with its parent directory's name (OLMo mixes keep one source pe
 e.g. `.../dclm/part-003.npy`). `write_mix` writes a small mix with its index (tests, demo,
 benchmarks).
 
-Hashing: an instance's content hash is `audit.core.hashing`'s, over its token ids as
+Hashing: an instance's content hash is `tally.audit.core.hashing`'s, over its token ids as
 little-endian int32, exactly as the training hook hashes a batch of int32 ids. uint8 and
 uint16 ids widen to int32. uint32 ids are hashed as their own 4 bytes, which is what the hook
 hashes after the usual `astype(np.int32)` of a batch: an id of 2**31 or more (no real
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.core.errors import CorpusError
-from audit.core.hashing import TOKEN_DTYPE, content_hash, hash_runs
+from tally.audit.core.errors import CorpusError
+from tally.audit.core.hashing import TOKEN_DTYPE, content_hash, hash_runs
 
 FORMAT_VERSION = "1"
 DTYPES = ("uint8", "uint16", "uint32", "int32")

@@ -4,7 +4,7 @@ stage under way and keeps its clock moving while a stage gives no count, fed by 
 a thread polls (files a job has written, whatever runner or process writes them).
 
 Redraws (`\r`) go to a terminal only. Into a pipe or a file (CI, a container's log, a service
-manager's journal) each stage is one log line when it starts (audit.core.logs), nothing more:
+manager's journal) each stage is one log line when it starts (tally.audit.core.logs), nothing more:
 a bar redrawn there is a line per redraw, each starting with a carriage return."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from audit.core.logs import info_line, terminal
+from tally.audit.core.logs import info_line, terminal
 
 
 class Progress:

@@ -3,7 +3,8 @@
 `tally replay --loader MODULE:FUNCTION --hosts H --steps N --spool DIR --run RUN --manifest M`
 calls FUNCTION(host, H) for each host (MODULE importable from the working directory or
 PYTHONPATH, as `uvicorn module:app` finds its app), reads each loader's index contract
-(`pipeline.grain_attach.contract_of`), and writes every host's record keys for N steps as spool
+(`tally.pipeline.grain_attach.contract_of`), and writes every host's record keys for N steps as
+spool
 files, with content hashes from the manifest (or read from the data source with
 `hashes="source"`). Where each host starts: at the loader's beginning, at the loader states a
 run checkpointed (Grain's `process_<h>-of-<H>.json`, one per host, checked as Grain checks them:
@@ -19,7 +20,7 @@ What replay cannot prove: it says what the loader's contract *would* have fed, n
 consumed. A restore that misbehaves inside the run (a state loaded into the wrong host, a
 checkpoint from another step), an operation that drops records at run time, or a corpus changed
 under the run only show in a live audit. Replayed files say so in their metadata
-(`tally.replayed = 1`, writer_version `tally-replay/1`: audit.hook.spool holds the rule), and
+(`tally.replayed = 1`, writer_version `tally-replay/1`: tally.audit.hook.spool holds the rule), and
 every answer about the run names it replayed (docs/DESIGN.md, "Replay").
 """
 
@@ -41,20 +42,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from audit.core.errors import TallyError
-from audit.core.schema import MAX_STEP, SEGMENT_SCHEMA
-from audit.hook import spool as sp
-from audit.hook.writer import publish
+from tally.audit.core.errors import TallyError
+from tally.audit.core.schema import MAX_STEP, SEGMENT_SCHEMA
+from tally.audit.hook import spool as sp
+from tally.audit.hook.writer import publish
 
-# Grain (pipeline.grain_attach imports it) only for a Grain loader: a torch or Streaming
-# factory's replay and pre-flight run without it (audit.extras).
+# Grain (tally.pipeline.grain_attach imports it) only for a Grain loader: a torch or Streaming
+# factory's replay and pre-flight run without it (tally.audit.extras).
 if TYPE_CHECKING:
-    from pipeline.grain_attach import Contract, Cursor
-    from pipeline.manifest_file import ManifestHashes
+    from tally.pipeline.grain_attach import Contract, Cursor
+    from tally.pipeline.manifest_file import ManifestHashes
 
 # Rows a replayed file holds, the writer_version it says, what a host's replay did and the
 # error that stops one: one home for every replay, Grain's and the PyTorch side's.
-from pipeline.loaders.replayed import ROWS_PER_FILE, WRITER_VERSION, HostReplay, ReplayError
+from tally.pipeline.loaders.replayed import ROWS_PER_FILE, WRITER_VERSION, HostReplay, ReplayError
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def read_state(states: Path, host: int, hosts: int, loader: Any) -> dict[str, An
     """Host `host`'s checkpointed loader state, checked against `loader` as Grain checks it."""
     from grain._src.python.data_loader import _source_repr
 
-    from pipeline.grain_attach import AttachError, contract_of
+    from tally.pipeline.grain_attach import AttachError, contract_of
 
     path = state_path(states, host, hosts)
     if not path.is_file():
@@ -205,23 +206,23 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
     t0 = time.perf_counter()
     loader = make_loader(spec.loader, host, spec.hosts)
     kind = loader_kind(loader)
-    if kind == "streaming":  # streaming's own partition (pipeline.loaders.mosaic)
-        from pipeline.loaders.mosaic import replay_spec_host
+    if kind == "streaming":  # streaming's own partition (tally.pipeline.loaders.mosaic)
+        from tally.pipeline.loaders.mosaic import replay_spec_host
 
         return replay_spec_host(spec, host, hashes, loader)
-    if kind == "litdata":  # litdata's plan (pipeline.loaders.litdata_loader)
-        from pipeline.loaders.litdata_loader import replay_spec_host as replay_litdata_host
+    if kind == "litdata":  # litdata's plan (tally.pipeline.loaders.litdata_loader)
+        from tally.pipeline.loaders.litdata_loader import replay_spec_host as replay_litdata_host
 
         return replay_litdata_host(spec, host, hashes, loader)
-    if kind == "torch":  # a torch DataLoader: its own contract (pipeline.loaders)
-        from pipeline.loaders.torch_loader import replay_host as replay_torch_host
+    if kind == "torch":  # a torch DataLoader: its own contract (tally.pipeline.loaders)
+        from tally.pipeline.loaders.torch_loader import replay_host as replay_torch_host
 
         return replay_torch_host(spec, host, hashes, loader)
-    if kind == "olmo":  # OLMo-core's own order (pipeline.loaders.olmo_core)
-        from pipeline.loaders.olmo_core import replay_spec_host as replay_olmo_host
+    if kind == "olmo":  # OLMo-core's own order (tally.pipeline.loaders.olmo_core)
+        from tally.pipeline.loaders.olmo_core import replay_spec_host as replay_olmo_host
 
         return replay_olmo_host(spec, host, hashes, loader)
-    from pipeline.grain_attach import AttachError, SamplerKeys, SourceHashes, contract_of
+    from tally.pipeline.grain_attach import AttachError, SamplerKeys, SourceHashes, contract_of
 
     try:
         contract = contract_of(loader)
@@ -240,7 +241,7 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
             "records_per_epoch": str(len(hashes) if hashes is not None
                                      else len(loader._data_source)),
             "checkpoint_dir": "", "replayed": "1",
-            # Hashes from the manifest are under its content basis (pipeline.text).
+            # Hashes from the manifest are under its content basis (tally.pipeline.text).
             "content_basis": hashes.content_basis if hashes is not None else ""}
     per_file = max(1, ROWS_PER_FILE // max(1, contract.batch_size))
     rows = files = 0
@@ -291,7 +292,7 @@ def _advance(contract: Contract, cursor: Cursor, k: int) -> Cursor:
         nxt[w] += taken * contract.batch_size
     over = any(nxt[w] > contract.stream_length(w) for w in range(w_n))
     if not over:
-        from pipeline.grain_attach import Cursor
+        from tally.pipeline.grain_attach import Cursor
 
         return Cursor(nxt, (cursor.next_stream + k) % w_n)
     for _ in range(k):  # near the end of a finite loader: batch by batch
@@ -306,7 +307,7 @@ def _replay_hosts(args: tuple) -> list[HostReplay]:
     spec, hosts = args
     hashes = None
     if spec.hashes == "manifest":
-        from pipeline.manifest_file import ManifestHashes
+        from tally.pipeline.manifest_file import ManifestHashes
 
         hashes = ManifestHashes(spec.manifest)
     return [replay_host(spec, h, hashes) for h in hosts]
@@ -376,25 +377,25 @@ def check(spec: ReplaySpec) -> None:
     loader = make_loader(spec.loader, 0, spec.hosts)
     kind = loader_kind(loader)
     if kind == "streaming":
-        from pipeline.loaders.mosaic import check_replay as check_streaming
+        from tally.pipeline.loaders.mosaic import check_replay as check_streaming
 
         return check_streaming(spec, loader)
     if spec.ranks_per_node != 1:
         raise ReplayError("--ranks-per-node is for a Streaming loader (its partition follows "
                           f"the nodes); the factory's is a {kind} loader")
     if kind == "litdata":
-        from pipeline.loaders.litdata_loader import check_replay as check_litdata
+        from tally.pipeline.loaders.litdata_loader import check_replay as check_litdata
 
         return check_litdata(spec, loader)
     if kind == "torch":
-        from pipeline.loaders.torch_loader import check_replay
+        from tally.pipeline.loaders.torch_loader import check_replay
 
         return check_replay(spec, loader)
     if kind == "olmo":
-        from pipeline.loaders.olmo_core import check_replay as check_olmo
+        from tally.pipeline.loaders.olmo_core import check_replay as check_olmo
 
         return check_olmo(spec, loader)
-    from pipeline.grain_attach import AttachError, contract_of
+    from tally.pipeline.grain_attach import AttachError, contract_of
 
     try:
         contract_of(loader)

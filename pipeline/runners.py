@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from audit.core import logs
-from audit.core.errors import TallyError
+from tally.audit.core import logs
+from tally.audit.core.errors import TallyError
 
 
 @dataclass
@@ -44,13 +44,14 @@ def pipeline(spec: RunnerSpec, *, partitions: int = 0) -> Iterator[beam.Pipeline
         runner = FnApiRunner()
         if spec.mode == "multi_processing":
             # What `--direct_running_mode=multi_processing` does, with Tally's quiet start in
-            # front of Beam's SDK worker (pipeline.workers): the mode's own command cannot be
+            # front of Beam's SDK worker (tally.pipeline.workers): the mode's own command cannot be
             # changed. Beam then warns that the (default) `in_memory` mode wants one worker:
             # not so, the workers are this environment's processes.
             from apache_beam.transforms.environments import SubprocessSDKEnvironment
 
+            workers = f"{sys.executable} -m tally.pipeline.workers"
             runner = FnApiRunner(default_environment=SubprocessSDKEnvironment
-                                 .from_command_string(f"{sys.executable} -m pipeline.workers"))
+                                 .from_command_string(workers))
             args += [f"--direct_num_workers={spec.workers}"]
         with logs.without("apache_beam.runners.portability.fn_api_runner.fn_runner",
                           "If direct_num_workers is not equal to 1"), \
@@ -96,7 +97,7 @@ def _dask_cluster(spec: RunnerSpec) -> Iterator[str]:
     # until it has started (interrupted there, it could not be closed).
     with _SigtermInterrupts() as signals:
         signals.held = True
-        # The workers import Beam, which logs at import: pipeline.workers quiets them first.
+        # The workers import Beam, which logs at import: tally.pipeline.workers quiets them first.
         try:
             # No dashboard; the scheduler's HTTP server (metrics) still starts, on port 8787
             # unless told otherwise, and a second local cluster on the machine then warned
@@ -104,7 +105,7 @@ def _dask_cluster(spec: RunnerSpec) -> Iterator[str]:
             cluster = LocalCluster(n_workers=spec.workers, threads_per_worker=1,
                                    processes=True, dashboard_address=None,
                                    scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
-                                   silence_logs=logging.ERROR, preload=["pipeline.workers"])
+                                   silence_logs=logging.ERROR, preload=["tally.pipeline.workers"])
         except Exception:
             signals.release()  # the signal that stopped its workers: the interrupt
             raise

@@ -26,9 +26,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from audit.core.errors import TallyError
-from pipeline.loader import KeyedLoader, LoaderConfig
-from pipeline.manifest_file import manifest_info
+from tally.audit.core.errors import TallyError
+from tally.pipeline.loader import KeyedLoader, LoaderConfig
+from tally.pipeline.manifest_file import manifest_info
 
 
 class ShadowSource:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.corpus import encode_record
+from tally.pipeline.corpus import encode_record
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a record's content hash is taken over: the content basis, and the tokenizer behind it.
 
-The loop hashes the token ids it trains on (audit.core.hashing). A corpus stored as token ids
+The loop hashes the token ids it trains on (tally.audit.core.hashing). A corpus stored as token ids
 (Tally's ArrayRecord and Parquet shards, an OLMo mix, a Parquet or MDS token column) is hashed
 over those ids as they are: basis `token_ids`. A text corpus is hashed either
 
@@ -9,7 +9,7 @@ over those ids as they are: basis `token_ids`. A text corpus is hashed either
   found in the local cache; nothing is downloaded) with the run's settings, so the manifest's
   hashes equal the loop's; or
 - over the document's UTF-8 bytes (basis `bytes`, no tokenizer), which a loop can hash the same
-  way when it has the text (`audit.core.hashing.bytes_hash`).
+  way when it has the text (`tally.audit.core.hashing.bytes_hash`).
 
 A document's token ids under the `tokens` basis, in this order: the tokenizer's encoding of the
 text (with its own special tokens when `special_tokens`, as `add_special_tokens=True` does),
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from audit.core.errors import CorpusError
-from audit.core.hashing import TOKEN_DTYPE, bytes_hash, hash_runs
+from tally.audit.core.errors import CorpusError
+from tally.audit.core.hashing import TOKEN_DTYPE, bytes_hash, hash_runs
 
 BASIS_KEY = "content_basis"  # the metadata key, under the `tally.` prefix, in manifest and spool
 TOKEN_IDS, TOKENS, BYTES = "token_ids", "tokens", "bytes"

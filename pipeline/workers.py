@@ -1,14 +1,14 @@
 """The worker processes a Beam job of Tally's starts on this machine, as quiet as the command.
 
-The command's own process drops other libraries' log lines below ERROR (audit.cli); its
+The command's own process drops other libraries' log lines below ERROR (tally.audit.cli); its
 workers are other processes and printed theirs: every Beam import logs "apitools not found,
 and bigquery client libraries are not available" at WARNING (Tally reads no BigQuery), and an
 SDK worker of `--mode multi_processing` about 20 INFO lines on its channels. What a worker
 logs still reaches the runner through Beam's logging service, and its errors still print.
 
-- `python -m pipeline.workers`: Beam's SDK worker (pipeline.runners, FnApiRunner
+- `python -m tally.pipeline.workers`: Beam's SDK worker (tally.pipeline.runners, FnApiRunner
   multi_processing), quiet first.
-- a local Dask cluster's workers preload this module (pipeline.runners._dask_cluster).
+- a local Dask cluster's workers preload this module (tally.pipeline.runners._dask_cluster).
 
 Light on purpose: imported before apache_beam, whose import is what logs.
 """

@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import uvicorn
 
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
 
 
 def free_port() -> int:

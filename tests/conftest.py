@@ -35,7 +35,7 @@ def uniform_manifest(path: Path, n: int) -> Path:
     domain), for tests that need a manifest but not a corpus."""
     import pyarrow as pa
 
-    from pipeline.manifest_file import write_manifest_table
+    from tally.pipeline.manifest_file import write_manifest_table
 
     keys = np.arange(n)
     t = pa.table({"record_key": keys, "content_hash": keys.astype(np.uint64),
@@ -67,7 +67,7 @@ def spool(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def in_process(monkeypatch) -> None:
-    """`audit.cli.main` runs the command in this process (not in a supervised child), so
+    """`tally.audit.cli.main` runs the command in this process (not in a supervised child), so
     that capsys sees its output."""
     monkeypatch.setenv("TALLY_SUPERVISED", "1")
 

@@ -7,9 +7,9 @@ from collections import Counter
 
 import numpy as np
 
-from audit.hook.segments import segments_from_batch
-from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader, LoaderConfig
+from tally.audit.hook.segments import segments_from_batch
+from tally.pipeline.corpus import TokenSource
+from tally.pipeline.loader import KeyedLoader, LoaderConfig
 
 
 def main(corpus: str) -> None:

@@ -1,6 +1,7 @@
 """The post-hoc audits' numbers, computed by DuckDB SQL straight from ledgers and the manifest.
 
-The test oracle for `tally diff` and `tally exposure`, written independently of `audit.posthoc`
+The test oracle for `tally diff` and `tally exposure`, written independently of
+`tally.audit.posthoc`
 from the definitions in docs/DESIGN.md ("Post-hoc audits"): an exposure is an effective record
 start; a step's records are the multiset of its exposures; a step is identical when both runs
 have the same multiset there and the same number of segments and tokens; per record over the

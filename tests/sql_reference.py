@@ -1,6 +1,6 @@
 """The reconcile numbers, computed by DuckDB SQL straight from a ledger and the manifest.
 
-This is the test oracle for the Beam job: written independently of `audit.reconcile`, from the
+This is the test oracle for the Beam job: written independently of `tally.audit.reconcile`, from the
 definitions in docs/DESIGN.md ("Exposure semantics"), one query per number.
 """
 

@@ -1,4 +1,4 @@
-"""audit.core.allocator: the allocator keeps a batch's temporaries instead of faulting them in
+"""tally.audit.core.allocator: the allocator keeps a batch's temporaries instead of faulting them in
 afresh each time, in this process and in the processes it starts."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 PROBE = """
 import resource, sys
 if sys.argv[1] == "tuned":
-    from audit.core import allocator
+    from tally.audit.core import allocator
     allocator.tune()
 import numpy as np
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -38,7 +38,7 @@ def test_tuned_processes_reuse_freed_temporaries_and_pass_it_on():
     assert faults("tuned") < 2 * 6 * 2048
     # Its children inherit the settings through the environment (Beam and Dask workers).
     child = subprocess.run(
-        [sys.executable, "-c", "from audit.core import allocator; allocator.tune(); "
+        [sys.executable, "-c", "from tally.audit.core import allocator; allocator.tune(); "
          "import os, subprocess, sys; print(subprocess.run([sys.executable, '-c', "
          f"{PROBE!r}, 'plain'], capture_output=True, text=True).stdout)"],
         env=env, check=True, capture_output=True, text=True).stdout

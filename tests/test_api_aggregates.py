@@ -9,12 +9,12 @@ import re
 import numpy as np
 import pytest
 
-from api.app import create_app
-from audit.core.arrays import PAIRS_UP_TO
-from audit.ledger.aggregates import Aggregates
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.state import (
+from tally.api.app import create_app
+from tally.audit.core.arrays import PAIRS_UP_TO
+from tally.audit.ledger.aggregates import Aggregates
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.state import (
     COMPACT,
     NO_STEP,
     PENDING,

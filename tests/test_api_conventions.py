@@ -19,12 +19,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api import models
-from api.alerts import Thresholds
-from api.app import create_app
-from api.errors import Problem
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.api import models
+from tally.api.alerts import Thresholds
+from tally.api.app import create_app
+from tally.api.errors import Problem
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 from tests.api_helpers import Server, content_hash_of, free_port, poll, write_steps
 from tests.test_api_live import N, _chromium, write_manifest
 
@@ -32,7 +32,7 @@ from tests.test_api_live import N, _chromium, write_manifest
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Five runs (one with many consumptions of few records), a manifest, pre-flight verdicts."""
-    from audit.preflight import PreflightVerdict, record_verdict
+    from tally.audit.preflight import PreflightVerdict, record_verdict
 
     tmp = tmp_path_factory.mktemp("conv")
     spool = tmp / "spool"

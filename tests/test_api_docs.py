@@ -19,10 +19,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from api.errors import MEDIA_TYPE, Problem
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.api.app import create_app
+from tally.api.errors import MEDIA_TYPE, Problem
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 from tests.api_helpers import Server, free_port, poll, write_steps
 from tests.browser import Browser, chromium
 from tests.conftest import ROOT
@@ -39,7 +39,7 @@ HOST_RANGE = {0: N, 1: 8, 2: N, 3: 4}
 def served(tmp_path_factory):
     """Five runs (one of four hosts with unequal repeats), a pre-flight verdict, served with a
     token, ingesting the spool, with a webhook (so that its series exist)."""
-    from audit.preflight import PreflightVerdict, record_verdict
+    from tally.audit.preflight import PreflightVerdict, record_verdict
 
     tmp = tmp_path_factory.mktemp("docs")
     spool = tmp / "spool"
@@ -255,7 +255,7 @@ def test_metrics_hosts_bounds_the_per_host_series(served, tmp_path):
     for n, want in (("2", top2), ("0", [])):
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "audit.cli", "serve", "--ledger", str(ledger_path),
+            [sys.executable, "-m", "tally.audit.cli", "serve", "--ledger", str(ledger_path),
              "--spool", str(spool), "--port", str(port), "--records", str(N), "-q",
              "--metrics-hosts", n], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -276,7 +276,7 @@ def test_metrics_hosts_bounds_the_per_host_series(served, tmp_path):
         finally:
             proc.terminate()
             proc.communicate(timeout=30)
-    bad = subprocess.run([sys.executable, "-m", "audit.cli", "serve", "--ledger",
+    bad = subprocess.run([sys.executable, "-m", "tally.audit.cli", "serve", "--ledger",
                           str(ledger_path), "--metrics-hosts", "-1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -19,12 +19,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from api.alerts import Thresholds
-from api.app import create_app
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from pipeline.manifest import MANIFEST_SCHEMA
-from pipeline.manifest_file import write_manifest_table
+from tally.api.alerts import Thresholds
+from tally.api.app import create_app
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.pipeline.manifest import MANIFEST_SCHEMA
+from tally.pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, free_port, poll, write_steps
 from tests.conftest import ROOT
 
@@ -172,7 +172,7 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
     write_steps(spool, "t", host=0, hosts=1, steps=range(5), n=N, seed=0)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TALLY_API_TOKEN": "s3cret"}
-    proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "serve", "--ledger",
+    proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "serve", "--ledger",
                              str(tmp_path / "l.duckdb"), "--spool", str(spool), "--port",
                              str(port), "--records", str(N)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -352,8 +352,8 @@ def test_an_answer_is_computed_once_for_concurrent_requests_and_refreshed_behind
     (`revalidate`), a request after a new version gets the previous answer at once while the
     refresh thread computes the new one, never one older than STALE_S; without ingest, each
     answer is of the request's own snapshot."""
-    from audit.ledger import queries as q
-    from audit.ledger.live import LiveLedger
+    from tally.audit.ledger import queries as q
+    from tally.audit.ledger.live import LiveLedger
 
     spool = tmp_path / "spool"
     write_steps(spool, "r", host=0, hosts=1, steps=range(4), n=N, seed=1, flush_every=4)

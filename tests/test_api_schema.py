@@ -11,9 +11,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import positive_data_acceptance
 
-from api.app import create_app
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.api.app import create_app
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 from tests.api_helpers import Server, write_steps
 from tests.test_api_live import N, write_manifest
 

@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.hook import spool as sp
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.audit.hook import spool as sp
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 from tests.conftest import ROOT, limited, unpacked_batch
 
 N = 1000  # records_per_epoch of the healthy run
@@ -196,7 +196,7 @@ def test_more_than_forty_kinds_of_bad_entry_are_quarantined_each_with_its_reason
     assert len(want) >= 40
     ledger_path = tmp_path / "ledger.duckdb"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "audit.cli", "ingest", str(spool), "--ledger",
+    out = subprocess.run([sys.executable, "-m", "tally.audit.cli", "ingest", str(spool), "--ledger",
                           str(ledger_path), "-q"], capture_output=True, text=True, timeout=120,
                          env=env)
     assert out.returncode == 0, out.stderr
@@ -280,7 +280,7 @@ def test_a_file_of_host_65535_goes_in_and_stops_no_other_run(tmp_path):
     _put(spool, "pair", _segs(host=65535, record_key=[2, 3, 4, 5]), host=65535,
          meta={"host_count": "65536"})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([*_capped(4), "-m", "audit.cli", "ingest", str(spool), "--ledger",
+    out = subprocess.run([*_capped(4), "-m", "tally.audit.cli", "ingest", str(spool), "--ledger",
                           str(path), "-q"], capture_output=True, text=True, timeout=120,
                          env=env)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -304,7 +304,7 @@ def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp
     """Per-host answers list the hosts that sent rows, whatever their numbers, and the overlap
     matrix follows them (row i is per_host[i]'s host): the live API (/hosts, one host's steps,
     /metrics), and reconcile from the spool and from the ledger, within 4 GiB each."""
-    from api.app import create_app
+    from tally.api.app import create_app
     from tests.api_helpers import Server
     from tests.conftest import uniform_manifest
 
@@ -319,7 +319,7 @@ def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def tally(*args: str) -> subprocess.CompletedProcess:
-        out = subprocess.run([*_capped(4), "-m", "audit.cli", *args], capture_output=True,
+        out = subprocess.run([*_capped(4), "-m", "tally.audit.cli", *args], capture_output=True,
                              text=True, timeout=300, env=env)
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
         return out
@@ -379,7 +379,7 @@ def test_hosts_that_consumed_nothing_are_one_finding_per_attempt(tmp_path, decla
                 w.write_batch(s, unpacked_batch(s, host=h, hosts=2, n_records=N))
             w.finish()
     manifest = uniform_manifest(tmp_path / "m.parquet", N)
-    out = subprocess.run([*_capped(4), "-m", "audit.cli", "reconcile", "--spool", str(spool),
+    out = subprocess.run([*_capped(4), "-m", "tally.audit.cli", "reconcile", "--spool", str(spool),
                           "--manifest", str(manifest), "--run", "r", "-o",
                           str(tmp_path / "rep"), "-q"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from audit.hook.writer import LedgerWriter
+from tally.audit.hook.writer import LedgerWriter
 from tests.conftest import ROOT, unpacked_batch
 
 
 def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=900)
 
 

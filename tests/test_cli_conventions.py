@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from audit.cli import build_parser
-from audit.hook.writer import LedgerWriter
+from tally.audit.cli import build_parser
+from tally.audit.hook.writer import LedgerWriter
 from tests.conftest import ROOT, unpacked_batch
 
 QUIET_AND_JSON = {"ingest", "manifest", "reconcile", "diff", "exposure", "compare", "preflight"}
 
 
 def tally(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=cwd, timeout=300, env={"PYTHONPATH": str(ROOT),
                                                                  "PATH": "/usr/bin:/bin"})
 
@@ -84,8 +84,7 @@ def test_progress_on_stderr_and_quiet_json_with_beam_workers_silenced(small):
 
 
 def test_load_report_gives_typed_objects_and_arrow_tables(small):
-    import audit
-
+    from tally import audit
     if not (small / "rep" / "report.json").exists():
         assert tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r",
                      "-o", "rep", "-q", cwd=small).returncode == 0
@@ -115,10 +114,17 @@ def test_the_lean_base_install_writes_and_ingests_and_names_missing_extras(tmp_p
                             "'apache_beam', 'jax', 'flax', 'grain', 'fastapi', 'dask', 'torch')"
                             " if u.find_spec(m)])"], capture_output=True, text=True)
     assert heavy.stdout.strip() == "[]", heavy.stdout + heavy.stderr
-    # A PyTorch-style host: the writer, then ingest and the ledger.
+    # A PyTorch-style host in a user's repository with packages of its own named like the
+    # repository's folders: both import, Tally's through its namespace.
+    for own in ("audit", "pipeline", "api", "trainer"):
+        (tmp_path / own).mkdir()
+        (tmp_path / own / "__init__.py").write_text(f"OWNER = 'user {own}'\n")
+    # The writer, then ingest and the ledger.
     host = subprocess.run([py, "-c", """
 import numpy as np
-from audit import LedgerWriter
+import audit, pipeline
+from tally.audit import LedgerWriter
+assert (audit.OWNER, pipeline.OWNER) == ("user audit", "user pipeline")
 with LedgerWriter("spool", "torch-run", host=0, host_count=1, records_per_epoch=100) as w:
     for s in range(3):
         w.write_batch(s, {"tokens": np.ones((4, 8), np.int32), "key": np.arange(4) + 4 * s,
@@ -142,3 +148,26 @@ with LedgerWriter("spool", "torch-run", host=0, host_count=1, records_per_epoch=
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (args, r.stderr)
         assert r.stderr.startswith(f"tally: error: 'tally {args[0]}' needs the {extra} extra")
         assert f"pip install 'tally-audit[{extra}]'" in r.stderr
+
+
+def test_the_installed_namespace_lists_every_package_and_nothing_imports_around_it():
+    """Installed, the four folders are tally.audit, tally.pipeline, tally.trainer, tally.api
+    (pyproject's package-dir): a package left off the list would be missing from a wheel, and a
+    bare `import audit` would work here (the repository root) and fail in a user's install."""
+    import re
+    import tomllib
+
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tops = {v: k for k, v in conf["package-dir"].items()}
+    found = {tops[p.parent.parts[len(ROOT.parts)]] + "".join(
+        "." + part for part in p.parent.parts[len(ROOT.parts) + 1:])
+        for top in tops for p in (ROOT / top).rglob("__init__.py")}
+    assert sorted(conf["packages"]) == sorted(found)
+    bare = re.compile(r"^\s*(from|import) (audit|pipeline|trainer|api)\b|-m (audit|pipeline|trainer"
+                      r"|api)\.", re.M)
+    offenders = [str(p.relative_to(ROOT)) for d in (*tops, "tests", "bench")
+                 for p in (ROOT / d).rglob("*.py")
+                 if p.name != "test_cli_conventions.py" and bare.search(p.read_text())]
+    offenders += [md for md in ("README.md", "docs/DESIGN.md", "docker-compose.yml")
+                  if bare.search((ROOT / md).read_text())]
+    assert offenders == []

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.hook.writer import LedgerWriter
-from pipeline.manifest_file import write_manifest_table
-from pipeline.text import TextHasher
+from tally.audit.hook.writer import LedgerWriter
+from tally.pipeline.manifest_file import write_manifest_table
+from tally.pipeline.text import TextHasher
 from tests.text_corpus import documents, loop_hashes, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,14 +26,14 @@ DOCS, HELDOUT, BATCH, STEPS = 48, 8, 4, 10  # 40 train records, one epoch
 
 
 def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
 
 
 def text_manifest(path: Path, docs: list[dict], hasher: TextHasher, tokenizer: Path | None
                   ) -> Path:
     """The manifest of `docs` (the first DOCS - HELDOUT train) under the hasher's basis, with
-    hashes from the independent reference (tests.text_corpus), not from pipeline.text."""
+    hashes from the independent reference (tests.text_corpus), not from tally.pipeline.text."""
     b = hasher.basis
     settings = {} if tokenizer is None else {
         "bos_id": b.bos_id, "eos_id": b.eos_id, "special_tokens": b.special_tokens,
@@ -89,7 +89,7 @@ def corpus(tmp_path_factory):
 
 
 def test_writer_records_the_basis_in_every_file(corpus):
-    from audit.hook import spool as sp
+    from tally.audit.hook import spool as sp
 
     tmp, tok, _, _, spool = corpus
     files = sorted((spool / "eos").rglob("*.parquet"))
@@ -170,7 +170,7 @@ def test_a_ledger_without_the_column_still_opens(corpus, tmp_path):
     writable opening adds the column."""
     import duckdb
 
-    from audit.ledger.database import Ledger
+    from tally.audit.ledger.database import Ledger
 
     _, _, _, manifest, spool = corpus
     led = tmp_path / "old.duckdb"
@@ -215,7 +215,7 @@ def test_grain_attach_passes_the_basis_to_its_writer(corpus, tmp_path):
     hashes from a manifest, the manifest's basis by default."""
     import glob
 
-    from pipeline.grain_attach import audited
+    from tally.pipeline.grain_attach import audited
     from tests.test_grain_attach import SAMPLERS, loader
 
     _, tok, _, manifest, _ = corpus
@@ -234,7 +234,7 @@ def test_grain_attach_passes_the_basis_to_its_writer(corpus, tmp_path):
 
 
 def test_the_ledger_quarantines_a_file_of_another_basis(corpus, tmp_path):
-    from audit.ledger.database import Ledger
+    from tally.audit.ledger.database import Ledger
 
     _, tok, docs, _, _ = corpus
     spool = tmp_path / "spool"

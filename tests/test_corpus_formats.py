@@ -1,4 +1,5 @@
-"""Corpus formats read by pipeline.formats: Hugging Face `save_to_disk` directories, ArrayRecord
+"""Corpus formats read by tally.pipeline.formats: Hugging Face `save_to_disk` directories,
+ArrayRecord
 of tf.train.Example, MosaicML Streaming MDS. Every file here is written by the format's own
 library (`datasets`, `array_record` with Examples serialized by the `tfrecord` package's
 example_pb2, `streaming`'s MDSWriter), never by Tally's readers' code."""
@@ -18,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.core.errors import CorpusError
-from pipeline.formats import Fields, hf_arrow, mds, tf_example
+from tally.audit.core.errors import CorpusError
+from tally.pipeline.formats import Fields, hf_arrow, mds, tf_example
 from tests.text_corpus import documents, loop_hashes, train_tokenizer
 
 
@@ -200,7 +201,7 @@ def _example(features: dict) -> bytes:
 
 
 def test_tf_example_text_and_tokens(tmp_path):
-    from pipeline.corpus import encode_record
+    from tally.pipeline.corpus import encode_record
 
     docs = documents(45, seed=4)
     a = _write_examples(tmp_path / "text.array_record-00000-of-00002",
@@ -378,7 +379,7 @@ def tokenizer(tmp_path_factory) -> Path:
 
 def manifest(tmp_path: Path, corpus: Path, *flags: str) -> pa.Table:
     out = tmp_path / "manifest.parquet"
-    res = subprocess.run([sys.executable, "-m", "audit.cli", "manifest", str(corpus), "-o",
+    res = subprocess.run([sys.executable, "-m", "tally.audit.cli", "manifest", str(corpus), "-o",
                           str(out), "-q", *flags], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     return pq.read_table(out)
@@ -437,7 +438,7 @@ def test_manifest_names_the_bad_record(tmp_path):
     _write_examples(tmp_path / "c" / "a.array_record",
                     [_example({"text": d["text"]}) for d in docs[:6]] + [b"\x00\x01junk"])
     out = tmp_path / "m.parquet"
-    res = subprocess.run([sys.executable, "-m", "audit.cli", "manifest", str(tmp_path / "c"),
+    res = subprocess.run([sys.executable, "-m", "tally.audit.cli", "manifest", str(tmp_path / "c"),
                           "-o", str(out), "-q"], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and not out.exists()
     assert res.stderr.strip().splitlines() == [

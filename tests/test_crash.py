@@ -11,21 +11,21 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
-from audit.core.errors import NotFound
-from audit.hook import spool as sp
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger import queries as q
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.lookup import LookupIndex
+from tally.audit.core.errors import NotFound
+from tally.audit.hook import spool as sp
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger import queries as q
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.lookup import LookupIndex
 from tests.conftest import ROOT, popen_py
 
 ROWS = 256
 
 WRITER = f"""
 import sys
-from audit.hook.writer import LedgerWriter
+from tally.audit.hook.writer import LedgerWriter
 from tests.conftest import unpacked_batch
 w = LedgerWriter(sys.argv[1], "crash", flush_every=int(sys.argv[2]))
 last = None
@@ -71,15 +71,15 @@ def test_sigkill_mid_write_loses_nothing_durable_and_shows_no_partial_file(tmp_p
 
 INGEST = """
 import sys
-import audit.ledger.ingest
-import audit.ledger.lookup
-audit.ledger.lookup.MEMORY_ROWS = 0  # each batch's run to disk at once: kills land among them
-write = audit.ledger.ingest._write_batch
+import tally.audit.ledger.ingest
+import tally.audit.ledger.lookup
+tally.audit.ledger.lookup.MEMORY_ROWS = 0  # each batch's run to disk at once: kills land among them
+write = tally.audit.ledger.ingest._write_batch
 def announced(*args):
     write(*args)
     print("batch", flush=True)
-audit.ledger.ingest._write_batch = announced
-from audit.cli import main
+tally.audit.ledger.ingest._write_batch = announced
+from tally.audit.cli import main
 sys.exit(main(["ingest", sys.argv[1], "--ledger", sys.argv[2], "-q", "--batch-rows", "60000"]))
 """
 
@@ -120,7 +120,7 @@ def test_sigkill_mid_ingest_never_counts_twice_nor_half(tmp_path):
             assert rows == in_files == agg and applied == files
             partial.append(files)
             # The record lookup index the killed process was writing: what it kept answers as
-            # a scan does (audit.ledger.lookup).
+            # a scan does (tally.audit.ledger.lookup).
             cur = ledger.cursor()
             index = LookupIndex.open(ledger.path, cur)
             covered.append(index.coverage.upto)
@@ -190,7 +190,7 @@ def test_kill_9_soak_of_ingest_and_serve_loses_nothing_and_counts_nothing_twice(
                ["serve", "--spool", str(spool), "--ledger", str(path), "--records", "5000",
                 "--interval", "0.01", "--port", "0"])
         before = _files_in(path)
-        child = subprocess.Popen([sys.executable, "-m", "audit.cli", *cmd], env=env,
+        child = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", *cmd], env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rnd.uniform(1.0, 3.0))  # from before its imports are done to well after
         still_running = child.poll() is None

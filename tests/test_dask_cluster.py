@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client
 
-from audit.reconcile import reconcile
-from pipeline.manifest import build_manifest, manifest_info
-from pipeline.synth import synth_corpus
+from tally.audit.reconcile import reconcile
+from tally.pipeline.manifest import build_manifest, manifest_info
+from tally.pipeline.synth import synth_corpus
 from tests.conftest import ROOT
 from tests.dask_cluster import DaskProcesses
 from tests.test_reconcile import random_run, write_manifest
@@ -108,10 +108,10 @@ def test_reconcile_on_the_cluster_equals_fnapi(data, cluster, tmp_path):
 def test_diff_on_the_cluster_equals_fnapi(data, cluster, tmp_path):
     """The post-hoc diff job (a run against itself from the spool and from the ledger) on the
     same cluster: exactly FnApiRunner's diff.json and tables."""
-    from audit.ledger.database import Ledger
-    from audit.ledger.ingest import ingest
-    from audit.posthoc.diff import diff
-    from audit.posthoc.sources import run_source
+    from tally.audit.ledger.database import Ledger
+    from tally.audit.ledger.ingest import ingest
+    from tally.audit.posthoc.diff import diff
+    from tally.audit.posthoc.sources import run_source
 
     root = data["root"]
     with Ledger(tmp_path / "l.duckdb") as ledger:
@@ -198,7 +198,7 @@ def test_a_worker_killed_mid_job_recovers_or_fails_cleanly(data, tmp_path, allow
 
 
 def test_an_unreachable_scheduler_is_one_clear_error(data, tmp_path):
-    from trainer.launch import free_port
+    from tally.trainer.launch import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     done = subprocess.run(tally(*reconcile_args(data["root"], RUNS[0], tmp_path, address)),

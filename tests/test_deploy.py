@@ -9,9 +9,9 @@ import tomllib
 import pytest
 import yaml
 
-from audit.cli import parse
+from tally.audit.cli import parse
+from tally.trainer import host
 from tests.conftest import ROOT
-from trainer import host
 
 
 def _expand(arg: str) -> str:
@@ -49,11 +49,11 @@ def test_every_command_parses_with_the_real_cli(compose):
         words = shlex.split(part)
         assert words[0] == "tally"
         paths[words[1]] = parse(words[1:])
-    assert services["trainer"]["entrypoint"] == ["python", "-m", "trainer.host"]
+    assert services["trainer"]["entrypoint"] == ["python", "-m", "tally.trainer.host"]
     targs = host.build_parser().parse_args([_expand(a) for a in services["trainer"]["command"]])
     assert targs.rendezvous == "trainer" and targs.hosts == \
         services["trainer"]["deploy"]["replicas"]
-    from trainer.config import TrainConfig
+    from tally.trainer.config import TrainConfig
 
     cfg = TrainConfig.load(None, targs.overrides)
     assert cfg.spool == paths["api"].spool and cfg.corpus == "/data/corpus"
@@ -108,7 +108,7 @@ def test_dockerfile_copies_what_exists_and_runs_the_console_script():
     for pattern in packages["tool"]["setuptools"]["packages"]["find"]["include"]:
         assert pattern.rstrip("*") in sources
     assert 'ENTRYPOINT ["tally"]' in lines
-    assert packages["project"]["scripts"]["tally"] == "audit.cli:main"
+    assert packages["project"]["scripts"]["tally"] == "tally.audit.cli:main"
 
 
 def test_the_sdk_harness_image_is_beams_at_the_installed_version_with_tally():

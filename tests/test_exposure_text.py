@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.text import TextHasher
+from tally.pipeline.text import TextHasher
 from tests.test_content_basis import DOCS, HELDOUT, run_loop, text_manifest
 from tests.text_corpus import documents, train_tokenizer, write_jsonl
 
@@ -27,7 +27,7 @@ ASKED = (0, 5, 20, DOCS - 2)
 
 
 def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
 
 
@@ -85,7 +85,7 @@ def test_exposure_of_jsonl_text_through_the_manifests_tokenizer(setup, tmp_path)
 
 
 def test_exposure_of_parquet_text_with_other_field_names(setup, tmp_path):
-    from audit.posthoc.exposure import exposure
+    from tally.audit.posthoc.exposure import exposure
 
     tmp, tok, docs, manifest, asked = setup
     pq.write_table(pa.table({"name": [d["id"] for d in asked],
@@ -98,8 +98,8 @@ def test_exposure_of_parquet_text_with_other_field_names(setup, tmp_path):
 
 
 def test_exposure_by_bytes_needs_no_tokenizer(setup, tmp_path):
-    from audit.core.errors import TallyError
-    from audit.posthoc.exposure import exposure
+    from tally.audit.core.errors import TallyError
+    from tally.audit.posthoc.exposure import exposure
 
     tmp, _, docs, _, asked = setup
     manifest = text_manifest(tmp_path / "bytes.parquet", docs, TextHasher(None), None)
@@ -148,8 +148,8 @@ def test_manifest_job_loop_reconcile_and_exposure_end_to_end(tmp_path):
     """The manifest job over a zstd JSON lines corpus with the run's tokenizer and EOS; a loop
     that tokenizes on the fly with the same: reconcile checks every consumed hash (none differs,
     no manifest_mismatch), and exposure by text names the corpus' documents."""
-    from pipeline.manifest import build_manifest
-    from pipeline.runners import RunnerSpec
+    from tally.pipeline.manifest import build_manifest
+    from tally.pipeline.runners import RunnerSpec
 
     tok = train_tokenizer(tmp_path / "tok")
     docs = documents(DOCS, seed=7)

@@ -10,13 +10,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.reconcile import reconcile
-from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader, LoaderConfig
-from pipeline.manifest import build_manifest, manifest_info
-from pipeline.synth import synth_corpus
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.reconcile import reconcile
+from tally.pipeline.corpus import TokenSource
+from tally.pipeline.loader import KeyedLoader, LoaderConfig
+from tally.pipeline.manifest import build_manifest, manifest_info
+from tally.pipeline.synth import synth_corpus
 
 HOSTS = 64
 

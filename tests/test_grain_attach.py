@@ -1,4 +1,5 @@
-"""A user's grain.DataLoader audited live by `pipeline.grain_attach.audited`: the keys come from
+"""A user's grain.DataLoader audited live by `tally.pipeline.grain_attach.audited`: the keys come
+from
 the loader's index contract (never from the batch), the loop gets the same batches, a restored
 loader continues its keys, and loaders that are not 1:1 are refused. Real Grain throughout; the
 record ids the tests compare against travel in a batch field that the attach never reads."""
@@ -14,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from absl import flags
 
-from audit import LedgerWriter, content_hash
-from pipeline.grain_attach import AttachError, audited, contract_of
+from tally.audit import LedgerWriter, content_hash
+from tally.pipeline.grain_attach import AttachError, audited, contract_of
 
 N = 103
 

@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 from absl import flags
 
-from audit import LedgerWriter
-from pipeline.grain_attach import audited
-from pipeline.olmo import write_mix
+from tally.audit import LedgerWriter
+from tally.pipeline.grain_attach import audited
+from tally.pipeline.olmo import write_mix
 from tests import olmo_stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ N = 4096  # instances in the mix: 2,048 of each file
 
 
 def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=900, env={**os.environ, **(env or {})})
 
 
@@ -171,7 +171,7 @@ def test_replay_bad_input_is_one_line(mix, tmp_path, monkeypatch, capsys):
     def tally(*args: str, env: dict) -> subprocess.CompletedProcess:
         # The CLI's own main, in this process (as its supervised child runs it): every case is
         # refused before any work, and six child processes importing Grain and JAX cost 40 s.
-        from audit.cli import main
+        from tally.audit.cli import main
 
         monkeypatch.chdir(ROOT)
         for k, v in {**env, "TALLY_SUPERVISED": "1"}.items():

@@ -15,10 +15,10 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from api.app import create_app
-from audit.hook import spool as sp
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
+from tally.api.app import create_app
+from tally.audit.hook import spool as sp
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
 from tests.api_helpers import Server, poll, write_steps
 from tests.conftest import ROOT, uniform_manifest, unpacked_batch
 
@@ -27,7 +27,7 @@ N = 150
 
 def _tally(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, **kw)
 
 
@@ -83,7 +83,7 @@ def test_a_nan_loss_is_served_as_null_and_never_breaks_an_answer(tmp_path):
         assert s["non_finite_losses"] == {"count": 3, "first_step": 1}
         assert [a["firing"] for a in s["alerts"] if a["name"] == "non_finite_loss"] == [True]
     uniform_manifest(tmp_path / "m.parquet", N)
-    from audit.reconcile import reconcile
+    from tally.audit.reconcile import reconcile
 
     for source in ({"spool": spool}, {"ledger": tmp_path / "l.duckdb"}):
         r = reconcile(run_id="nan", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
@@ -143,7 +143,7 @@ def test_ctrl_c_during_reconcile_prints_one_line_and_leaves_no_output(tmp_path):
         write_steps(spool, "r", host=h, hosts=2, steps=range(40), n=N, seed=h, flush_every=2)
     uniform_manifest(tmp_path / "m.parquet", N)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "reconcile", "--spool",
+    proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool",
                              str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run", "r",
                              "-o", str(out_dir), "--mode", "multi_processing"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -194,12 +194,12 @@ def test_a_fifo_named_like_a_segment_is_left_out_of_reconcile_with_its_reason(tm
 
 
 def test_ctrl_c_during_train_stops_every_host_with_one_line(tmp_path):
-    from pipeline.synth import synth_corpus
+    from tally.pipeline.synth import synth_corpus
 
     synth_corpus(tmp_path / "c", records=300, seed=1, length_scale=0.1, max_len=64)
     spool = tmp_path / "spool"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "train", "--hosts", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "train", "--hosts", "2",
                              f"corpus={tmp_path / 'c'}", f"spool={spool}", "steps=100000",
                              "flush_every=1", "d_model=16", "n_layers=1", "seq_len=32"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -216,7 +216,7 @@ def test_ctrl_c_during_train_stops_every_host_with_one_line(tmp_path):
     assert proc.returncode == 130
     assert err.endswith("tally: interrupted\n") and "Traceback" not in err, err[-3000:]
     time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", f"trainer.host.*{spool}"], capture_output=True,
+    left = subprocess.run(["pgrep", "-f", f"tally.trainer.host.*{spool}"], capture_output=True,
                           text=True)
     assert left.stdout == ""
 
@@ -231,7 +231,7 @@ def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
     uniform_manifest(tmp_path / "m.parquet", N)
     assert _tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
                   "-q").returncode == 0
-    from audit.reconcile import reconcile
+    from tally.audit.reconcile import reconcile
 
     r = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
                   ledger=tmp_path / "l.duckdb")
@@ -244,7 +244,7 @@ def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
 def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_path):
     """The service re-runs the reconcile job over its spool: the run summary names the same
     causes with the same numbers as `tally reconcile`, and the findings alert fires."""
-    from audit.reconcile import reconcile
+    from tally.audit.reconcile import reconcile
     from tests.test_api_live import write_manifest
 
     spool = tmp_path / "spool"

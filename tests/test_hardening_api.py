@@ -18,13 +18,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from api.alerts import Thresholds
-from api.app import MAX_BODY_BYTES, create_app
-from api.errors import Problem
-from audit.core.errors import TallyError
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.queries import MAX_POINTS
+from tally.api.alerts import Thresholds
+from tally.api.app import MAX_BODY_BYTES, create_app
+from tally.api.errors import Problem
+from tally.audit.core.errors import TallyError
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.queries import MAX_POINTS
 from tests.api_helpers import Server, free_port, poll, write_steps
 from tests.conftest import uniform_manifest, unpacked_batch
 from tests.test_hardening import _tally
@@ -339,7 +339,7 @@ class _Proxy(BaseHTTPRequestHandler):
 
 def test_the_webhook_goes_through_the_proxy_the_environment_names(monkeypatch):
     """As urllib did (the sender no longer uses it: it followed redirects)."""
-    from api.alerts import Webhook
+    from tally.api.alerts import Webhook
 
     _Proxy.seen = []
     proxy = _served(_Proxy)
@@ -376,7 +376,7 @@ def test_an_unhandled_error_answers_500_in_the_problem_shape_and_is_logged(tmp_p
 def test_a_run_at_step_2_55_gets_its_report_and_its_plots(tmp_path, cli):
     manifest = uniform_manifest(tmp_path / "m.parquet", 100)
     spool = tmp_path / "spool"
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     for run, at in (("r", 2**55), ("s", 2**55)):
         with LedgerWriter(spool, run, records_per_epoch=100, fsync=False) as w:

@@ -23,10 +23,10 @@ import httpx
 import numpy as np
 import pytest
 
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.lookup import LookupIndex
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.lookup import LookupIndex
 from tests.api_helpers import free_port, poll, write_steps
 from tests.conftest import ROOT, limited
 
@@ -38,12 +38,12 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 def _tally(*args: str | Path, timeout: float = 120, cwd: Path = ROOT,
            python: list[str] | None = None, **kw) -> subprocess.CompletedProcess:
     kw.setdefault("capture_output", "stdout" not in kw)
-    return subprocess.run([*(python or [sys.executable]), "-m", "audit.cli", *map(str, args)],
+    return subprocess.run([*(python or [sys.executable]), "-m", "tally.audit.cli", *map(str, args)],
                           text=True, timeout=timeout, env=ENV, cwd=cwd, **kw)
 
 
 def _popen(*args: str | Path, python: list[str] | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([*(python or [sys.executable]), "-m", "audit.cli",
+    return subprocess.Popen([*(python or [sys.executable]), "-m", "tally.audit.cli",
                              *map(str, args)], env=ENV,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
@@ -140,7 +140,7 @@ def test_ctrl_c_at_twelve_points_of_an_ingest_exits_130_in_one_line_and_loses_no
         term, child_end = pty.openpty()
         # A new pseudo-terminal is 0 columns wide, where tqdm draws an empty bar.
         fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-        proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "ingest", str(spool),
+        proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "ingest", str(spool),
                                  "--ledger", str(path), *BATCH], env=ENV, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=child_end,
                                 start_new_session=True)

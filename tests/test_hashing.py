@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from audit.core.hashing import content_hash, hash_runs
+from tally.audit.core.hashing import content_hash, hash_runs
 
 
 def test_hash_is_xxh3_64_seed0_over_little_endian_int32():

@@ -1,5 +1,5 @@
 """Hugging Face `datasets` through a torch DataLoader, audited in one line
-(pipeline.loaders.hf_datasets): map-style nodes of `split_dataset_by_node` record each row's
+(tally.pipeline.loaders.hf_datasets): map-style nodes of `split_dataset_by_node` record each row's
 index in the dataset that was split (truth read back from the tokens), reconcile over the
 `tally manifest` of the saved dataset is PASS, and `tally replay` writes the same rows; an
 IterableDataset records the key its examples carry, a StatefulDataLoader restore continues it
@@ -27,7 +27,7 @@ from datasets.distributed import split_dataset_by_node  # noqa: E402
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
-from pipeline.loaders import AttachError, hf_datasets  # noqa: E402
+from tally.pipeline.loaders import AttachError, hf_datasets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 8
@@ -68,7 +68,7 @@ def spool_table(spool: Path, run: str = "r") -> pa.Table:
 
 
 def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})})
 
 

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.core.errors import TallyError
-from audit.hook import spool as sp
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.audit.core.errors import TallyError
+from tally.audit.hook import spool as sp
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 from tests.conftest import popen_py, unpacked_batch
 
 
@@ -173,7 +173,7 @@ def test_a_ledger_held_by_another_process_is_a_clear_error(tmp_path):
     path = tmp_path / "l.duckdb"
     Ledger(path).close()
     holder = popen_py(
-        "import sys, time; from audit.ledger.database import Ledger\n"
+        "import sys, time; from tally.audit.ledger.database import Ledger\n"
         "l = Ledger(sys.argv[1]); print('open', flush=True); time.sleep(60)", str(path))
     try:
         assert holder.stdout.readline().strip() == "open"
@@ -231,7 +231,7 @@ class _StopAfter(threading.Event):
 def test_a_stopped_ingest_ends_after_its_batch_and_the_next_takes_the_rest_once(tmp_path):
     """`tally serve`'s stop: the ingest ends between two batches, each whole, and the next
     ingest takes exactly the files left; the aggregates equal a rebuild from the ledger."""
-    from audit.ledger.aggregates import Aggregates
+    from tally.audit.ledger.aggregates import Aggregates
     from tests.test_api_aggregates import assert_same_state
 
     spool = tmp_path / "spool"
@@ -249,13 +249,13 @@ def test_a_stopped_ingest_ends_after_its_batch_and_the_next_takes_the_rest_once(
 
 @pytest.mark.parametrize("in_order", [True, False])
 def test_a_files_per_step_counts_are_a_group_by_of_its_rows(in_order):
-    """agg_steps' rows of one file (audit.ledger.ingest._per_step, reduced over each step's
+    """agg_steps' rows of one file (tally.audit.ledger.ingest._per_step, reduced over each step's
     run of rows) against pyarrow's group_by, for a writer's file (steps in order) and for a
     file of another writer with its rows in any order."""
     import numpy as np
 
-    from audit.core.exposure import starts
-    from audit.ledger.ingest import _per_step
+    from tally.audit.core.exposure import starts
+    from tally.audit.ledger.ingest import _per_step
 
     rng = np.random.default_rng(3)
     n = 5000
@@ -280,7 +280,7 @@ def test_a_ledgers_duckdb_memory_is_bounded(tmp_path, monkeypatch):
     80% let a long ingest's pages pile up), TALLY_DUCKDB_MEMORY_GB when set."""
     import os
 
-    from audit.ledger.database import memory_limit_mb
+    from tally.audit.ledger.database import memory_limit_mb
 
     def limit() -> str:
         with Ledger(tmp_path / "l.duckdb") as ledger:

@@ -5,13 +5,13 @@ import os
 import shutil
 from pathlib import Path
 
-from audit.ledger.database import Ledger
-from audit.ledger.ingest_loop import IngestLoop
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest_loop import IngestLoop
 from tests.api_helpers import write_steps
 
 
 def test_settled_directories_are_skipped_until_they_change(tmp_path, monkeypatch):
-    monkeypatch.setattr("audit.ledger.ingest_loop.SETTLE_S", 0.0)  # rounds here are ms apart
+    monkeypatch.setattr("tally.audit.ledger.ingest_loop.SETTLE_S", 0.0)  # rounds here are ms apart
     batches, rows = [], []
     stage = tmp_path / "stage" / "r" / "attempt=0" / "host=0"
     for i in range(4):  # four batches of published files, staged outside the spool
@@ -81,7 +81,7 @@ def test_listings_less_than_a_tick_apart_do_not_settle(tmp_path):
 
 
 def test_quarantined_files_and_full_listings_keep_late_files_in_view(tmp_path, monkeypatch):
-    monkeypatch.setattr("audit.ledger.ingest_loop.SETTLE_S", 0.0)
+    monkeypatch.setattr("tally.audit.ledger.ingest_loop.SETTLE_S", 0.0)
     stage = tmp_path / "stage"
     rows = write_steps(stage, "r", host=0, hosts=1, steps=range(5), n=100, seed=0,
                        flush_every=5)
@@ -117,6 +117,6 @@ def test_quarantined_files_and_full_listings_keep_late_files_in_view(tmp_path, m
         os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
         loop.run_once()
         assert ingested() == rows
-        monkeypatch.setattr("audit.ledger.ingest_loop.FULL_LISTING_S", 0.0)
+        monkeypatch.setattr("tally.audit.ledger.ingest_loop.FULL_LISTING_S", 0.0)
         loop.run_once()
         assert ingested() == rows + late

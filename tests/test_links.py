@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from api.app import create_app
-from audit.ledger.database import Ledger
+from tally.api.app import create_app
+from tally.audit.ledger.database import Ledger
 from tests.api_helpers import Server, poll
 from tests.browser import Browser, chromium
 from tests.test_pages import HELDOUT, N, _manifest, _write_run
@@ -35,7 +35,7 @@ needs_chromium = pytest.mark.skipif(chromium() is None, reason="needs chromium")
 
 def _reconcile(root: Path, out: str, *extra: str) -> Path:
     done = subprocess.run(
-        [sys.executable, "-m", "audit.cli", "reconcile", "--spool", str(root / "spool"),
+        [sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool", str(root / "spool"),
          "--manifest", str(root / "manifest.parquet"), "--run", "bad", "-o", str(root / out),
          "-q", *extra], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -119,7 +119,7 @@ def test_report_made_for_a_service_links_to_it(made, browser):
 def test_api_url_must_be_a_service_url(made, tmp_path):
     root, _, _ = made
     done = subprocess.run(
-        [sys.executable, "-m", "audit.cli", "reconcile", "--spool", str(root / "spool"),
+        [sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool", str(root / "spool"),
          "--manifest", str(root / "manifest.parquet"), "--run", "bad", "-o",
          str(tmp_path / "r"), "--api-url", "tally.example:8000"],
         capture_output=True, text=True, timeout=60)

@@ -1,4 +1,5 @@
-"""Lightning's litdata audited live and replayed (pipeline.loaders.litdata_loader), with the real
+"""Lightning's litdata audited live and replayed (tally.pipeline.loaders.litdata_loader), with the
+real
 package.
 
 A dataset written by litdata's own chunk writer (`Cache`, what `litdata.optimize` uses) carries
@@ -36,11 +37,11 @@ pytest.importorskip("litdata")
 from litdata import StreamingDataLoader, StreamingDataset  # noqa: E402
 from litdata.streaming.cache import Cache  # noqa: E402
 
-from audit.core.hashing import content_hash  # noqa: E402
-from pipeline.loaders import AttachError  # noqa: E402
-from pipeline.loaders import litdata_loader as tally_litdata  # noqa: E402
-from pipeline.loaders.replayed import ReplayError  # noqa: E402
-from pipeline.manifest_file import write_manifest_table  # noqa: E402
+from tally.audit.core.hashing import content_hash  # noqa: E402
+from tally.pipeline.loaders import AttachError  # noqa: E402
+from tally.pipeline.loaders import litdata_loader as tally_litdata  # noqa: E402
+from tally.pipeline.loaders.replayed import ReplayError  # noqa: E402
+from tally.pipeline.manifest_file import write_manifest_table  # noqa: E402
 
 N, L, BS, SEED = 192, 16, 4, 3
 
@@ -99,7 +100,7 @@ def spool_table(spool: Path, run: str = "r") -> pa.Table:
 
 
 def reconcile(spool: Path, m: Path, out: Path) -> dict:
-    from audit.cli import main
+    from tally.audit.cli import main
 
     rc = main(["reconcile", "--spool", str(spool), "--manifest", str(m), "--run", "r", "-o",
                str(out), "-q", "--json"])
@@ -283,7 +284,7 @@ def elastic_run(data, tmp_path_factory):
     attempt 2 (3 ranks restored from attempt 1's states, to the epoch's end), audited into one
     spool with the manifest's hashes, the indices each batch held (truth) by (attempt, step,
     rank); states in a/ and b/; ingested."""
-    from audit.cli import main
+    from tally.audit.cli import main
 
     d = tmp_path_factory.mktemp("elastic")
     m = data / "m.parquet"
@@ -326,8 +327,8 @@ def elastic_run(data, tmp_path_factory):
 
 @pytest.fixture
 def cli(monkeypatch, capsys):
-    """`tally ARGS` through audit.cli.main in this process: (exit status, stdout, stderr)."""
-    from audit.cli import main
+    """`tally ARGS` through tally.audit.cli.main in this process: (exit status, stdout, stderr)."""
+    from tally.audit.cli import main
 
     def run(*args: str, **env: str) -> tuple[int, str, str]:
         monkeypatch.chdir(Path(__file__).resolve().parent.parent)
@@ -375,7 +376,7 @@ def test_reconcile_elastic_relaunch_passes_lost_elastic_mode_fails(elastic_run):
     d, m, truth = elastic_run["dir"], elastic_run["manifest"], elastic_run["truth"]
 
     def report(spool: Path) -> dict:
-        from audit.cli import main
+        from tally.audit.cli import main
 
         out = spool.parent / f"rep-{spool.name}"
         assert main(["reconcile", "--spool", str(spool), "--manifest", str(m), "--run", "e",

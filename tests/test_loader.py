@@ -6,11 +6,11 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from audit.core.hashing import content_hash
-from audit.hook.segments import segments_from_batch
-from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader, LoaderConfig, LoaderStateError
-from pipeline.synth import synth_corpus
+from tally.audit.core.hashing import content_hash
+from tally.audit.hook.segments import segments_from_batch
+from tally.pipeline.corpus import TokenSource
+from tally.pipeline.loader import KeyedLoader, LoaderConfig, LoaderStateError
+from tally.pipeline.synth import synth_corpus
 
 SEQ = 64
 

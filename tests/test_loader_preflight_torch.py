@@ -36,8 +36,8 @@ pytest.importorskip("torchdata")
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
-from pipeline.loaders import mosaic  # noqa: E402
-from pipeline.loaders import torch_loader as tally_torch  # noqa: E402
+from tally.pipeline.loaders import mosaic  # noqa: E402
+from tally.pipeline.loaders import torch_loader as tally_torch  # noqa: E402
 from tests.test_streaming_loader import N as N_MDS  # noqa: E402
 from tests.test_streaming_loader import (  # noqa: E402,F401  (fixtures shared, module scope)
     as_rank,
@@ -76,8 +76,8 @@ def make_streaming(host: int, hosts: int) -> object:
 
 @pytest.fixture
 def cli(monkeypatch, capsys):
-    """`tally ARGS` through audit.cli.main in this process: (exit status, stdout, stderr)."""
-    from audit.cli import main
+    """`tally ARGS` through tally.audit.cli.main in this process: (exit status, stdout, stderr)."""
+    from tally.audit.cli import main
 
     def run(*args: str, **env: str) -> tuple[int, str, str]:
         monkeypatch.chdir(ROOT)
@@ -98,7 +98,7 @@ def torch_run(tmp_path_factory):
     """One epoch on 4 ranks (StatefulDistributedSampler + StatefulDataLoader, audited), each
     rank's state saved after step 5 as dataloader_<h>-of-4.json; the records each rank read
     (truth from the batches' tokens) before the checkpoint; ingested."""
-    from audit.cli import main
+    from tally.audit.cli import main
 
     d = tmp_path_factory.mktemp("torch")
     m = manifest(d / "m.parquet", N)
@@ -194,7 +194,7 @@ def test_torch_preflight_and_replay_need_no_grain(torch_run, tmp_path):
     """A real process in which Grain cannot be imported: the torch loader's pre-flight says
     UNSAFE (exit 1) as above, and its replay from the states writes the rest of the epoch."""
     code = ("import sys; sys.modules['grain'] = None\n"
-            "from audit.cli import main\n"
+            "from tally.audit.cli import main\n"
             "a = sys.argv.index('--then')\n"
             "first = main(sys.argv[1:a])\n"
             "print('=====', flush=True)\n"
@@ -222,7 +222,7 @@ def test_torch_preflight_and_replay_need_no_grain(torch_run, tmp_path):
 def streaming_run(mds, one_process_group, tmp_path_factory):  # noqa: F811
     """One epoch of the MDS set on 2 ranks (4 rows each), audited with the manifest's hashes;
     the state after step 10 saved as streaming.json; ingested."""
-    from audit.cli import main
+    from tally.audit.cli import main
 
     d = tmp_path_factory.mktemp("streaming")
     states = d / "states"

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from audit.hook.writer import LedgerWriter
+from tally.audit.hook.writer import LedgerWriter
 from tests.api_helpers import free_port, poll, write_steps
 from tests.conftest import ROOT, popen_py, run_py, uniform_manifest, unpacked_batch
 
@@ -28,14 +28,14 @@ ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
 
 def tally(*args: object, cwd: Path = ROOT, env: dict | None = None,
           timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           env={**ENV, **(env or {})})
 
 
 STAGES = """
 import time
-from pipeline.progress import Progress
+from tally.pipeline.progress import Progress
 with Progress("wait", True) as p:
     p.stage("first")
     time.sleep(1.2)
@@ -120,7 +120,7 @@ def test_serve_logs_alerts_reconciles_quarantine_access_in_json_and_no_lag_alarm
     uniform_manifest(tmp_path / "m.parquet", 1500)  # 600 exposures: the first pass
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "audit.cli", "serve", "--ledger", tmp_path / "l.duckdb",
+        [sys.executable, "-m", "tally.audit.cli", "serve", "--ledger", tmp_path / "l.duckdb",
          "--spool", spool, "--manifest", tmp_path / "m.parquet", "--port", str(port),
          "--log-format", "json", "--access-log", "--max-epoch-duplicates", "-1",
          "--max-coverage-behind", "-1", "--max-ingest-lag", "5", "--findings-every", "1",
@@ -208,13 +208,13 @@ def test_messages_name_what_to_do(spool, tmp_path):
     # Unknown run, from a ledger: the runs it holds.
     ledger = tmp_path / "l.duckdb"
     assert tally("ingest", spool / "spool", "--ledger", ledger, "-q").returncode == 0
-    r = run_py("from audit.ledger.database import Ledger\n"
-               "from audit.ledger import queries as q\n"
+    r = run_py("from tally.audit.ledger.database import Ledger\n"
+               "from tally.audit.ledger import queries as q\n"
                f"with Ledger({str(ledger)!r}, read_only=True) as l:\n"
                "    q.run_of(l.cursor(), 'nope')\n")
     assert "unknown run 'nope': no segment of it has been ingested; runs here: r" in r.stderr
     # A ledger another process holds: what to use instead.
-    holder = popen_py("import sys, time\nfrom audit.ledger.database import Ledger\n"
+    holder = popen_py("import sys, time\nfrom tally.audit.ledger.database import Ledger\n"
                       f"l = Ledger({str(ledger)!r})\nprint('open', flush=True)\ntime.sleep(60)")
     try:
         assert holder.stdout.readline().strip() == "open"
@@ -234,7 +234,7 @@ def test_array_record_corpus_without_the_extra_names_it(tmp_path):
                  "--max-len", "64", cwd=tmp_path).returncode == 0
     uniform_manifest(tmp_path / "m.parquet", 50)
     code = ("import sys\nsys.modules['array_record'] = None\n"
-            "from audit.cli import main\nsys.exit(main(sys.argv[1:]))")
+            "from tally.audit.cli import main\nsys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "exposure", "--manifest", "m.parquet",
                         "--spool", "spool", "--run", "r", "--docs", "corpus", "-o", "out"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120,
@@ -245,13 +245,13 @@ def test_array_record_corpus_without_the_extra_names_it(tmp_path):
 
 
 def test_tallys_handler_writes_to_the_stderr_of_the_moment(capsys):
-    """A command run in-process (audit.cli.main under one capture) sets up Tally's handler;
+    """A command run in-process (tally.audit.cli.main under one capture) sets up Tally's handler;
     the next command's lines in the same process must reach the stderr of its own moment,
     not the stream that was stderr when the handler was made."""
     import io
     import logging
 
-    from audit.core import logs
+    from tally.audit.core import logs
 
     log = logging.getLogger("tally.test_handler")
     log.propagate = False

@@ -1,4 +1,5 @@
-"""The record lookup index (audit.ledger.lookup) against a scan of `consumption`: the same answer
+"""The record lookup index (tally.audit.ledger.lookup) against a scan of `consumption`: the same
+answer
 for every key and content hash, whatever the index holds (nothing, part, damaged runs, runs of
 another ledger), and merged runs that stay few."""
 
@@ -10,12 +11,12 @@ import shutil
 import numpy as np
 import pytest
 
-from audit.core.errors import NotFound
-from audit.ledger import lookup
-from audit.ledger import queries as q
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.lookup import LookupIndex, Run
+from tally.audit.core.errors import NotFound
+from tally.audit.ledger import lookup
+from tally.audit.ledger import queries as q
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.lookup import LookupIndex, Run
 from tests.api_helpers import write_steps
 
 N = 400

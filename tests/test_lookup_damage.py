@@ -11,11 +11,11 @@ import logging
 import numpy as np
 import pytest
 
-from api.app import create_app
-from audit.ledger import lookup
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.lookup import LookupIndex
+from tally.api.app import create_app
+from tally.audit.ledger import lookup
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.lookup import LookupIndex
 from tests.api_helpers import Server, write_steps
 
 N = 400
@@ -55,7 +55,7 @@ def test_a_run_with_zeroed_bytes_is_rebuilt_and_consumed_records_answer(tmp_path
     header = lookup._HEADER.itemsize
     codes = np.fromfile(victim, np.uint64, offset=header)
     # The codes zeroed: one consumed key's, or a 4 KiB block a third of the way in (header and
-    # size unchanged either way). A code's key is its top 40 bits (audit.ledger.lookup.top).
+    # size unchanged either way). A code's key is its top 40 bits (tally.audit.ledger.lookup.top).
     if damage == "one_code":
         key = found[len(found) // 2]["record_key"]
         a = int(np.searchsorted(codes, np.uint64(lookup.top("key", key, _width(victim)))))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from audit.hook.segments import Segments, segments_from_batch
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.reconcile import reconcile
+from tally.audit.hook.segments import Segments, segments_from_batch
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.reconcile import reconcile
 from tests.conftest import uniform_manifest
 
 N = 2000

@@ -6,11 +6,11 @@ import pytest
 import xxhash
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from pipeline.corpus import CorpusError, encode_record, list_shards
-from pipeline.manifest import MANIFEST_SCHEMA, build_manifest, manifest_info
-from pipeline.manifest_file import uniform_row_groups
-from pipeline.runners import RunnerSpec
-from pipeline.synth import synth_corpus
+from tally.pipeline.corpus import CorpusError, encode_record, list_shards
+from tally.pipeline.manifest import MANIFEST_SCHEMA, build_manifest, manifest_info
+from tally.pipeline.manifest_file import uniform_row_groups
+from tally.pipeline.runners import RunnerSpec
+from tally.pipeline.synth import synth_corpus
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_manifest_on_fnapi_runner_equals_the_reference(corpus, tmp_path):
 
 def test_row_groups_are_equal_whatever_the_job_split(corpus, tmp_path, monkeypatch):
     # Reconcile cuts its key buckets on row-group boundaries when the groups are equal.
-    monkeypatch.setattr("pipeline.manifest.ROW_GROUP_RECORDS", 256)
+    monkeypatch.setattr("tally.pipeline.manifest.ROW_GROUP_RECORDS", 256)
     build_manifest(corpus, tmp_path / "m.parquet", chunk_records=300)
     _check(tmp_path / "m.parquet", corpus)
     meta = pq.read_metadata(tmp_path / "m.parquet")

@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import xxhash
 
-from audit.cli import main
-from audit.core.hashing import content_hash
-from pipeline.corpus import CorpusError
-from pipeline.manifest_file import MANIFEST_SCHEMA, manifest_info
-from pipeline.olmo import index_from_files, load_index, write_mix
+from tally.audit.cli import main
+from tally.audit.core.hashing import content_hash
+from tally.pipeline.corpus import CorpusError
+from tally.pipeline.manifest_file import MANIFEST_SCHEMA, manifest_info
+from tally.pipeline.olmo import index_from_files, load_index, write_mix
 from tests.conftest import ROOT
 
 L = 64  # sequence length
@@ -273,7 +273,7 @@ def test_the_real_command_line_says_one_line(tmp_path):
     """Through the supervised child process, as a user runs it."""
     index, _ = _mix(tmp_path / "mix", "uint16")
     (tmp_path / "mix" / "web" / "a.npy").unlink()
-    r = subprocess.run([sys.executable, "-m", "audit.cli", "manifest", str(index), "-o",
+    r = subprocess.run([sys.executable, "-m", "tally.audit.cli", "manifest", str(index), "-o",
                         str(tmp_path / "m.parquet")], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
     assert r.returncode == 2 and r.stdout == ""
@@ -308,12 +308,12 @@ def test_exposure_finds_documents_inside_the_mix(tmp_path, capsys, in_process, m
     tokens fall in (an oracle from where the test put them), duplicates in both files, across
     instance and block boundaries (blocks of 2 instances), a trailing EOS in the question or
     not; one cut by a file's dropped tail and one in no file match nothing."""
-    import pipeline.olmo
-    from audit.hook.writer import LedgerWriter
-    from audit.posthoc.exposure import exposure
-    from pipeline.manifest import build_manifest
+    from tally.audit.hook.writer import LedgerWriter
+    from tally.audit.posthoc.exposure import exposure
+    from tally.pipeline import olmo as olmo_module
+    from tally.pipeline.manifest import build_manifest
 
-    monkeypatch.setattr(pipeline.olmo, "BLOCK_TOKENS", 2 * 16)
+    monkeypatch.setattr(olmo_module, "BLOCK_TOKENS", 2 * 16)
     n16 = 16
     rng = np.random.default_rng(9)
     docs = [rng.integers(1, 50_000, int(rng.integers(3, 41))) for _ in range(40)]

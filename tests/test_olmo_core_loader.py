@@ -1,6 +1,7 @@
-"""OLMo-core audited live and replayed (pipeline.loaders.olmo_core), with the real package.
+"""OLMo-core audited live and replayed (tally.pipeline.loaders.olmo_core), with the real package.
 
-A small OLMo numpy mix (pipeline.olmo.write_mix: two raw uint32 token files with EOS ids inside
+A small OLMo numpy mix (tally.pipeline.olmo.write_mix: two raw uint32 token files with EOS ids
+inside
 and trailing tokens) is read by OLMo-core's own NumpyFSLDataset and NumpyFSLDataLoader. Its
 instance i is the manifest's record key i (`tally manifest index.json`). The real Trainer (a
 tiny model, one process, CPU) runs with TallyCallback, is checkpointed and resumed: every step's
@@ -33,12 +34,12 @@ from olmo_core.train import Duration, TrainerConfig  # noqa: E402
 from olmo_core.train.callbacks import Callback, CheckpointerCallback  # noqa: E402
 from olmo_core.train.train_module import BasicTrainModule  # noqa: E402
 
-from audit.cli import main  # noqa: E402
-from audit.core.hashing import content_hash  # noqa: E402
-from audit.hook.writer import LedgerWriter  # noqa: E402
-from pipeline.loaders import AttachError  # noqa: E402
-from pipeline.loaders import olmo_core as tally_olmo  # noqa: E402
-from pipeline.olmo import load_index, write_mix  # noqa: E402
+from tally.audit.cli import main  # noqa: E402
+from tally.audit.core.hashing import content_hash  # noqa: E402
+from tally.audit.hook.writer import LedgerWriter  # noqa: E402
+from tally.pipeline.loaders import AttachError  # noqa: E402
+from tally.pipeline.loaders import olmo_core as tally_olmo  # noqa: E402
+from tally.pipeline.olmo import load_index, write_mix  # noqa: E402
 
 L, EOS, VOCAB, SEED = 16, 0, 1000, 3
 N = 100 + 60  # instances: 100 in the first file, 60 in the second (trailing tokens dropped)
@@ -47,7 +48,7 @@ GB = 8  # instances a global batch
 
 @contextlib.contextmanager
 def supervised_child():
-    """`audit.cli.main` runs the command in this process (as its supervised child does)."""
+    """`tally.audit.cli.main` runs the command in this process (as its supervised child does)."""
     old = os.environ.get("TALLY_SUPERVISED")
     os.environ["TALLY_SUPERVISED"] = "1"
     try:
@@ -115,7 +116,7 @@ def reconcile(spool: Path, mix: dict, out: Path) -> dict:
 
 def test_instances_are_the_manifests_record_keys(mix):
     """OLMo-core's NumpyFSLDataset over the mix's files (same order, sequence length, EOS) has
-    pipeline.olmo's instances: instance i's tokens are the mix's instance i, whose manifest
+    tally.pipeline.olmo's instances: instance i's tokens are the mix's instance i, whose manifest
     row is record key i with the hash of those tokens."""
     ds, olmo = dataset(mix), load_index(mix["index"])
     m = pq.read_table(mix["manifest"])
@@ -377,10 +378,11 @@ def test_refused_in_one_line(tmp_path, mix, monkeypatch):
     loader.writer.close()
     for name in [k for k in sys.modules if k == "olmo_core" or k.startswith("olmo_core.")]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
-    monkeypatch.delitem(sys.modules, "pipeline.loaders.olmo_core")
-    with pytest.raises(ModuleNotFoundError, match=r"^pipeline.loaders.olmo_core needs the olmo "
-                       r"extra \(olmo_core is not installed\): pip install 'tally-audit\[olmo\]'$"):
-        importlib.import_module("pipeline.loaders.olmo_core")
+    monkeypatch.delitem(sys.modules, "tally.pipeline.loaders.olmo_core")
+    with pytest.raises(ModuleNotFoundError, match=r"^tally.pipeline.loaders.olmo_core needs the "
+                       r"olmo extra \(olmo_core is not installed\): "
+                       r"pip install 'tally-audit\[olmo\]'$"):
+        importlib.import_module("tally.pipeline.loaders.olmo_core")
 
 
 # ---- the factory-based commands: `tally replay` and `tally preflight --loader` ---------------
@@ -400,7 +402,7 @@ def make_factory(host: int, hosts: int) -> NumpyFSLDataLoader:
 
 @pytest.fixture
 def cli(monkeypatch, capsys, mix):
-    """`tally ARGS` through audit.cli.main in this process: (exit status, stdout, stderr)."""
+    """`tally ARGS` through tally.audit.cli.main in this process: (exit status, stdout, stderr)."""
 
     def run(*args: str, **env: str) -> tuple[int, str, str]:
         monkeypatch.chdir(ROOT)

@@ -20,15 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from api.app import create_app
-from api.models import LiveFindings
-from audit import load_report
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.reconcile.html import MAX_HEATMAP_HOSTS, PALETTE, heatmap_chart, nice_ticks
-from pipeline.manifest import MANIFEST_SCHEMA
-from pipeline.manifest_file import write_manifest_table
+from tally.api.app import create_app
+from tally.api.models import LiveFindings
+from tally.audit import load_report
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.reconcile.html import MAX_HEATMAP_HOSTS, PALETTE, heatmap_chart, nice_ticks
+from tally.pipeline.manifest import MANIFEST_SCHEMA
+from tally.pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, poll
 from tests.browser import Browser, chromium
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.reconcile import reconcile
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.reconcile import reconcile
 from tests.conftest import uniform_manifest, unpacked_batch
 from tests.sql_reference import reference
 

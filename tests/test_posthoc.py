@@ -18,23 +18,23 @@ import pyarrow.compute  # noqa: F401 (pa.compute)
 import pyarrow.parquet as pq
 import pytest
 
-from audit.core.hashing import content_hash
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.posthoc.diff import diff
-from audit.posthoc.sources import parse_run_source, run_source
-from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader, LoaderConfig
-from pipeline.manifest import build_manifest
-from pipeline.runners import RunnerSpec
+from tally.audit.core.hashing import content_hash
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.posthoc.diff import diff
+from tally.audit.posthoc.sources import parse_run_source, run_source
+from tally.pipeline.corpus import TokenSource
+from tally.pipeline.loader import KeyedLoader, LoaderConfig
+from tally.pipeline.manifest import build_manifest
+from tally.pipeline.runners import RunnerSpec
 from tests.conftest import ROOT
 from tests.posthoc_reference import exposure_reference, from_diff, reference
 from tests.test_reconcile import random_run, write_manifest
 
 
 def tally(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=cwd, timeout=600,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
@@ -138,7 +138,7 @@ def test_diff_on_dask_agrees_with_sql(random_ledger, tmp_path):
 
 
 def test_source_arguments():
-    from audit.core.errors import TallyError
+    from tally.audit.core.errors import TallyError
 
     assert parse_run_source(f"{ROOT}:exp1").kind == "spool"
     assert parse_run_source(f"{ROOT / 'README.md'}:x.1").kind == "ledger"
@@ -185,7 +185,7 @@ def _loader_run(spool: Path, source, run: str, *, resume_state_at: int | None = 
 
 @pytest.fixture(scope="module")
 def grain_runs(tmp_path_factory):
-    from pipeline.synth import synth_corpus
+    from tally.pipeline.synth import synth_corpus
 
     tmp = tmp_path_factory.mktemp("grain")
     synth_corpus(tmp / "c", records=300, seed=5, length_scale=0.02, min_len=4, max_len=40)
@@ -344,7 +344,7 @@ def _rows(table: pa.Table) -> dict:
 
 
 def test_exposure_of_documents_with_planted_duplicates_agrees_with_sql(planted, tmp_path):
-    from audit.posthoc.exposure import exposure
+    from tally.audit.posthoc.exposure import exposure
 
     tmp, hashes = planted
     want = exposure_reference(str(tmp / "l.duckdb"), str(tmp / "m.parquet"), ["r1", "r2"],
@@ -388,8 +388,8 @@ def want_runs_consuming(want: dict, k: int) -> int:
 
 
 def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
-    from audit.core.errors import TallyError
-    from audit.posthoc.exposure import exposure
+    from tally.audit.core.errors import TallyError
+    from tally.audit.posthoc.exposure import exposure
 
     tmp, hashes = planted
     base = exposure(manifest=tmp / "m.parquet", docs=tmp / "evalset", runs=["r1"],
@@ -433,7 +433,7 @@ def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
 # ---- the live API: two runs of one ledger, documents posted -------------------------------------
 
 def test_api_diff_gives_the_cli_diffs_answer(grain_runs, random_ledger, tmp_path):
-    from api.app import create_app
+    from tally.api.app import create_app
     from tests.api_helpers import Server
 
     for tmp, a, b in ((grain_runs, "straight", "resumed"), (grain_runs, "straight", "inexact"),
@@ -477,7 +477,7 @@ def test_api_diff_gives_the_cli_diffs_answer(grain_runs, random_ledger, tmp_path
 
 
 def test_api_diff_and_exposure_errors(planted, grain_runs):
-    from api.app import create_app
+    from tally.api.app import create_app
     from tests.api_helpers import Server
 
     tmp, _ = grain_runs, None
@@ -493,9 +493,9 @@ def test_api_diff_and_exposure_errors(planted, grain_runs):
 
 
 def test_api_exposure_gives_the_cli_exposures_answer(planted, tmp_path):
-    from api.app import create_app
-    from audit.posthoc.answers import MAX_HASHES
-    from audit.posthoc.exposure import exposure
+    from tally.api.app import create_app
+    from tally.audit.posthoc.answers import MAX_HASHES
+    from tally.audit.posthoc.exposure import exposure
     from tests.api_helpers import Server
 
     tmp, hashes = planted
@@ -529,7 +529,7 @@ def test_dashboard_shows_two_runs_side_by_side_in_headless_chromium(grain_runs):
     import re
     import tempfile
 
-    from api.app import create_app
+    from tally.api.app import create_app
     from tests.api_helpers import Server
     from tests.test_api_live import _chromium
 
@@ -558,7 +558,7 @@ def test_dashboard_shows_two_runs_side_by_side_in_headless_chromium(grain_runs):
 def test_group_comparison_matches_a_count_per_group(dense, monkeypatch):
     from collections import Counter
 
-    from audit.posthoc import multiset
+    from tally.audit.posthoc import multiset
 
     monkeypatch.setattr(multiset, "DENSE", dense)  # both ways: sorted, counted in place
     rng = np.random.default_rng(dense)
@@ -577,8 +577,8 @@ def test_group_comparison_matches_a_count_per_group(dense, monkeypatch):
 def test_same_data_in_another_order_per_window_cli_and_api(tmp_path):
     """B consumes A's steps pairwise swapped (1, 0, 3, 2, ...), epochs unknown: every window
     of 2 steps holds the same records, no step is identical."""
-    from api.app import create_app
-    from audit.hook.segments import Segments
+    from tally.api.app import create_app
+    from tally.audit.hook.segments import Segments
     from tests.api_helpers import Server, content_hash_of
 
     rng = np.random.default_rng(4)

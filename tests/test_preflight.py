@@ -8,17 +8,17 @@ import time
 import numpy as np
 import pytest
 
-from audit.cli import main
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.preflight import record_verdict, run_preflight
-from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader, LoaderConfig
-from pipeline.manifest import build_manifest
-from pipeline.shadow import ShadowSource, record_starts, shadow_run
-from pipeline.synth import synth_corpus
-from trainer import checkpoint
+from tally.audit.cli import main
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.preflight import record_verdict, run_preflight
+from tally.pipeline.corpus import TokenSource
+from tally.pipeline.loader import KeyedLoader, LoaderConfig
+from tally.pipeline.manifest import build_manifest
+from tally.pipeline.shadow import ShadowSource, record_starts, shadow_run
+from tally.pipeline.synth import synth_corpus
+from tally.trainer import checkpoint
 
 STEPS = 40  # steps the old topology ran before its checkpoint
 
@@ -289,7 +289,7 @@ def test_the_preflight_endpoint_reads_only_checkpoints_it_may_and_bounds_its_wor
     box, and no work left running when the client goes away."""
     import httpx
 
-    from api.app import create_app
+    from tally.api.app import create_app
     from tests.api_helpers import Server
 
     manifest, source = corpus

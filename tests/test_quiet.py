@@ -1,6 +1,6 @@
 """What a user sees on stderr is Tally's: `tally: ...` lines, nothing of the libraries below.
 
-Real commands (`python -m audit.cli`), real hosts (jax.distributed, gloo), real Beam workers
+Real commands (`python -m tally.audit.cli`), real hosts (jax.distributed, gloo), real Beam workers
 and a real local Dask cluster."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def assert_quiet(err: str) -> None:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from pipeline.synth import synth_corpus
+    from tally.pipeline.synth import synth_corpus
 
     root = tmp_path_factory.mktemp("quiet") / "c"
     synth_corpus(root, records=300, seed=1, length_scale=0.1, max_len=64)
@@ -40,7 +40,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _train(corpus: Path, spool: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "audit.cli", "train", "--hosts", "2",
+    return subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "train", "--hosts", "2",
                              f"corpus={corpus}", f"spool={spool}", "steps=100000",
                              "flush_every=1", "d_model=16", "n_layers=1", "seq_len=32"],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -79,7 +79,7 @@ def test_a_host_that_dies_is_named_in_tallys_lines_without_a_gloo_traceback(corp
     proc = _train(corpus, spool)
     try:
         _until_training(proc, spool)
-        found = subprocess.run(["pgrep", "-f", f"trainer.host.*{spool}.*--host 1"],
+        found = subprocess.run(["pgrep", "-f", f"tally.trainer.host.*{spool}.*--host 1"],
                                capture_output=True, text=True).stdout.split()
         os.kill(int(found[0]), signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
@@ -111,7 +111,7 @@ def test_reconcile_without_q_prints_only_tallys_lines(tmp_path, runner):
             taken.listen()
         except OSError:
             pass  # another process holds it already: the same situation
-        done = subprocess.run([sys.executable, "-m", "audit.cli", "reconcile", "--spool",
+        done = subprocess.run([sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool",
                                str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run",
                                "r", "-o", str(tmp_path / "rep"), *runner],
                               env=ENV, capture_output=True, text=True, timeout=180)
@@ -129,8 +129,8 @@ def test_reading_a_checkpoints_loader_state_says_nothing_about_a_read_only_direc
 
     import numpy as np
 
-    from audit.preflight.check import load_checkpoint_meta
-    from trainer import checkpoint
+    from tally.audit.preflight.check import load_checkpoint_meta
+    from tally.trainer import checkpoint
 
     checkpoint.save(checkpoint.manager(tmp_path / "ck"), 3, {"w": np.zeros(2, np.float32)},
                     {"m": np.zeros(2, np.float32)}, {"step": 3, "loaders": {}})
@@ -152,7 +152,7 @@ def test_ctrl_c_during_a_dask_reconcile_leaks_no_semaphore(tmp_path):
     spool = tmp_path / "spool"
     write_steps(spool, "r", host=0, hosts=1, steps=range(6), n=40, seed=0, flush_every=3)
     uniform_manifest(tmp_path / "m.parquet", 40)
-    proc = subprocess.Popen([sys.executable, "-m", "audit.cli", "reconcile", "--spool",
+    proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool",
                              str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run",
                              "r", "-o", str(tmp_path / "rep"), "--runner", "dask",
                              "--workers", "2"],

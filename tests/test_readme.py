@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from audit.cli import parse
+from tally.audit.cli import parse
 from tests.conftest import ROOT
 
 BLOCK = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```$", re.M | re.S)
@@ -57,7 +57,7 @@ def _check_cluster_commands(code: str) -> int:
 
 
 def _free_port() -> int:
-    from trainer.launch import free_port
+    from tally.trainer.launch import free_port
 
     return free_port()
 

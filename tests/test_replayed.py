@@ -5,7 +5,7 @@ spool: `live` (the real writer), `rep` (files published as `tally replay` publis
 resumed live), ingested by `tally ingest`. Reconcile from the ledger says what reconcile from
 the spool says; the live API's run list, run summary (per attempt), diff and exposure answers
 and the dashboard say it; `tally diff` (either source) and `tally exposure` (either source)
-say it per run. The rule has one home (audit.hook.spool): these tests only use its constants
+say it per run. The rule has one home (tally.audit.hook.spool): these tests only use its constants
 to write the files."""
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.core.schema import SEGMENT_SCHEMA
-from audit.hook import spool as sp
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter, publish
-from pipeline.manifest import MANIFEST_SCHEMA
-from pipeline.manifest_file import write_manifest_table
-from pipeline.replay import WRITER_VERSION
+from tally.audit.core.schema import SEGMENT_SCHEMA
+from tally.audit.hook import spool as sp
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter, publish
+from tally.pipeline.manifest import MANIFEST_SCHEMA
+from tally.pipeline.manifest_file import write_manifest_table
+from tally.pipeline.replay import WRITER_VERSION
 from tests.api_helpers import content_hash_of
 from tests.conftest import ROOT
 
@@ -39,7 +39,7 @@ RUNS = ("live", "rep", "mix")
 
 
 def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=600,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
@@ -76,7 +76,7 @@ def _live(spool: Path, run_id: str, steps: range, attempt: int = 0,
 
 
 def _replayed(spool: Path, run_id: str, steps: range, per_file: int = 5) -> int:
-    """Attempt 0 of every host published as `tally replay` publishes it (pipeline.replay:
+    """Attempt 0 of every host published as `tally replay` publishes it (tally.pipeline.replay:
     its metadata, its writer version); returns the files written."""
     files = 0
     for h in range(HOSTS):
@@ -171,9 +171,9 @@ def _note(summary: dict) -> str:
 
 
 def test_live_api_and_dashboard_say_replayed(runs):
-    from api import models
-    from api.app import create_app
-    from audit.ledger.database import Ledger
+    from tally.api import models
+    from tally.api.app import create_app
+    from tally.audit.ledger.database import Ledger
     from tests.api_helpers import Server
 
     want = runs["want"]
@@ -212,8 +212,8 @@ def test_live_api_and_dashboard_say_replayed(runs):
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
 def test_dashboard_note_says_replayed(runs):
     """The run view's note, from the page's own function over the summaries served."""
-    from api.app import create_app
-    from audit.ledger.database import Ledger
+    from tally.api.app import create_app
+    from tally.audit.ledger.database import Ledger
     from tests.api_helpers import Server
 
     with Ledger(runs["ledger"]) as ledger, Server(create_app(ledger)) as srv:

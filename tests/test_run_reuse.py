@@ -18,21 +18,21 @@ import time
 
 import pytest
 
-from api.app import create_app
-from audit.core.errors import TallyError
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.api.app import create_app
+from tally.audit.core.errors import TallyError
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.trainer.config import TrainConfig
+from tally.trainer.launch import refuse_reuse
 from tests.api_helpers import Server, free_port, poll, write_steps
 from tests.conftest import ROOT
-from trainer.config import TrainConfig
-from trainer.launch import refuse_reuse
 
 N = 400
 
 
 def _tally(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -79,7 +79,7 @@ def test_a_new_training_under_an_ingested_run_id_is_quarantined_not_mixed_in(tmp
     again = _tally("ingest", str(spool), "--ledger", str(path), "-q")  # reported once
     assert (again.returncode, _quarantined(again.stderr)) == (0, {}), again.stderr
     # Reconcile from the ledger names the reuse, not "could not be read".
-    from audit.reconcile import reconcile
+    from tally.audit.reconcile import reconcile
     from tests.conftest import uniform_manifest
 
     r = reconcile(run_id="exp", manifest=uniform_manifest(tmp_path / "m.parquet", N),
@@ -150,7 +150,7 @@ def test_the_live_service_quarantines_a_reused_run_id_at_the_old_names_only(tmp_
     already: its periodic full listing stats them (FULL_LISTING_S, shortened here), sees other
     files there, and ingest quarantines them. Before, the service never looked at them again:
     nothing mixed in, but nothing said so either."""
-    from audit.ledger import ingest_loop
+    from tally.audit.ledger import ingest_loop
 
     monkeypatch.setattr(ingest_loop, "FULL_LISTING_S", 0.5)
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"

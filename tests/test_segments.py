@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from grain import experimental as gx
 
-from audit.core.hashing import content_hash
-from audit.hook.segments import Segments, segments_from_batch
+from tally.audit.core.hashing import content_hash
+from tally.audit.hook.segments import Segments, segments_from_batch
 
 N = 40
 LENGTH = 16

@@ -1,4 +1,4 @@
-"""The per-record state's sparse map (audit.ledger.setmap) against a dict, over random
+"""The per-record state's sparse map (tally.audit.ledger.setmap) against a dict, over random
 updates and removals, through its merges and a snapshot's arrays."""
 
 import random
@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from audit.ledger.setmap import SetMap
+from tally.audit.ledger.setmap import SetMap
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -45,7 +45,7 @@ def test_a_runs_host_sets_read_back_through_every_host_layout(seed):
     slots (the map beyond): random sets put in rounds whose largest host moves the run
     through the layouts (hosts up to 65,535, which no slot holds) read back as put, every
     round, against a dict."""
-    from audit.ledger.state import LAYOUTS, Records, RunState, csr
+    from tally.audit.ledger.state import LAYOUTS, Records, RunState, csr
 
     rng = np.random.default_rng(seed)
     st, want = RunState(), {}

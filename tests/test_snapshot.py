@@ -1,4 +1,4 @@
-"""Restart from a snapshot of the per-record state (audit.ledger.snapshot): the state it gives
+"""Restart from a snapshot of the per-record state (tally.audit.ledger.snapshot): the state it gives
 equals a rebuild from the ledger, a snapshot behind the ledger catches up (restarts included),
 an unusable one is ignored with one log line, and a kill -9 of a real process while it writes
 one leaves the previous snapshot or none."""
@@ -16,12 +16,12 @@ import time
 import httpx
 import numpy as np
 
-from api.app import create_app
-from audit.ledger.aggregates import Aggregates
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.snapshot import Applied, open_snapshot, write_snapshot
-from audit.ledger.state import COMPACT
+from tally.api.app import create_app
+from tally.audit.ledger.aggregates import Aggregates
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.snapshot import Applied, open_snapshot, write_snapshot
+from tally.audit.ledger.state import COMPACT
 from tests.api_helpers import Server, free_port, poll, write_steps
 from tests.conftest import ROOT
 from tests.test_api_aggregates import N, assert_same_state, check
@@ -195,7 +195,7 @@ def test_a_ledger_made_before_ledger_ids_gets_one_and_snapshots(tmp_path, caplog
 
 
 def _tally(*args, env=None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "audit.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "tally.audit.cli", *args],
                             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from audit.ledger.aggregates import Aggregates, Deltas, _Staged
-from audit.ledger.state import COMPACT, PENDING, Once, Records, RunState, Starts
+from tally.audit.ledger.aggregates import Aggregates, Deltas, _Staged
+from tally.audit.ledger.state import COMPACT, PENDING, Once, Records, RunState, Starts
 
 
 def _general_only(agg: Aggregates, run: int) -> None:

@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from audit.ledger.state import COMPACT
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.state import COMPACT
 from tests.conftest import ROOT
 from tests.test_bad_input import _put, _segs
 
@@ -29,7 +29,7 @@ def _big(spool, run: str) -> None:
 def _ingest(spool, path) -> dict[str, str]:
     """`tally ingest` in a process of its own: the files it quarantined, with why."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TALLY_MAX_STATE_GB": str(BOUND_GB)}
-    out = subprocess.run([sys.executable, "-m", "audit.cli", "ingest", str(spool), "--ledger",
+    out = subprocess.run([sys.executable, "-m", "tally.audit.cli", "ingest", str(spool), "--ledger",
                           str(path), "-q"], capture_output=True, text=True, timeout=120,
                          env=env)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -1,4 +1,5 @@
-"""MosaicML Streaming audited live and replayed (pipeline.loaders.mosaic), with the real package.
+"""MosaicML Streaming audited live and replayed (tally.pipeline.loaders.mosaic), with the real
+package.
 
 An MDS dataset written by streaming's MDSWriter carries each sample's `id` (its index in the
 dataset): the batches an audited StreamingDataLoader hands out are those of an unaudited one,
@@ -32,7 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeline.loaders import AttachError, mosaic  # noqa: E402
+from tally.pipeline.loaders import AttachError, mosaic  # noqa: E402
 from tests.test_corpus_formats import mds_writer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def make_loader(mds: Path, workers: int, batch_size: int = BS, ncn: int = NCN) -
 
 
 def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=600)
 
 
@@ -124,7 +125,7 @@ def test_streaming_module_imports_beside_a_broken_package_init():
             "from tests.test_corpus_formats import mds_writer\n"
             "mds_writer()\n"
             "assert not getattr(sys.modules['streaming.base'], '__file__', None)\n"
-            "from pipeline.loaders import mosaic\n"
+            "from tally.pipeline.loaders import mosaic\n"
             "ds = mosaic.streaming_module('streaming.base.dataset').StreamingDataset\n"
             "dl = mosaic.streaming_module('streaming.base.dataloader').StreamingDataLoader\n"
             "import torch.utils.data as tud\n"
@@ -230,7 +231,7 @@ def resume(tmp_path: Path, mds: Path, name: str, *, load_state: bool, world: int
            stop: int = 10) -> None:
     """Each rank trains `stop` steps and checkpoints; a second attempt resumes from step
     `stop` to the end of the epoch, loading the saved loader state or not."""
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     for rank in range(world):
         with as_rank(rank, world):

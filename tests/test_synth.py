@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.corpus import TokenSource, list_shards
-from pipeline.manifest import build_manifest
-from pipeline.synth import synth_corpus
+from tally.pipeline.corpus import TokenSource, list_shards
+from tally.pipeline.manifest import build_manifest
+from tally.pipeline.synth import synth_corpus
 
 
 def _bytes(root):

@@ -1,6 +1,7 @@
 """One end-to-end run per text-corpus format: the corpus written by its real library, its
 manifest built by the manifest job with the run's tokenizer, a two-host loop that tokenizes the
-documents on the fly (with the `tokenizers` library directly, not pipeline.text) and hashes what
+documents on the fly (with the `tokenizers` library directly, not tally.pipeline.text) and hashes
+what
 it trains on, then reconcile: PASS, every record start's hash checked and equal, the basis the
 loop declared agreeing with the manifest's."""
 
@@ -15,11 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.hook.writer import LedgerWriter
-from audit.reconcile import reconcile
-from pipeline.manifest import build_manifest
-from pipeline.runners import RunnerSpec
-from pipeline.text import TextHasher
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.reconcile import reconcile
+from tally.pipeline.manifest import build_manifest
+from tally.pipeline.runners import RunnerSpec
+from tally.pipeline.text import TextHasher
 from tests.test_corpus_formats import _example, _write_examples, _write_mds
 from tests.text_corpus import documents, loop_token_ids, train_tokenizer
 

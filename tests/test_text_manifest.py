@@ -17,25 +17,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from audit.core.hashing import content_hash
-from pipeline.corpus import CorpusError
-from pipeline.manifest import build_manifest
-from pipeline.manifest_file import (
+from tally.audit.core.hashing import content_hash
+from tally.pipeline.corpus import CorpusError
+from tally.pipeline.manifest import build_manifest
+from tally.pipeline.manifest_file import (
     LEGACY_SCHEMA,
     MANIFEST_SCHEMA,
     ManifestDomains,
     manifest_info,
     manifest_metadata,
 )
-from pipeline.runners import RunnerSpec
-from pipeline.text import ContentBasis
+from tally.pipeline.runners import RunnerSpec
+from tally.pipeline.text import ContentBasis
 from tests.text_corpus import documents, loop_hashes, train_tokenizer, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
 
 

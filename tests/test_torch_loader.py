@@ -1,5 +1,6 @@
 """torch's DataLoader and torchdata's StatefulDataLoader audited in one line
-(pipeline.loaders.torch_loader): the loop gets the same batches; the spool's record keys, epochs
+(tally.pipeline.loaders.torch_loader): the loop gets the same batches; the spool's record keys,
+epochs
 and steps are what the batches held (truth read back from the tokens); a restored
 StatefulDataLoader continues them exactly, workers or not; `tally replay` writes the same rows
 from the loader factory; DistributedSampler's padding is named by reconcile with its numbers,
@@ -32,10 +33,10 @@ from torch.utils.data import (  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
-from audit.core.hashing import content_hash  # noqa: E402
-from pipeline.loaders import AttachError  # noqa: E402
-from pipeline.loaders import torch_loader as tally_torch  # noqa: E402
-from pipeline.manifest_file import write_manifest_table  # noqa: E402
+from tally.audit.core.hashing import content_hash  # noqa: E402
+from tally.pipeline.loaders import AttachError  # noqa: E402
+from tally.pipeline.loaders import torch_loader as tally_torch  # noqa: E402
+from tally.pipeline.manifest_file import write_manifest_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 8
@@ -256,7 +257,7 @@ def test_stateful_restore_continues_keys_and_steps(tmp_path, workers):
 
 
 def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -293,7 +294,7 @@ def test_replay_equals_live_row_for_row(tmp_path):
         for _ in it:
             pass
         loader.writer.close()
-    from pipeline.replay import ReplaySpec, replay  # in process: the CLI was run above
+    from tally.pipeline.replay import ReplaySpec, replay  # in process: the CLI was run above
 
     os.environ.update({**env, "TALLY_TEST_KIND": "stateful"})
     try:

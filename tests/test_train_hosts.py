@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from audit.core.hashing import content_hash
-from audit.hook.segments import segments_from_batch
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader
-from pipeline.synth import synth_corpus
+from tally.audit.core.hashing import content_hash
+from tally.audit.hook.segments import segments_from_batch
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.pipeline.corpus import TokenSource
+from tally.pipeline.loader import KeyedLoader
+from tally.pipeline.synth import synth_corpus
+from tally.trainer.config import TrainConfig
+from tally.trainer.loop import loader_config
 from tests.conftest import ROOT
-from trainer.config import TrainConfig
-from trainer.loop import loader_config
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def tally(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *args], cwd=ROOT, text=True,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -101,7 +101,7 @@ def _host_pid(spool: Path, host: int) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"trainer.host" in cmd and cmd[cmd.index(b"--host") + 1] == str(host).encode() \
+        if b"tally.trainer.host" in cmd and cmd[cmd.index(b"--host") + 1] == str(host).encode() \
                 and any(str(spool).encode() in part for part in cmd):
             return int(pid)
     return None
@@ -114,14 +114,14 @@ def _last_published_step(spool: Path, host: int) -> int:
 
 
 def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp_path):
-    from audit.reconcile import reconcile
-    from pipeline.manifest import build_manifest
+    from tally.audit.reconcile import reconcile
+    from tally.pipeline.manifest import build_manifest
 
     spool, ckpt = tmp_path / "spool", tmp_path / "ckpt"
     common = ["run_id=k", f"corpus={corpus}", f"spool={spool}", f"checkpoint_dir={ckpt}",
               "checkpoint_every=6", "flush_every=2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    launcher = subprocess.Popen([sys.executable, "-m", "audit.cli", "train", "--hosts", "2",
+    launcher = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "train", "--hosts", "2",
                                  "steps=24", *common], cwd=ROOT, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
@@ -154,7 +154,7 @@ def test_sigkill_one_host_then_resume_rolls_back_and_replays_exactly(corpus, tmp
 
 def test_resume_on_another_host_count_runs_preflight_and_refuses_unless_forced(corpus,
                                                                                tmp_path):
-    from pipeline.manifest import build_manifest
+    from tally.pipeline.manifest import build_manifest
 
     build_manifest(corpus, tmp_path / "m.parquet")
     ledger = tmp_path / "l.duckdb"
@@ -191,8 +191,8 @@ def test_elastic_reshard_passes_preflight_through_the_api_service(corpus, tmp_pa
     import urllib.error
     import urllib.request
 
-    from pipeline.manifest import build_manifest
-    from trainer.launch import free_port
+    from tally.pipeline.manifest import build_manifest
+    from tally.trainer.launch import free_port
 
     build_manifest(corpus, tmp_path / "m.parquet")
     spool = tmp_path / "spool"
@@ -200,7 +200,7 @@ def test_elastic_reshard_passes_preflight_through_the_api_service(corpus, tmp_pa
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "audit.cli", "serve", "--spool", str(spool), "--ledger",
+        [sys.executable, "-m", "tally.audit.cli", "serve", "--spool", str(spool), "--ledger",
          str(tmp_path / "l.duckdb"), "--manifest", str(tmp_path / "m.parquet"), "--port",
          str(port), "--interval", "0.2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

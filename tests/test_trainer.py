@@ -5,13 +5,13 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from audit.core.errors import TallyError
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
-from pipeline.synth import synth_corpus
-from trainer.config import TrainConfig
-from trainer.loop import train
-from trainer.step import init
+from tally.audit.core.errors import TallyError
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
+from tally.pipeline.synth import synth_corpus
+from tally.trainer.config import TrainConfig
+from tally.trainer.loop import train
+from tally.trainer.step import init
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def test_config_file_and_overrides(tmp_path):
 
 
 def test_resume_from_checkpoint_replays_exactly_as_a_new_attempt(corpus, tmp_path):
-    from audit.reconcile import reconcile
-    from pipeline.manifest import build_manifest
+    from tally.audit.reconcile import reconcile
+    from tally.pipeline.manifest import build_manifest
 
     base = dict(corpus=str(corpus), spool=str(tmp_path / "spool"), run_id="r",
                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10)
@@ -99,7 +99,7 @@ def test_resume_from_checkpoint_replays_exactly_as_a_new_attempt(corpus, tmp_pat
 
 
 def test_compare_reports_kl_between_checkpoints(corpus, tmp_path, capsys):
-    from trainer.evaluate import compare
+    from tally.trainer.evaluate import compare
 
     ckpt = tmp_path / "ckpt"
     train(TrainConfig(corpus=str(corpus), spool=str(tmp_path / "spool"), steps=10,

@@ -24,15 +24,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from api.app import create_app
-from audit.extras import version
-from audit.hook.segments import Segments
-from audit.hook.writer import LedgerWriter
-from audit.ledger.database import Ledger
-from audit.reconcile.verdict import plural
-from audit.reconcile.vocabulary import CHARTS, HEATMAP_FONT_PX, PALETTE
-from pipeline.manifest import MANIFEST_SCHEMA
-from pipeline.manifest_file import write_manifest_table
+from tally.api.app import create_app
+from tally.audit.extras import version
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.ledger.database import Ledger
+from tally.audit.reconcile.verdict import plural
+from tally.audit.reconcile.vocabulary import CHARTS, HEATMAP_FONT_PX, PALETTE
+from tally.pipeline.manifest import MANIFEST_SCHEMA
+from tally.pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, poll
 from tests.browser import Browser, chromium
 
@@ -82,7 +82,7 @@ def _write_run(spool: Path, run_id: str) -> None:
 
 
 def _tally(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "audit.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

@@ -6,12 +6,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from audit.core.hashing import content_hash
-from audit.hook import spool as sp
-from audit.hook.segments import Segments, segments_from_batch
-from audit.hook.writer import LedgerWriter, WriterError
-from audit.ledger.database import Ledger
-from audit.ledger.ingest import ingest
+from tally.audit.core.hashing import content_hash
+from tally.audit.hook import spool as sp
+from tally.audit.hook.segments import Segments, segments_from_batch
+from tally.audit.hook.writer import LedgerWriter, WriterError
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.ingest import ingest
 from tests.conftest import record_tokens, unpacked_batch
 
 

@@ -2,7 +2,7 @@
 documents (id, text, source, metadata), their JSON lines files (plain, gzip, zstandard), and the
 hashes a training loop would compute of them (the reference a manifest must equal).
 
-The reference is computed with the `tokenizers` library directly, not with pipeline.text, so a
+The reference is computed with the `tokenizers` library directly, not with tally.pipeline.text, so a
 test that compares a manifest with it checks the manifest job against an independent loop.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from audit.core.hashing import bytes_hash, content_hash
+from tally.audit.core.hashing import bytes_hash, content_hash
 
 _VOCABULARY = ("the data model token corpus train loss step batch shard record hash manifest audit "
           "ledger epoch host loader window domain source split held out every each one two "

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from audit.core.errors import TallyError
+from tally.audit.core.errors import TallyError
 
 
 def manager(directory: str | Path) -> ocp.CheckpointManager:
@@ -65,8 +65,8 @@ def read_meta(path: str | Path) -> tuple[int, dict[str, Any]]:
 
 def load_params(path: str | Path):
     """(config, params, step) of a checkpoint, on this process alone (for offline tools)."""
-    from trainer.config import TrainConfig
-    from trainer.step import init
+    from tally.trainer.config import TrainConfig
+    from tally.trainer.step import init
 
     directory, step = locate(path)
     _, meta = read_meta(path)

@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
-from audit.core.errors import TallyError
-from audit.core.schema import RUN_ID_PATTERN
-from pipeline.loader import FAULTS, PACKINGS
+from tally.audit.core.errors import TallyError
+from tally.audit.core.schema import RUN_ID_PATTERN
+from tally.pipeline.loader import FAULTS, PACKINGS
 
 Positive = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[int, Field(ge=0)]

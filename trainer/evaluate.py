@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from audit.core.errors import TallyError
-from pipeline.corpus import CorpusError, TokenSource
-from pipeline.progress import Progress
-from trainer.model import LM
-from trainer.step import predicted
+from tally.audit.core.errors import TallyError
+from tally.pipeline.corpus import CorpusError, TokenSource
+from tally.pipeline.progress import Progress
+from tally.trainer.model import LM
+from tally.trainer.step import predicted
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def compare(ckpt_a: str | Path, ckpt_b: str | Path, *, corpus: str | None = None
 
 def _compare(ckpt_a: str | Path, ckpt_b: str | Path, corpus: str | None, records: int | None,
              bar: Progress) -> dict[str, Any]:
-    from trainer import checkpoint
+    from tally.trainer import checkpoint
 
     bar.stage("loading the checkpoints")
     (cfg_a, params_a, step_a), (cfg_b, params_b, step_b) = (

@@ -1,4 +1,4 @@
-"""One training host: `python -m trainer.host`.
+"""One training host: `python -m tally.trainer.host`.
 
 `tally train --hosts H` (trainer/launch.py) starts H of these on one machine and tells each its
 index. On a cluster where every host runs the same container (docker compose `--scale`,
@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 
-from audit.core.errors import TallyError
+from tally.audit.core.errors import TallyError
 
 
 def rank(own: str, addresses: list[str]) -> tuple[int, str]:
@@ -51,7 +51,7 @@ def rendezvous(name: str, hosts: int, port: int, timeout_s: float = 300.0) -> tu
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trainer.host", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tally.trainer.host", description=__doc__.splitlines()[0])
     p.add_argument("--config-json", help="the TrainConfig as JSON (instead of --config)")
     p.add_argument("--config", help="JSON file of TrainConfig fields")
     p.add_argument("--host", type=int, help="this host's index (or --rendezvous)")
@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from trainer.config import TrainConfig
-    from trainer.distributed import initialize
-    from trainer.loop import train
+    from tally.trainer.config import TrainConfig
+    from tally.trainer.distributed import initialize
+    from tally.trainer.loop import train
 
     try:
         if args.config_json:

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from audit.core.errors import TallyError
-from trainer.config import TrainConfig
+from tally.audit.core.errors import TallyError
+from tally.trainer.config import TrainConfig
 
 
 def free_port() -> int:
@@ -30,10 +30,10 @@ def free_port() -> int:
 def refuse_reuse(cfg: TrainConfig) -> None:
     """A fresh start (no --resume) of a run that already has a spool, or that the ledger holds
     (its spool may have been removed after ingest), would write a second attempt 0: the ledger
-    would quarantine it (audit.ledger.ingest: a file of another spool id) and the run would
+    would quarantine it (tally.audit.ledger.ingest: a file of another spool id) and the run would
     go unaudited. The ledger is asked through the service that owns it (`api=URL`), else in
     its file (`ledger=PATH`); without either, only the spool is checked."""
-    from audit.hook import spool as sp
+    from tally.audit.hook import spool as sp
 
     run_dir = Path(cfg.spool) / cfg.run_id
     if run_dir.is_dir() and any(sp.published(p.name) for p in run_dir.glob("attempt=*/host=*/*")):
@@ -51,7 +51,7 @@ def refuse_reuse(cfg: TrainConfig) -> None:
 
 
 def _run_in_ledger(cfg: TrainConfig) -> bool:
-    from audit.ledger.database import Ledger
+    from tally.audit.ledger.database import Ledger
 
     if not Path(cfg.ledger).exists():
         return False  # no ledger yet: no run in it
@@ -97,7 +97,7 @@ def check_paths(cfg: TrainConfig, resume: bool) -> None:
     """The directories the hosts will write in, checked before any starts: `spool=/etc/passwd/x`
     or `checkpoint_dir=/proc/x` failed in every host with a traceback from deep in the writer
     or orbax."""
-    from audit.core.paths import unwritable_dir
+    from tally.audit.core.paths import unwritable_dir
 
     keys = {"spool": cfg.spool}
     if cfg.checkpoint_every or resume:  # the only cases in which the hosts write checkpoints
@@ -113,7 +113,7 @@ def check_resume(cfg: TrainConfig, hosts: int, force: bool) -> dict | None:
     another host count or global batch the pre-flight check must say it is safe, or the job
     refuses to start (`force` goes ahead anyway; the ledger records that it did). Returns the
     verdict when a check ran."""
-    from trainer import checkpoint
+    from tally.trainer import checkpoint
 
     if not Path(cfg.checkpoint_dir).is_dir():
         raise TallyError(f"--resume: no checkpoint in {cfg.checkpoint_dir}")
@@ -147,8 +147,8 @@ def preflight(cfg: TrainConfig, hosts: int, force: bool) -> dict:
     if not cfg.ledger:
         raise TallyError("resuming on another topology runs the pre-flight check against the "
                          "ledger: set ledger=PATH, or api=URL when `tally serve` owns it")
-    from audit.preflight import check_and_record
-    from trainer.loop import loader_config
+    from tally.audit.preflight import check_and_record
+    from tally.trainer.loop import loader_config
 
     return check_and_record(cfg.ledger, cfg.spool, cfg.run_id, cfg.manifest, cfg.checkpoint_dir,
                             hosts, loader_config(cfg), forced=force,
@@ -188,11 +188,11 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
         refuse_reuse(cfg)
     coordinator = f"127.0.0.1:{free_port()}"
     env = {"JAX_PLATFORMS": "cpu", **os.environ}  # CPU unless the caller chose otherwise
-    # `tally train` runs this launcher in a session of its own (audit.cli supervises it), so a
+    # `tally train` runs this launcher in a session of its own (tally.audit.cli supervises it), so a
     # Ctrl-C at the terminal reaches neither it nor the hosts; the supervisor stops the group.
     # A SIGTERM here still stops the hosts first.
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "trainer.host", "--config-json",
+        [sys.executable, "-m", "tally.trainer.host", "--config-json",
          json.dumps(dataclasses.asdict(cfg)), "--host", str(h), "--hosts", str(hosts),
          "--coordinator", coordinator] + (["--resume"] if resume else [])
         + (["--force"] if force else []), env=env)
@@ -210,13 +210,13 @@ def launch(cfg: TrainConfig, hosts: int, *, resume: bool = False, force: bool = 
 
 
 def _wait(procs: list[subprocess.Popen], grace_s: float) -> int:
-    from trainer.host import PEER_LOST
+    from tally.trainer.host import PEER_LOST
 
     lost_since = None
     while True:
         codes = [p.poll() for p in procs]
         failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
-        # A host that failed only because another one is gone (trainer.host.peer_lost) may end
+        # A host that failed only because another one is gone (tally.trainer.host.peer_lost) may end
         # before the one that died is reaped: the line names the one that died.
         causes = [(h, c) for h, c in failed if c != PEER_LOST]
         if failed and not causes:

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from audit.core.errors import TallyError
-from audit.hook.writer import LedgerWriter
-from pipeline.corpus import TokenSource
-from pipeline.loader import KeyedLoader, LoaderConfig, state_for_host
-from pipeline.manifest_file import manifest_info
-from trainer import checkpoint
-from trainer.config import TrainConfig
-from trainer.distributed import Topology, barrier, gather_json
-from trainer.evaluate import HeldOut, milestone_metrics
-from trainer.step import init, make_train_step, token_losses
+from tally.audit.core.errors import TallyError
+from tally.audit.hook.writer import LedgerWriter
+from tally.pipeline.corpus import TokenSource
+from tally.pipeline.loader import KeyedLoader, LoaderConfig, state_for_host
+from tally.pipeline.manifest_file import manifest_info
+from tally.trainer import checkpoint
+from tally.trainer.config import TrainConfig
+from tally.trainer.distributed import Topology, barrier, gather_json
+from tally.trainer.evaluate import HeldOut, milestone_metrics
+from tally.trainer.step import init, make_train_step, token_losses
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from trainer.config import TrainConfig
+from tally.trainer.config import TrainConfig
 
 
 class Block(nn.Module):

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainer.config import TrainConfig
-from trainer.model import LM
+from tally.trainer.config import TrainConfig
+from tally.trainer.model import LM
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

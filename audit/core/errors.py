@@ -17,5 +17,6 @@ class Unavailable(TallyError):
 class CorpusError(TallyError):
     """Bad corpus input; the message names the file and, where it applies, the record.
 
-    Defined here so that corpus readers that import only `audit.core` (`pipeline.olmo`) raise
-    it; `pipeline.corpus.CorpusError` is this class."""
+    Defined here so that corpus readers that import only `tally.audit.core` (`tally.pipeline.olmo`)
+    raise
+    it; `tally.pipeline.corpus.CorpusError` is this class."""

@@ -215,7 +215,7 @@ class Finding:
     numbers: dict[str, Any] = field(default_factory=dict)
     # What it points at, when the check can name it: {"steps": [...], "hosts": [...],
     # "records": [...]}, a few of each, each item with the API path that shows it
-    # (audit.reconcile.evidence). None: nothing to point at.
+    # (tally.audit.reconcile.evidence). None: nothing to point at.
     evidence: dict[str, list[dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:

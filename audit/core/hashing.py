@@ -5,7 +5,7 @@ the training hook and every check use these functions and nothing else, so a has
 anywhere in Tally compares equal to one computed anywhere else.
 
 A text corpus hashed without a tokenizer (the manifest's `bytes` content basis,
-pipeline.text) uses the same xxh3_64 over the document's UTF-8 bytes (`bytes_hash`); a loop
+tally.pipeline.text) uses the same xxh3_64 over the document's UTF-8 bytes (`bytes_hash`); a loop
 that has the document's text hashes it with the same function.
 """
 

@@ -1,7 +1,9 @@
 """The columns of a consumed segment and of a metric, defined once.
 
-Every other form is derived from these tuples: the spool's Arrow schemas (audit.hook.spool), the
-ledger's DuckDB tables (audit.ledger.database), the columns reconcile reads (audit.reconcile)
+Every other form is derived from these tuples: the spool's Arrow schemas (tally.audit.hook.spool),
+the
+ledger's DuckDB tables (tally.audit.ledger.database), the columns reconcile reads
+(tally.audit.reconcile)
 and the numpy dtypes the writer builds its tables from. A new column is added here and nowhere
 else; docs/DESIGN.md ("Spool segment files") describes the same contract in words.
 """

@@ -22,19 +22,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from audit.core.hashing import as_token_array, hash_runs
-from audit.core.schema import SEGMENT_COLUMNS, SEGMENT_DTYPES, names
+from tally.audit.core.hashing import as_token_array, hash_runs
+from tally.audit.core.schema import SEGMENT_COLUMNS, SEGMENT_DTYPES, names
 
 # The columns a step's segments carry: the segment schema less the step and host, which the
 # writer adds for the whole step.
 FIELDS = tuple(n for n in names(SEGMENT_COLUMNS) if n not in ("step", "host"))
-# Smallest value each column may hold (the spool's checks say the same, audit.hook.spool).
+# Smallest value each column may hold (the spool's checks say the same, tally.audit.hook.spool).
 MINIMUM = {"row": 0, "record_key": 0, "offset": 0, "n_tokens": 1}
 
 
 @dataclass(frozen=True)
 class Segments:
-    """Column arrays for the segments of one step, in the spool's dtypes (audit.core.schema)."""
+    """Column arrays for the segments of one step, in the spool's dtypes
+    (tally.audit.core.schema)."""
 
     row: np.ndarray
     record_key: np.ndarray

@@ -4,7 +4,7 @@
 segments; `met-...` files beside them hold metrics (train loss, eval loss). Files appear only
 by rename from a dot-prefixed temporary name, so a listing never sees a partial file.
 This module is the one definition of names, layout and metadata keys; the columns come from
-audit.core.schema.
+tally.audit.core.schema.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from audit.core.schema import (
+from tally.audit.core.schema import (
     MAX_DECODED_BYTES,
     MAX_EPOCH,
     MAX_FILE_ROWS,
@@ -39,11 +39,11 @@ from audit.core.schema import (
     SEGMENT_SCHEMA,
     SEGMENT_SCHEMA_WITH_LOSS,
 )
-from audit.hook.segments import MINIMUM
+from tally.audit.hook.segments import MINIMUM
 
 FORMAT_VERSION = "1"
 WRITER_VERSION = "tally-writer/1"
-# `tally replay` (pipeline.replay) writes a run's spool from its loader's contract instead of
+# `tally replay` (tally.pipeline.replay) writes a run's spool from its loader's contract instead of
 # from the run: its files say `tally.replayed = "1"` and a writer_version under REPLAY_WRITER.
 # The ledger keeps each attempt's writer_version (no mark of its own), so the rule of which
 # files, attempts and runs are replayed lives here, once, in both forms: `is_replayed` (a
@@ -76,10 +76,11 @@ OPTIONAL_META_KEYS = (
     "replayed",  # "1": written by `tally replay` from the loader's contract, not by the run
     # A random id of one host's spool of one attempt, the same in all its files: made by the
     # writer that finds the host's directory without published files, kept by one that
-    # continues it (audit.hook.writer). The ledger refuses files of another spool id for an
+    # continues it (tally.audit.hook.writer). The ledger refuses files of another spool id for an
     # attempt and host it holds: a run id reused after its spool was removed.
     "spool_id",
-    # What the loop's content hashes are taken over (pipeline.text.ContentBasis, JSON): said by
+    # What the loop's content hashes are taken over (tally.pipeline.text.ContentBasis, JSON): said
+    # by
     # a loop that tokenizes text on the fly or hashes bytes; "" when the run did not say
     # (unknown: never a finding). Reconcile compares it with the manifest's.
     "content_basis",
@@ -316,7 +317,7 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
 
     The file is opened without blocking and must be a regular file when opened (a FIFO put
     there since the listing would otherwise hang the reader); its footer is checked against the
-    contract and its bounds (audit.core.schema) before any data page is decoded."""
+    contract and its bounds (tally.audit.core.schema) before any data page is decoded."""
     with _open_regular(f.path) as fh:
         try:
             pf = pq.ParquetFile(fh)
@@ -359,7 +360,7 @@ def read_checked(f: SpoolFile) -> tuple[pa.Table, dict]:
 def _footer_hash(fh: Any) -> int:
     """xxh3_64 of the file's Parquet footer (its metadata, the writer's spool id among them,
     and every column chunk's statistics and sizes): what tells a file from another at one path
-    (audit.ledger.ingest). 0.015 ms for a 500k-row file, against 0.6-1.7 ms to hash the
+    (tally.audit.ledger.ingest). 0.015 ms for a 500k-row file, against 0.6-1.7 ms to hash the
     whole file (7.3 MB, from the page cache) and 0.56-0.70 s to ingest it."""
     fh.seek(-8, os.SEEK_END)
     size = int.from_bytes(fh.read(4), "little")

@@ -33,20 +33,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.core.errors import TallyError
-from audit.core.paths import atomic_write
-from audit.core.schema import (
+from tally.audit.core.errors import TallyError
+from tally.audit.core.paths import atomic_write
+from tally.audit.core.schema import (
     MAX_RECORD_KEY,
     MAX_STEP,
     METRIC_SCHEMA,
     SEGMENT_SCHEMA,
     SEGMENT_SCHEMA_WITH_LOSS,
 )
-from audit.hook import spool as sp
-from audit.hook.segments import FIELDS, Segments, segments_from_batch
+from tally.audit.hook import spool as sp
+from tally.audit.hook.segments import FIELDS, Segments, segments_from_batch
 
 if TYPE_CHECKING:  # the hook imports only core at run time (docs/DESIGN.md, roles)
-    from pipeline.text import ContentBasis
+    from tally.pipeline.text import ContentBasis
 
 
 class WriterError(TallyError):
@@ -82,7 +82,7 @@ def _basis_json(basis: ContentBasis | str | None) -> str:
     to_json = getattr(basis, "to_json", None)
     if to_json is None:
         raise WriterArgumentError(f"content_basis {basis!r}: expected a "
-                                  "pipeline.text.ContentBasis (TextHasher(...).basis) or its "
+                                  "tally.pipeline.text.ContentBasis (TextHasher(...).basis) or its "
                                   "JSON")
     return to_json()
 
@@ -153,7 +153,7 @@ class LedgerWriter:
             "records_per_epoch": "" if records_per_epoch is None else str(records_per_epoch),
             "checkpoint_dir": "" if checkpoint_dir is None else os.path.abspath(checkpoint_dir),
             "spool_id": self.spool_id,
-            # What this loop's content hashes are taken over (pipeline.text.ContentBasis: a
+            # What this loop's content hashes are taken over (tally.pipeline.text.ContentBasis: a
             # loop that tokenizes text on the fly passes TextHasher(...).basis); "" unknown.
             "content_basis": _basis_json(content_basis),
         }
@@ -178,7 +178,7 @@ class LedgerWriter:
     # ---- training-thread API -------------------------------------------------------------
     def write_batch(self, step: int, batch: Mapping[str, np.ndarray], *,
                     loss: Any = None, **layout: str) -> None:
-        """Record the batch consumed at `step` (Grain layout, see `audit.hook.segments`).
+        """Record the batch consumed at `step` (Grain layout, see `tally.audit.hook.segments`).
 
         `loss` (optional): the step's training loss on this batch, per token ([B, L] or
         [B, L - 1]) or per row ([B]); each segment then carries its mean (the `loss` column),
@@ -194,7 +194,7 @@ class LedgerWriter:
     def write_segments(self, step: int, segments: Segments | Callable[[], Segments]) -> None:
         """Record the segments consumed at `step`: precomputed (hashes already known), or a
         function that computes them, called on the writer's thread (so that reading records
-        back and hashing them costs the training thread nothing; `pipeline.grain_attach`)."""
+        back and hashing them costs the training thread nothing; `tally.pipeline.grain_attach`)."""
         self._put(("segments", self._new_step(step), segments))
 
     def _new_step(self, step: int) -> int:

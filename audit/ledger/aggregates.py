@@ -20,7 +20,7 @@ lineage are recomputed from `effective_consumption` and the differences written.
 
 Readers of the per-record state take `Aggregates.lock` while they pin their snapshot: the
 ingester holds it across each COMMIT and the state update that goes with it
-(audit.ledger.live).
+(tally.audit.ledger.live).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import host_overlap, ranks, spans
-from audit.core.exposure import effective_sql, start_sql
-from audit.ledger.database import Ledger, one
-from audit.ledger.snapshot import Applied, Invalid, Snapshots, lowered_cuts
-from audit.ledger.state import (
+from tally.audit.core.arrays import host_overlap, ranks, spans
+from tally.audit.core.exposure import effective_sql, start_sql
+from tally.audit.ledger.database import Ledger, one
+from tally.audit.ledger.snapshot import Applied, Invalid, Snapshots, lowered_cuts
+from tally.audit.ledger.state import (
     COMPACT,
     NO_STEP,
     SETTLED,
@@ -107,12 +107,12 @@ class Aggregates:
     def __init__(self, max_state_bytes: int | None = None) -> None:
         self.runs: dict[int, RunState] = {}
         self.lock = threading.Lock()
-        self.ingesting = threading.Lock()  # held by audit.ledger.ingest for a whole call
+        self.ingesting = threading.Lock()  # held by tally.audit.ledger.ingest for a whole call
         self._pending: list[_Staged] = []
         self.max_state_bytes = max_state_bytes or default_max_state_bytes()
         self.snapshots: Snapshots | None = None  # set by load() for a ledger on disk
         # The newest file id committed: the ledger's version, as a snapshot's max(file_id)
-        # (audit.ledger.live answers a cached request by it, without opening a snapshot).
+        # (tally.audit.ledger.live answers a cached request by it, without opening a snapshot).
         self.version = 0
         self.dropped = False  # invalidated or its ledger closed: no longer counted
         with _LIVE_LOCK:
@@ -121,7 +121,7 @@ class Aggregates:
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
     def load(cls, ledger: Ledger, *, use_snapshots: bool = True) -> Aggregates:
-        """Per-record state from the ledger: each run's from its snapshot (audit.ledger.
+        """Per-record state from the ledger: each run's from its snapshot (tally.audit.ledger.
         snapshot) caught up with the files ingested after it, or rebuilt from
         `effective_consumption` where there is no usable snapshot (why, logged once per run).
         Agg tables rebuilt for runs whose tables do not cover every ingested segment file (a
@@ -253,7 +253,8 @@ class Aggregates:
 
     # ---- snapshots -------------------------------------------------------------------------
     def save(self, ledger: Ledger, *, final: bool = False) -> None:
-        """Write the snapshots that are due (audit.ledger.snapshot.Snapshots.due); `final` on a
+        """Write the snapshots that are due (tally.audit.ledger.snapshot.Snapshots.due); `final` on
+        a
         clean end of the process. Waits for the ingest under way."""
         with self.ingesting:
             self.save_locked(ledger, final=final)
@@ -368,7 +369,7 @@ class Aggregates:
         return sum(st.data.nbytes for st in list(self.runs.values()))
 
     def budget(self, cur: duckdb.DuckDBPyConnection) -> StateBudget:
-        """The state's bound over one batch's files (audit.ledger.ingest, before the batch's
+        """The state's bound over one batch's files (tally.audit.ledger.ingest, before the batch's
         transaction)."""
         rows = {name: self.runs[run].size for run, name in cur.execute(
             "SELECT run, run_id FROM runs").fetchall() if run in self.runs}

@@ -5,10 +5,10 @@ DuckDB's file lock lets only one process open the file, so hosts never touch it:
 own `cursor()`.
 
 Restart lineage lives in `attempts.rolled_back_from_step`, derived by the one rule
-(`audit.core.exposure.rolled_back_from`). Rows of an attempt at or after that step were rolled
+(`tally.audit.core.exposure.rolled_back_from`). Rows of an attempt at or after that step were rolled
 back; they stay in `consumption` (they prove whether the replay was exact) and the
 `effective_consumption` view leaves them out. The `consumption` and `metrics` columns come
-from audit.core.schema.
+from tally.audit.core.schema.
 """
 
 from __future__ import annotations
@@ -22,32 +22,32 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from audit.core.errors import TallyError
-from audit.core.exposure import effective_sql, rolled_back_from, rolled_back_sql, start_sql
-from audit.core.schema import (
+from tally.audit.core.errors import TallyError
+from tally.audit.core.exposure import effective_sql, rolled_back_from, rolled_back_sql, start_sql
+from tally.audit.core.schema import (
     LEDGER_PREFIX,
     LEDGER_SUFFIX,
     METRIC_COLUMNS,
     SEGMENT_COLUMNS_ALL,
     sql_columns,
 )
-from audit.hook.spool import replayed_sql
+from tally.audit.hook.spool import replayed_sql
 
 if TYPE_CHECKING:  # both import this module
-    from audit.ledger.aggregates import Aggregates
-    from audit.ledger.lookup import LookupIndex
+    from tally.audit.ledger.aggregates import Aggregates
+    from tally.audit.ledger.lookup import LookupIndex
 
 log = logging.getLogger("tally.lookup")
 
 SCHEMA_VERSION = 4
 
-# What tells the file ingested at a path from another put there later (audit.ledger.ingest):
+# What tells the file ingested at a path from another put there later (tally.audit.ledger.ingest):
 # its stat when ingested (unchanged: not read again), xxh3_64 of its Parquet footer, and its
-# spool id (audit.hook.spool). NULL in rows ingested before they were kept; a ledger made then
+# spool id (tally.audit.hook.spool). NULL in rows ingested before they were kept; a ledger made then
 # gets the columns at its first writable opening (readers that do not know them are unchanged).
 _IDENTITY_COLUMNS = (("mtime_ns", "BIGINT"), ("footer_hash", "UBIGINT"), ("spool_id", "VARCHAR"))
 _FILE_IDENTITY = ",\n    ".join(f"{name} {kind}" for name, kind in _IDENTITY_COLUMNS)
-# What the run's content hashes are taken over (pipeline.text.ContentBasis, JSON; NULL: the
+# What the run's content hashes are taken over (tally.pipeline.text.ContentBasis, JSON; NULL: the
 # run did not say), from its spool files' `tally.content_basis`. Added the same way: a ledger
 # made before it gets the column at its first writable opening; a read-only one without it
 # reads as NULL (`run_content_basis`).
@@ -253,8 +253,9 @@ class Ledger:
         self.path = Path(path)
         self.ledger_id: str | None = None
         # What this process derives from the ledger, made on first need and owned here: the
-        # per-record aggregates (audit.ledger.aggregates.for_ledger, dropped by their
-        # `invalidate`) and the lookup index (audit.ledger.lookup.for_ledger, flushed at close).
+        # per-record aggregates (tally.audit.ledger.aggregates.for_ledger, dropped by their
+        # `invalidate`) and the lookup index (tally.audit.ledger.lookup.for_ledger, flushed at
+        # close).
         self._aggregates: Aggregates | None = None
         self._lookup: LookupIndex | None = None
         if read_only and not self.path.exists():
@@ -338,7 +339,7 @@ class Ledger:
 
     def _ledger_id(self) -> str | None:
         """The ledger's random id (`meta`), which its state snapshots carry
-        (audit.ledger.snapshot); None in a read-only ledger made before ledgers had one."""
+        (tally.audit.ledger.snapshot); None in a read-only ledger made before ledgers had one."""
         row = one(self.con, "SELECT value FROM meta WHERE key = 'ledger_id'")
         return None if row is None else row[0]
 
@@ -347,7 +348,7 @@ class Ledger:
         return self.con.cursor()
 
     def close(self) -> None:
-        # The lookup index's runs still in memory go to disk (audit.ledger.lookup.flush): the
+        # The lookup index's runs still in memory go to disk (tally.audit.ledger.lookup.flush): the
         # next process then indexes none of those files again.
         index = self._lookup
         if index is not None:

@@ -31,15 +31,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tqdm import tqdm
 
-from audit.core.exposure import starts
-from audit.core.logs import info_line, terminal
-from audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS_ALL, sql_select
-from audit.hook import spool as sp
-from audit.hook.spool import BadFile, read_checked
-from audit.ledger import lookup
-from audit.ledger.aggregates import Aggregates, for_ledger
-from audit.ledger.database import Ledger
-from audit.ledger.state import Starts
+from tally.audit.core.exposure import starts
+from tally.audit.core.logs import info_line, terminal
+from tally.audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS_ALL, sql_select
+from tally.audit.hook import spool as sp
+from tally.audit.hook.spool import BadFile, read_checked
+from tally.audit.ledger import lookup
+from tally.audit.ledger.aggregates import Aggregates, for_ledger
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.state import Starts
 
 log = logging.getLogger("tally.ingest")
 
@@ -95,7 +95,7 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
            listing: list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]] | None = None,
            final: bool = False, stop: threading.Event | None = None) -> IngestResult:
     """Ingest every new published file under `spool` into `ledger`, exactly once, then write
-    the state snapshots that are due (audit.ledger.snapshot).
+    the state snapshots that are due (tally.audit.ledger.snapshot).
 
     `listing`: the spool's entries with their stat, when the caller has just scanned it (the
     live service); files among them already in the ledger are skipped all the same.
@@ -138,7 +138,7 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
                 continue  # known bad and unchanged: reported by `tally ledger`, not again here
             todo.append((item, st))
         # In step order across hosts (the listing is host by host): the per-record state
-        # settles record starts behind a watermark of the hosts' steps (audit.ledger.state),
+        # settles record starts behind a watermark of the hosts' steps (tally.audit.ledger.state),
         # and a backfill of a whole spool host by host would put every later host's files
         # below it.
         todo.sort(key=_step_order)
@@ -467,7 +467,8 @@ def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]
       its run, attempt and host from (`_reused`): a run id reused after its spool was removed,
       whatever the file's steps (the new training's later files would otherwise be appended to
       the old run).
-    - The same consumption twice (audit.hook.spool.first_repeat): a host's (attempt, step, row)
+    - The same consumption twice (tally.audit.hook.spool.first_repeat): a host's (attempt, step,
+    row)
       of a segment file, or (attempt, step, metric name) of a metric file, already ingested
       from another file or held by an earlier file of this batch. A copy under another
       sequence number, a link to a copy, or a writer restarted within its attempt would
@@ -592,7 +593,7 @@ def _insert_rows(cur, batch: list[_File], ids: list[int]) -> None:
     """The batch's rows, one INSERT a kind: the files' chunks side by side with their run,
     attempt and file id columns. One INSERT a file cost 2.6x as much for 128 hosts' files of
     ~13k rows (7.8M rows: 4.5 s against 1.7 s on this box). Their schemas are the contract's
-    exactly (audit.hook.spool.read_checked)."""
+    exactly (tally.audit.hook.spool.read_checked)."""
     for kind, (table, columns) in (("seg", ("consumption", SEGMENT_COLUMNS_ALL)),
                                    ("met", ("metrics", METRIC_COLUMNS))):
         files = [(f, fid) for f, fid in zip(batch, ids, strict=True) if f.item.kind == kind]

@@ -1,6 +1,6 @@
 """The background ingester: one thread of the service that owns the ledger, ingesting new spool
-files exactly once (audit.ledger.ingest) while request handlers read with their own cursors
-(audit.ledger.live)."""
+files exactly once (tally.audit.ledger.ingest) while request handlers read with their own cursors
+(tally.audit.ledger.live)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from audit.hook import spool as sp
-from audit.ledger.aggregates import for_ledger
-from audit.ledger.database import Ledger, ledger_error
-from audit.ledger.ingest import ingest
+from tally.audit.hook import spool as sp
+from tally.audit.ledger.aggregates import for_ledger
+from tally.audit.ledger.database import Ledger, ledger_error
+from tally.audit.ledger.ingest import ingest
 
 log = logging.getLogger("tally.ingest")
 SETTLE_S = 2.0  # longer than the coarsest file-system timestamp tick
@@ -47,7 +47,7 @@ class IngestLoop:
         self._visible: dict[str, float] = {}
         self._oldest_pending: float | None = None  # first listing of the oldest one pending
         # The backlog found at start is caught up with by the first round that ends without a
-        # stop; until then ingest_lag is not an alert (api.alerts) and the summary says so.
+        # stop; until then ingest_lag is not an alert (tally.api.alerts) and the summary says so.
         self._caught_up = False
         # Ingested paths -> their (bytes, mtime_ns) in the ledger (None: ingested before stats
         # were kept): skipped by the listing, but stat-ed on each full one, so that another

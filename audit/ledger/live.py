@@ -1,7 +1,7 @@
 """The live ledger: consistent snapshots and cached answers for a process that ingests while it
 answers (`tally serve`).
 
-One process owns the ledger. Its ingester commits batches of files (audit.ledger.ingest) while
+One process owns the ledger. Its ingester commits batches of files (tally.audit.ledger.ingest) while
 request threads read, each with its own cursor and each request inside one snapshot
 transaction, so an answer never includes half a file. Answers are cached per ledger version
 (the newest file id in the snapshot). A repeated request between two ingested batches is
@@ -18,7 +18,7 @@ with a writer at 100k rows/s and 4 clients, endpoint p99s of 190-690 ms, each ne
 answers computed by every client at once while the ingester held the GIL. Without an ingest
 loop (a ledger only read) every answer is of the request's own snapshot.
 
-The per-record state in memory (audit.ledger.state) must match the snapshot it is read with:
+The per-record state in memory (tally.audit.ledger.state) must match the snapshot it is read with:
 the ingester holds `Aggregates.lock` across its COMMIT and the state update, so a reader of that
 state pins its snapshot under the same lock (`read(..., locked=...)`).
 """
@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from audit.core.errors import TallyError
-from audit.ledger import lookup
-from audit.ledger import queries as q
-from audit.ledger.aggregates import Aggregates, for_ledger
-from audit.ledger.database import Ledger, one
+from tally.audit.core.errors import TallyError
+from tally.audit.ledger import lookup
+from tally.audit.ledger import queries as q
+from tally.audit.ledger.aggregates import Aggregates, for_ledger
+from tally.audit.ledger.database import Ledger, one
 
 log = logging.getLogger("tally.live")
 Spec = tuple[str | None, Callable[["Snap"], Any], bool, Callable[[int], Any] | None]
@@ -77,7 +77,8 @@ class LiveLedger:
     def __init__(self, ledger: Ledger, uni: q.Universe) -> None:
         self.ledger = ledger
         for_ledger(ledger)  # load the per-record state now, before the first request
-        self.lookup = lookup.for_ledger(ledger)  # the record lookup index (audit.ledger.lookup)
+        # the record lookup index (tally.audit.ledger.lookup)
+        self.lookup = lookup.for_ledger(ledger)
         self.uni = uni
         self.revalidate = False  # set by a service that ingests: see the module's docstring
         self._local = threading.local()

@@ -37,12 +37,12 @@ import duckdb
 import numpy as np
 import xxhash
 
-from audit.core.paths import atomic_write
+from tally.audit.core.paths import atomic_write
 
 log = logging.getLogger("tally.lookup")
 
 # Each kind's column, and the left shift that puts its values' bits at the top of 64 (keys are
-# below audit.core.schema.MAX_RECORD_KEY, 2^40; hashes fill 64 bits).
+# below tally.audit.core.schema.MAX_RECORD_KEY, 2^40; hashes fill 64 bits).
 KINDS = {"key": ("record_key", 24), "hash": ("content_hash", 0)}
 _KEY_LIMIT = 1 << 40
 FENCE = 4096  # values per fence entry: a lookup reads at most 8 pages of a run
@@ -76,7 +76,7 @@ class Run:
     that one plain sort orders them, with no index arrays to gather, and a pair takes 8 bytes.
     A record key fits whole (40 bits) while a run spans at most 2^24 file ids; a content hash
     keeps its top 64 - width bits. A code names the files whose rows *may* hold the value: a
-    lookup reads only those files' rows and filters them by the exact value (audit.ledger.
+    lookup reads only those files' rows and filters them by the exact value (tally.audit.ledger.
     queries.record), so a shared prefix costs a few rows read, never a wrong answer."""
 
     kind: str
@@ -304,8 +304,8 @@ class LookupIndex:
 
 
 def for_ledger(ledger) -> LookupIndex:
-    """The lookup index of a writable ledger, opened once per process (audit.ledger.ingest
-    keeps it up to date; audit.ledger.queries.record reads it)."""
+    """The lookup index of a writable ledger, opened once per process (tally.audit.ledger.ingest
+    keeps it up to date; tally.audit.ledger.queries.record reads it)."""
     index = ledger._lookup
     if index is None:
         cur = ledger.cursor()

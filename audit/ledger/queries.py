@@ -2,7 +2,7 @@
 transaction), returning JSON-able dicts. They read the `agg_*` tables kept at ingest
 (audit/ledger/aggregates.py), never a scan of `consumption`, except the per-record lookups.
 
-Rolled-back steps are left out with the ledger's rule (audit.core.exposure.effective_sql).
+Rolled-back steps are left out with the ledger's rule (tally.audit.core.exposure.effective_sql).
 Coverage is over a universe of N train records (record keys 0..N-1: the manifest's train split,
 which comes first in key order, or `--records N`); keys >= N are counted apart as `outside`.
 """
@@ -17,13 +17,13 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from audit.core import exposure
-from audit.core.arrays import ranks
-from audit.core.errors import NotFound, Unavailable
-from audit.core.exposure import Coverage, effective_sql, start_sql
-from audit.hook.spool import FINISHED, replayed_run, replayed_sql
-from audit.ledger.database import one
-from audit.ledger.lookup import LookupIndex
+from tally.audit.core import exposure
+from tally.audit.core.arrays import ranks
+from tally.audit.core.errors import NotFound, Unavailable
+from tally.audit.core.exposure import Coverage, effective_sql, start_sql
+from tally.audit.hook.spool import FINISHED, replayed_run, replayed_sql
+from tally.audit.ledger.database import one
+from tally.audit.ledger.lookup import LookupIndex
 
 EFFECTIVE = effective_sql("s", "a")  # over agg_steps s JOIN attempts a
 REPLAYED = replayed_sql("a")  # over ... JOIN attempts a: written by `tally replay`
@@ -84,8 +84,8 @@ def runs(cur: duckdb.DuckDBPyConnection, limit: int | None = None,
 
 def replayed_of(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     """Whether `tally replay` wrote the run's consumption rather than the run: its segment
-    files of replayed attempts (audit.hook.spool.replayed_sql), of all its segment files, and
-    `replayed` when that is every one (audit.hook.spool.replayed_run), as a reconcile of the
+    files of replayed attempts (tally.audit.hook.spool.replayed_sql), of all its segment files, and
+    `replayed` when that is every one (tally.audit.hook.spool.replayed_run), as a reconcile of the
     run's spool counts them."""
     k, n = one(cur, f"""SELECT count(*) FILTER (WHERE {REPLAYED}), count(*)
                         FROM segments f JOIN attempts a USING (run, attempt)
@@ -222,7 +222,7 @@ def hosts(cur: duckdb.DuckDBPyConnection, run: int) -> dict[str, Any]:
     unique records, records shared with another host; and the host x host overlap matrix, its
     rows and columns in `per_host`'s order. Sized by the hosts that exist, never by a host's
     number (one file of host 65,535 sized it 65,536 x 65,536: 32 GiB). Exact at any host
-    count: the per-record state keeps every record's hosts (audit.ledger.state), so the agg
+    count: the per-record state keeps every record's hosts (tally.audit.ledger.state), so the agg
     tables hold every pair."""
     per = {r[0]: r[1:] for r in cur.execute(f"""
         SELECT s.host, coalesce(sum(s.segments) FILTER (WHERE {EFFECTIVE}), 0),

@@ -1,6 +1,6 @@
 """A map from record keys to small sets of integers, for millions of keys, in numpy.
 
-The per-record state (audit.ledger.state) keeps what does not fit a record's 8-byte row here:
+The per-record state (tally.audit.ledger.state) keeps what does not fit a record's 8-byte row here:
 the hosts of records on three or more hosts, the epochs of records seen outside the row's epoch
 window. A Python dict of them cost ~100 bytes a record and Python work per record (measured
 with bench/state_size.py: 107 bytes a record on 3+ hosts, and a restore of 2.7M entries took
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from audit.core.arrays import spans
+from tally.audit.core.arrays import spans
 
 MERGE_RATIO = 4
 

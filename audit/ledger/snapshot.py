@@ -1,7 +1,7 @@
 """Snapshots of the per-record live state, so that a restart does not rebuild it.
 
 The ingesting process keeps one row per record key of each run in memory
-(audit.ledger.state); rebuilding it replays every segment file of the ledger through the
+(tally.audit.ledger.state); rebuilding it replays every segment file of the ledger through the
 ingest's path (66 s at 100M rows from 128 hosts on the 2-core box, 825 s at 500M). A snapshot
 is that state written next to the ledger, `<ledger>.state/run-<run>.state`, one file per run:
 
@@ -24,7 +24,7 @@ Read by `open_snapshot`: every check above, the checksum over the file, then the
 mapped copy-on-write (np.memmap mode "c"): the pages read for the checksum are the page cache
 that backs the mapping, so a restore holds no second copy of the state, and rows the ingester
 changes afterwards become private pages that never reach the file. What catch-up does with a
-snapshot that is behind the ledger is audit.ledger.aggregates' business.
+snapshot that is behind the ledger is tally.audit.ledger.aggregates' business.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import duckdb
 import numpy as np
 import xxhash
 
-from audit.core.paths import atomic_write, fsync_dir
+from tally.audit.core.paths import atomic_write, fsync_dir
 
 log = logging.getLogger("tally.state")
 

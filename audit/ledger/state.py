@@ -1,5 +1,5 @@
 """Per-record live state: what the ingesting process keeps in memory for every record key of a
-run, so that each batch of files updates the aggregates by what it touches (audit.ledger.
+run, so that each batch of files updates the aggregates by what it touches (tally.audit.ledger.
 aggregates).
 
 Eight bytes a record key (COMPACT): a saturating exposure level, a few flags, the record's
@@ -7,7 +7,7 @@ epochs 0..15 as a bit mask and its hosts in four bytes, laid out by the run's la
 (HostLayout): a mask while it is below 32, four one-byte slots below 255, else two two-byte
 slots. Whatever does not fit lives in three sparse maps beside the rows, exact: the exposures
 of records seen 255+ times, the host sets of records on more hosts than the row has slots and
-the epoch sets of records seen in an epoch outside 0..15 (the sets in audit.ledger.setmap). A
+the epoch sets of records seen in an epoch outside 0..15 (the sets in tally.audit.ledger.setmap). A
 record is on about as many hosts as it has exposures, so four slots hold every record of a
 healthy run of up to four epochs on 128 hosts (two slots put 99.6% of those of a 3.85-epoch
 run in the map: 40 bytes a record, bench/state_size.py) and a loader's faults leave few beyond
@@ -23,7 +23,7 @@ table (`pending`, typically the last seconds of training), and a step below W re
 already counted. A new start then lands after every settled one, so its rank is known without
 the steps before it. A start that arrives below W anyway (a file late or out of order) and a
 restart that rolls rows back are the exceptions: their records are recomputed from the ledger
-(audit.ledger.aggregates), exact either way.
+(tally.audit.ledger.aggregates), exact either way.
 
 Before, one 48-byte row a record kept the three earliest steps, a 64-bit host mask and a
 64-bit epoch mask: 216 GB at 4.5B records, and no overlap past host 63.
@@ -37,9 +37,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import spans
-from audit.core.exposure import effective_before, starts
-from audit.ledger.setmap import SetMap
+from tally.audit.core.arrays import spans
+from tally.audit.core.exposure import effective_before, starts
+from tally.audit.ledger.setmap import SetMap
 
 NO_STEP = np.iinfo(np.int64).max  # fewer than three exposures: steps are int64 end to end
 SETTLED = np.iinfo(np.int64).min  # an exposure below the watermark, already counted
@@ -517,7 +517,7 @@ class RunState:
 
     @classmethod
     def over(cls, rows: np.ndarray, top: int) -> RunState:
-        """A state over existing rows (a snapshot's mapping, audit.ledger.snapshot): they are
+        """A state over existing rows (a snapshot's mapping, tally.audit.ledger.snapshot): they are
         neither copied nor read until used."""
         return cls(size=len(rows), data=rows, top=top)
 
@@ -900,7 +900,7 @@ class RunState:
                 flags[pk[~live]] &= np.uint8(~PENDING & 0xFF)
         self.pending = runs
 
-    # ---- persistence (audit.ledger.snapshot) -----------------------------------------------
+    # ---- persistence (tally.audit.ledger.snapshot) -----------------------------------------------
     def extra(self) -> dict[str, np.ndarray]:
         """Everything beside the rows, as arrays."""
         pending = self._pending_table()

@@ -9,11 +9,11 @@ __all__ = ["diff", "exposure"]
 
 def __getattr__(name: str) -> Any:  # lazy: the live answers load without Beam
     if name == "diff":
-        from audit.posthoc.diff import diff
+        from tally.audit.posthoc.diff import diff
 
         return diff
     if name == "exposure":
-        from audit.posthoc.exposure import exposure
+        from tally.audit.posthoc.exposure import exposure
 
         return exposure
-    raise AttributeError(f"module 'audit.posthoc' has no attribute {name!r}")
+    raise AttributeError(f"module 'tally.audit.posthoc' has no attribute {name!r}")

@@ -1,13 +1,14 @@
 """The post-hoc answers of the live API, from the ledger the service owns: plain functions over
-a cursor inside the caller's snapshot (audit.ledger.live), in the style of audit.ledger.queries.
+a cursor inside the caller's snapshot (tally.audit.ledger.live), in the style of
+tally.audit.ledger.queries.
 
 `diff`: two runs of one ledger side by side. Per-record exposures come from the per-record
-state the service keeps (audit.ledger.state, copied under its lock), the per-step counts from
+state the service keeps (tally.audit.ledger.state, copied under its lock), the per-step counts from
 `agg_steps`, and every exposure's (step, record) from one pass over the two runs' effective
 record starts in the ledger, so every step is compared exactly (the state keeps no step per
 record: it costs what a scan of the two runs costs, once per ledger version). Windows of steps
 stand in for epochs. The numbers and findings have the shape of `tally diff`'s diff.json
-(audit.posthoc.diff_report).
+(tally.audit.posthoc.diff_report).
 
 `exposure`: posted content hashes matched to the manifest's records, and the run's exposures of
 them (one scan of the run's consumption, as the record lookup does).
@@ -20,13 +21,13 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from audit.core.exposure import Coverage, start_sql, verdict
-from audit.ledger import queries as q
-from audit.posthoc import exposure as ex
-from audit.posthoc.diff_bucket import RUNS
-from audit.posthoc.diff_report import findings
-from audit.posthoc.multiset import KEY_BITS, compare_groups, dense_codes, jaccard
-from audit.reconcile.html import step_or_none
+from tally.audit.core.exposure import Coverage, start_sql, verdict
+from tally.audit.ledger import queries as q
+from tally.audit.posthoc import exposure as ex
+from tally.audit.posthoc.diff_bucket import RUNS
+from tally.audit.posthoc.diff_report import findings
+from tally.audit.posthoc.multiset import KEY_BITS, compare_groups, dense_codes, jaccard
+from tally.audit.reconcile.html import step_or_none
 
 MAX_HASHES = 10_000  # documents per exposure request
 WINDOWS = 20

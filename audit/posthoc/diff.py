@@ -1,10 +1,10 @@
 """The diff job (Beam): did two runs consume the same records, step by step?
 
-Each run is read as reconcile reads one (audit.reconcile.job.ReadConsumption: spool files or a
+Each run is read as reconcile reads one (tally.audit.reconcile.job.ReadConsumption: spool files or a
 ledger export, restart lineage applied, effective rows cut into record-key bucket files), with
 the same bucket layout for both runs, sized for both runs' rows. Each bucket then joins A's and
 B's slices with the bucket's manifest rows (CoGroupByKey on the bucket number, no side input)
-and compares them with numpy (audit.posthoc.diff_bucket). Partials are typed and merged by the
+and compares them with numpy (tally.audit.posthoc.diff_bucket). Partials are typed and merged by the
 driver, with the same checks as reconcile: every effective row and bucket slice of both runs
 reached the join, no bucket was delivered twice with different values. Only Create, ParDo,
 GroupByKey and Flatten: FnApiRunner, Dask and the other Beam runners take it alike.
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import apache_beam as beam
 
-from audit.core.errors import TallyError
-from audit.posthoc import diff_bucket
-from audit.posthoc.diff_bucket import RUNS, DiffPartial
-from audit.posthoc.sources import RunSource, inputs
-from audit.reconcile import buckets
-from audit.reconcile.job import (
+from tally.audit.core.errors import TallyError
+from tally.audit.posthoc import diff_bucket
+from tally.audit.posthoc.diff_bucket import RUNS, DiffPartial
+from tally.audit.posthoc.sources import RunSource, inputs
+from tally.audit.reconcile import buckets
+from tally.audit.reconcile.job import (
     ReadConsumption,
     load_partials,
     manifest_bucket,
@@ -32,8 +32,8 @@ from audit.reconcile.job import (
     save_partials,
     write_part,
 )
-from audit.reconcile.partials import Partial, merge_all
-from audit.reconcile.plan import (
+from tally.audit.reconcile.partials import Partial, merge_all
+from tally.audit.reconcile.plan import (
     MAX_RUN_STEPS,
     Plan,
     bucket_records_for,
@@ -41,7 +41,7 @@ from audit.reconcile.plan import (
     chunks,
     make_plan,
 )
-from pipeline.runners import RunnerSpec, pipeline
+from tally.pipeline.runners import RunnerSpec, pipeline
 
 WINDOWS = 20  # windows of steps when --window is not given: about this many over the runs
 
@@ -79,7 +79,7 @@ class DiffPlan:
 def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Path, *,
                    at_step: int | None = None, window: int | None = None,
                    bucket_records: int | None = None, memory_gb: float = 3.0) -> DiffPlan:
-    from pipeline.manifest_file import manifest_info
+    from tally.pipeline.manifest_file import manifest_info
 
     info = manifest_info(manifest)
     found = {r: inputs(src, work, f"export-{r}") for r, src in sources.items()}
@@ -179,7 +179,7 @@ def diff(*, a: RunSource, b: RunSource, manifest: str | Path, out: str | Path,
          runner: RunnerSpec | None = None, bucket_records: int | None = None,
          memory_gb: float = 3.0) -> dict:
     """Two runs -> plan -> Beam job -> diff files in `out`; returns diff.json's content."""
-    from audit.posthoc import diff_report
+    from tally.audit.posthoc import diff_report
 
     if not Path(manifest).exists():
         raise TallyError(f"no manifest at {manifest}")

@@ -2,7 +2,7 @@
 compared per record, per step, per window of steps and per epoch, as a typed partial
 (`DiffPartial`) and a per-record table. Numpy over the bucket's columns; no per-row objects.
 
-The unit everywhere is the exposure (audit.core.exposure: an effective record start). A step's
+The unit everywhere is the exposure (tally.audit.core.exposure: an effective record start). A step's
 records are the multiset of records whose starts it consumed; per record, an exposure count in
 each run. Per-record numbers cover the manifest's records (train and held out); keys outside
 the manifest are counted apart (`unknown_*`) but take part in the step, window and epoch
@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import distinct
-from audit.posthoc.multiset import compare_groups, dense_codes
-from audit.reconcile.bucket_stats import bincount
-from audit.reconcile.partials import EXAMPLES, Mergeable, Partial, merged_by, summed
+from tally.audit.core.arrays import distinct
+from tally.audit.posthoc.multiset import compare_groups, dense_codes
+from tally.audit.reconcile.bucket_stats import bincount
+from tally.audit.reconcile.partials import EXAMPLES, Mergeable, Partial, merged_by, summed
 
 RUNS = ("a", "b")
 _STRING = pa.dictionary(pa.int32(), pa.string())
@@ -69,7 +69,7 @@ class DiffPartial(Mergeable):
     unknown_keys: dict[str, int] = summed(dict)  # distinct keys beyond the manifest exposed
     unknown_exposures: dict[str, int] = summed(dict)
 
-    # ---- groups compared (audit.posthoc.multiset.GroupComparison's fields, as arrays) ----
+    # ---- groups compared (tally.audit.posthoc.multiset.GroupComparison's fields, as arrays) ----
     steps: dict[str, np.ndarray] = summed(dict)
     windows: dict[str, np.ndarray] = summed(dict)
     epochs: dict[str, np.ndarray] = summed(dict)  # starts of a known epoch (>= 0) only
@@ -105,7 +105,7 @@ def _starts(man: dict | None, c: dict[str, np.ndarray], base: int) -> dict[str, 
 def compute(man: dict | None, rows: dict[str, dict[str, np.ndarray]], base: int,
             window: int, first_step: int = 0) -> tuple[DiffPartial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `rows[r]`: run r's
-    effective rows in this bucket (audit.reconcile.buckets), steps counted from `first_step`
+    effective rows in this bucket (tally.audit.reconcile.buckets), steps counted from `first_step`
     (the first step of either run); `base`: the bucket's first key; `window`: steps per
     window. Returns the bucket's partial and its per-record table."""
     st = {r: _starts(man, rows[r], base) for r in RUNS}

@@ -1,5 +1,5 @@
 """The diff's results: diff.json (versioned, documented in docs/DESIGN.md, "Diff"), Parquet
-tables, one self-contained diff.html (audit.posthoc.diff_html) and a short terminal summary.
+tables, one self-contained diff.html (tally.audit.posthoc.diff_html) and a short terminal summary.
 
 A step is *identical* when both runs consumed the same multiset of records at it (record starts,
 the project's exposures) and the same number of segments and tokens. The runs are:
@@ -21,15 +21,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.core import exposure
-from audit.core.exposure import Coverage, Findings, verdict
-from audit.hook.spool import replayed_run
-from audit.posthoc.diff_bucket import RUNS, DiffPartial
-from audit.posthoc.multiset import jaccard
-from audit.provenance import plan_fingerprint, provenance
-from audit.reconcile.partials import Partial
-from audit.reconcile.report import files_left_out, json_default
-from audit.reconcile.verdict import basis_differences, left_out_findings, plural
+from tally.audit.core import exposure
+from tally.audit.core.exposure import Coverage, Findings, verdict
+from tally.audit.hook.spool import replayed_run
+from tally.audit.posthoc.diff_bucket import RUNS, DiffPartial
+from tally.audit.posthoc.multiset import jaccard
+from tally.audit.provenance import plan_fingerprint, provenance
+from tally.audit.reconcile.partials import Partial
+from tally.audit.reconcile.report import files_left_out, json_default
+from tally.audit.reconcile.verdict import basis_differences, left_out_findings, plural
 
 DIFF_VERSION = 1
 STATUS = ("identical", "same_data_other_order", "different")
@@ -54,7 +54,7 @@ def _first(mask: np.ndarray) -> int | None:
 
 
 def build(plan: Any, m: DiffPartial) -> tuple[dict[str, Any], dict[str, pa.Table]]:
-    """diff.json's content and the tables, from the plan (audit.posthoc.diff.DiffPlan) and the
+    """diff.json's content and the tables, from the plan (tally.audit.posthoc.diff.DiffPlan) and the
     job's merged partials."""
     layout = plan.layout
     n = layout.train_records
@@ -320,7 +320,7 @@ def findings(d: dict[str, Any]) -> list[dict[str, Any]]:
 
 def write(report: dict, tables: dict[str, pa.Table], out: Path) -> None:
     """diff.json, diff.html and the tables (records/ is written by the job)."""
-    from audit.posthoc.diff_html import render_html
+    from tally.audit.posthoc.diff_html import render_html
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "diff.json").write_text(json.dumps(report, indent=2, default=json_default))

@@ -1,12 +1,13 @@
 """Was this trained on? Documents matched to corpus records by exact content hash, and how
 often each run consumed those records (exposures: effective record starts,
-audit.core.exposure), at which steps, on which hosts, in which epochs.
+tally.audit.core.exposure), at which steps, on which hosts, in which epochs.
 
-A document is identified by its content: its tokens' content hash (audit.core.hashing), given
+A document is identified by its content: its tokens' content hash (tally.audit.core.hashing), given
 as a corpus directory in Tally's formats (hashed here), or as a Parquet file with a
 `content_hash` column, a `record_key` column (the manifest says those records' hashes) or a
 `tokens` column. Documents given as text (JSON lines, plain or compressed, or Parquet with a text
-column) are hashed under the manifest's content basis (pipeline.text): their UTF-8 bytes, or the
+column) are hashed under the manifest's content basis (tally.pipeline.text): their UTF-8 bytes, or
+the
 token ids of the manifest's own tokenizer with its settings (`text_hashes`). A document matches
 every corpus record with its hash: one that equals several records (exact duplicates in the
 corpus) matches them all, and their exposures add up; each matched record is named by its
@@ -35,9 +36,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from audit.core.arrays import distinct
-from audit.core.errors import TallyError
-from audit.core.exposure import (
+from tally.audit.core.arrays import distinct
+from tally.audit.core.errors import TallyError
+from tally.audit.core.exposure import (
     Findings,
     effective,
     effective_sql,
@@ -45,7 +46,7 @@ from audit.core.exposure import (
     start_sql,
     starts,
 )
-from audit.hook.spool import BadFile, read_checked, replayed_run
+from tally.audit.hook.spool import BadFile, read_checked, replayed_run
 
 EXPOSURE_VERSION = 1
 DOC_CHUNK = 65_536  # documents hashed per read
@@ -83,7 +84,7 @@ class ManifestHashes:
     split: pa.DictionaryArray
     domain: pa.DictionaryArray
     doc_id: pa.Array | None = None  # the corpus' own id of each record (None: no column)
-    content_basis: str = ""  # the manifest's (pipeline.text.ContentBasis JSON; "": token ids)
+    content_basis: str = ""  # the manifest's (tally.pipeline.text.ContentBasis JSON; "": token ids)
 
     @classmethod
     def load(cls, path: str | Path) -> ManifestHashes:
@@ -128,7 +129,7 @@ class ManifestHashes:
 @functools.lru_cache(maxsize=4)
 def _load_hashes(path: str, mtime_ns: int, size: int) -> ManifestHashes:
     # Cached per file version: the live service loads a manifest once, not per request.
-    from pipeline.manifest_file import manifest_info
+    from tally.pipeline.manifest_file import manifest_info
 
     info = manifest_info(path)
     has_ids = "doc_id" in pq.read_schema(path).names  # manifests before text corpora: none
@@ -179,11 +180,11 @@ def parse_hashes(values: list[Any], where: str) -> np.ndarray:
 
 
 def text_hasher(manifest: ManifestHashes, tokenizer: str | os.PathLike | None = None) -> Any:
-    """A pipeline.text.TextHasher that hashes text as the manifest hashed its documents: their
+    """A tally.pipeline.text.TextHasher that hashes text as the manifest hashed its documents: their
     UTF-8 bytes, or the token ids of the manifest's own tokenizer (`tokenizer`, whose
     fingerprint must be the manifest's) with the manifest's settings (BOS/EOS, special tokens,
     token limit, read from its `tally.content_basis`). TallyError, in one line, otherwise."""
-    from pipeline.text import BYTES, TOKEN_IDS, ContentBasis, TextHasher
+    from tally.pipeline.text import BYTES, TOKEN_IDS, ContentBasis, TextHasher
 
     basis = ContentBasis.from_json(manifest.content_basis, f"manifest {manifest.path}")
     if basis.kind == TOKEN_IDS:
@@ -210,8 +211,8 @@ def text_hasher(manifest: ManifestHashes, tokenizer: str | os.PathLike | None = 
 
 
 def _text_format(p: Path) -> Any:
-    """The pipeline.formats module that reads `p` as text documents (None: neither)."""
-    from pipeline.formats import jsonl, parquet_text
+    """The tally.pipeline.formats module that reads `p` as text documents (None: neither)."""
+    from tally.pipeline.formats import jsonl, parquet_text
 
     return next((m for m in (jsonl, parquet_text) if m.matches(p)), None)
 
@@ -220,9 +221,9 @@ def load_text_documents(p: Path, manifest: ManifestHashes, *, text_field: str = 
                         id_field: str = "id", tokenizer: str | os.PathLike | None = None
                         ) -> Documents:
     """Documents given as text (JSON lines, plain or compressed, or Parquet with a text
-    column), read by pipeline.formats and hashed under the manifest's basis (text_hasher),
+    column), read by tally.pipeline.formats and hashed under the manifest's basis (text_hasher),
     DOC_CHUNK at a time. Each document keeps its own id (`id_field`; absent: None)."""
-    from pipeline.formats import Fields, jsonl
+    from tally.pipeline.formats import Fields, jsonl
 
     hasher = text_hasher(manifest, tokenizer)
     fmt = _text_format(p)
@@ -244,7 +245,7 @@ def load_documents(path: str | Path, manifest: ManifestHashes, *, text_field: st
     """The documents of a corpus directory (every shard, hashed), of a Parquet file with a
     `content_hash`, `record_key` or `tokens` column, or given as text: JSON lines (`.jsonl`,
     `.json`, gzip or zstandard) or Parquet with a `text_field` column (load_text_documents)."""
-    from pipeline.corpus import hash_range, list_shards
+    from tally.pipeline.corpus import hash_range, list_shards
 
     p = Path(path)
     if p.is_dir():  # read in ranges: a shard's tokens need not fit in memory at once
@@ -278,7 +279,7 @@ def _not_text(docs: Documents, tokenizer: str | os.PathLike | None) -> Documents
 
 def _hashed_parquet(p: Path, names: list[str], manifest: ManifestHashes) -> Documents:
     """Documents of a Parquet file by content_hash, record_key or tokens column."""
-    from pipeline.corpus import hash_range
+    from tally.pipeline.corpus import hash_range
     if "content_hash" in names:
         col = pq.read_table(p, columns=["content_hash"])["content_hash"].combine_chunks()
         if col.null_count:
@@ -304,7 +305,7 @@ def _hashed_parquet(p: Path, names: list[str], manifest: ManifestHashes) -> Docu
         h[known] = manifest.content_hash.to_numpy()[keys[known]]
         return Documents(str(p), "parquet", "record_key", h, known)
     if "tokens" in names:  # a corpus shard on its own
-        from pipeline.corpus import Shard
+        from tally.pipeline.corpus import Shard
 
         n = pq.read_metadata(p).num_rows
         shard = Shard(p, "parquet", "train", n, 0)
@@ -322,8 +323,8 @@ def load_document_tokens(path: str | Path, eos: int, manifest: ManifestHashes
     lengths, from a Parquet file's `tokens` column (a trailing EOS token dropped) or a corpus
     directory; from a `content_hash` column, hashes only (every document of the mix is then
     hashed to compare)."""
-    from audit.core.hashing import hash_runs
-    from pipeline.corpus import hash_range, list_shards
+    from tally.audit.core.hashing import hash_runs
+    from tally.pipeline.corpus import hash_range, list_shards
 
     p = Path(path)
     if p.is_dir():
@@ -397,12 +398,12 @@ def consumed_in_ledger(cur: duckdb.DuckDBPyConnection, run: int,
 def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
                       workers: int | None = None) -> tuple[pa.Table, dict[str, Any], bool]:
     """The same from a run's published spool files (restart lineage applied); the files left
-    out, as reconcile counts them (audit.reconcile.report.files_left_out: entries that are not
+    out, as reconcile counts them (tally.audit.reconcile.report.files_left_out: entries that are not
     spool files and files that fail their checks are unreadable, repeats of a host-step are
     duplicates); and whether `tally replay` wrote the run's files
-    (audit.hook.spool.replayed_run)."""
-    from audit.reconcile.plan import spool_inputs
-    from audit.reconcile.report import files_left_out
+    (tally.audit.hook.spool.replayed_run)."""
+    from tally.audit.reconcile.plan import spool_inputs
+    from tally.audit.reconcile.report import files_left_out
 
     listed = spool_inputs(spool, run_id)
     files, attempts = listed.files, listed.attempts
@@ -536,11 +537,11 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
 
     With `eos_token_id`, the manifest is an OLMo mix's (built from its index) and a document
     matches the instances that hold its tokens: every run of tokens between two EOS tokens of
-    the mix with the document's content (`pipeline.olmo.find_documents`)."""
-    from audit.ledger.database import Ledger
-    from audit.ledger.queries import quarantined_of, replayed_of, run_of
-    from audit.reconcile.report import files_left_out
-    from audit.reconcile.verdict import left_out_findings
+    the mix with the document's content (`tally.pipeline.olmo.find_documents`)."""
+    from tally.audit.ledger.database import Ledger
+    from tally.audit.ledger.queries import quarantined_of, replayed_of, run_of
+    from tally.audit.reconcile.report import files_left_out
+    from tally.audit.reconcile.verdict import left_out_findings
 
     if (spool is None) == (ledger is None):
         raise TallyError("give exactly one of --spool or --ledger")
@@ -637,8 +638,8 @@ def _inside_mix(manifest: ManifestHashes, docs: str | Path, eos: int
                 ) -> tuple[Documents, np.ndarray, np.ndarray, np.ndarray]:
     """(documents, document index, record key, occurrences per document) of documents found
     as runs of tokens between EOS tokens in the OLMo mix the manifest was built from."""
-    from pipeline.manifest_file import manifest_info
-    from pipeline.olmo import find_documents, load_index
+    from tally.pipeline.manifest_file import manifest_info
+    from tally.pipeline.olmo import find_documents, load_index
 
     mix = manifest_info(manifest.path).get("olmo_index")
     if not mix:

@@ -1,9 +1,9 @@
 """Two runs' record multisets compared group by group (a group is a step, an epoch or a window
 of steps), with numpy over columns: one sort of both runs' (group, key) pairs together.
 
-The diff job (audit.posthoc.diff) runs it on each record-key bucket, where the keys of a group
+The diff job (tally.audit.posthoc.diff) runs it on each record-key bucket, where the keys of a group
 are split across buckets, so every result is a count that sums over buckets; the live answer
-(audit.posthoc.answers) runs it once over the per-record state.
+(tally.audit.posthoc.answers) runs it once over the per-record state.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pre-flight: is it safe to resume a run from a checkpoint on another topology?
 
-The check shadow-runs the training loader builder (`pipeline.shadow`) for every new host from
+The check shadow-runs the training loader builder (`tally.pipeline.shadow`) for every new host from
 the checkpointed loader state, over a horizon (default: to the end of the current epoch, at
 most 1000 steps), and compares the plan with what the ledger says the run already consumed:
 
@@ -10,7 +10,8 @@ most 1000 steps), and compares the plan with what the ledger says the run alread
 - when the horizon reaches the end of the epoch, consumed plus planned covers the epoch;
 - the global batch is unchanged, and the loader state is compatible with the new loader.
 
-A new host h restores the state of old host `h % old_hosts` (`pipeline.loader.state_for_host`),
+A new host h restores the state of old host `h % old_hosts`
+(`tally.pipeline.loader.state_for_host`),
 the transfer a trainer does when the host count changes. A state the loader would refuse is
 restored anyway in the shadow, so the verdict can say what forcing it would do.
 
@@ -30,22 +31,22 @@ from typing import Any
 
 import numpy as np
 
-from audit.core.arrays import distinct
-from audit.core.errors import NotFound, TallyError
-from audit.core.exposure import effective_sql, start_sql
-from audit.ledger.database import Ledger, one
-from audit.preflight.verdict import PreflightVerdict
-from pipeline.loader import KeyedLoader, LoaderConfig, compatibility, explain, state_for_host
-from pipeline.progress import Progress
-from pipeline.shadow import Cancelled, ShadowSource, default_workers, shadow_run
+from tally.audit.core.arrays import distinct
+from tally.audit.core.errors import NotFound, TallyError
+from tally.audit.core.exposure import effective_sql, start_sql
+from tally.audit.ledger.database import Ledger, one
+from tally.audit.preflight.verdict import PreflightVerdict
+from tally.pipeline.loader import KeyedLoader, LoaderConfig, compatibility, explain, state_for_host
+from tally.pipeline.progress import Progress
+from tally.pipeline.shadow import Cancelled, ShadowSource, default_workers, shadow_run
 
 DEFAULT_MAX_HORIZON = 1000
 def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
-    """The JSON `meta` item of an orbax checkpoint (trainer.checkpoint): of the latest step of
+    """The JSON `meta` item of an orbax checkpoint (tally.trainer.checkpoint): of the latest step of
     a checkpoint directory, or of one step's directory."""
     import orbax.checkpoint as ocp
 
-    from audit.core import logs
+    from tally.audit.core import logs
 
     path = Path(path)
     if not path.is_dir():
@@ -384,7 +385,7 @@ def check_and_record(ledger_path: str | Path, spool: str | Path, run_id: str,
     """For a resume on a new topology where no service owns the ledger: bring the ledger up to
     date with the spool, run the check, and record the verdict (with `forced` when the caller
     resumes against it)."""
-    from audit.ledger.ingest import ingest
+    from tally.audit.ledger.ingest import ingest
 
     with Ledger(ledger_path) as ledger:
         ingest(spool, ledger)

@@ -4,23 +4,24 @@ The new topology's loaders come from the user's own factory, FUNCTION(host, host
 relaunched job would build them, started where it would start them: restored from the loader
 states the run checkpointed (`--states`), or fresh with their first batch at `--at-step` (a
 sampler resumed by its own start offset, MaxText's `initial_step`). Which planner reads the
-plan follows from the loader the factory returns (`pipeline.replay.loader_kind`), each from the
+plan follows from the loader the factory returns (`tally.pipeline.replay.loader_kind`), each from
+the
 tool's own contract exactly as replay reads it; nothing of the pipeline runs and no record is
 read, so a plan of 64 hosts x 1,000 steps takes seconds:
-- Grain: the index contract (`pipeline.grain_attach`); states `process_<i>-of-<n>.json`, new
+- Grain: the index contract (`tally.pipeline.grain_attach`); states `process_<i>-of-<n>.json`, new
   host h taking old host h % n's (the transfer a job does when the host count changes).
 - torch DataLoader / torchdata StatefulDataLoader (any sampler): the batch sampler drawn alone
-  (`pipeline.loaders.torch_loader.index_batches`, torchdata's own restore of a saved state);
+  (`tally.pipeline.loaders.torch_loader.index_batches`, torchdata's own restore of a saved state);
   states `dataloader_<i>-of-<n>.json|.pt`, new host h restoring old host h % n's as the job's
   `load_state_dict` would. A StatefulDistributedSampler's saved offset counts the old rank's
   own samples, so restored on another world size it repeats (fewer ranks) or skips (more).
-- MosaicML Streaming: streaming's own partition (`pipeline.loaders.mosaic.batches`) on the new
+- MosaicML Streaming: streaming's own partition (`tally.pipeline.loaders.mosaic.batches`) on the new
   ranks (`--ranks-per-node`), from the one global state `streaming.json` (streaming re-partitions
   a saved sample offset elastically, keeping num_canonical_nodes) or fresh at `--at-step`.
-- litdata: litdata's own plan (`pipeline.loaders.litdata_loader.batches`), new rank h built
+- litdata: litdata's own plan (`tally.pipeline.loaders.litdata_loader.batches`), new rank h built
   under litdata's env vars and restored from old rank h % n's `litdata_<i>-of-<n>.json` (the
   ranks' states are equal; on another topology litdata's elastic restripe), or fresh.
-- OLMo-core: its own order (`pipeline.loaders.olmo_core.planned_keys`) on the new dp ranks,
+- OLMo-core: its own order (`tally.pipeline.loaders.olmo_core.planned_keys`) on the new dp ranks,
   rank r restoring the Trainer checkpoint's `train/rank<r>.pt` (else rank0.pt) as its
   Checkpointer does, at the state's global_step, or fresh at `--at-step`.
 The planners differ; the check does not.
@@ -54,11 +55,11 @@ from typing import Any
 
 import numpy as np
 
-from audit.core.errors import TallyError
-from audit.core.exposure import effective_sql, start_sql
-from audit.ledger.database import Ledger, one
-from audit.preflight.verdict import PreflightVerdict
-from pipeline.replay import loader_kind, make_loader
+from tally.audit.core.errors import TallyError
+from tally.audit.core.exposure import effective_sql, start_sql
+from tally.audit.ledger.database import Ledger, one
+from tally.audit.preflight.verdict import PreflightVerdict
+from tally.pipeline.replay import loader_kind, make_loader
 
 DEFAULT_MAX_HORIZON = 1000
 
@@ -79,7 +80,7 @@ def run_loader_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str
                          "step the relaunched loaders start at (--at-step S), one of them")
     if states is not None and not Path(states).is_dir():
         raise TallyError(f"--states {states}: not a directory")
-    from pipeline.manifest_file import manifest_info
+    from tally.pipeline.manifest_file import manifest_info
 
     n = int(manifest_info(manifest)["train_records"])
     args = (run_id, n, loader, new_hosts, at_step, states, horizon, ranks_per_node, t0)
@@ -112,7 +113,7 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
     if ranks_per_node != 1 and kind != "streaming":
         raise TallyError(f"--ranks-per-node is for a Streaming loader; {spec} returns a {kind} "
                          "loader")
-    from pipeline.loaders import AttachError
+    from tally.pipeline.loaders import AttachError
 
     try:
         if kind == "torch":
@@ -130,8 +131,8 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
 
 def _grain_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
                 states: Path | None, n: int) -> _Plan:
-    from pipeline.grain_attach import SamplerKeys, contract_of
-    from pipeline.replay import batches
+    from tally.pipeline.grain_attach import SamplerKeys, contract_of
+    from tally.pipeline.replay import batches
 
     loaders = [first] + [make_loader(spec, h, new_hosts) for h in range(1, new_hosts)]
     try:
@@ -174,8 +175,8 @@ def _grain_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
 def _old_grain_states(states: Path, spec: str) -> tuple[dict[int, dict], int]:
     """Every old host's state, by host (process_<i>-of-<n>.json, one n for all), and the step
     they resume at: the old loaders' next batch ordinal (the lowest, should hosts differ)."""
-    from pipeline.grain_attach import contract_of
-    from pipeline.replay import read_state
+    from tally.pipeline.grain_attach import contract_of
+    from tally.pipeline.replay import read_state
 
     found = sorted(states.glob("process_*-of-*.json"))
     counts = {p.name.rsplit("-of-", 1)[1].removesuffix(".json") for p in found}
@@ -198,7 +199,7 @@ def _torch_plan(spec: str, new_hosts: int, at_step: int | None, states: Path | N
                 n: int) -> _Plan:
     """New host h's loader restored from old host h % n's saved state, as the relaunched job's
     `load_state_dict` restores it, or fresh with its first batch at --at-step."""
-    from pipeline.loaders import torch_loader as tl
+    from tally.pipeline.loaders import torch_loader as tl
 
     old: dict[int, dict] = {}
     if states is not None:
@@ -232,7 +233,7 @@ def _streaming_plan(loader: Any, new_hosts: int, at_step: int | None, states: Pa
                     ranks_per_node: int) -> _Plan:
     """Streaming's partition of the factory's dataset on the new ranks, from the one global
     saved state (its `tally_step` the relaunch's step) or fresh at --at-step."""
-    from pipeline.loaders import AttachError, mosaic
+    from tally.pipeline.loaders import AttachError, mosaic
 
     # One dataset for every rank (the factory's for host 0): streaming's partition is global.
     state = None
@@ -259,8 +260,8 @@ def _olmo_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
     train/rank<r>.pt, else train/rank0.pt, as its Checkpointer restores it (the global tokens
     consumed, resumed at whole batches of the new global batch), or fresh from the epoch's
     start with its first batch at --at-step."""
-    from pipeline.loaders import AttachError
-    from pipeline.loaders import olmo_core as oc
+    from tally.pipeline.loaders import AttachError
+    from tally.pipeline.loaders import olmo_core as oc
 
     oc.factory_loader(first, 0, new_hosts)
     if states is not None:
@@ -289,7 +290,7 @@ def _litdata_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
     the new world, restored from old rank h % n's litdata_<h>-of-<n>.json (the ranks' states
     are equal; on another world size, worker count or batch size litdata's elastic restripe
     reads the state's global sample_in_epoch), or fresh with its first batch at --at-step."""
-    from pipeline.loaders import litdata_loader as ll
+    from tally.pipeline.loaders import litdata_loader as ll
 
     ll.check_loader(first)
     old: dict[int, dict] = {}
@@ -347,7 +348,7 @@ def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
     consumed = int(counts.sum())
     to_multiple = n - consumed % n if consumed % n else n
     steps = horizon or min(DEFAULT_MAX_HORIZON, -(-to_multiple // max(1, new_batch)))
-    from pipeline.loaders import AttachError
+    from tally.pipeline.loaders import AttachError
 
     try:
         k, s, hh = plan.keys(steps)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from audit.core.exposure import Findings
+from tally.audit.core.exposure import Findings
 
 STATUSES = {"safe": 0, "unsafe": 1, "unknown": 2}  # status -> exit code
 

@@ -9,7 +9,7 @@ __all__ = ["reconcile"]
 
 def __getattr__(name: str) -> Any:  # lazy: the report and bucket maths load without Beam
     if name == "reconcile":
-        from audit.reconcile.job import reconcile
+        from tally.audit.reconcile.job import reconcile
 
         return reconcile
-    raise AttributeError(f"module 'audit.reconcile' has no attribute {name!r}")
+    raise AttributeError(f"module 'tally.audit.reconcile' has no attribute {name!r}")

@@ -12,8 +12,16 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from audit.core.arrays import distinct, host_overlap, ranks
-from audit.reconcile.partials import EVIDENCE, EXAMPLES, RANK_CAP, SEEN, MaxSpans, Partial, Spans
+from tally.audit.core.arrays import distinct, host_overlap, ranks
+from tally.audit.reconcile.partials import (
+    EVIDENCE,
+    EXAMPLES,
+    RANK_CAP,
+    SEEN,
+    MaxSpans,
+    Partial,
+    Spans,
+)
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
 # Per-record exposure: one row per manifest record (report's records/ table).
@@ -46,8 +54,8 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
 def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
             loss_window: int = 1, run_first_step: int = 0) -> tuple[Partial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
-    consumption rows (audit.reconcile.buckets); `host_ids`: the run's hosts with rows
-    (audit.reconcile.plan.Plan.host_ids: per-host counts are by position there);
+    consumption rows (tally.audit.reconcile.buckets); `host_ids`: the run's hosts with rows
+    (tally.audit.reconcile.plan.Plan.host_ids: per-host counts are by position there);
     `run_first_step`: the run's first step, where the loss windows start. Returns the
     bucket's partial and its per-record table."""
     if man is None:  # the overflow bucket: whole keys, none in the manifest
@@ -66,7 +74,8 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
         c = {k: v[known] for k, v in c.items()}
         j = j[known]
     step = c["step"].astype(np.int64, copy=False)
-    starts = c["start"]  # record starts (audit.core.exposure.starts, flagged in the bucket file)
+    # record starts (tally.audit.core.exposure.starts, flagged in the bucket file)
+    starts = c["start"]
     j_starts = j[starts]
     full = starts & (c["n_tokens"] == man["n_tokens"][j])
     mismatch = full & (c["content_hash"] != man["content_hash"][j])
@@ -90,7 +99,7 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     ev = starts if every else starts & train[j]
     # Steps are int64: the series of this bucket start at its first step (`lo`), and the sort
     # key packs the record with the step relative to it (a run spans fewer than 2^31 steps:
-    # audit.reconcile.plan.MAX_RUN_STEPS).
+    # tally.audit.reconcile.plan.MAX_RUN_STEPS).
     lo = int(step.min()) if step.size else 0
     packed = (j[ev] << 32) | (step[ev] - lo)
     losses = c["loss"][ev] if "loss" in c else np.zeros(0, np.float32)
@@ -228,7 +237,7 @@ def _host_sets(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
 def _host_pairs(j: np.ndarray, host: np.ndarray, n: int, hosts: int,
                 train: np.ndarray) -> tuple[np.ndarray, ...]:
     """`_host_sets` for any number of hosts, in memory proportional to the distinct (record,
-    host) pairs, not records x hosts (audit.core.arrays.host_overlap)."""
+    host) pairs, not records x hosts (tally.audit.core.arrays.host_overlap)."""
     pair = distinct(j * hosts + host)  # distinct (record, host), by record then host
     rec, hst = pair // hosts, pair % hosts
     n_hosts = bincount(rec, n=n)

@@ -6,7 +6,7 @@ service at hand, the anchor of its row in report.html's Evidence tables (`anchor
 Everything here reads what the job already computed: the steps table's per-step repeats, the
 per-host counts, and the records the buckets kept as examples (the most repeated train records
 with where they were seen, never-seen ones, unknown keys, hash mismatches, held-out records
-consumed; audit.reconcile.bucket_stats). No finding's message or numbers change.
+consumed; tally.audit.reconcile.bucket_stats). No finding's message or numbers change.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from urllib.parse import quote
 
 import numpy as np
 
-from audit.core.exposure import Finding
-from audit.reconcile.partials import EVIDENCE
+from tally.audit.core.exposure import Finding
+from tally.audit.reconcile.partials import EVIDENCE
 
 # Findings about records exposed more often than due: their evidence is where the repeats are.
 REPEATS = {"with_replacement", "no_sharding", "padding", "epoch_duplicates", "uneven_exposure",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from audit.core.exposure import starts
+from tally.audit.core.exposure import starts
 
 EXAMPLE_HOSTS = 10  # silent hosts named per attempt; the rest are counted
 

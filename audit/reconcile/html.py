@@ -22,12 +22,12 @@ from urllib.parse import quote, unquote, urlencode
 import numpy as np
 import pyarrow as pa
 
-from audit.core import exposure
-from audit.provenance import provenance_html
-from audit.reconcile import evidence
+from tally.audit.core import exposure
+from tally.audit.provenance import provenance_html
+from tally.audit.reconcile import evidence
 
 # Titles, legend names and colours: one vocabulary with the dashboard (it is served with it).
-from audit.reconcile.vocabulary import (
+from tally.audit.reconcile.vocabulary import (
     CHARTS,
     HEATMAP_CELL_PX,
     HEATMAP_FONT_PX,
@@ -36,7 +36,7 @@ from audit.reconcile.vocabulary import (
     PALETTE,
     heatmap_size,
 )
-from audit.reconcile.vocabulary import series as voc
+from tally.audit.reconcile.vocabulary import series as voc
 
 __all__ = ["MAX_HEATMAP_HOSTS", "PALETTE"]  # the vocabulary's, re-exported
 MAX_BARS = 280  # per-step bars: steps are binned beyond this
@@ -610,7 +610,7 @@ _RUN_SUMMARY = re.compile(r"/v1/runs/([^/?]+)")
 def served(page: str, token: str | None) -> str:
     """report.html as `tally serve` serves it: every evidence link to the service's own API
     (root-relative, as the dashboard's requests are), carrying the token the page was opened
-    with (the API takes it by query on the answers these links open: api.app.PAGES), whatever
+    with (the API takes it by query on the answers these links open: tally.api.app.PAGES), whatever
     the page was made for; the run's summary link to its dashboard page (a page, where the
     summary is shown, as a query token opens no other answer)."""
     tok = {"token": token} if token else {}

@@ -1,17 +1,18 @@
 """The reconcile job (Beam): a run's consumption against the corpus manifest.
 
-Inputs are a frozen list of consumption files (audit.reconcile.plan): the run's published spool
+Inputs are a frozen list of consumption files (tally.audit.reconcile.plan): the run's published
+spool
 segment files, or an export of the ledger. The consumption is cut into record-key buckets and
 joined with the manifest bucket by bucket (CoGroupByKey on the bucket number; each bucket's
 manifest rows are read by key range where the bucket is computed, so there are no side inputs).
-The rows travel between the two stages as bucket files (audit.reconcile.buckets): the shuffle
+The rows travel between the two stages as bucket files (tally.audit.reconcile.buckets): the shuffle
 carries only references to them, and each bucket is computed with numpy over its columns
-(audit.reconcile.bucket_stats), never one Python object per row. Every worker emits typed
-partial results (audit.reconcile.partials) that the driver merges; per-record rows are written
+(tally.audit.reconcile.bucket_stats), never one Python object per row. Every worker emits typed
+partial results (tally.audit.reconcile.partials) that the driver merges; per-record rows are written
 as part files that the driver moves into place. Only Create, ParDo, GroupByKey and Flatten are
 used, the primitives every runner translates, Dask's included.
 
-Restart lineage (audit.core.exposure) splits rows into effective and rolled back; rolled-back
+Restart lineage (tally.audit.core.exposure) splits rows into effective and rolled back; rolled-back
 rows are compared step by step with the surviving replay.
 """
 
@@ -30,13 +31,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from audit.core.arrays import distinct
-from audit.core.errors import TallyError
-from audit.core.exposure import effective, starts
-from audit.hook.spool import BadFile, read_checked
-from audit.reconcile import bucket_stats, buckets, host_steps
-from audit.reconcile.partials import Partial, Spans, merge_all
-from audit.reconcile.plan import (
+from tally.audit.core.arrays import distinct
+from tally.audit.core.errors import TallyError
+from tally.audit.core.exposure import effective, starts
+from tally.audit.hook.spool import BadFile, read_checked
+from tally.audit.reconcile import bucket_stats, buckets, host_steps
+from tally.audit.reconcile.partials import Partial, Spans, merge_all
+from tally.audit.reconcile.plan import (
     COLUMNS,
     InputFile,
     Plan,
@@ -48,9 +49,9 @@ from audit.reconcile.plan import (
     run_finished,
     spool_inputs,
 )
-from pipeline.corpus import read_rows
-from pipeline.progress import Progress
-from pipeline.runners import RunnerSpec, pipeline
+from tally.pipeline.corpus import read_rows
+from tally.pipeline.progress import Progress
+from tally.pipeline.runners import RunnerSpec, pipeline
 
 Columns = dict[str, np.ndarray]
 
@@ -104,7 +105,7 @@ def of_kind(item: tuple[str, Any], kind: str) -> list[Any]:
 
 
 class ReadConsumption(beam.DoFn):
-    """One chunk of input files (audit.reconcile.plan.chunks) -> (kind, value): their
+    """One chunk of input files (tally.audit.reconcile.plan.chunks) -> (kind, value): their
     effective rows written as one bucket file and one reference per bucket, their per-step and
     per-host partial (each file's, merged), replay rows, and the files skipped with why."""
 
@@ -435,7 +436,7 @@ def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
                spool: str | Path | None, ledger: str | Path | None, at_step: int | None,
                runner: RunnerSpec | None, bucket_records: int | None, memory_gb: float,
                bar: Progress, api_url: str | None = None) -> dict:
-    from audit.reconcile import report as rp
+    from tally.audit.reconcile import report as rp
 
     done = False
     try:

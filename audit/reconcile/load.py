@@ -1,6 +1,7 @@
-"""A reconcile report read back in one call, for a notebook: `audit.load_report(OUT)` gives its
-verdict, findings and coverage as typed objects (audit.core.exposure's Finding and Coverage)
-and its tables as Arrow tables (the files `audit.reconcile.report.write` and the job wrote).
+"""A reconcile report read back in one call, for a notebook: `tally.audit.load_report(OUT)` gives
+its
+verdict, findings and coverage as typed objects (tally.audit.core.exposure's Finding and Coverage)
+and its tables as Arrow tables (the files `tally.audit.reconcile.report.write` and the job wrote).
 Needs the base install only: pyarrow reads every table."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from audit.core.errors import TallyError
-from audit.core.exposure import Coverage, Finding
+from tally.audit.core.errors import TallyError
+from tally.audit.core.exposure import Coverage, Finding
 
 TABLES = ("steps", "hosts", "domains")
 
@@ -79,7 +80,7 @@ def _table(path: Path) -> pa.Table:
 
 
 def _coverage(c: dict[str, Any]) -> Coverage:
-    """The report's coverage answer as audit.core.exposure.Coverage (its one home)."""
+    """The report's coverage answer as tally.audit.core.exposure.Coverage (its one home)."""
     h = c["histogram"]
     return Coverage(c["train_records"], c["exposures"], c["seen"], h["2"] + h["3+"], h["3+"],
                     c.get("excess_exposures"), c.get("missing_exposures"))

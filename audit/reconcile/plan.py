@@ -13,13 +13,18 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from audit.core.arrays import ranks
-from audit.core.errors import TallyError
-from audit.core.exposure import effective, effective_sql, rolled_back_from
-from audit.core.schema import SEGMENT_COLUMNS_ALL, names, sql_select
-from audit.hook import spool as sp
-from audit.ledger.database import Ledger
-from audit.ledger.queries import finished_hosts, non_finite_losses, quarantined_of, replayed_of
+from tally.audit.core.arrays import ranks
+from tally.audit.core.errors import TallyError
+from tally.audit.core.exposure import effective, effective_sql, rolled_back_from
+from tally.audit.core.schema import SEGMENT_COLUMNS_ALL, names, sql_select
+from tally.audit.hook import spool as sp
+from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.queries import (
+    finished_hosts,
+    non_finite_losses,
+    quarantined_of,
+    replayed_of,
+)
 
 # What the job reads of each row: the segment columns, with the row's attempt.
 COLUMNS = ("attempt", *names(SEGMENT_COLUMNS_ALL))
@@ -101,14 +106,14 @@ class Plan:
     first_step: int = 0  # the run's first consumed step: per-step series and windows start here
     milestones: list[dict[str, Any]] = field(default_factory=list)  # see Inputs
     finished_step: int | None = None
-    # The run's metric files, read by the job (audit.reconcile.job.ReadMetrics), which then
+    # The run's metric files, read by the job (tally.audit.reconcile.job.ReadMetrics), which then
     # sets non_finite_losses, finished, finished_step and milestones; none for a ledger's run
     # (read by SQL, in Inputs).
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
     cutoffs: dict[int, int | None] = field(default_factory=dict)
     replay_ranges: list[tuple[int, int]] = field(default_factory=list)
     # Segment files written by `tally replay` from the loader's contract, not by the run
-    # (audit.hook.spool.is_replayed), of the run's segment files: the spool's files read, or
+    # (tally.audit.hook.spool.is_replayed), of the run's segment files: the spool's files read, or
     # the files the ledger ingested (a ledger's run is read from an export of other files).
     replayed_files: int = 0
     segment_files: int = 0
@@ -117,7 +122,7 @@ class Plan:
     # that exist: by host number, one file of host 65,535 sized the overlap 65,536 x 65,536
     # (32 GiB) and the report listed 65,536 hosts.
     host_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    # What content hashes are taken over (pipeline.text.ContentBasis, JSON): the manifest's
+    # What content hashes are taken over (tally.pipeline.text.ContentBasis, JSON): the manifest's
     # ("": token ids), and each the run's files said, distinct, in file order (none: unknown).
     content_basis: str = ""
     run_content_bases: list[str] = field(default_factory=list)
@@ -151,7 +156,7 @@ class Inputs:
     milestones: list[dict[str, Any]] = field(default_factory=list)
     # A spool's metric files: the facts above are read from them by the job instead.
     metric_files: list[sp.SpoolFile] = field(default_factory=list)
-    # Segment files written by `tally replay` (audit.hook.spool.is_replayed), of the run's
+    # Segment files written by `tally replay` (tally.audit.hook.spool.is_replayed), of the run's
     # segment files (None: `files`, a spool's; a ledger counts the files it ingested).
     replayed_files: int = 0
     segment_files: int | None = None
@@ -241,7 +246,7 @@ MILESTONE_LOSSES = ("heldout_loss", "train_loss")
 
 def metric_facts(files: list[sp.SpoolFile], cutoffs: dict[int, int | None]) -> dict[str, Any]:
     """From metric files (effective steps only): NaN or infinite losses (count, first step),
-    the step each (attempt, host) said it finished at (audit.hook.spool.FINISHED), and the
+    the step each (attempt, host) said it finished at (tally.audit.hook.spool.FINISHED), and the
     held-out and train losses summed per step (`milestones`). Vectorised per file: a Python
     loop over each file's rows cost more than reading it."""
     bad, first, finished, sums = 0, None, {}, []
@@ -305,7 +310,7 @@ def milestones(sums: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]
 def _repeats(f: sp.SpoolFile, first: int, last: int,
              ranges: list[tuple[int, int, str]]) -> str | None:
     """Why `f` repeats a (step, row) of a file kept before it (None: it does not), the rule
-    ingest applies (audit.hook.spool.first_repeat). Step ranges are compared first; rows are
+    ingest applies (tally.audit.hook.spool.first_repeat). Step ranges are compared first; rows are
     read only where two ranges overlap."""
     mine = None
     for lo, hi, path in ranges:
@@ -411,7 +416,7 @@ def check_span(what: str, first: int, last: int, memory_gb: float, job: str) -> 
 def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) -> int:
     """Records per bucket: the most that keep BUCKETS_IN_FLIGHT buckets of `rows` consumption
     rows spread over `records` records within `memory_gb`, and each bucket under BUCKET_ROWS.
-    A job over two runs (audit.posthoc.diff) passes both runs' rows: a bucket holds both."""
+    A job over two runs (tally.audit.posthoc.diff) passes both runs' rows: a bucket holds both."""
     per_record = rows / max(records, 1) * BYTES_PER_ROW + BYTES_PER_RECORD + hosts
     out = min(int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record),
               int(BUCKET_ROWS * records / max(rows, 1)))
@@ -432,7 +437,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     `memory_gb`) sets the key range each bucket covers, and bounds the span of steps the `job`
     (reconcile, diff) keeps per-step series over (check_span). `host_ids`: the hosts with
     segment rows (default: those of `files`, a spool's; a ledger's export says none)."""
-    from pipeline.manifest_file import manifest_info, uniform_row_groups
+    from tally.pipeline.manifest_file import manifest_info, uniform_row_groups
 
     info = manifest_info(manifest)
     records, train = int(info["records"]), int(info["train_records"])

@@ -1,5 +1,5 @@
 """The reconcile report: report.json (versioned), Parquet tables, one self-contained HTML file
-(audit.reconcile.html), and a short terminal summary."""
+(tally.audit.reconcile.html), and a short terminal summary."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from audit.core import exposure
-from audit.core.exposure import Coverage, verdict
-from audit.hook.spool import replayed_run
-from audit.provenance import plan_fingerprint, provenance
-from audit.reconcile import host_steps, loss
-from audit.reconcile.html import render_html, segment_files, step_or_none
-from audit.reconcile.partials import EXAMPLES, Partial, Spans
-from audit.reconcile.plan import Plan
-from audit.reconcile.verdict import basis_differences, findings
+from tally.audit.core import exposure
+from tally.audit.core.exposure import Coverage, verdict
+from tally.audit.hook.spool import replayed_run
+from tally.audit.provenance import plan_fingerprint, provenance
+from tally.audit.reconcile import host_steps, loss
+from tally.audit.reconcile.html import render_html, segment_files, step_or_none
+from tally.audit.reconcile.partials import EXAMPLES, Partial, Spans
+from tally.audit.reconcile.plan import Plan
+from tally.audit.reconcile.verdict import basis_differences, findings
 
 REPORT_VERSION = 1
 
@@ -194,9 +194,9 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
 
 
 def _basis(raw: str) -> dict[str, Any]:
-    """A content basis (JSON, pipeline.text.ContentBasis) as the report says it."""
-    from audit.core.errors import CorpusError
-    from pipeline.text import ContentBasis
+    """A content basis (JSON, tally.pipeline.text.ContentBasis) as the report says it."""
+    from tally.audit.core.errors import CorpusError
+    from tally.pipeline.text import ContentBasis
 
     try:
         b = ContentBasis.from_json(raw)
@@ -209,7 +209,7 @@ def _basis(raw: str) -> dict[str, Any]:
 def _loss(merged: Partial, plan: Plan, exposures_by_step: np.ndarray, n: int,
           first_bad: int | None) -> dict[str, Any]:
     """Training loss of due vs excess exposures per window, the held-out milestones, and the
-    test of whether repeats flattered the loss (audit.reconcile.loss)."""
+    test of whether repeats flattered the loss (tally.audit.reconcile.loss)."""
     windows = loss.split(merged.loss_by_rank, plan.loss_window, exposures_by_step, n,
                          plan.first_step)
     return {"window_steps": plan.loss_window, "windows": loss.public(windows),
@@ -250,10 +250,10 @@ def files_left_out(left_out: list[tuple[str, str]], skipped_files: list[tuple[st
     """Files a job reading a spool did not count, by kind: unreadable ones (their rows may be
     missing), duplicates of files it counted (their rows are counted once, from the other file)
     and files of another training under the run's id (quarantined by ingest:
-    audit.ledger.ingest.is_reuse). `left_out` are the files planning set aside
-    (audit.reconcile.plan.Inputs), with why; `skipped` the files the workers could not read,
+    tally.audit.ledger.ingest.is_reuse). `left_out` are the files planning set aside
+    (tally.audit.reconcile.plan.Inputs), with why; `skipped` the files the workers could not read,
     `skipped_files` examples of them. The one rule reconcile, diff and exposure report alike."""
-    from audit.ledger.ingest import is_reuse
+    from tally.audit.ledger.ingest import is_reuse
 
     left = left_out + skipped_files
     duplicates = sum(1 for _, why in left_out if why.startswith("duplicate:"))

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from audit.core.exposure import Findings, independent_hosts
-from audit.reconcile import evidence
+from tally.audit.core.exposure import Findings, independent_hosts
+from tally.audit.reconcile import evidence
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
@@ -114,10 +114,10 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
 
 
 def basis_differences(manifest_basis: str, run_bases: list[str]) -> list[str]:
-    """How the run's content bases (JSON, pipeline.text.ContentBasis; none: unknown, never a
+    """How the run's content bases (JSON, tally.pipeline.text.ContentBasis; none: unknown, never a
     difference) differ from the manifest's ("": token ids), in words."""
-    from audit.core.errors import CorpusError
-    from pipeline.text import ContentBasis
+    from tally.audit.core.errors import CorpusError
+    from tally.pipeline.text import ContentBasis
 
     want = ContentBasis.from_json(manifest_basis, "the manifest")
     out: list[str] = []
@@ -133,7 +133,7 @@ def basis_differences(manifest_basis: str, run_bases: list[str]) -> list[str]:
 
 def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
     """Repeats flattered the training loss: exposures beyond the ideal scored measurably lower
-    than due ones in the same windows (audit.reconcile.loss: z >= 3). How train and held-out
+    than due ones in the same windows (tally.audit.reconcile.loss: z >= 3). How train and held-out
     loss moved between the milestones is said beside it, as context: within one run a widening
     gap is also what ordinary generalization does, and the train loss logged at a milestone
     is one step's, so it is no condition of the finding."""
@@ -157,8 +157,8 @@ def left_out_findings(cons: dict[str, Any], add: Callable[..., Any], *, whose: s
                       missing_from: str = "every number of this report",
                       **numbers: Any) -> None:
     """FAIL files_unreadable, FAIL run_id_reused and WARN duplicate_files from what
-    audit.reconcile.report.files_left_out counted: how reconcile, diff and exposure say it."""
-    from audit.ledger.ingest import is_reuse
+    tally.audit.reconcile.report.files_left_out counted: how reconcile, diff and exposure say it."""
+    from tally.audit.ledger.ingest import is_reuse
 
     def first(kind: str) -> str:
         said = [s if len(s) < 240 else s[:237] + "..." for s in cons["skipped_files"]

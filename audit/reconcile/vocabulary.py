@@ -1,4 +1,5 @@
-"""One vocabulary for the pages people read: report.html (audit.reconcile.html renders from it)
+"""One vocabulary for the pages people read: report.html (tally.audit.reconcile.html renders from
+it)
 and the live dashboard (api/dashboard.html, served with it injected as JSON: `inject`). Chart
 titles, legend names, their order and colours, markers and the heatmap's geometry live here
 and nowhere else, so that the same fault reads the same on both pages."""

@@ -2,8 +2,10 @@
 
 A reader turns one file (or one shard of a dataset directory) into batches of `Documents`:
 each document's text or token ids, its own id (`doc_id`, as the corpus names it) and its
-domain, in file order. The manifest job (pipeline.manifest) hashes them under the run's content
-basis (pipeline.text) and numbers them in the corpus' global order: files sorted by name within
+domain, in file order. The manifest job (tally.pipeline.manifest) hashes them under the run's
+content
+basis (tally.pipeline.text) and numbers them in the corpus' global order: files sorted by name
+within
 each split (train first), records in file order.
 
 Formats (module: what it reads):
@@ -14,7 +16,7 @@ Formats (module: what it reads):
 - tf_example: ArrayRecord files of serialized `tf.train.Example` (MaxText's default input)
 - mds: MosaicML Streaming shards (a directory with `index.json`)
 Tally's own token shards (TLY1 ArrayRecord, Parquet `tokens`) and OLMo mixes stay in
-pipeline.corpus / pipeline.olmo.
+tally.pipeline.corpus / tally.pipeline.olmo.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def module(name: str) -> Format:
     """The module of format `name` (CorpusError, in one line, for an unknown one)."""
     import importlib
 
-    from audit.core.errors import CorpusError
+    from tally.audit.core.errors import CorpusError
 
     if name not in FORMATS:
         raise CorpusError(f"unknown corpus format {name!r}: expected one of {', '.join(FORMATS)}")

@@ -34,9 +34,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from audit.core.errors import CorpusError
-from audit.core.hashing import TOKEN_DTYPE
-from pipeline.formats import Documents, Fields
+from tally.audit.core.errors import CorpusError
+from tally.audit.core.hashing import TOKEN_DTYPE
+from tally.pipeline.formats import Documents, Fields
 
 NAME = "hf_arrow"
 STATE, DATASET_DICT = "state.json", "dataset_dict.json"

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.core.errors import CorpusError
-from audit.core.hashing import TOKEN_DTYPE
-from pipeline.formats import Documents, Fields
+from tally.audit.core.errors import CorpusError
+from tally.audit.core.hashing import TOKEN_DTYPE
+from tally.pipeline.formats import Documents, Fields
 
 NAME = "mds"
 INDEX = "index.json"

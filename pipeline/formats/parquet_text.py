@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from audit.core.errors import CorpusError
-from pipeline.formats import Documents, Fields
-from pipeline.formats.hf_arrow import arrow_documents
+from tally.audit.core.errors import CorpusError
+from tally.pipeline.formats import Documents, Fields
+from tally.pipeline.formats.hf_arrow import arrow_documents
 
 NAME = "parquet_text"
 

@@ -7,7 +7,7 @@ field numbers are TensorFlow's wire contract) built here, in a private descripto
 cannot clash with another copy of `tensorflow.Example` in the process (TensorFlow's own, or the
 `tfrecord` package's). Not with TensorFlow: it is a gigabyte install for a ten-line schema.
 
-Tally's own token shards are ArrayRecord files too (`TLY1` records, pipeline.corpus):
+Tally's own token shards are ArrayRecord files too (`TLY1` records, tally.pipeline.corpus):
 `matches` peeks at the first record, and a file whose records start with the `TLY1` magic is
 not this format. Any other ArrayRecord file is read as Examples; a record that does not parse
 as one, or lacks the named feature, is a CorpusError naming the file and the record.
@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from audit.core.errors import CorpusError
-from audit.core.hashing import TOKEN_DTYPE
-from pipeline.formats import Documents, Fields
+from tally.audit.core.errors import CorpusError
+from tally.audit.core.hashing import TOKEN_DTYPE
+from tally.pipeline.formats import Documents, Fields
 
 NAME = "tf_example"
-TALLY_MAGIC = b"TLY1"  # pipeline.corpus.MAGIC (not imported: corpus imports this package)
+TALLY_MAGIC = b"TLY1"  # tally.pipeline.corpus.MAGIC (not imported: corpus imports this package)
 
 
 def _is_array_record(path: Path) -> bool:
@@ -45,7 +45,7 @@ def matches(path: Path) -> bool:
 
     try:
         reader = ArrayRecordReader(str(path))
-    except Exception:  # damaged: pipeline.corpus reports it the way it reports its own shards
+    except Exception:  # damaged: tally.pipeline.corpus reports it the way it reports its own shards
         return False
     try:
         return reader.ok() and reader.num_records() > 0 and not reader.read(
@@ -53,7 +53,7 @@ def matches(path: Path) -> bool:
     except Exception:
         return False
     finally:
-        with contextlib.suppress(Exception):  # damaged: pipeline.corpus reports it
+        with contextlib.suppress(Exception):  # damaged: tally.pipeline.corpus reports it
             reader.close()
 
 

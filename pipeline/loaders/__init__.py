@@ -1,6 +1,6 @@
 """PyTorch-side loaders audited as they are: the one contract every adapter gives the writer.
 
-An adapter (`pipeline.loaders.torch_loader` for torch's DataLoader and torchdata's
+An adapter (`tally.pipeline.loaders.torch_loader` for torch's DataLoader and torchdata's
 StatefulDataLoader; Hugging Face datasets, Streaming, litdata and OLMo-core to follow) reads
 which records a batch holds from the loader itself and hands the writer, per consumed batch,
 one `Consumed`: the step, the host, each row's record key (and epoch, -1 unknown), and the
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from audit.core.errors import TallyError
-from audit.core.hashing import as_token_array, hash_runs
-from audit.hook.segments import Segments
+from tally.audit.core.errors import TallyError
+from tally.audit.core.hashing import as_token_array, hash_runs
+from tally.audit.hook.segments import Segments
 
 
 class AttachError(TallyError):
@@ -106,10 +106,10 @@ class Consumed:
 
 
 def manifest_hashes(hashes: Any) -> Any:
-    """A manifest path as its hashes by record key (pipeline.manifest_file.ManifestHashes);
+    """A manifest path as its hashes by record key (tally.pipeline.manifest_file.ManifestHashes);
     anything else (None, hashes already read) as it is."""
     if isinstance(hashes, (str, os.PathLike)):
-        from pipeline.manifest_file import ManifestHashes
+        from tally.pipeline.manifest_file import ManifestHashes
 
         return ManifestHashes(hashes)
     return hashes

@@ -8,7 +8,7 @@
     for batch in loader: ...                       # the same batches, same objects, same order
 
 **A map-style `Dataset`**: the loader's sampler indexes the node's dataset, so the audit is
-torch's (`pipeline.loaders.torch_loader`) with one key mapping: a node-local index back to the
+torch's (`tally.pipeline.loaders.torch_loader`) with one key mapping: a node-local index back to the
 row's index in the dataset that was split (`full`). `split_dataset_by_node` on a map-style
 dataset is `full.shard(world_size, rank, contiguous=True)` (datasets' arrow_dataset.py,
 checked on 5.0.1): with div, mod = divmod(len(full), world_size), node `rank` holds rows
@@ -45,12 +45,12 @@ import numpy as np
 try:
     import datasets
     from datasets.distributed import split_dataset_by_node as _hf_split
-except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
-    raise ModuleNotFoundError(f"pipeline.loaders.hf_datasets needs the hf extra "
+except ModuleNotFoundError as _exc:  # one line naming the extra (tally.audit.extras: MODULE_EXTRA)
+    raise ModuleNotFoundError(f"tally.pipeline.loaders.hf_datasets needs the hf extra "
                               f"({_exc.name} is not installed): pip install 'tally-audit[hf]'",
                               name=_exc.name) from None
 
-from pipeline.loaders import (
+from tally.pipeline.loaders import (
     AttachError,
     SteppedLoader,
     batch_content,
@@ -179,7 +179,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, full: Any = N
     Iterable: record key = the batch's `key_field`, or `key_of(it)`. `host` / `host_count`
     default to `rank` / `world_size`; the rest is torch_loader.audited's (a spool directory or a
     LedgerWriter, run_id, start_step, tokens_field, mask_field, hashes, writer options)."""
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     dataset = getattr(loader, "dataset", None)
     host = rank if host is None else host
@@ -204,7 +204,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, full: Any = N
     if not isinstance(dataset, datasets.IterableDataset):
         raise AttachError(f"expected a DataLoader over a datasets.Dataset or IterableDataset, "
                           f"got one over {type(dataset).__name__} (use "
-                          "pipeline.loaders.torch_loader for a torch Dataset)")
+                          "tally.pipeline.loaders.torch_loader for a torch Dataset)")
     writer = spool
     if isinstance(spool, LedgerWriter):
         host = spool.host if host is None else host

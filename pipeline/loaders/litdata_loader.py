@@ -77,8 +77,8 @@ import numpy as np
 try:
     import litdata  # noqa: F401  (the user's dataset and loader come from it)
     import torch  # noqa: F401
-except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
-    raise ModuleNotFoundError(f"pipeline.loaders.litdata_loader needs the litdata extra "
+except ModuleNotFoundError as _exc:  # one line naming the extra (tally.audit.extras: MODULE_EXTRA)
+    raise ModuleNotFoundError(f"tally.pipeline.loaders.litdata_loader needs the litdata extra "
                               f"({_exc.name} is not installed): pip install 'tally-audit[litdata]'",
                               name=_exc.name) from None
 
@@ -91,7 +91,7 @@ from litdata.streaming.dataset import (
 from litdata.streaming.elastic import topology_changed
 from litdata.utilities.env import _DistributedEnv, _WorkerEnv
 
-from pipeline.loaders import (
+from tally.pipeline.loaders import (
     AttachError,
     PlannedLoader,
     SteppedLoader,
@@ -231,7 +231,7 @@ def check_loader(loader: Any) -> None:
 
 class AuditedLitdataLoader(PlannedLoader):
     """A StreamingDataLoader whose batches are recorded as the loop gets them, each pass
-    planned by litdata's own functions (pipeline.loaders.PlannedLoader)."""
+    planned by litdata's own functions (tally.pipeline.loaders.PlannedLoader)."""
 
     PLAN = "litdata's plan"
 
@@ -271,7 +271,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, host: int | N
     `key_of`: sample indices -> record keys (vectorised). `tokens_field` / `mask_field`: the
     batch's token tensor [B, L] and optional padding mask; `hashes`: a manifest path (or
     ManifestHashes) to take hashes from instead."""
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     check_loader(loader)
     env = loader.dataset.distributed_env
@@ -349,8 +349,8 @@ def replay(dataset: Any, spool: str | Path, run_id: str, *, host: int, world_siz
            fsync: bool = True) -> Any:
     """Write host `host`'s (rank's) replayed spool files: `batches(...)`, hashed from the
     manifest `hashes`, marked replayed as `tally replay` marks them. Returns
-    pipeline.loaders.replayed.HostReplay."""
-    from pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
+    tally.pipeline.loaders.replayed.HostReplay."""
+    from tally.pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
 
     t0 = time.perf_counter()
     if not isinstance(dataset, StreamingDataset):
@@ -443,7 +443,7 @@ def rank_env(rank: int, world_size: int) -> Iterator[None]:
 
 def rank_loader(factory: str, rank: int, world_size: int) -> Any:
     """The factory's loader for rank `rank` of `world_size`, built as that rank builds it."""
-    from pipeline.replay import make_loader
+    from tally.pipeline.replay import make_loader
 
     with rank_env(rank, world_size):
         loader = make_loader(factory, rank, world_size)
@@ -476,8 +476,8 @@ def planned_keys(factory: str, *, hosts: int, steps: int,
 
 
 def check_replay(spec: Any, loader: Any) -> None:
-    """What a litdata replay refuses before it writes anything (pipeline.replay.check)."""
-    from pipeline.loaders.replayed import ReplayError
+    """What a litdata replay refuses before it writes anything (tally.pipeline.replay.check)."""
+    from tally.pipeline.loaders.replayed import ReplayError
 
     try:
         check_loader(loader)
@@ -491,10 +491,10 @@ def check_replay(spec: Any, loader: Any) -> None:
 
 
 def replay_spec_host(spec: Any, host: int, hashes: Any, _loader: Any = None) -> Any:
-    """Rank `host`'s replayed spool for `spec` (pipeline.replay.ReplaySpec): the factory's
+    """Rank `host`'s replayed spool for `spec` (tally.pipeline.replay.ReplaySpec): the factory's
     loader built as rank `host` of --hosts builds it, restored from old rank host % n's state
     in --states (litdata's elastic restripe where n is not --hosts) or from the beginning."""
-    from pipeline.loaders.replayed import ReplayError
+    from tally.pipeline.loaders.replayed import ReplayError
 
     try:
         loader = rank_loader(spec.loader, host, spec.hosts)

@@ -55,12 +55,12 @@ import numpy as np
 
 try:
     import torch  # noqa: F401  (streaming's dataset is a torch IterableDataset)
-except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
-    raise ModuleNotFoundError(f"pipeline.loaders.mosaic needs the torch extra "
+except ModuleNotFoundError as _exc:  # one line naming the extra (tally.audit.extras: MODULE_EXTRA)
+    raise ModuleNotFoundError(f"tally.pipeline.loaders.mosaic needs the torch extra "
                               f"({_exc.name} is not installed): pip install 'tally-audit[torch]'",
                               name=_exc.name) from None
 
-from pipeline.loaders import (
+from tally.pipeline.loaders import (
     AttachError,
     PlannedLoader,
     SteppedLoader,
@@ -100,7 +100,7 @@ def streaming_module(name: str) -> types.ModuleType:
             importlib.import_module("streaming")
         except ModuleNotFoundError as exc:
             if exc.name == "streaming":
-                raise ModuleNotFoundError("pipeline.loaders.mosaic needs mosaicml-streaming "
+                raise ModuleNotFoundError("tally.pipeline.loaders.mosaic needs mosaicml-streaming "
                                           "(not installed; no extra of Tally's holds it yet "
                                           "but `test`): pip install mosaicml-streaming",
                                           name="streaming") from None
@@ -199,7 +199,7 @@ def check_loader(loader: Any) -> None:
 
 class AuditedStreamingLoader(PlannedLoader):
     """A DataLoader over a StreamingDataset whose batches are recorded as the loop gets them,
-    each pass planned by streaming's partition (pipeline.loaders.PlannedLoader)."""
+    each pass planned by streaming's partition (tally.pipeline.loaders.PlannedLoader)."""
 
     PLAN = "streaming's partition"
 
@@ -234,7 +234,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, host: int | N
     `key_of`: sample ids -> record keys (vectorised). `tokens_field` / `mask_field`: the
     batch's token tensor [B, L] and optional padding mask; `hashes`: a manifest path (or
     ManifestHashes) to take hashes from instead."""
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     check_loader(loader)
     world = streaming_module("streaming.base.world").World.detect()
@@ -297,9 +297,9 @@ def replay(dataset: Any, spool: str | os.PathLike, run_id: str, *, host: int, nu
            fsync: bool = True) -> Any:
     """Write host `host`'s (rank's) replayed spool files: `batches(...)`, hashed from the
     manifest `hashes`, marked replayed as `tally replay` marks them. Returns
-    pipeline.loaders.replayed.HostReplay."""
+    tally.pipeline.loaders.replayed.HostReplay."""
 
-    from pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
+    from tally.pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
 
     t0 = time.perf_counter()
     if not _is_streaming_dataset(dataset):
@@ -385,8 +385,8 @@ def planned_keys(loader: Any, *, hosts: int, ranks_per_node: int, steps: int,
 
 
 def check_replay(spec: Any, loader: Any) -> None:
-    """What a Streaming replay refuses before it writes anything (pipeline.replay.check)."""
-    from pipeline.loaders.replayed import ReplayError
+    """What a Streaming replay refuses before it writes anything (tally.pipeline.replay.check)."""
+    from tally.pipeline.loaders.replayed import ReplayError
 
     try:
         check_loader(loader)
@@ -401,7 +401,7 @@ def check_replay(spec: Any, loader: Any) -> None:
 
 
 def replay_spec_host(spec: Any, host: int, hashes: Any, loader: Any) -> Any:
-    """Host (rank) `host`'s replayed spool for `spec` (pipeline.replay.ReplaySpec) from the
+    """Host (rank) `host`'s replayed spool for `spec` (tally.pipeline.replay.ReplaySpec) from the
     factory's Streaming loader: `replay` on --hosts ranks, --ranks-per-node a node."""
     nodes, per_node = topology_of(spec.hosts, spec.ranks_per_node)
     state = saved_state(spec.states) if spec.states is not None else None

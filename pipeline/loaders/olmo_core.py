@@ -28,7 +28,7 @@ tokens down to whole new batches: the instances of the remainder are read again.
 
 Record key: `batch["index"]`, read from the batch (`key_field`). For a `NumpyFSLDataset` that
 is the instance's id in the files in the order given, each cut into `tokens //
-sequence_length` instances: the id `pipeline.olmo` gives the same files in the same order
+sequence_length` instances: the id `tally.pipeline.olmo` gives the same files in the same order
 (`tally manifest` of the mix's index.json); EOS plays no part in the cut. For OLMo-core's other
 FSL datasets (mixtures, padded, packed) `key_of` maps their indices. Epoch: OLMo-core's (from
 1). Step: the Trainer's `global_step - 1` (from 0; it continues across a restore), or counted
@@ -64,13 +64,13 @@ try:
     import torch  # noqa: F401  (OLMo-core's batches are torch tensors)
     from olmo_core.data.data_loader import NumpyFSLDataLoader
     from olmo_core.train.callbacks.callback import Callback
-except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
+except ModuleNotFoundError as _exc:  # one line naming the extra (tally.audit.extras: MODULE_EXTRA)
     _top = (_exc.name or "olmo_core").split(".")[0]
-    raise ModuleNotFoundError(f"pipeline.loaders.olmo_core needs the olmo extra "
+    raise ModuleNotFoundError(f"tally.pipeline.loaders.olmo_core needs the olmo extra "
                               f"({_top} is not installed): pip install 'tally-audit[olmo]'",
                               name=_top) from None
 
-from pipeline.loaders import (
+from tally.pipeline.loaders import (
     AttachError,
     SteppedLoader,
     batch_content,
@@ -155,7 +155,7 @@ class AuditedOlmoLoader(_Recorder, SteppedLoader):
 
 def _writer(spool: Any, run_id: str | None, loader: Any, hashes: Any,
             options: dict[str, Any]) -> Any:
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     if isinstance(spool, LedgerWriter):
         return spool
@@ -305,10 +305,10 @@ def replay(loader: Any, spool: str | os.PathLike, run_id: str, *, steps: int, ha
            fsync: bool = True) -> Any:
     """Write the replayed spool files of `loader`'s rank (host dp_rank of dp_world_size):
     `batches(...)`, hashed from the manifest `hashes`, marked replayed as `tally replay` marks
-    them. Returns pipeline.loaders.replayed.HostReplay."""
+    them. Returns tally.pipeline.loaders.replayed.HostReplay."""
     import time
 
-    from pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
+    from tally.pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
 
     t0 = time.perf_counter()
     if not isinstance(loader, NumpyFSLDataLoader):
@@ -386,10 +386,10 @@ def factory_loader(loader: Any, host: int, hosts: int) -> None:
 
 
 def replay_spec_host(spec: Any, host: int, hashes: Any, loader: Any) -> Any:
-    """Host (dp rank) `host`'s replayed spool for `spec` (pipeline.replay.ReplaySpec) from the
+    """Host (dp rank) `host`'s replayed spool for `spec` (tally.pipeline.replay.ReplaySpec) from the
     factory's loader, restored from --states as the Trainer restores it (else fresh, numbered
     from --start-step): `replay`."""
-    from pipeline.loaders.replayed import ReplayError
+    from tally.pipeline.loaders.replayed import ReplayError
 
     try:
         factory_loader(loader, host, spec.hosts)
@@ -401,8 +401,8 @@ def replay_spec_host(spec: Any, host: int, hashes: Any, loader: Any) -> Any:
 
 
 def check_replay(spec: Any, loader: Any) -> None:
-    """What an OLMo-core replay refuses before it writes anything (pipeline.replay.check)."""
-    from pipeline.loaders.replayed import ReplayError
+    """What an OLMo-core replay refuses before it writes anything (tally.pipeline.replay.check)."""
+    from tally.pipeline.loaders.replayed import ReplayError
 
     if spec.hashes != "manifest":
         raise ReplayError("--hashes source: an OLMo-core replay takes hashes from the manifest "

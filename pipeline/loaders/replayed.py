@@ -1,7 +1,7 @@
 """One host's replayed spool, for every PyTorch-side adapter's replay: the index batches a
 loader's contract says the host read go in, segment files marked replayed come out.
 
-Kept apart from pipeline.replay (which imports Grain) so that replaying a torch or Streaming
+Kept apart from tally.pipeline.replay (which imports Grain) so that replaying a torch or Streaming
 loader needs neither Grain nor JAX."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from audit.core.errors import TallyError
-from audit.core.schema import MAX_STEP, SEGMENT_SCHEMA
-from audit.hook import spool as sp
-from audit.hook.writer import publish
+from tally.audit.core.errors import TallyError
+from tally.audit.core.schema import MAX_STEP, SEGMENT_SCHEMA
+from tally.audit.hook import spool as sp
+from tally.audit.hook.writer import publish
 
-# What a replay's files say (audit.hook.spool.is_replayed reads either).
+# What a replay's files say (tally.audit.hook.spool.is_replayed reads either).
 WRITER_VERSION = sp.REPLAY_WRITER_VERSION
 ROWS_PER_FILE = 1 << 20  # ~1M rows a file (whole steps): ~27 MB, read in ~40 ms
 

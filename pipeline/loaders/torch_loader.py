@@ -43,12 +43,12 @@ import numpy as np
 try:
     import torch
     from torch.utils.data import DataLoader, IterableDataset
-except ModuleNotFoundError as _exc:  # one line naming the extra (audit.extras: MODULE_EXTRA)
-    raise ModuleNotFoundError(f"pipeline.loaders.torch_loader needs the torch extra "
+except ModuleNotFoundError as _exc:  # one line naming the extra (tally.audit.extras: MODULE_EXTRA)
+    raise ModuleNotFoundError(f"tally.pipeline.loaders.torch_loader needs the torch extra "
                               f"({_exc.name} is not installed): pip install 'tally-audit[torch]'",
                               name=_exc.name) from None
 
-from pipeline.loaders import (
+from tally.pipeline.loaders import (
     AttachError,
     Hashes,
     batch_content,
@@ -264,7 +264,7 @@ class AuditedLoader:
         if hashes is not None:
             self.manifest_content = lambda keys: Hashes(*hashes.lookup(keys))
         if self.content == "source":
-            from pipeline.grain_attach import SourceHashes  # its reader, not a copy of it
+            from tally.pipeline.grain_attach import SourceHashes  # its reader, not a copy of it
 
             self._source = SourceHashes(loader.dataset, tokens_field or "tokens")
         self._recording = _RecordingBatchSampler(loader.batch_sampler)
@@ -337,7 +337,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, host: int | N
     `content="source"` reads each record again from the dataset (`tokens_field` of a dict
     item) on the writer's thread; `hashes`: a manifest path (or ManifestHashes) to take
     hashes from. The loop must not change the token tensor in place after it gets the batch."""
-    from audit.hook.writer import LedgerWriter
+    from tally.audit.hook.writer import LedgerWriter
 
     check_loader(loader)
     rank, replicas = topology(loader.batch_sampler)
@@ -460,10 +460,10 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def replay_host(spec: Any, host: int, hashes: Any, loader: DataLoader) -> Any:
-    """Write host `host`'s replayed spool files for `spec` (pipeline.replay.ReplaySpec) from
-    a torch DataLoader; returns pipeline.loaders.replayed.HostReplay."""
+    """Write host `host`'s replayed spool files for `spec` (tally.pipeline.replay.ReplaySpec) from
+    a torch DataLoader; returns tally.pipeline.loaders.replayed.HostReplay."""
 
-    from pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
+    from tally.pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
 
     t0 = time.perf_counter()
     try:
@@ -481,7 +481,7 @@ def replay_host(spec: Any, host: int, hashes: Any, loader: DataLoader) -> Any:
     keys_of = _keys_function(loader, None)
     source = None
     if spec.hashes == "source":
-        from pipeline.grain_attach import SourceHashes
+        from tally.pipeline.grain_attach import SourceHashes
 
         source = SourceHashes(loader.dataset, "input_ids")
     def resolve(idx: np.ndarray, epoch: np.ndarray):
@@ -506,8 +506,8 @@ def replay_host(spec: Any, host: int, hashes: Any, loader: DataLoader) -> Any:
 
 
 def check_replay(spec: Any, loader: DataLoader) -> None:
-    """What a torch replay refuses before it writes anything (pipeline.replay.check)."""
-    from pipeline.loaders.replayed import ReplayError
+    """What a torch replay refuses before it writes anything (tally.pipeline.replay.check)."""
+    from tally.pipeline.loaders.replayed import ReplayError
 
     try:
         check_loader(loader)
