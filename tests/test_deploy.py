@@ -105,8 +105,8 @@ def test_dockerfile_copies_what_exists_and_runs_the_console_script():
     sources = [s for c in copies for s in c]
     assert sources and all((ROOT / s).exists() for s in sources)
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    for pattern in packages["tool"]["setuptools"]["packages"]["find"]["include"]:
-        assert pattern.rstrip("*") in sources
+    for folder in packages["tool"]["setuptools"]["package-dir"].values():
+        assert folder in sources
     assert 'ENTRYPOINT ["tally"]' in lines
     assert packages["project"]["scripts"]["tally"] == "tally.audit.cli:main"
 
@@ -124,8 +124,8 @@ def test_the_sdk_harness_image_is_beams_at_the_installed_version_with_tally():
     copies = [shlex.split(line)[1:-1] for line in lines if line.startswith("COPY ")]
     sources = [s for c in copies for s in c]
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    for pattern in packages["tool"]["setuptools"]["packages"]["find"]["include"]:
-        assert pattern.rstrip("*") in sources
+    for folder in packages["tool"]["setuptools"]["package-dir"].values():
+        assert folder in sources
     assert all((ROOT / s).exists() for s in sources)
     assert any(line.startswith("RUN pip install") and '"apache-beam==${BEAM_VERSION}"' in line
                for line in lines)
