@@ -9,8 +9,8 @@ Builds a manifest of `--records` records and a spool of `--rows` consumption row
    is the work the workers share; a reader can extrapolate to N machines from it.
 2. the reference: `reconcile()` on FnApiRunner in_memory (one process).
 3. for each worker count: `dask scheduler` and that many `dask worker` processes (one thread
-   each, tests/dask_cluster.py), each made to import the job first (a one-off ~2.5 s that is
-   not the scaling), then `reconcile()` submitted to it `--repeats` times: wall
+   each, bench/reference/dask_cluster.py), each made to import the job first (a one-off ~2.5 s
+   that is not the scaling), then `reconcile()` submitted to it `--repeats` times: wall
    seconds, CPU seconds of each worker process, the seconds each spent in tasks (Dask's task
    stream), CPU seconds of the scheduler and of this (submitting) process, and the ratio
    FnApiRunner time / Dask time. Every report must equal the reference.
@@ -41,8 +41,9 @@ from tally.pipeline.runners import RunnerSpec  # noqa: E402
 
 def job_work(spool: Path, manifest: Path, memory_gb: float) -> dict:
     """Thread CPU seconds of the job's two stages, element by element, in this process."""
-    from tally.audit.reconcile.job import BucketStats, ReadConsumption
-    from tally.audit.reconcile.plan import chunks, make_plan, spool_inputs
+    from tally.audit.buckets.plan import chunks, make_plan, spool_inputs
+    from tally.audit.buckets.stages import ReadConsumption
+    from tally.audit.reconcile.job import BucketStats
 
     inputs = spool_inputs(spool, "bench")
     plan = make_plan(run_id="bench", manifest=manifest, files=inputs.files,
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from distributed import Client
 
-    from tests.dask_cluster import DaskProcesses
+    from bench.reference.dask_cluster import DaskProcesses
 
     out = Path(args.dir)
     shutil.rmtree(out, ignore_errors=True)

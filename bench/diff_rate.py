@@ -4,7 +4,7 @@ Builds a manifest of `--records` records and two runs of `--rows` consumption ro
 `--file-rows`-row segment files, keys drawn uniformly): run B consumes what run A does for the
 first half of the steps and other records after that, so the diff has identical steps, a first
 divergent step and records seen by one run only. Both runs are ingested into a ledger; then it
-times (a) the DuckDB SQL reference (tests/posthoc_reference.py: the same numbers, one query
+times (a) the DuckDB SQL reference (bench/reference/posthoc_sql.py: the same numbers, one query
 each) and (b) `tally diff` of A from the spool against B from the spool on FnApiRunner
 (multi_processing by default), with the peak resident memory and CPU seconds of the process
 tree, and checks that they agree.
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     logging.getLogger().setLevel(logging.ERROR)  # Beam's workers log every start at INFO
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.posthoc_reference import reference
+    from bench.reference.posthoc_sql import reference
 
     out = Path(args.dir)
     shutil.rmtree(out, ignore_errors=True)

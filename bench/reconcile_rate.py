@@ -2,10 +2,10 @@
 
 Builds a manifest of `--records` records and a spool of `--rows` consumption rows (8 hosts,
 100,000-row segment files, keys drawn uniformly, so every record is seen ~rows/records times),
-ingests the spool into a ledger, then times (a) the DuckDB SQL reference (tests/sql_reference.py:
-the same numbers, one query each) and (b) `tally reconcile` on FnApiRunner (multi_processing
-by default), sampling the peak resident memory and the CPU seconds of the whole process tree
-(on a shared machine CPU seconds vary less than wall time).
+ingests the spool into a ledger, then times (a) the DuckDB SQL reference
+(bench/reference/reconcile_sql.py: the same numbers, one query each) and (b) `tally reconcile`
+on FnApiRunner (multi_processing by default), sampling the peak resident memory and the CPU
+seconds of the whole process tree (on a shared machine CPU seconds vary less than wall time).
 
     python -m bench.reconcile_rate [--rows 50000000] [--records 10000000]
         [--mode multi_processing[,in_memory]] [--repeats 1] [--reuse]
@@ -76,8 +76,8 @@ def spool_query(spool: Path, run_id: str, manifest: Path, tmp: Path) -> dict:
     mismatches and the records seen by 2+ hosts (with their (record, host) pairs, what the
     report's per-host `overlap_with_others` sums to). Every segment file counts: it is for a
     spool of one attempt, where every row is effective (seed_scale's); the oracle with
-    rollbacks is tests/sql_reference.py. DuckDB's own defaults (threads, 80% of the memory),
-    spilling under `tmp`."""
+    rollbacks is bench/reference/reconcile_sql.py. DuckDB's own defaults (threads, 80% of the
+    memory), spilling under `tmp`."""
     files = str(Path(spool) / run_id / "attempt=*" / "host=*" / "seg-*.parquet")
     con = duckdb.connect(config={"temp_directory": str(tmp)})
     try:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.sql_reference import reference
+    from bench.reference.reconcile_sql import reference
 
     out = Path(args.dir)
     sizes = f"{args.rows} {args.records} {args.file_rows}"

@@ -24,7 +24,7 @@ with its ratio against a reference measured in the same run where one exists:
 7. reconcile: the Beam job on FnApiRunner against one DuckDB query over the same spool and
    manifest (histogram, never seen, hash mismatches, records on 2+ hosts:
    bench.reconcile_rate.spool_query), the same numbers asserted; and unless
-   `--no-sql-reference`, against the SQL oracle of every number (tests/sql_reference.py).
+   `--no-sql-reference`, against the SQL oracle of every number (bench/reference/reconcile_sql.py).
 
 The data (up to ~40 GB at the defaults) is removed at the end, also on failure, unless `--keep`.
 A benchmark, not a test: tests/test_bench.py runs it at a toy size.
@@ -509,7 +509,7 @@ def _reconcile(args, out: Path, st: Stages, res: dict, manifest: Path, spool: Pa
         _spool_query(st, res, report, beam_s, out, manifest, spool)
     if not args.no_sql_reference:
         sys.path.insert(0, str(ROOT))
-        from tests.sql_reference import reference
+        from bench.reference.reconcile_sql import reference
 
         t0 = time.perf_counter()
         with PeakRSS() as mem_ref:
@@ -517,7 +517,7 @@ def _reconcile(args, out: Path, st: Stages, res: dict, manifest: Path, spool: Pa
         sql_s = time.perf_counter() - t0
         assert (cov["exposures"], list(cov["histogram"].values())) == (sql["exposures"],
                                                                        sql["histogram"])
-        st.add("reconcile vs the SQL oracle (tests/sql_reference.py, every number)",
+        st.add("reconcile vs the SQL oracle (bench/reference/reconcile_sql.py, every number)",
                f"Beam {beam_s:.1f} s, the same numbers",
                f"DuckDB SQL {sql_s:.1f} s, {mem_ref.cpu:.0f} CPU s, peak RSS "
                f"{mem_ref.peak / 2**30:.2f} GiB", sql_s / beam_s)

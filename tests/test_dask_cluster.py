@@ -1,5 +1,5 @@
 """Manifest, reconcile and diff on a real multi-process Dask cluster: `dask scheduler` and `dask
-worker` as separate OS processes on 127.0.0.1 (tests/dask_cluster.py), the jobs submitted
+worker` as separate OS processes on 127.0.0.1 (bench/reference/dask_cluster.py), the jobs submitted
 through the real CLI. They must give exactly what FnApiRunner gives; a worker killed mid-job
 (SIGKILL) must leave either the exact report or one clear error and no report, never a wrong
 report."""
@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client
 
+from bench.reference.dask_cluster import DaskProcesses
 from tally.audit.reconcile import reconcile
 from tally.pipeline.manifest import build_manifest, manifest_info
 from tally.pipeline.synth import synth_corpus
 from tests.conftest import ROOT
-from tests.dask_cluster import DaskProcesses
 from tests.test_reconcile import random_run, write_manifest
 
 RUNS = ("r0",)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from bench.reference.reconcile_sql import reference
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.reconcile import reconcile
 from tests.conftest import uniform_manifest, unpacked_batch
-from tests.sql_reference import reference
 
 N = 1000
 

@@ -1,7 +1,7 @@
 """Post-hoc audits: `tally diff` (the Beam job, on FnApiRunner and Dask) against the DuckDB SQL
-reference (tests/posthoc_reference.py) on random ledgers, on real Grain runs with exact and inexact
-resumes, and on README's Grain and PyTorch examples over the same corpus; `tally exposure` on a
-corpus with planted duplicates against SQL."""
+reference (bench/reference/posthoc_sql.py) on random ledgers, on real Grain runs with exact and
+inexact resumes, and on README's Grain and PyTorch examples over the same corpus; `tally
+exposure` on a corpus with planted duplicates against SQL."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pyarrow.compute  # noqa: F401 (pa.compute)
 import pyarrow.parquet as pq
 import pytest
 
+from bench.reference.posthoc_sql import exposure_reference, from_diff, reference
 from tally.audit.core.hashing import content_hash
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
@@ -29,7 +30,6 @@ from tally.pipeline.loader import KeyedLoader, LoaderConfig
 from tally.pipeline.manifest import build_manifest
 from tally.pipeline.runners import RunnerSpec
 from tests.conftest import ROOT
-from tests.posthoc_reference import exposure_reference, from_diff, reference
 from tests.test_reconcile import random_run, write_manifest
 
 

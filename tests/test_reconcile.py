@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from bench.reference.reconcile_sql import from_report, reference
 from tally.audit.core.errors import TallyError
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
@@ -19,7 +20,6 @@ from tally.audit.reconcile.plan import MAX_RUN_STEPS, make_plan
 from tally.pipeline.manifest import MANIFEST_SCHEMA
 from tally.pipeline.manifest_file import write_manifest_table
 from tally.pipeline.runners import RunnerSpec
-from tests.sql_reference import from_report, reference
 
 DOMAINS = ["web", "code", "books"]
 

@@ -3,7 +3,7 @@ and the shapes of the answers built from them (docs/DESIGN.md, "Exposure semanti
 
 Each rule is written here once, as the SQL fragment the ledger's queries use and the numpy form
 the ingester and the reconcile job use, side by side so that a reader sees they agree. The
-test oracle (tests/sql_reference.py) restates them independently, on purpose.
+test oracle (bench/reference/reconcile_sql.py) restates them independently, on purpose.
 
 - Which rows count: attempt `a` resumed from step `s` rolls back every row of earlier attempts
   at steps >= s (`rolled_back_from`). Rolled-back rows stay in the ledger (they prove whether

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent  # importable by the workers, as by this process
+ROOT = Path(__file__).resolve().parents[2]  # importable by the workers, as by this process
 
 
 class DaskProcesses:
