@@ -37,7 +37,7 @@ def files_fingerprint(files: Iterable[tuple[str, int]]) -> str:
 
 
 def plan_fingerprint(files: Iterable[Any]) -> str:
-    """`files_fingerprint` of a plan's input files (tally.audit.reconcile.plan.InputFile): a spool's
+    """`files_fingerprint` of a plan's input files (tally.audit.buckets.plan.InputFile): a spool's
     file names relative to the spool with their sizes, a ledger export's with its rows."""
     out = []
     for f in files:

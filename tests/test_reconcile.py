@@ -9,14 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.reference.reconcile_sql import from_report, reference
+from tally.audit.buckets.partials import MaxSpans, Spans
+from tally.audit.buckets.plan import MAX_RUN_STEPS, make_plan
 from tally.audit.core.errors import TallyError
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.reconcile import reconcile
-from tally.audit.reconcile.partials import MaxSpans, Spans
-from tally.audit.reconcile.plan import MAX_RUN_STEPS, make_plan
 from tally.pipeline.manifest import MANIFEST_SCHEMA
 from tally.pipeline.manifest_file import write_manifest_table
 from tally.pipeline.runners import RunnerSpec
@@ -203,9 +203,9 @@ def test_report_files(tmp_path):
 def test_a_group_delivered_twice_with_different_values_is_refused(tmp_path):
     # What FnApiRunner multi_processing (Beam 2.77) was seen to do: the stage after the join ran
     # twice for a bucket, once with a subset of its values. Both results are kept and refused.
+    from tally.audit.buckets.partials import Partial
+    from tally.audit.buckets.stages import SavePartials, load_partials
     from tally.audit.core.errors import TallyError
-    from tally.audit.reconcile.job import SavePartials, load_partials
-    from tally.audit.reconcile.partials import Partial
 
     save = SavePartials(str(tmp_path))
     same = ("bucket-3", Partial(hash_checked=10))
@@ -296,7 +296,7 @@ def test_host_step_ranges_of_a_file_match_a_plain_set_of_steps():
     """host_steps.per_file's covered step ranges, per (attempt, host), against Python sets of
     the steps: rows in any order, several attempts and hosts, repeated steps, gaps; and a file
     with no rows."""
-    from tally.audit.reconcile import host_steps
+    from tally.audit.buckets import host_steps
 
     rng = np.random.default_rng(7)
     n = 3000
@@ -317,10 +317,10 @@ def test_host_step_ranges_of_a_file_match_a_plain_set_of_steps():
 
 
 def test_input_files_are_cut_into_tasks_of_whole_files_in_order():
-    """The job reads its inputs a chunk of files at a time (tally.audit.reconcile.plan.chunks):
+    """The job reads its inputs a chunk of files at a time (tally.audit.buckets.plan.chunks):
     every file once, in order, whole, about CHUNK_ROWS rows a chunk, or fewer rows where a
     small job would otherwise be too few tasks for its workers."""
-    from tally.audit.reconcile.plan import CHUNK_ROWS, TASKS, InputFile, chunks
+    from tally.audit.buckets.plan import CHUNK_ROWS, TASKS, InputFile, chunks
 
     rng = np.random.default_rng(7)
     for n, most in ((3, 10), (400, 200_000), (300, 40_000_000)):
@@ -341,8 +341,8 @@ def test_bucket_files_give_back_every_row_with_int64_steps_and_losses_where_logg
     """Rows cut into bucket files and read back, bucket by bucket, from two files: one with
     losses (some NaN) at steps beyond 2^40, one without (its loss column left out of the file,
     read back as NaN beside the other's); keys beyond the last bucket in the overflow bucket."""
+    from tally.audit.buckets import exchange
     from tally.audit.core.exposure import starts
-    from tally.audit.reconcile import buckets
 
     rng = np.random.default_rng(3)
     size, n_buckets = 100, 4
@@ -356,15 +356,15 @@ def test_bucket_files_give_back_every_row_with_int64_steps_and_losses_where_logg
                 "epoch": rng.integers(-1, 3, n),
                 "loss": np.where(rng.random(n) < 0.3, np.nan, rng.random(n)) if losses
                 else np.full(n, np.nan)}
-        cols = {k: v.astype(np.dtype(buckets.COLUMNS.get(k, v.dtype))) if k not in
+        cols = {k: v.astype(np.dtype(exchange.COLUMNS.get(k, v.dtype))) if k not in
                 ("record_key", "step", "offset") else v for k, v in cols.items()}
-        refs = buckets.write(cols, size, n_buckets, tmp_path / f"{i}.bin")
+        refs = exchange.write(cols, size, n_buckets, tmp_path / f"{i}.bin")
         assert all(s.loss == losses and s.step_base == cols["step"].min() for _, s in refs)
         files.append((cols, refs))
     assert (tmp_path / "1.bin").stat().st_size < (tmp_path / "0.bin").stat().st_size
     for b in range(n_buckets + 1):
-        got = buckets.read([s for _, refs in files for k, s in refs if k == b],
-                           overflow=b == n_buckets)
+        got = exchange.read([s for _, refs in files for k, s in refs if k == b],
+                            overflow=b == n_buckets)
         want: dict[str, list] = {}
         for cols, _ in sorted(files, key=lambda f: str(f[1][0][1].path)):
             mine = np.minimum(cols["record_key"] // size, n_buckets) == b

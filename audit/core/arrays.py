@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -16,6 +18,15 @@ def distinct(values: np.ndarray) -> np.ndarray:
     if out.size:
         out = out[np.r_[True, out[1:] != out[:-1]]]
     return out
+
+
+def bincount(idx: np.ndarray, weights: np.ndarray | None = None, n: int = 0) -> np.ndarray:
+    """`np.bincount` of `idx` with at least `n` bins, as int64 unless the weights are floats
+    (an empty `idx` gives `n` zeros)."""
+    if idx.size == 0:
+        return np.zeros(n, dtype=np.int64)
+    out = np.bincount(idx, weights=weights, minlength=n)
+    return out.astype(np.int64) if weights is None or weights.dtype.kind in "iu" else out
 
 
 def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -86,3 +97,12 @@ def host_overlap(rec: np.ndarray, host: np.ndarray, k: np.ndarray,
             np.fill_diagonal(prod, 0)
             overlap += prod
     return unique, others, overlap
+
+
+def json_default(o: Any) -> Any:
+    """numpy scalars as JSON numbers (json.dumps' `default` for the report files)."""
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    raise TypeError(type(o).__name__)

@@ -1,13 +1,14 @@
 """The diff job (Beam): did two runs consume the same records, step by step?
 
-Each run is read as reconcile reads one (tally.audit.reconcile.job.ReadConsumption: spool files or a
-ledger export, restart lineage applied, effective rows cut into record-key bucket files), with
-the same bucket layout for both runs, sized for both runs' rows. Each bucket then joins A's and
-B's slices with the bucket's manifest rows (CoGroupByKey on the bucket number, no side input)
-and compares them with numpy (tally.audit.posthoc.diff_bucket). Partials are typed and merged by the
-driver, with the same checks as reconcile: every effective row and bucket slice of both runs
-reached the join, no bucket was delivered twice with different values. Only Create, ParDo,
-GroupByKey and Flatten: FnApiRunner, Dask and the other Beam runners take it alike.
+Each run is read as reconcile reads one (tally.audit.buckets.stages.ReadConsumption: spool
+files or a ledger export, restart lineage applied, effective rows cut into record-key bucket
+files), with the same bucket layout for both runs, sized for both runs' rows. Each bucket then
+joins A's and B's slices with the bucket's manifest rows (CoGroupByKey on the bucket number, no
+side input) and compares them with numpy (tally.audit.posthoc.diff_bucket). Partials are typed
+and merged by the driver, with the same checks as reconcile: every effective row and bucket
+slice of both runs reached the join, no bucket was delivered twice with different values. Only
+Create, ParDo, GroupByKey and Flatten: FnApiRunner, Dask and the other Beam runners take it
+alike.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from pathlib import Path
 
 import apache_beam as beam
 
-from tally.audit.core.errors import TallyError
-from tally.audit.posthoc import diff_bucket
-from tally.audit.posthoc.diff_bucket import RUNS, DiffPartial
-from tally.audit.posthoc.sources import RunSource, inputs
-from tally.audit.reconcile import buckets
-from tally.audit.reconcile.job import (
+from tally.audit.buckets import exchange
+from tally.audit.buckets.partials import Partial, merge_all
+from tally.audit.buckets.plan import (
+    MAX_RUN_STEPS,
+    Plan,
+    bucket_records_for,
+    check_span,
+    chunks,
+    make_plan,
+)
+from tally.audit.buckets.stages import (
     ReadConsumption,
     load_partials,
     manifest_bucket,
@@ -32,15 +38,10 @@ from tally.audit.reconcile.job import (
     save_partials,
     write_part,
 )
-from tally.audit.reconcile.partials import Partial, merge_all
-from tally.audit.reconcile.plan import (
-    MAX_RUN_STEPS,
-    Plan,
-    bucket_records_for,
-    check_span,
-    chunks,
-    make_plan,
-)
+from tally.audit.core.errors import TallyError
+from tally.audit.posthoc import diff_bucket
+from tally.audit.posthoc.diff_bucket import RUNS, DiffPartial
+from tally.audit.posthoc.sources import RunSource, inputs
 from tally.pipeline.runners import RunnerSpec, pipeline
 
 WINDOWS = 20  # windows of steps when --window is not given: about this many over the runs
@@ -128,7 +129,7 @@ class CompareBucket(beam.DoFn):
         layout = self.plan.layout
         overflow = bucket == layout.buckets
         slices = {r: list(grouped[r]) for r in RUNS}
-        rows = {r: buckets.read(slices[r], overflow=overflow) for r in RUNS}
+        rows = {r: exchange.read(slices[r], overflow=overflow) for r in RUNS}
         first = self.plan.first_step
         for r in RUNS:  # steps since the first step of either run: the series and windows
             rows[r]["step"] -= first

@@ -16,10 +16,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
-from tally.audit.core.arrays import distinct
+from tally.audit.buckets.partials import EXAMPLES, Mergeable, Partial, merged_by, summed
+from tally.audit.core.arrays import bincount, distinct
 from tally.audit.posthoc.multiset import compare_groups, dense_codes
-from tally.audit.reconcile.bucket_stats import bincount
-from tally.audit.reconcile.partials import EXAMPLES, Mergeable, Partial, merged_by, summed
 
 RUNS = ("a", "b")
 _STRING = pa.dictionary(pa.int32(), pa.string())
@@ -105,7 +104,7 @@ def _starts(man: dict | None, c: dict[str, np.ndarray], base: int) -> dict[str, 
 def compute(man: dict | None, rows: dict[str, dict[str, np.ndarray]], base: int,
             window: int, first_step: int = 0) -> tuple[DiffPartial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `rows[r]`: run r's
-    effective rows in this bucket (tally.audit.reconcile.buckets), steps counted from `first_step`
+    effective rows in this bucket (tally.audit.buckets.exchange), steps counted from `first_step`
     (the first step of either run); `base`: the bucket's first key; `window`: steps per
     window. Returns the bucket's partial and its per-record table."""
     st = {r: _starts(man, rows[r], base) for r in RUNS}

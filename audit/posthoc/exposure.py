@@ -398,12 +398,12 @@ def consumed_in_ledger(cur: duckdb.DuckDBPyConnection, run: int,
 def consumed_in_spool(spool: Path, run_id: str, keys: np.ndarray,
                       workers: int | None = None) -> tuple[pa.Table, dict[str, Any], bool]:
     """The same from a run's published spool files (restart lineage applied); the files left
-    out, as reconcile counts them (tally.audit.reconcile.report.files_left_out: entries that are not
-    spool files and files that fail their checks are unreadable, repeats of a host-step are
-    duplicates); and whether `tally replay` wrote the run's files
+    out, as reconcile counts them (tally.audit.buckets.left_out.files_left_out: entries that
+    are not spool files and files that fail their checks are unreadable, repeats of a host-step
+    are duplicates); and whether `tally replay` wrote the run's files
     (tally.audit.hook.spool.replayed_run)."""
-    from tally.audit.reconcile.plan import spool_inputs
-    from tally.audit.reconcile.report import files_left_out
+    from tally.audit.buckets.left_out import files_left_out
+    from tally.audit.buckets.plan import spool_inputs
 
     listed = spool_inputs(spool, run_id)
     files, attempts = listed.files, listed.attempts
@@ -538,9 +538,9 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
     With `eos_token_id`, the manifest is an OLMo mix's (built from its index) and a document
     matches the instances that hold its tokens: every run of tokens between two EOS tokens of
     the mix with the document's content (`tally.pipeline.olmo.find_documents`)."""
+    from tally.audit.buckets.left_out import files_left_out
     from tally.audit.ledger.database import Ledger
     from tally.audit.ledger.queries import quarantined_of, replayed_of, run_of
-    from tally.audit.reconcile.report import files_left_out
     from tally.audit.reconcile.verdict import left_out_findings
 
     if (spool is None) == (ledger is None):

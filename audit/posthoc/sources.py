@@ -1,6 +1,6 @@
 """Where a post-hoc audit reads a run: `SOURCE:RUN`, SOURCE a spool directory or a ledger file.
 
-The inputs themselves are reconcile's (tally.audit.reconcile.plan): the run's published spool
+The inputs themselves are reconcile's (tally.audit.buckets.plan): the run's published spool
 segment
 files, or an export of its rows from the ledger, with its attempts and their rollback cutoffs.
 """
@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tally.audit.buckets.plan import Inputs, ledger_inputs, spool_inputs
 from tally.audit.core.errors import TallyError
 from tally.audit.core.schema import RUN_ID_PATTERN
-from tally.audit.reconcile.plan import Inputs, ledger_inputs, spool_inputs
 
 
 @dataclass(frozen=True)

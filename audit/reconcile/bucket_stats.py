@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from tally.audit.core.arrays import distinct, host_overlap, ranks
-from tally.audit.reconcile.partials import (
+from tally.audit.buckets.partials import (
     EVIDENCE,
     EXAMPLES,
     RANK_CAP,
@@ -22,6 +21,7 @@ from tally.audit.reconcile.partials import (
     Partial,
     Spans,
 )
+from tally.audit.core.arrays import bincount, distinct, host_overlap, ranks
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
 # Per-record exposure: one row per manifest record (report's records/ table).
@@ -30,13 +30,6 @@ RECORDS_SCHEMA = pa.schema([
     ("n_tokens", pa.int32()), ("exposures", pa.int64()), ("tokens_consumed", pa.int64()),
     ("hosts", pa.int32()), ("first_step", pa.int64()), ("hash_mismatches", pa.int64()),
 ])
-
-
-def bincount(idx: np.ndarray, weights: np.ndarray | None = None, n: int = 0) -> np.ndarray:
-    if idx.size == 0:
-        return np.zeros(n, dtype=np.int64)
-    out = np.bincount(idx, weights=weights, minlength=n)
-    return out.astype(np.int64) if weights is None or weights.dtype.kind in "iu" else out
 
 
 def _examples(keys, steps, hosts) -> list[dict[str, int]]:
@@ -54,8 +47,8 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
 def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
             loss_window: int = 1, run_first_step: int = 0) -> tuple[Partial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
-    consumption rows (tally.audit.reconcile.buckets); `host_ids`: the run's hosts with rows
-    (tally.audit.reconcile.plan.Plan.host_ids: per-host counts are by position there);
+    consumption rows (tally.audit.buckets.exchange); `host_ids`: the run's hosts with rows
+    (tally.audit.buckets.plan.Plan.host_ids: per-host counts are by position there);
     `run_first_step`: the run's first step, where the loss windows start. Returns the
     bucket's partial and its per-record table."""
     if man is None:  # the overflow bucket: whole keys, none in the manifest
@@ -99,7 +92,7 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     ev = starts if every else starts & train[j]
     # Steps are int64: the series of this bucket start at its first step (`lo`), and the sort
     # key packs the record with the step relative to it (a run spans fewer than 2^31 steps:
-    # tally.audit.reconcile.plan.MAX_RUN_STEPS).
+    # tally.audit.buckets.plan.MAX_RUN_STEPS).
     lo = int(step.min()) if step.size else 0
     packed = (j[ev] << 32) | (step[ev] - lo)
     losses = c["loss"][ev] if "loss" in c else np.zeros(0, np.float32)

@@ -18,8 +18,8 @@ from urllib.parse import quote
 
 import numpy as np
 
+from tally.audit.buckets.partials import EVIDENCE
 from tally.audit.core.exposure import Finding
-from tally.audit.reconcile.partials import EVIDENCE
 
 # Findings about records exposed more often than due: their evidence is where the repeats are.
 REPEATS = {"with_replacement", "no_sharding", "padding", "epoch_duplicates", "uneven_exposure",

@@ -1,45 +1,32 @@
 """The reconcile job (Beam): a run's consumption against the corpus manifest.
 
-Inputs are a frozen list of consumption files (tally.audit.reconcile.plan): the run's published
-spool
-segment files, or an export of the ledger. The consumption is cut into record-key buckets and
-joined with the manifest bucket by bucket (CoGroupByKey on the bucket number; each bucket's
+Inputs are a frozen list of consumption files (tally.audit.buckets.plan): the run's published
+spool segment files, or an export of the ledger. The consumption is cut into record-key buckets
+and joined with the manifest bucket by bucket (CoGroupByKey on the bucket number; each bucket's
 manifest rows are read by key range where the bucket is computed, so there are no side inputs).
-The rows travel between the two stages as bucket files (tally.audit.reconcile.buckets): the shuffle
-carries only references to them, and each bucket is computed with numpy over its columns
-(tally.audit.reconcile.bucket_stats), never one Python object per row. Every worker emits typed
-partial results (tally.audit.reconcile.partials) that the driver merges; per-record rows are written
-as part files that the driver moves into place. Only Create, ParDo, GroupByKey and Flatten are
-used, the primitives every runner translates, Dask's included.
+The rows travel between the two stages as bucket files (tally.audit.buckets.exchange, read by
+tally.audit.buckets.stages.ReadConsumption): the shuffle carries only references to them, and
+each bucket is computed with numpy over its columns (tally.audit.reconcile.bucket_stats), never
+one Python object per row. Every worker emits typed partial results
+(tally.audit.buckets.partials) that the driver merges; per-record rows are written as part files
+that the driver moves into place. Only Create, ParDo, GroupByKey and Flatten are used, the
+primitives every runner translates, Dask's included.
 
-Restart lineage (tally.audit.core.exposure) splits rows into effective and rolled back; rolled-back
-rows are compared step by step with the surviving replay.
+Restart lineage (tally.audit.core.exposure) splits rows into effective and rolled back;
+rolled-back rows are compared step by step with the surviving replay.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import apache_beam as beam
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import xxhash
 
-from tally.audit.core.arrays import distinct
-from tally.audit.core.errors import TallyError
-from tally.audit.core.exposure import effective, starts
-from tally.audit.hook.spool import BadFile, read_checked
-from tally.audit.reconcile import bucket_stats, buckets, host_steps
-from tally.audit.reconcile.partials import Partial, Spans, merge_all
-from tally.audit.reconcile.plan import (
-    COLUMNS,
-    InputFile,
+from tally.audit.buckets import exchange
+from tally.audit.buckets.partials import Partial, merge_all
+from tally.audit.buckets.plan import (
     Plan,
     chunks,
     ledger_inputs,
@@ -49,33 +36,24 @@ from tally.audit.reconcile.plan import (
     run_finished,
     spool_inputs,
 )
-from tally.pipeline.corpus import read_rows
+from tally.audit.buckets.stages import (
+    Columns,
+    ReadConsumption,
+    load_partials,
+    manifest_bucket,
+    name_of,
+    of_kind,
+    publish_records,
+    rows_where,
+    save_partials,
+    write_part,
+)
+from tally.audit.core.errors import TallyError
+from tally.audit.reconcile import bucket_stats
 from tally.pipeline.progress import Progress
 from tally.pipeline.runners import RunnerSpec, pipeline
 
-Columns = dict[str, np.ndarray]
-
-
-# ---- stage 1: read consumption, cut it into key-bucket files ------------------------------
-
-def _read_file(f: InputFile) -> Columns:
-    if f.spool_file is None:
-        table = pq.read_table(f.path, columns=list(COLUMNS))
-    else:
-        table, _ = read_checked(f.spool_file)  # the same checks as ingest; BadFile if not
-        table = table.append_column(
-            "attempt", pa.array(np.full(table.num_rows, f.spool_file.attempt, np.int32)))
-    return {c: table[c].to_numpy() for c in COLUMNS}
-
-
-def _name(path: str) -> str:
-    return xxhash.xxh3_64_hexdigest(path.encode())
-
-
-def _chunk_name(chunk: tuple) -> str:
-    """A chunk's name, from its files' paths (the same on a retried bundle)."""
-    return _name("\n".join(f.path for f in chunk))
-
+# ---- stage 1: the run's metric files (its consumption: tally.audit.buckets.stages) ----------
 
 class ReadMetrics(beam.DoFn):
     """A chunk of the run's metric files -> its partial of metric facts (NaN or infinite
@@ -87,7 +65,7 @@ class ReadMetrics(beam.DoFn):
     def process(self, files: tuple):
         facts = metric_facts(list(files), self.plan.cutoffs)
         count, first = facts["non_finite"]
-        yield f"metrics-{_name(chr(10).join(str(f.path) for f in files))}", Partial(
+        yield f"metrics-{name_of(chr(10).join(str(f.path) for f in files))}", Partial(
             non_finite_losses=count, non_finite_first_step=first,
             finished_at=facts["finished"], loss_sums=facts["loss_sums"])
 
@@ -95,128 +73,8 @@ class ReadMetrics(beam.DoFn):
 METRIC_FILES_A_TASK = 512
 
 
-def _rows_where(cols: Columns, mask: np.ndarray) -> Columns:
-    return {k: v[mask] for k, v in cols.items()}
-
-
-def of_kind(item: tuple[str, Any], kind: str) -> list[Any]:
-    """The values of (kind, value) pairs of one kind (a FlatMap splitting a DoFn's outputs)."""
-    return [item[1]] if item[0] == kind else []
-
-
-class ReadConsumption(beam.DoFn):
-    """One chunk of input files (tally.audit.reconcile.plan.chunks) -> (kind, value): their
-    effective rows written as one bucket file and one reference per bucket, their per-step and
-    per-host partial (each file's, merged), replay rows, and the files skipped with why."""
-
-    def __init__(self, plan: Plan, folder: str) -> None:
-        self.plan, self.folder = plan, folder
-
-    def process(self, chunk: tuple[InputFile, ...]):
-        plan = self.plan
-        parts, kept_cols, partial = [], [], Partial()
-        for f in chunk:
-            try:
-                cols = _read_file(f)
-            except BadFile as exc:
-                partial = partial.merge(Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
-                continue
-            if plan.at_step is not None:
-                cols = _rows_where(cols, cols["step"] <= plan.at_step)
-            kept = effective(cols["step"], cols["attempt"], plan.cutoffs)
-            rolled = _rows_where(cols, ~kept)
-            if not kept.all():
-                cols = _rows_where(cols, kept)
-            yield from self._replay_rows(cols, rolled)
-            if len(cols["step"]):
-                parts.append(self._per_file(cols))
-                kept_cols.append(cols)
-        refs = []
-        if kept_cols:
-            cols = {k: np.concatenate([c[k] for c in kept_cols]) for k in COLUMNS}
-            Path(self.folder).mkdir(parents=True, exist_ok=True)
-            refs = buckets.write(cols, plan.bucket_size, plan.buckets,
-                                 Path(self.folder, f"{_chunk_name(chunk)}.bin"))
-        partial = merge_all(parts, partial)
-        partial.slices_written = len(refs)
-        yield "partials", (f"chunk-{_chunk_name(chunk)}", partial)
-        for ref in refs:
-            yield "by_bucket", ref
-
-    def _replay_rows(self, cols: Columns, rolled: Columns) -> Iterator[tuple[str, Any]]:
-        """Rolled-back rows, and effective rows at rolled-back steps, by step."""
-        if not self.plan.replay_ranges:
-            return
-        in_range = np.zeros(len(cols["step"]), dtype=bool)
-        for lo, hi in self.plan.replay_ranges:
-            in_range |= (cols["step"] >= lo) & (cols["step"] <= hi)
-        for tag, part in (("effective", _rows_where(cols, in_range)), ("rolled_back", rolled)):
-            for step in np.unique(part["step"]):
-                yield "replay", (int(step), (tag, _rows_where(part, part["step"] == step)))
-
-    def _per_file(self, cols: Columns) -> Partial:
-        """The per-step and per-host counts of one file's effective rows."""
-        steps, host, row = cols["step"], cols["host"], cols["row"]
-        start, n_tokens = starts(cols["offset"]), cols["n_tokens"]
-        lo, hi = int(steps.min()), int(steps.max())
-        h0, h1 = int(host.min()), int(host.max())
-        rel = steps.astype(np.int64, copy=False) - lo
-        # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
-        # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
-        rows_n = int(row.max()) + 1
-        per_step = (h1 - h0 + 1) * rows_n
-        triples = rel * per_step
-        if h1 > h0:
-            triples += (host - h0).astype(np.int64) * rows_n
-        triples += row
-        space = (hi - lo + 1) * per_step
-        if space <= 8 * len(triples) + 4096:
-            mark = np.zeros(space, dtype=bool)
-            mark[triples] = True
-            rows = mark.reshape(-1, per_step).sum(axis=1)
-        else:
-            rows = bucket_stats.bincount(distinct(triples) // per_step)
-        n = len(self.plan.host_ids)  # per host by its position (Plan.host_ids)
-        if h1 == h0:  # one host (every spool file): its totals, no bincount
-            by_host = [np.zeros(n, np.int64) for _ in range(3)]
-            at = int(self.plan.host_index(np.int64(h0)))
-            for a, total in zip(by_host, (len(steps), start.sum(), n_tokens.sum(dtype=np.int64)),
-                                strict=True):
-                a[at] = total
-        else:
-            at = self.plan.host_index(host)
-            by_host = [bucket_stats.bincount(at, n=n),
-                       bucket_stats.bincount(at[start], n=n),
-                       bucket_stats.bincount(at, n_tokens, n=n)]
-        return Partial(
-            **host_steps.per_file(cols, self.plan.train_records),
-            segments=len(steps), first_step=lo, last_step=hi,
-            step_segments=Spans([(lo, bucket_stats.bincount(rel))]),
-            step_tokens=Spans([(lo, bucket_stats.bincount(rel, n_tokens))]),
-            step_rows=Spans([(lo, rows.astype(np.int64))]),
-            host_segments=by_host[0], host_exposures=by_host[1], host_tokens=by_host[2])
-
 
 # ---- stage 2: the join, per bucket -----------------------------------------------------------
-
-def manifest_bucket(plan: Plan, bucket: int) -> dict | None:
-    """The manifest rows of one key bucket as numpy columns (strings as dictionary codes, with
-    their names); None for the overflow bucket."""
-    lo = bucket * plan.bucket_size
-    hi = min(lo + plan.bucket_size, plan.records)
-    if lo >= hi:  # the overflow bucket: keys beyond the manifest
-        return None
-    strings = ("domain", "split", "source")
-    # Strings read as the dictionaries Parquet stores them in: no string is materialised.
-    t = read_rows(pq.ParquetFile(plan.manifest, read_dictionary=strings), lo, hi,
-                  ["record_key", "content_hash", "n_tokens", *strings])
-    out = {c: t[c].to_numpy() for c in ("record_key", "content_hash", "n_tokens")}
-    for c in strings:
-        enc = t[c].unify_dictionaries().combine_chunks()
-        out[c] = enc.indices.to_numpy(zero_copy_only=False).astype(np.int32)
-        out[f"{c}_names"] = enc.dictionary.to_pylist()
-    return out
-
 
 class BucketStats(beam.DoFn):
     """One bucket: its manifest rows (read here, by key range) joined with its consumption
@@ -228,7 +86,7 @@ class BucketStats(beam.DoFn):
     def process(self, item):
         bucket, grouped = item
         slices = list(grouped["consumption"])
-        rows = buckets.read(slices, overflow=bucket == self.plan.buckets)
+        rows = exchange.read(slices, overflow=bucket == self.plan.buckets)
         out, records = bucket_stats.compute(manifest_bucket(self.plan, bucket), rows,
                                             self.plan.host_ids, self.plan.loss_window,
                                             self.plan.first_step)
@@ -260,11 +118,11 @@ class CompareReplay(beam.DoFn):
         for tag, p in parts:
             if tag == "rolled_back":
                 for a in np.unique(p["attempt"]):
-                    rolled.setdefault(int(a), []).append(_rows_where(p, p["attempt"] == a))
+                    rolled.setdefault(int(a), []).append(rows_where(p, p["attempt"] == a))
         for a, ps in rolled.items():
             hosts = np.unique(np.concatenate([p["host"] for p in ps]))
             if replay_hosts == self.host_counts[a]:
-                theirs = [_rows_where(p, np.isin(p["host"], hosts)) for p in replayed]
+                theirs = [rows_where(p, np.isin(p["host"], hosts)) for p in replayed]
                 comparable = True
             else:
                 theirs, comparable = replayed, len(hosts) == self.host_counts[a]
@@ -331,79 +189,6 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
     return merged
 
 
-def save_partials(pcolls: tuple, work: Path) -> None:
-    """The pipeline's end: every (id, partial) of `pcolls` saved to its own file under
-    `work / "partials"`, then `work / "saved"` written once all are. The driver merges them
-    (`load_partials`) and checks that nothing went missing. One leaf: the Dask runner
-    computes only the last transform."""
-    saved = (pcolls | "all partials" >> beam.Flatten()
-             | "save" >> beam.ParDo(SavePartials(str(work / "partials"))))
-    (saved | "count" >> beam.Map(lambda n: (0, n)) | "total" >> beam.GroupByKey()
-     | "done" >> beam.MapTuple(lambda _, ns: (work / "saved").write_text(str(sum(ns)))))
-
-
-class SavePartials(beam.DoFn):
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-
-    def process(self, item: tuple[str, Partial]):
-        # Named by what it summarises and by its content, written by rename: a retried bundle
-        # rewrites the same file, never half a file; a second, different result for the same
-        # bucket (file, step) lands beside the first, where `load_partials` finds it.
-        Path(self.folder).mkdir(parents=True, exist_ok=True)
-        key, partial = item
-        data = pickle.dumps(partial)
-        name = f"{key}.{xxhash.xxh3_64_hexdigest(data)}.pkl"
-        final = Path(self.folder, name)
-        tmp = final.with_name(f".{name}.{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, final)
-        yield 1
-
-
-def load_partials(folder: Path, finished: Path | None = None) -> Iterator[Any]:
-    """The saved partial results, loaded one at a time as they are merged (a bucket's per-step
-    series are as long as the run); TallyError at once when one id has two different results
-    (the runner delivered a bucket's group twice, with different values), or when the job did
-    not write its `finished` mark."""
-    if finished is not None and not finished.exists():
-        raise TallyError("the job did not finish writing its results")
-    by_id: dict[str, list[Path]] = {}
-    for f in sorted(folder.glob("*.pkl")):
-        by_id.setdefault(f.name.split(".")[0], []).append(f)
-    twice = sorted(k for k, v in by_id.items() if len(v) > 1)
-    if twice:
-        raise TallyError(f"the runner delivered {len(twice)} group(s) more than once with "
-                         f"different contents ({', '.join(twice[:5])}): a GroupByKey split a "
-                         "key's values; no report written")
-    return (pickle.loads(v[0].read_bytes()) for v in by_id.values())
-
-
-def write_part(records: pa.Table, final: Path) -> None:
-    # Written where the bucket is computed, in parallel: the driver only moves the folder.
-    # Strings stay dictionary-encoded, as Parquet stores them; without the Arrow schema in the
-    # file they read back as plain strings.
-    tmp = final.with_name(f".{final.name}.{os.getpid()}")
-    pq.write_table(records, tmp, store_schema=False,
-                   use_dictionary=[f.name for f in records.schema
-                                   if pa.types.is_dictionary(f.type)])
-    os.replace(tmp, final)  # a retried bundle rewrites the same part whole
-
-
-def publish_records(work: Path, out: Path, schema: pa.Schema = bucket_stats.RECORDS_SCHEMA
-                    ) -> None:
-    """OUT/records/: one Parquet part per key bucket, named in key order."""
-    parts = work / "records"
-    if not any(parts.glob("part-*.parquet")):  # an empty manifest: still a readable table
-        write_part(schema.empty_table(), parts / "part-000000.parquet")
-    old = work / "records.old"
-    if out.exists():
-        out.rename(old)  # the earlier report's table, until the new one is in place
-    parts.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-    out.with_name("records.parquet").unlink(missing_ok=True)  # what earlier versions wrote
-
-
 def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
               spool: str | Path | None = None, ledger: str | Path | None = None,
               at_step: int | None = None, runner: RunnerSpec | None = None,
@@ -465,7 +250,7 @@ def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
         report, tables = rp.build(plan, merged, ("spool", Path(spool).absolute())
                                   if spool is not None else ("ledger", Path(ledger).absolute()))
         rp.write(report, tables, out, api_url)
-        publish_records(work, out / "records")
+        publish_records(work, out / "records", bucket_stats.RECORDS_SCHEMA)
         done = True
         return report
     finally:

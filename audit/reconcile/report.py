@@ -12,14 +12,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tally.audit.buckets import host_steps
+from tally.audit.buckets.left_out import files_left_out
+from tally.audit.buckets.partials import Partial, Spans
+from tally.audit.buckets.plan import Plan
 from tally.audit.core import exposure
+from tally.audit.core.arrays import json_default
 from tally.audit.core.exposure import Coverage, verdict
 from tally.audit.hook.spool import replayed_run
 from tally.audit.provenance import plan_fingerprint, provenance
-from tally.audit.reconcile import host_steps, loss
+from tally.audit.reconcile import loss
 from tally.audit.reconcile.html import render_html, segment_files, step_or_none
-from tally.audit.reconcile.partials import EXAMPLES, Partial, Spans
-from tally.audit.reconcile.plan import Plan
 from tally.audit.reconcile.verdict import basis_differences, findings
 
 REPORT_VERSION = 1
@@ -245,25 +248,6 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[
     return out
 
 
-def files_left_out(left_out: list[tuple[str, str]], skipped_files: list[tuple[str, str]],
-                   skipped: int) -> dict[str, Any]:
-    """Files a job reading a spool did not count, by kind: unreadable ones (their rows may be
-    missing), duplicates of files it counted (their rows are counted once, from the other file)
-    and files of another training under the run's id (quarantined by ingest:
-    tally.audit.ledger.ingest.is_reuse). `left_out` are the files planning set aside
-    (tally.audit.reconcile.plan.Inputs), with why; `skipped` the files the workers could not read,
-    `skipped_files` examples of them. The one rule reconcile, diff and exposure report alike."""
-    from tally.audit.ledger.ingest import is_reuse
-
-    left = left_out + skipped_files
-    duplicates = sum(1 for _, why in left_out if why.startswith("duplicate:"))
-    reused = sum(1 for _, why in left_out if is_reuse(why))
-    unreadable = len(left_out) - duplicates - reused + skipped
-    return {"skipped_files": [f"{path}: {why}" for path, why in left[:EXAMPLES]],
-            "unreadable_files": unreadable, "duplicate_files": duplicates,
-            "reused_files": reused}
-
-
 def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:
     """Resumes after which the global rows per step changed."""
     out = []
@@ -296,15 +280,6 @@ def write(report: dict, tables: dict[str, pa.Table], out: Path,
     for name, t in tables.items():
         pq.write_table(t, out / f"{name}.parquet")
     (out / "report.html").write_text(render_html(report, tables["steps"], api_url))
-
-
-def json_default(o: Any) -> Any:
-    """numpy scalars as JSON numbers (json.dumps' `default` for the report files)."""
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    raise TypeError(type(o).__name__)
 
 
 def _replayed_note(report: dict) -> str:

@@ -190,7 +190,7 @@ class Partial(Mergeable):
     host_tokens: np.ndarray = summed(_empty)
     skipped_files: list[tuple[str, str]] = merged_by(examples, factory=list)  # (path, reason)
     skipped: int = summed()  # files skipped (all of them; skipped_files keeps examples)
-    # What each host consumed step by step (tally.audit.reconcile.host_steps).
+    # What each host consumed step by step (tally.audit.buckets.host_steps).
     repeated_step_ranges: list[tuple[int, int, int]] = merged_by(joined, factory=list)
     host_step_edges: list = merged_by(joined, factory=list)
     host_step_ranges: list[tuple[int, int, int, int]] = merged_by(joined, factory=list)
@@ -241,7 +241,7 @@ class Partial(Mergeable):
     replay: dict[int, np.ndarray] = summed(dict)  # attempt -> (rolled back, replayed, same)
     first_differing_step: dict[int, int] = merged_by(smallest, factory=dict)
 
-    # ---- per chunk of metric files (tally.audit.reconcile.plan.metric_facts) ----
+    # ---- per chunk of metric files (tally.audit.buckets.plan.metric_facts) ----
     non_finite_losses: int = summed()
     non_finite_first_step: int | None = merged_by(smallest)
     finished_at: dict[tuple[int, int], int] = merged_by(largest_each, factory=dict)

@@ -33,7 +33,7 @@ from tally.audit.core.schema import SEGMENT_DTYPES
 
 # What a bucket needs of each row: the key narrowed to its offset in the bucket (uint32; int64
 # in the overflow bucket), the step to its offset from the file's first step (uint32: a run spans
-# fewer than 2^31 steps, tally.audit.reconcile.plan.MAX_RUN_STEPS), the host to uint16
+# fewer than 2^31 steps, tally.audit.buckets.plan.MAX_RUN_STEPS), the host to uint16
 # (tally.audit.core.schema.MAX_HOSTS), the offset to a start flag
 # (tally.audit.core.exposure.starts); the
 # other columns as the segment schema has them. `read` gives the step back as int64.
