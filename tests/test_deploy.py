@@ -134,7 +134,7 @@ def test_the_sdk_harness_image_is_beams_at_the_installed_version_with_tally():
 
 
 def test_cluster_runner_commands_run_the_work_on_the_cluster():
-    """README's reconcile commands for Flink, Spark and Dataflow put Tally's steps in the SDK
+    """The manual's reconcile commands for Flink, Spark and Dataflow put Tally's steps in the SDK
     image (an EXTERNAL worker pool of it, or Dataflow's custom container), never in the
     submitting process (LOOPBACK), and give the job-server jar as a local file."""
     import apache_beam
@@ -165,9 +165,9 @@ def test_cluster_runner_commands_run_the_work_on_the_cluster():
     assert runs["DataflowRunner"].view_as(WorkerOptions).sdk_container_image.endswith(
         "/" + image)
     assert runs["DataflowRunner"].view_as(PortableOptions).environment_type is None
-    readme = (ROOT / "README.md").read_text()
-    assert f"docker build -f Dockerfile.sdk -t {image} ." in readme
-    assert f"{image} --worker_pool" in readme
+    guide = (ROOT / "docs" / "guides" / "deployment.md").read_text()
+    assert f"docker build -f Dockerfile.sdk -t {image} ." in guide
+    assert f"{image} --worker_pool" in guide
 
 
 def test_rendezvous_rank_orders_addresses_numerically():

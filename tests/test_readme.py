@@ -1,9 +1,11 @@
-"""README.md's code blocks, all of them: run in order in one empty directory, as a reader would.
+"""The manual's code blocks, all of them: README.md's, then each docs page's in the site's nav
+order (mkdocs.yml; a page may use what an earlier one made), run in order in one empty
+directory, as a reader would.
 
 Blocks marked `bash cluster` need a cluster (Dask scheduler, Dataflow, Flink, Spark): each of
 their commands is parsed by the real CLI and its Beam options by Beam's own parser. The first
-two blocks are the set-up commands: the demo they end in is run by tests/test_cli.py and the test
-command is what .ci/run runs.
+two blocks are README's set-up commands: the demo they end in is run by tests/test_cli.py and
+the test command is what .ci/run runs.
 """
 
 from __future__ import annotations
@@ -24,9 +26,29 @@ SETUP = ("python3.11 -m venv .venv && .venv/bin/pip install -e '.[all]' && .venv
          "python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest -q")
 
 
+def pages() -> list[Path]:
+    """README.md, the site's pages in nav order, then any other page under docs/ (none is left
+    unrun): the order in which the blocks run."""
+    import yaml
+
+    def paths(nav) -> list[str]:
+        items = nav if isinstance(nav, list) else list(nav.values())
+        return [p for item in items for p in ([item] if isinstance(item, str) else paths(item))]
+
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    docs = ROOT / site.get("docs_dir", "docs")
+    ordered = [ROOT / "README.md"] + [docs / p for p in paths(site["nav"]) if p != "index.md"]
+    return ordered + sorted(set(docs.rglob("*.md")) - set(ordered))
+
+
+def page_blocks() -> list[tuple[Path, str, str, str]]:
+    """(page, language, the fence's other words, code) for every block of the manual."""
+    return [(page, m.group(1), m.group(2).strip(), m.group(3)) for page in pages()
+            for m in BLOCK.finditer(page.read_text())]
+
+
 def blocks() -> list[tuple[str, str, str]]:
-    text = (ROOT / "README.md").read_text()
-    return [(m.group(1), m.group(2).strip(), m.group(3)) for m in BLOCK.finditer(text)]
+    return [(lang, attrs, code) for _, lang, attrs, code in page_blocks()]
 
 
 def test_readme_opens_with_the_two_setup_commands():
@@ -69,12 +91,13 @@ def test_every_block_runs_in_order(tmp_path):
     background: list[subprocess.Popen] = []
     ran = {"bash": 0, "python": 0, "cluster": 0}
     try:
-        for lang, attrs, code in blocks()[2:]:
+        for page, lang, attrs, code in page_blocks()[2:]:
+            where = page.relative_to(ROOT)
             code = code.replace("8000", port)
             if lang == "bash" and attrs == "cluster":
                 ran["cluster"] += _check_cluster_commands(code)
                 continue
-            assert lang in ("bash", "python"), f"README block in {lang!r}: nothing runs it"
+            assert lang in ("bash", "python"), f"{where}: a block in {lang!r}: nothing runs it"
             if lang == "bash" and code.rstrip().endswith("&"):
                 background.append(subprocess.Popen(
                     ["bash", "-c", code.rstrip()[:-1]], cwd=tmp_path, env=env,
@@ -85,7 +108,7 @@ def test_every_block_runs_in_order(tmp_path):
             done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                                   timeout=600)
             assert done.returncode == 0, (
-                f"README {lang} block failed:\n{code}\n--- stdout\n{done.stdout[-3000:]}"
+                f"{where}: {lang} block failed:\n{code}\n--- stdout\n{done.stdout[-3000:]}"
                 f"\n--- stderr\n{done.stderr[-3000:]}")
             ran[lang] += 1
     finally:
