@@ -41,14 +41,12 @@ from tally.pipeline.runners import RunnerSpec  # noqa: E402
 
 def job_work(spool: Path, manifest: Path, memory_gb: float) -> dict:
     """Thread CPU seconds of the job's two stages, element by element, in this process."""
-    from tally.audit.buckets.plan import chunks, make_plan, spool_inputs
+    from tally.audit.buckets.plan import PlanOptions, chunks, make_plan, spool_inputs
     from tally.audit.buckets.stages import ReadConsumption
     from tally.audit.reconcile.job import BucketStats
 
     inputs = spool_inputs(spool, "bench")
-    plan = make_plan(run_id="bench", manifest=manifest, files=inputs.files,
-                     attempts=inputs.attempts, run_fingerprint=inputs.fingerprint, at_step=None,
-                     memory_gb=memory_gb)
+    plan = make_plan("bench", manifest, inputs, PlanOptions(memory_gb=memory_gb))
     with tempfile.TemporaryDirectory(dir=spool.parent) as work:
         read, slices = ReadConsumption(plan, f"{work}/buckets"), {}
         per_file = []

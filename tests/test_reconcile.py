@@ -10,7 +10,7 @@ import pytest
 
 from bench.reference.reconcile_sql import from_report, reference
 from tally.audit.buckets.partials import MaxSpans, Spans
-from tally.audit.buckets.plan import MAX_RUN_STEPS, make_plan
+from tally.audit.buckets.plan import MAX_RUN_STEPS, Inputs, PlanOptions, make_plan
 from tally.audit.core.errors import TallyError
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
@@ -246,8 +246,8 @@ def test_buckets_follow_the_manifests_row_groups(tmp_path):
     for row_group, bucket_records, size in ((50, 97, 50), (50, 260, 250), (None, 97, 91),
                                             (300, 97, 91)):
         write_manifest(tmp_path / "m.parquet", 990, 10, rng, row_group=row_group)
-        plan = make_plan(run_id="r", manifest=tmp_path / "m.parquet", files=[], attempts={},
-                         run_fingerprint=None, at_step=None, bucket_records=bucket_records)
+        plan = make_plan("r", tmp_path / "m.parquet", Inputs([], {}, None),
+                         PlanOptions(bucket_records=bucket_records))
         assert (plan.bucket_size, plan.buckets) == (size, -(-1000 // size)), row_group
 
 

@@ -423,22 +423,28 @@ def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) ->
     return min(max(out, 10_000), 4_000_000)
 
 
-def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], attempts: dict,
-              run_fingerprint: str | None, at_step: int | None,
-              bucket_records: int | None = None, memory_gb: float = 3.0,
-              left_out: list[tuple[str, str]] | None = None,
-              non_finite_losses: dict[str, Any] | None = None,
-              finished: dict[tuple[int, int], int] | None = None,
-              milestones: list[dict[str, Any]] | None = None,
-              metric_files: list[sp.SpoolFile] | None = None, replayed_files: int = 0,
-              segment_files: int | None = None, host_ids: list[int] | None = None,
-              job: str = "reconcile", content_bases: list[str] | None = None) -> Plan:
-    """`bucket_records` (default: the most that keep BUCKETS_IN_FLIGHT buckets within
-    `memory_gb`) sets the key range each bucket covers, and bounds the span of steps the `job`
-    (reconcile, diff) keeps per-step series over (check_span). `host_ids`: the hosts with
-    segment rows (default: those of `files`, a spool's; a ledger's export says none)."""
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a job asks of its plan beyond its inputs."""
+
+    at_step: int | None = None  # the audit as of this step (None: every step consumed)
+    # Records per key bucket (None: the most that keep BUCKETS_IN_FLIGHT buckets within
+    # `memory_gb`).
+    bucket_records: int | None = None
+    memory_gb: float = 3.0  # the memory the buckets in flight, and the per-step series, may take
+    job: str = "reconcile"  # reconcile | diff: the bytes of its per-step series (STEP_BYTES)
+
+
+def make_plan(run_id: str, manifest: str | Path, inputs: Inputs,
+              options: PlanOptions = PlanOptions()) -> Plan:
+    """The plan of `run_id`'s job over `inputs` against `manifest`. `options.bucket_records`
+    sets the key range each bucket covers, and `options.memory_gb` bounds the span of steps the
+    job keeps per-step series over (check_span). The hosts with segment rows are
+    `inputs.host_ids` (default: those of its files, a spool's; a ledger's export says none)."""
     from tally.pipeline.manifest_file import manifest_info, uniform_row_groups
 
+    files, attempts, at_step = inputs.files, inputs.attempts, options.at_step
+    host_ids, memory_gb = inputs.host_ids, options.memory_gb
     info = manifest_info(manifest)
     records, train = int(info["records"]), int(info["train_records"])
     hosts = max([a["host_count"] for a in attempts.values()] + [1])
@@ -446,6 +452,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
         host_ids = [f.spool_file.host for f in files if f.spool_file is not None]
     ids = np.unique(np.asarray(host_ids, np.int64))
     rows = sum(a.get("rows", 0) for a in attempts.values())
+    bucket_records = options.bucket_records
     if bucket_records is None:
         bucket_records = bucket_records_for(records, rows, max(len(ids), 1), memory_gb)
     bucket_records = min(bucket_records, 2**31)  # bucket files keep key offsets in uint32
@@ -457,17 +464,17 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
         buckets = max(1, -(-records // bucket_size))
     plan = Plan(run_id=run_id, files=files, attempts=attempts, manifest=str(manifest),
                 records=records, train_records=train, fingerprint=info["manifest_fingerprint"],
-                run_fingerprint=run_fingerprint, at_step=at_step, hosts=hosts,
-                bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=left_out or [],
-                non_finite_losses=non_finite_losses or {"count": 0, "first_step": None})
-    plan.finished, plan.finished_step = run_finished(attempts, finished or {}, at_step)
-    plan.milestones = milestones or []
-    plan.metric_files = metric_files or []
-    plan.replayed_files = replayed_files
-    plan.segment_files = len(files) if segment_files is None else segment_files
+                run_fingerprint=inputs.fingerprint, at_step=at_step, hosts=hosts,
+                bucket_size=bucket_size, buckets=buckets, rows=rows, left_out=inputs.left_out,
+                non_finite_losses=inputs.non_finite_losses)
+    plan.finished, plan.finished_step = run_finished(attempts, inputs.finished, at_step)
+    plan.milestones = inputs.milestones
+    plan.metric_files = inputs.metric_files
+    plan.replayed_files = inputs.replayed_files
+    plan.segment_files = len(files) if inputs.segment_files is None else inputs.segment_files
     plan.host_ids = ids
     plan.content_basis = info.get("content_basis", "")
-    plan.run_content_bases = list(content_bases or [])
+    plan.run_content_bases = list(inputs.content_bases)
     last = max([a["last_step"] for a in attempts.values()] + [0])
     if at_step is not None:
         last = min(last, at_step)
@@ -477,7 +484,7 @@ def make_plan(*, run_id: str, manifest: str | Path, files: list[InputFile], atte
     if span > MAX_RUN_STEPS:
         raise TallyError(f"run {run_id!r} spans steps {plan.first_step}..{last}, "
                          f"{span:,} steps: a run may span at most {MAX_RUN_STEPS:,}")
-    check_span(f"run {run_id!r} spans", plan.first_step, last, memory_gb, job)
+    check_span(f"run {run_id!r} spans", plan.first_step, last, memory_gb, options.job)
     plan.loss_window = max(1, -(-max(span, 1) // LOSS_WINDOWS))
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():

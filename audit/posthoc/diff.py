@@ -24,6 +24,7 @@ from tally.audit.buckets.partials import Partial, merge_all
 from tally.audit.buckets.plan import (
     MAX_RUN_STEPS,
     Plan,
+    PlanOptions,
     bucket_records_for,
     check_span,
     chunks,
@@ -90,15 +91,11 @@ def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Pa
         hosts = max([a["host_count"] for got in found.values()
                      for a in got.attempts.values()] + [1])
         bucket_records = bucket_records_for(int(info["records"]), rows, hosts, memory_gb)
+    options = PlanOptions(at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
+                          job="diff")
     runs = {}
     for r, got in found.items():
-        runs[r] = make_plan(run_id=sources[r].run_id, manifest=manifest, files=got.files,
-                            attempts=got.attempts, run_fingerprint=got.fingerprint,
-                            at_step=at_step, bucket_records=bucket_records,
-                            memory_gb=memory_gb, job="diff", left_out=got.left_out,
-                            replayed_files=got.replayed_files,
-                            segment_files=got.segment_files, host_ids=got.host_ids,
-                            content_bases=got.content_bases)
+        runs[r] = make_plan(sources[r].run_id, manifest, got, options)
         runs[r].replay_ranges = []  # a diff compares effective rows only
     plan = DiffPlan(runs, sources, 1)
     if window is not None and window < 1:

@@ -19,6 +19,7 @@ rolled-back rows are compared step by step with the surviving replay.
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import apache_beam as beam
@@ -28,6 +29,7 @@ from tally.audit.buckets import exchange
 from tally.audit.buckets.partials import Partial, merge_all
 from tally.audit.buckets.plan import (
     Plan,
+    PlanOptions,
     chunks,
     ledger_inputs,
     make_plan,
@@ -189,6 +191,20 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
     return merged
 
 
+@dataclass(frozen=True)
+class ReconcileJob:
+    """One reconcile as `reconcile` was asked for it (the manifest and the output absolute)."""
+
+    run_id: str
+    manifest: Path
+    out: Path
+    spool: str | Path | None  # exactly one of spool and ledger
+    ledger: str | Path | None
+    runner: RunnerSpec | None
+    api_url: str | None  # the API report.html's evidence links open
+    plan: PlanOptions
+
+
 def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
               spool: str | Path | None = None, ledger: str | Path | None = None,
               at_step: int | None = None, runner: RunnerSpec | None = None,
@@ -212,17 +228,19 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
     shutil.rmtree(work, ignore_errors=True)
     made = not out.exists()  # a refused reconcile leaves no folder it made behind
     work.mkdir(parents=True)
+    job = ReconcileJob(run_id, manifest, out, spool, ledger, runner, api_url,
+                       PlanOptions(at_step=at_step, bucket_records=bucket_records,
+                                   memory_gb=memory_gb))
     with Progress(f"reconcile {run_id}", progress) as bar:
-        return _reconcile(run_id, manifest, out, work, made, spool, ledger, at_step, runner,
-                          bucket_records, memory_gb, bar, api_url)
+        return _reconcile(job, work, made, bar)
 
 
-def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
-               spool: str | Path | None, ledger: str | Path | None, at_step: int | None,
-               runner: RunnerSpec | None, bucket_records: int | None, memory_gb: float,
-               bar: Progress, api_url: str | None = None) -> dict:
+def _reconcile(job: ReconcileJob, work: Path, made: bool, bar: Progress) -> dict:
+    """`job` run in `work`, its report written to `job.out` (`made`: by this call, so removed
+    when the job fails)."""
     from tally.audit.reconcile import report as rp
 
+    run_id, spool, ledger, out = job.run_id, job.spool, job.ledger, job.out
     done = False
     try:
         bar.stage("reading the inputs")
@@ -232,24 +250,15 @@ def _reconcile(run_id: str, manifest: Path, out: Path, work: Path, made: bool,
             inputs = spool_inputs(Path(spool).absolute(), run_id)
         else:
             inputs = ledger_inputs(Path(ledger), run_id, work)
-        plan = make_plan(run_id=run_id, manifest=manifest, files=inputs.files,
-                         attempts=inputs.attempts, run_fingerprint=inputs.fingerprint,
-                         at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
-                         left_out=inputs.left_out,
-                         non_finite_losses=inputs.non_finite_losses,
-                         finished=inputs.finished, milestones=inputs.milestones,
-                         metric_files=inputs.metric_files,
-                         replayed_files=inputs.replayed_files,
-                         segment_files=inputs.segment_files, host_ids=inputs.host_ids,
-                         content_bases=inputs.content_bases)
+        plan = make_plan(run_id, job.manifest, inputs, job.plan)
         parts = work / "records"
         bar.stage("key buckets", total=plan.buckets + 1,
                   count=lambda: sum(1 for _ in parts.glob("part-*.parquet")))
-        merged = run_reconcile(plan, work, runner)
+        merged = run_reconcile(plan, work, job.runner)
         bar.stage("writing the report")
         report, tables = rp.build(plan, merged, ("spool", Path(spool).absolute())
                                   if spool is not None else ("ledger", Path(ledger).absolute()))
-        rp.write(report, tables, out, api_url)
+        rp.write(report, tables, out, job.api_url)
         publish_records(work, out / "records", bucket_stats.RECORDS_SCHEMA)
         done = True
         return report
