@@ -36,8 +36,8 @@ from tally.audit.ledger import queries as q
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest_loop import IngestLoop
 from tally.audit.ledger.live import LiveLedger, Snap
-from tally.audit.reconcile import vocabulary
 from tally.audit.reconcile.html import served
+from tally.audit.render import vocabulary
 from tally.pipeline.manifest_file import ManifestDomains
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")

@@ -26,7 +26,9 @@ from tally.audit import load_report
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
-from tally.audit.reconcile.html import MAX_HEATMAP_HOSTS, PALETTE, heatmap_chart, nice_ticks
+from tally.audit.reconcile.html import heatmap_chart
+from tally.audit.render.charts import nice_ticks
+from tally.audit.render.vocabulary import MAX_HEATMAP_HOSTS, PALETTE
 from tally.pipeline.manifest import MANIFEST_SCHEMA
 from tally.pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, poll

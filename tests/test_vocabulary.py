@@ -1,6 +1,6 @@
 """One vocabulary, provenance and browsing (issue 33, points 6 and 7): report.html and the
 dashboard of the same run, read in headless Chromium, use the same titles, legends and colours
-(audit/reconcile/vocabulary.py), list only series with data, print the heatmap's numbers at
+(audit/render/vocabulary.py), list only series with data, print the heatmap's numbers at
 11 px or more, mark restarts on the step axis, show content drift with the corpus source of
 the drifted records, and let every table download as CSV (equal to the table); report.json and
 diff.json carry the Tally version, the command line and each input's path and fingerprint; the
@@ -30,7 +30,7 @@ from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.reconcile.verdict import plural
-from tally.audit.reconcile.vocabulary import CHARTS, HEATMAP_FONT_PX, PALETTE
+from tally.audit.render.vocabulary import CHARTS, HEATMAP_FONT_PX, PALETTE
 from tally.pipeline.manifest import MANIFEST_SCHEMA
 from tally.pipeline.manifest_file import write_manifest_table
 from tests.api_helpers import Server, content_hash_of, poll

@@ -27,7 +27,7 @@ from tally.audit.posthoc import exposure as ex
 from tally.audit.posthoc.diff_bucket import RUNS
 from tally.audit.posthoc.diff_report import findings
 from tally.audit.posthoc.multiset import KEY_BITS, compare_groups, dense_codes, jaccard
-from tally.audit.reconcile.html import step_or_none
+from tally.audit.render.charts import step_or_none
 
 MAX_HASHES = 10_000  # documents per exposure request
 WINDOWS = 20

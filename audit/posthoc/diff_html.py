@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from tally.audit.provenance import provenance_html
-from tally.audit.reconcile.html import CSS, above, bars, csv_link, step_or_none
+from tally.audit.render.charts import CSS, above, bars, csv_link, step_or_none
 
 COLORS = {"a": "#0969da", "b": "#bf8700"}
 MAX_POINTS = 600  # per polyline: keeps the file small for long runs

@@ -10,9 +10,7 @@ at /runs/{run}/report.html.
 
 from __future__ import annotations
 
-import csv
 import html
-import io
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -25,209 +23,33 @@ import pyarrow as pa
 from tally.audit.core import exposure
 from tally.audit.provenance import provenance_html
 from tally.audit.reconcile import evidence
+from tally.audit.render.charts import (
+    CSS,
+    MAX_POINTS,
+    Chart,
+    bars,
+    cell_text,
+    csv_link,
+    decimals,
+    esc,
+    fmt_count,
+    nice_ticks,
+    round_up,
+    step_or_none,
+)
 
 # Titles, legend names and colours: one vocabulary with the dashboard (it is served with it).
-from tally.audit.reconcile.vocabulary import (
+from tally.audit.render.vocabulary import (
     CHARTS,
     HEATMAP_CELL_PX,
     HEATMAP_FONT_PX,
-    MARKERS,
     MAX_HEATMAP_HOSTS,
     PALETTE,
     heatmap_size,
 )
-from tally.audit.reconcile.vocabulary import series as voc
+from tally.audit.render.vocabulary import series as voc
 
-__all__ = ["MAX_HEATMAP_HOSTS", "PALETTE"]  # the vocabulary's, re-exported
 MAX_BARS = 280  # per-step bars: steps are binned beyond this
-MAX_POINTS = 600  # per polyline: keeps the file small for long runs
-
-
-def step_or_none(s: int | None) -> str:
-    return "none" if s is None else str(s)
-
-
-CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#1f2328;max-width:1200px}
-h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em}.PASS{color:#1a7f37}.FAIL{color:#cf222e}
-.WARN{color:#9a6700}.INFO,.UNKNOWN{color:#57606a}
-.badge{display:inline-block;padding:0 6px;border-radius:4px;color:#fff;font-weight:600;
-font-size:12px}.badge.FAIL{background:#cf222e}.badge.WARN{background:#bf8700}
-.badge.PASS{background:#1a7f37}.badge.INFO,.badge.UNKNOWN{background:#6e7781}
-table{border-collapse:collapse;margin:.5em 0}td,th{padding:2px 8px;border-bottom:1px solid #ddd;
-text-align:right}th:first-child,td:first-child{text-align:left}.grid{display:flex;flex-wrap:wrap;
-gap:24px}figure{margin:0}figcaption{font-weight:600;margin-bottom:4px;max-width:560px}
-svg text{font-size:11px}svg{background:#fff}.findings li{margin:.4em 0}
-.evidence{color:#57606a;font-size:13px;margin:.2em 0 0 1em}.evidence a{color:#0969da}
-.facts{display:flex;flex-wrap:wrap;gap:6px 24px;margin:.5em 0}.facts b{font-size:1.1em}"""
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
-    """About n round tick values (1, 2, 2.5 or 5 times a power of ten) from lo to hi."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return [0.0]
-    if hi <= lo:
-        hi = above(lo)
-    raw = (hi - lo) / max(1, n)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
-    if integer:
-        step = max(1.0, round(step))
-    first = math.ceil(lo / step - 1e-9) * step
-    # Beyond 2**53 a float cannot hold every step: neighbouring ticks may round to one value.
-    return sorted({round(first + i * step, 12)
-                   for i in range(int((hi - first) / step + 1e-9) + 1)})
-
-
-def above(v: float) -> float:
-    """v + 1, or the next float above v where v + 1 is v itself (from 2**53: a run of one
-    step at 2**55 made an axis of zero width, and its ticks a math domain error)."""
-    return max(v + 1, math.nextafter(v, math.inf))
-
-
-def decimals(ticks: Sequence[float]) -> int:
-    """The fewest decimals that write every tick exactly (0.5 -> 1, 0.25 -> 2, 5 -> 0)."""
-    return next((d for d in range(6) if all(abs(round(t, d) - t) < 1e-9 for t in ticks)), 6)
-
-
-def _round_up(hi: float, integer: bool = False) -> float:
-    """The smallest round tick at or above hi (the top of an axis starting at 0)."""
-    ticks = nice_ticks(0, max(hi, 1e-12), 4, integer)
-    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1
-    return ticks[-1] if ticks[-1] >= hi else ticks[-1] + step
-
-
-def _fmt_count(v: float) -> str:
-    if v >= 10_000:
-        return f"{v / 1000:,.0f}k"
-    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.1f}"
-
-
-def _e(x: Any) -> str:
-    return html.escape(str(x))
-
-
-class Chart:
-    """One SVG chart: a plot area with x and y scales, axes with titles, a legend above it."""
-
-    def __init__(self, x0: float, x1: float, y0: float, y1: float, *, name: str,
-                 w: int = 560, h: int = 270, left: int = 58, right: int = 14, top: int = 36,
-                 bottom: int = 40) -> None:
-        self.x0, self.x1 = x0, x1 if x1 > x0 else above(x0)
-        self.y0, self.y1 = y0, y1 if y1 > y0 else above(y0)
-        self.w, self.h, self.left, self.right, self.top, self.bottom = (w, h, left, right, top,
-                                                                        bottom)
-        self.name = name
-        self.body: list[str] = []
-
-    def px(self, x: float) -> float:
-        return self.left + (x - self.x0) / (self.x1 - self.x0) * (self.w - self.left - self.right)
-
-    def py(self, y: float) -> float:
-        return self.h - self.bottom - (y - self.y0) / (self.y1 - self.y0) * (
-            self.h - self.top - self.bottom)
-
-    def axes(self, xtitle: str, ytitle: str, *, xticks: Sequence[float] | None = None,
-             yticks: Sequence[float] | None = None, xfmt: Callable[[float], str] = _fmt_count,
-             yfmt: Callable[[float], str] = _fmt_count, xlabels: Sequence[str] | None = None
-             ) -> None:
-        """Grid lines and tick labels on both axes, and each axis's title with its unit.
-        `xlabels`: category names centred on their slots instead of x ticks."""
-        b, lft, r = self.h - self.bottom, self.left, self.w - self.right
-        out = [f'<g class="axes" data-x-title="{_e(xtitle)}" data-y-title="{_e(ytitle)}">']
-        for v in yticks if yticks is not None else nice_ticks(self.y0, self.y1, 4):
-            y = self.py(v)
-            out.append(f'<line x1="{lft}" x2="{r}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eaeef2"/>'
-                       f'<text x="{lft - 4}" y="{y + 4:.1f}" text-anchor="end" class="tick">'
-                       f'{_e(yfmt(v))}</text>')
-        if xlabels is not None:
-            slot = (r - lft) / max(1, len(xlabels))
-            for i, lab in enumerate(xlabels):
-                out.append(f'<text x="{lft + (i + .5) * slot:.1f}" y="{b + 14}" '
-                           f'text-anchor="middle" class="tick">{_e(lab)}</text>')
-        else:
-            for v in xticks if xticks is not None else nice_ticks(self.x0, self.x1, 6, True):
-                x = self.px(v)
-                out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{b}" y2="{b + 4}" '
-                           f'stroke="#8c959f"/><text x="{x:.1f}" y="{b + 15}" '
-                           f'text-anchor="middle" class="tick">{_e(xfmt(v))}</text>')
-        out.append(f'<line x1="{lft}" x2="{r}" y1="{b}" y2="{b}" stroke="#8c959f"/>'
-                   f'<line x1="{lft}" x2="{lft}" y1="{self.top}" y2="{b}" stroke="#8c959f"/>'
-                   f'<text x="{(lft + r) / 2:.1f}" y="{self.h - 6}" text-anchor="middle" '
-                   f'class="axis-title">{_e(xtitle)}</text>'
-                   f'<text transform="translate(12 {(self.top + b) / 2:.1f}) rotate(-90)" '
-                   f'text-anchor="middle" class="axis-title">{_e(ytitle)}</text></g>')
-        self.body.insert(0, "".join(out))
-
-    def legend(self, items: Sequence[tuple[str, str, str]]) -> None:
-        """(name, colour, kind: line | dash | box) in a row above the plot; the text takes the
-        series' colour."""
-        x, out = self.left, ['<g class="legend">']
-        for name, color, kind in items:
-            if kind == "box":
-                out.append(f'<rect x="{x}" y="8" width="12" height="10" fill="{color}"/>')
-            else:
-                dash = ' stroke-dasharray="4 3"' if kind == "dash" else ""
-                out.append(f'<line x1="{x}" x2="{x + 14}" y1="13" y2="13" stroke="{color}" '
-                           f'stroke-width="2"{dash}/>')
-            out.append(f'<text x="{x + 18}" y="17" fill="{color}" style="fill:{color}" '
-                       f'data-series="{_e(name)}">{_e(name)}</text>')
-            x += 30 + 6.5 * len(name)
-        self.body.append("".join(out) + "</g>")
-
-    def marker(self, x: float | None, label: str, kind: str, row: int = 0) -> None:
-        """A vertical line at x (a step), labelled, in its kind's colour (MARKERS); `row` 1
-        puts the label under a first row's (restarts under the first bad step)."""
-        if x is None or not self.x0 <= x <= self.x1:
-            return
-        c, xx = MARKERS[kind]["color"], self.px(x)
-        anchor = "end" if xx > self.w * 0.7 else "start"
-        dx = -4 if anchor == "end" else 4
-        tw = 6.2 * len(label) + 6
-        bx = xx + dx - (tw if anchor == "end" else 0) - (0 if anchor == "end" else 3)
-        self.body.append(
-            f'<g data-marker="{kind}" data-step="{x}"><line x1="{xx:.1f}" x2="{xx:.1f}" '
-            f'y1="{self.top - 4}" y2="{self.h - self.bottom}" stroke="{c}" stroke-width="1.5" '
-            f'stroke-dasharray="5 3"/><rect x="{bx:.1f}" y="{self.top - 2 + 16 * row}" '
-            f'width="{tw:.1f}" height="14" fill="#fff" fill-opacity="0.85"/><text '
-            f'x="{xx + dx:.1f}" y="{self.top + 8 + 16 * row}" text-anchor="{anchor}" '
-            f'fill="{c}" style="fill:{c}">{_e(label)}</text></g>')
-
-    def markers(self, first_bad: int | None, restarts: Sequence[dict[str, Any]]) -> None:
-        """The first bad step, and each restart (a new attempt) where it resumed."""
-        for r in restarts:
-            if r.get("resumed_from_step") is not None:
-                self.marker(r["resumed_from_step"],
-                            MARKERS["restart"]["label"].format(attempt=r["attempt"]),
-                            "restart", row=1)
-        self.marker(first_bad, MARKERS["first-bad-step"]["label"].format(step=first_bad),
-                    "first-bad-step")
-
-    def legend_of(self, chart: str, keys: Sequence[str]) -> None:
-        """The legend of `chart`'s series in `keys` (those with data), in the vocabulary's
-        order, names and colours."""
-        self.legend([(x["name"], x["color"], x["kind"]) for x in
-                     (voc(chart, k) for k in _ordered(chart, keys))])
-
-    def polyline(self, xs: np.ndarray, ys: np.ndarray, color: str, series: str,
-                 dash: bool = False, width: float = 2) -> None:
-        ok = np.isfinite(ys)
-        xs, ys = np.asarray(xs)[ok], np.asarray(ys)[ok]
-        if len(xs) > MAX_POINTS:
-            idx = np.linspace(0, len(xs) - 1, MAX_POINTS).astype(int)
-            xs, ys = xs[idx], ys[idx]
-        pts = " ".join(f"{self.px(x):.1f},{self.py(y):.1f}" for x, y in zip(xs, ys, strict=True))
-        d = ' stroke-dasharray="5 4"' if dash else ""
-        self.body.append(f'<polyline fill="none" stroke="{color}" stroke-width="{width}"{d} '
-                         f'points="{pts}" data-series="{_e(series)}" '
-                         f'data-points="{len(xs)}"/>')
-
-    def svg(self) -> str:
-        return (f'<svg width="{self.w}" height="{self.h}" role="img" '
-                f'data-chart="{self.name}">' + "".join(self.body) + "</svg>")
-
-
-def _ordered(chart: str, keys: Sequence[str]) -> list[str]:
-    return [x["key"] for x in CHARTS[chart]["series"] if x["key"] in set(keys)]
 
 
 # ---- charts ------------------------------------------------------------------------------
@@ -252,7 +74,7 @@ def per_step_chart(steps: pa.Table, first_bad: int | None,
     sums = [np.bincount(b, weights=v, minlength=nb).astype(np.int64) for _, v, _, _ in parts]
     total = sum(sums)
     unit = "step" if per == 1 else f"{per} steps"
-    c = Chart(lo, lo + nb * per, 0, _round_up(1.15 * float(total.max()), True),  # room for
+    c = Chart(lo, lo + nb * per, 0, round_up(1.15 * float(total.max()), True),  # room for
               name="per-step")  # the marker's label above the bars
     c.axes("step", f"exposures per {unit}", xticks=nice_ticks(lo, lo + nb * per, 6, True),
            yticks=nice_ticks(0, c.y1, 4, True))
@@ -301,57 +123,6 @@ def coverage_chart(steps: pa.Table, first_bad: int | None,
     c.polyline(xs, cov, PALETTE["actual"], "coverage", width=2)
     c.legend_of("coverage", ["coverage", "ideal"] + (["behind"] if behind else []))
     c.markers(first_bad, restarts)
-    return c.svg()
-
-
-def bars(labels: Sequence[Any], series: dict[str, list[float]], w: int = 560, h: int = 270, *,
-         counts: dict[str, list[int]] | None = None, colors: dict[str, str] | None = None,
-         bar_colors: dict[str, list[str]] | None = None, xtitle: str = "",
-         ytitle: str = "share (%)", name: str = "bars") -> str:
-    """Grouped bars of shares (0..1), each labelled with its value (and its count, given
-    `counts`); a bar above zero is at least 2 px tall, so a 0.3% bar shows. `bar_colors`
-    colours single bars of a series (bars beyond the ideal in the repeat colour)."""
-    default = [PALETTE["actual"], "#bf8700", PALETTE["shared"]]  # series without a meaning
-    colors = {k: (colors or {}).get(k, default[i % 3]) for i, k in enumerate(series)}
-    top = _round_up(max([max(v) for v in series.values() if v] + [1e-9]))
-    c = Chart(0, max(1, len(labels)), 0, top, name=name, w=w, h=h, top=46)
-    c.axes(xtitle, ytitle, yticks=nice_ticks(0, top, 4), yfmt=lambda v: f"{100 * v:.4g}%",
-           xlabels=[str(x) for x in labels])
-    slot = (c.w - c.left - c.right) / max(1, len(labels))
-    bw = slot * 0.8 / max(1, len(series))
-    for si, (sname, vals) in enumerate(series.items()):
-        out = []
-        for i, v in enumerate(vals):
-            color = (bar_colors or {}).get(sname, [None] * len(vals))[i] or colors[sname]
-            x = c.left + i * slot + slot * 0.1 + si * bw
-            bh = 0.0 if v <= 0 else max(2.0, c.py(0) - c.py(v))
-            y = c.py(0) - bh
-            n = None if counts is None or sname not in counts else counts[sname][i]
-            label = f"{100 * v:.1f}%" if n is None else f"{n:,}"
-            if si and v <= 0:  # the first series says its zeros; the others' go unsaid
-                out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw - 2:.1f}" height="0" '
-                           f'fill="{color}" data-series="{_e(sname)}" '
-                           f'data-bin="{_e(labels[i])}" data-value="{0 if n is not None else v}"/>')
-                continue
-            out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw - 2:.1f}" height="{bh:.1f}" '
-                       f'fill="{color}" data-series="{_e(sname)}" data-bin="{_e(labels[i])}" '
-                       f'data-value="{n if n is not None else v}"><title>{_e(sname)} '
-                       f'{_e(labels[i])}: {100 * v:.2f}%'
-                       f'{"" if n is None else f" ({n:,} records)"}</title></rect>'
-                       f'<text x="{x + (bw - 2) / 2:.1f}" '
-                       f'y="{y - (15 if n is not None else 3):.1f}" text-anchor="middle" '
-                       f'class="bar-label" fill="{color}" '
-                       f'style="fill:{color}">{label}</text>')
-            if n is not None:
-                out.append(f'<text x="{x + (bw - 2) / 2:.1f}" y="{y - 3:.1f}" '
-                           f'text-anchor="middle" class="bar-label" fill="{color}" '
-                           f'style="fill:{color}">{100 * v:.1f}%</text>')
-        c.body.append("".join(out))
-    items = [(k, colors[k], "box") for k in series]
-    if bar_colors:
-        off = voc("histogram", "off")
-        items.append((off["name"], off["color"], off["kind"]))
-    c.legend(items)
     return c.svg()
 
 
@@ -424,7 +195,7 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
                 out.append(f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" '
                            f'text-anchor="middle" class="count" fill="{ink}" '
                            f'style="fill:{ink};font-size:{HEATMAP_FONT_PX}px">'
-                           f'{_fmt_count(v)}</text>')
+                           f'{fmt_count(v)}</text>')
     # Labels at 11 px, every `step`-th where a label is wider than its cell.
     font = HEATMAP_FONT_PX
     step = max(1, math.ceil(len(hosts) / 16), math.ceil(
@@ -446,7 +217,7 @@ def heatmap_chart(matrix: list[list[int]], per_host: list[dict[str, Any]],
                '</linearGradient></defs>'
                f'<rect x="{sx}" y="{sy}" width="12" height="{sh}" fill="url(#shared-scale)" '
                f'class="scale" data-max="{top}"/>'
-               f'<text x="{sx + 16}" y="{sy + 9}" class="scale-label">{_fmt_count(top)}</text>'
+               f'<text x="{sx + 16}" y="{sy + 9}" class="scale-label">{fmt_count(top)}</text>'
                f'<text x="{sx + 16}" y="{sy + sh}" class="scale-label">0</text>'
                f'<text x="{left + size / 2:.1f}" y="{top_pad + size + 18}" text-anchor="middle"'
                ' class="axis-title">host (column), host (row): records both saw</text>')
@@ -532,11 +303,11 @@ def table(title: str, rows: list[dict[str, Any]], cols: list[tuple[str, str]],
     if not rows:
         return ""
     cells = [[cell_text(r.get(k)) for k, _ in cols] for r in rows]
-    head = "".join(f"<th>{_e(t)}</th>" for _, t in cols)
-    body = "".join(f"<tr{_row_attrs(r)}>" + "".join(f"<td>{_e(c)}</td>" for c in cs) + "</tr>"
+    head = "".join(f"<th>{esc(t)}</th>" for _, t in cols)
+    body = "".join(f"<tr{_row_attrs(r)}>" + "".join(f"<td>{esc(c)}</td>" for c in cs) + "</tr>"
                    for r, cs in zip(rows, cells, strict=True))
     link = csv_link(section, [t for _, t in cols], cells)
-    return (f'<section id="{section}"><h2>{_e(title)} <small>{link}</small></h2>{note}'
+    return (f'<section id="{section}"><h2>{esc(title)} <small>{link}</small></h2>{note}'
             f'<table data-table="{section}"><thead><tr>{head}</tr></thead>'
             f"<tbody>{body}</tbody></table></section>")
 
@@ -545,37 +316,8 @@ def _row_attrs(r: dict[str, Any]) -> str:
     return ' data-evidence="yes"' if r.get("_evidence") else ""
 
 
-def cell_text(v: Any) -> str:
-    """A table cell as the reader sees it, in the page and in its CSV alike."""
-    if v is None:
-        return "\u2013"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
 def _cell(v: Any) -> str:
-    return _e(cell_text(v))
-
-
-def csv_link(name: str, head: list[str], cells: list[list[str]]) -> str:
-    """A table's CSV as a download link. The CSV rides in the page (a data: link): it
-    downloads from a report opened from disk, no script needed; served, the tables script
-    adds sorting and a filter."""
-    return (f'<a class="csv" data-csv="{name}" download="{name}.csv" '
-            f'href="data:text/csv;charset=utf-8,{quote(to_csv(head, cells))}">CSV</a>')
-
-
-def to_csv(head: list[str], rows: list[list[str]]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(head)
-    w.writerows(rows)
-    return buf.getvalue()
+    return esc(cell_text(v))
 
 
 class Links:
@@ -597,9 +339,9 @@ class Links:
 
     def a(self, item: dict[str, Any], text: str) -> str:
         if not item.get("api"):
-            return _e(text)
-        return (f'<a href="{_e(self.href(item["api"], item))}" data-api="{_e(item["api"])}">'
-                f"{_e(text)}</a>")
+            return esc(text)
+        return (f'<a href="{esc(self.href(item["api"], item))}" data-api="{esc(item["api"])}">'
+                f"{esc(text)}</a>")
 
 
 # An evidence link as `Links.a` writes it, or as a report written before `data-api` had it.
@@ -622,7 +364,7 @@ def served(page: str, token: str | None) -> str:
             href = "/?" + urlencode({"run": unquote(run.group(1)), **tok})
         else:
             href = api + ("&" if "?" in api else "?") + urlencode(tok) if tok else api
-        return f'<a href="{_e(href)}" data-api="{_e(api)}"'
+        return f'<a href="{esc(href)}" data-api="{esc(api)}"'
 
     return _API_LINK.sub(to_api, page)
 
@@ -633,7 +375,7 @@ def _links_note(links: Links, api: str) -> str:
         return ("Evidence links lead to the Evidence tables below; served by <code>tally "
                 "serve</code>, to its API.")
     return (f'Evidence links open the live API (<code>tally serve</code>: <a href="'
-            f'{_e(links.href(api))}" data-api="{_e(api)}">{_e(links.href(api))}</a>).')
+            f'{esc(links.href(api))}" data-api="{esc(api)}">{esc(links.href(api))}</a>).')
 
 
 def evidence_html(ev: dict[str, list[dict[str, Any]]] | None,
@@ -706,7 +448,7 @@ def _basis_line(integ: dict[str, Any]) -> str:
     if not basis:
         return ""
     return (f'<p data-fact="content basis">content hashes over '
-            f'{_e(basis["description"])}.</p>')
+            f'{esc(basis["description"])}.</p>')
 
 
 def findings_html(found: list[dict[str, Any]], links: Links | None = None) -> str:
@@ -714,9 +456,10 @@ def findings_html(found: list[dict[str, Any]], links: Links | None = None) -> st
         return ('<ul class="findings"><li>No findings: every train record was seen as often '
                 "as a perfect loader would.</li></ul>")
     items = "".join(
-        f'<li class="finding" data-code="{_e(f["code"])}" data-severity="{_e(f["severity"])}">'
-        f'<span class="badge {_e(f["severity"])}">{_e(f["severity"])}</span> '
-        f'<code>{_e(f["code"])}</code> {_e(f["message"])}{evidence_html(f.get("evidence"), links)}'
+        f'<li class="finding" data-code="{esc(f["code"])}" data-severity="{esc(f["severity"])}">'
+        f'<span class="badge {esc(f["severity"])}">{esc(f["severity"])}</span> '
+        f'<code>{esc(f["code"])}</code> {esc(f["message"])}'
+        f'{evidence_html(f.get("evidence"), links)}'
         "</li>" for f in found)
     return f'<ul class="findings">{items}</ul>'
 
@@ -747,7 +490,7 @@ def evidence_section(found: list[dict[str, Any]], r: dict[str, Any],
     def tr(anchor: str, cells: list[Any]) -> str:
         texts.append([html.unescape(re.sub(r"<[^>]+>", "", c)) if isinstance(c, Markup)
                       else cell_text(c) for c in cells])
-        return (f'<tr id="{_e(anchor)}">'
+        return (f'<tr id="{esc(anchor)}">'
                 + "".join(f"<td>{c if isinstance(c, Markup) else _cell(c)}</td>" for c in cells)
                 + "</tr>")
 
@@ -755,7 +498,7 @@ def evidence_section(found: list[dict[str, Any]], r: dict[str, Any],
         """The table's title with its CSV link, and its head row; takes the rows made."""
         out = (f'<h3>{title} <small>{csv_link(f"evidence-{name}", head, texts[:])}</small></h3>'
                f'<table data-evidence-table="{name}"><tr>'
-               + "".join(f"<th>{_e(t)}</th>" for t in head) + "</tr>")
+               + "".join(f"<th>{esc(t)}</th>" for t in head) + "</tr>")
         texts.clear()
         return out
 
@@ -764,7 +507,7 @@ def evidence_section(found: list[dict[str, Any]], r: dict[str, Any],
                       key=lambda ax: key(ax[1]))
 
     def codes(x: dict[str, Any]) -> Markup:
-        return Markup(", ".join(f"<code>{_e(c)}</code>" for c in x["codes"]))
+        return Markup(", ".join(f"<code>{esc(c)}</code>" for c in x["codes"]))
 
     parts = []
     rows = []
@@ -775,7 +518,7 @@ def evidence_section(found: list[dict[str, Any]], r: dict[str, Any],
         if host is None and have:
             i, j = np.searchsorted(col["step"], [lo, hi + 1])
             sums = [int(col[c][i:j].sum()) for c in ("exposures", "repeats", "epoch_repeats")]
-        rows.append(tr(a, [Markup(_e(lo if lo == hi else f"{lo}-{hi}")),
+        rows.append(tr(a, [Markup(esc(lo if lo == hi else f"{lo}-{hi}")),
                            "all" if host is None else host, *sums, codes(x)]))
     if rows:
         parts.append(titled("steps", "Steps", ["steps", "host", "exposures",
@@ -844,8 +587,8 @@ def render_html(r: dict, steps: pa.Table, api_url: str | None = None) -> str:
         ("first bad step", step_or_none(first_bad), ""),
         ("run", state, f"last step {step_or_none(r['consumption']['last_step'])}"),
     ]
-    facts_html = "".join(f'<div data-fact="{_e(k)}">{_e(k)}: <b>{_e(v)}</b> '
-                         f'<small>{_e(note)}</small></div>' for k, v, note in facts)
+    facts_html = "".join(f'<div data-fact="{esc(k)}">{esc(k)}: <b>{esc(v)}</b> '
+                         f'<small>{esc(note)}</small></div>' for k, v, note in facts)
     epochs = [{**e, "steps": f"{e['first_step']}-{e['last_step']}"}
               for e in r.get("epochs", [])]
     restarts = r["restarts"]
@@ -873,7 +616,7 @@ def render_html(r: dict, steps: pa.Table, api_url: str | None = None) -> str:
         facts_html += (f'<div data-fact="content drift" class="FAIL">content drift: '
                        f'<b>{integ["hash_mismatches"]:,}</b> <small>consumed records differ '
                        "from the manifest" + (": source " + ", ".join(
-                           f'{_e(x["source"])} ({x["mismatched_records"]:,})'
+                           f'{esc(x["source"])} ({x["mismatched_records"]:,})'
                            for x in drifted) if drifted else "") + "</small></div>")
     panels = [("steps", per_step_chart(steps, first_bad, restarts)),
               ("coverage", coverage_chart(steps, first_bad, restarts)),
@@ -883,14 +626,14 @@ def render_html(r: dict, steps: pa.Table, api_url: str | None = None) -> str:
               ("domains", domain_chart(doms)),
               ("drift", drift_chart(drifted))]
     # A panel with nothing to show is left out (the vocabulary gives each one's title).
-    figures = "\n".join(f'<figure data-panel="{k}"><figcaption>{_e(CHARTS[k]["title"])}'
+    figures = "\n".join(f'<figure data-panel="{k}"><figcaption>{esc(CHARTS[k]["title"])}'
                         f"</figcaption>\n{svg}</figure>" for k, svg in panels if svg)
     return f"""<!doctype html><html><head><meta charset="utf-8">
-<title>Tally report: {_e(r['run_id'])} {r['verdict']}</title><style>{CSS}</style></head><body>
-<h1>Run {_e(r['run_id'])}: <span class="verdict {r['verdict']}" data-verdict="{r['verdict']}">
+<title>Tally report: {esc(r['run_id'])} {r['verdict']}</title><style>{CSS}</style></head><body>
+<h1>Run {esc(r['run_id'])}: <span class="verdict {r['verdict']}" data-verdict="{r['verdict']}">
 {r['verdict']}</span></h1>
 {_replayed_banner(r)}<div class="facts">{facts_html}</div>
-<p><small>Manifest {_e(r['manifest']['fingerprint'])}{' as of step ' + str(r['at_step'])
+<p><small>Manifest {esc(r['manifest']['fingerprint'])}{' as of step ' + str(r['at_step'])
 if r['at_step'] is not None else ''}. {_links_note(links, api)}</small></p>
 <h2>Findings</h2>
 {findings_html(r['findings'], links)}

@@ -22,8 +22,9 @@ from tally.audit.core.exposure import Coverage, verdict
 from tally.audit.hook.spool import replayed_run
 from tally.audit.provenance import plan_fingerprint, provenance
 from tally.audit.reconcile import loss
-from tally.audit.reconcile.html import render_html, segment_files, step_or_none
+from tally.audit.reconcile.html import render_html, segment_files
 from tally.audit.reconcile.verdict import basis_differences, findings
+from tally.audit.render.charts import step_or_none
 
 REPORT_VERSION = 1
 
