@@ -185,8 +185,8 @@ def loader_kind(loader: Any) -> str:
     """Whose contract plans the factory's loader: "streaming" (a torch DataLoader or
     StreamingDataLoader over a StreamingDataset), "torch" (any other torch DataLoader), else
     "grain"; "olmo" for an OLMo-core data loader (not a torch DataLoader); "litdata" for
-    litdata's StreamingDataLoader. Nothing is imported that the factory did not import
-    already."""
+    litdata's StreamingDataLoader; "hf_iterable" for a torch DataLoader over a Hugging Face
+    datasets.IterableDataset. Nothing is imported that the factory did not import already."""
     olmo = sys.modules.get("olmo_core.data.data_loader")
     if olmo is not None and isinstance(loader, olmo.DataLoaderBase):
         return "olmo"
@@ -198,7 +198,21 @@ def loader_kind(loader: Any) -> str:
     litdata = sys.modules.get("litdata.streaming.dataloader")  # a torch DataLoader subclass
     if litdata is not None and isinstance(loader, litdata.StreamingDataLoader):
         return "litdata"
+    hf = sys.modules.get("datasets")
+    if hf is not None and isinstance(loader.dataset, hf.IterableDataset):
+        return "hf_iterable"
     return "torch"
+
+
+def check_hf_keys(loader: Any, records: int) -> None:
+    """AttachError (tally.pipeline.loaders) for a torch loader over a datasets.Dataset whose
+    sampler indices are not the manifest's `records` keys (hf_datasets.check_marked); nothing
+    for any other loader."""
+    hf = sys.modules.get("datasets")
+    if hf is not None and isinstance(getattr(loader, "dataset", None), hf.Dataset):
+        from tally.pipeline.loaders.hf_datasets import check_marked
+
+        check_marked(loader.dataset, records)
 
 
 def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> HostReplay:
@@ -214,6 +228,10 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
         from tally.pipeline.loaders.litdata_loader import replay_spec_host as replay_litdata_host
 
         return replay_litdata_host(spec, host, hashes, loader)
+    if kind == "hf_iterable":  # the loader itself, over its key column (hf_datasets)
+        from tally.pipeline.loaders.hf_datasets import replay_host as replay_hf_host
+
+        return replay_hf_host(spec, host, hashes, loader)
     if kind == "torch":  # a torch DataLoader: its own contract (tally.pipeline.loaders)
         from tally.pipeline.loaders.torch_loader import replay_host as replay_torch_host
 
@@ -387,10 +405,23 @@ def check(spec: ReplaySpec) -> None:
         from tally.pipeline.loaders.litdata_loader import check_replay as check_litdata
 
         return check_litdata(spec, loader)
+    if kind == "hf_iterable":
+        from tally.pipeline.loaders.hf_datasets import check_replay as check_hf
+
+        return check_hf(spec, loader)
     if kind == "torch":
+        from tally.pipeline.loaders import AttachError
         from tally.pipeline.loaders.torch_loader import check_replay
 
-        return check_replay(spec, loader)
+        check_replay(spec, loader)
+        if spec.manifest is not None:
+            from tally.pipeline.manifest_file import manifest_info
+
+            try:
+                check_hf_keys(loader, int(manifest_info(spec.manifest)["train_records"]))
+            except AttachError as exc:
+                raise ReplayError(f"--loader {spec.loader}: {exc}") from None
+        return None
     if kind == "olmo":
         from tally.pipeline.loaders.olmo_core import check_replay as check_olmo
 

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from tally.pipeline.loaders import AttachError, hf_datasets  # noqa: E402
+from tests.test_loader_preflight_torch import cli  # noqa: E402,F401  (the in-process CLI fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 8
@@ -262,3 +263,119 @@ def test_forgotten_split_named_and_split_passes(tmp_path):
     assert "50 of 50 shared" in codes["no_sharding"]["message"]
     assert bad["coverage"]["epoch_duplicate_records"] == n
     assert bad["coverage"]["histogram"]["2"] == n and bad["coverage"]["never_seen"] == 0
+
+
+# ---- replay of an IterableDataset: the factory's loader over the key column ------------------
+
+SHARDS, WORKERS, ITER_BS = 4, 2, 3
+
+
+def make_iterable_loader(host: int, hosts: int) -> StatefulDataLoader:
+    """The factory `tally replay` calls for an IterableDataset: the saved keyed dataset
+    (TALLY_TEST_HF) made iterable in TALLY_TEST_SHARDS shards, shuffled, split by node, in a
+    StatefulDataLoader with workers."""
+    full = datasets.load_from_disk(os.environ["TALLY_TEST_HF"])
+    stream = full.to_iterable_dataset(num_shards=int(os.environ.get("TALLY_TEST_SHARDS",
+                                                                    SHARDS)))
+    # Each shard through its own buffer (datasets 5 would interleave them into one): the shards
+    # stay apart, for the split and the workers.
+    stream = stream.shuffle(seed=5, buffer_size=8, max_buffer_input_shards=1)
+    stream = stream.with_format("torch")
+    return StatefulDataLoader(split_dataset_by_node(stream, rank=host, world_size=hosts),
+                              batch_size=ITER_BS, num_workers=WORKERS)
+
+
+@pytest.fixture(scope="module")
+def iterable_run(tmp_path_factory):
+    """2 ranks, each audited live: CUT batches, its state saved (json, as a checkpoint keeps
+    it), the loader closed; a new loader restored from it reads the rest of the epoch. The
+    spools of the two parts, the states and the dataset's manifest."""
+    from tally.audit.cli import main
+
+    d = tmp_path_factory.mktemp("hf_iter")
+    n, hosts, cut = 60, 2, 4
+    token_dataset(n, keyed=True).save_to_disk(str(d / "hf"))
+    assert main(["manifest", str(d / "hf"), "-o", str(d / "m.parquet"), "-q",
+                 "--tokens-field", "input_ids"]) == 0
+    (d / "states").mkdir()
+    os.environ["TALLY_TEST_HF"] = str(d / "hf")
+    try:
+        for h in range(hosts):
+            loader = hf_datasets.audited(make_iterable_loader(h, hosts), d / "before", "r",
+                                         fsync=False, records_per_epoch=n)
+            for k, _ in enumerate(loader):
+                if k + 1 == cut:
+                    break
+            (d / "states" / f"dataloader_{h}-of-{hosts}.json").write_text(
+                json.dumps(loader.state_dict()))
+            loader.writer.finish()
+            resumed = hf_datasets.audited(make_iterable_loader(h, hosts), d / "after", "r",
+                                          fsync=False, records_per_epoch=n)
+            resumed.load_state_dict(json.loads(
+                (d / "states" / f"dataloader_{h}-of-{hosts}.json").read_text()))
+            list(resumed)
+            resumed.writer.finish()
+    finally:
+        os.environ.pop("TALLY_TEST_HF")
+    return {"dir": d, "n": n, "hosts": hosts, "cut": cut, "manifest": d / "m.parquet"}
+
+
+def replay_args(run: dict, spool: Path, steps: int, *extra: str) -> list[str]:
+    return ["replay", "--loader", "tests.test_hf_loader:make_iterable_loader", "--hosts",
+            str(run["hosts"]), "--steps", str(steps), "--spool", str(spool), "--run", "r",
+            "--manifest", str(run["manifest"]), "--json", *extra]
+
+
+def test_iterable_replay_equals_the_live_spool_across_a_restore(cli, iterable_run):  # noqa: F811
+    """`tally replay` of the factory from the beginning writes the live spool up to the
+    checkpoint, and from the saved states the live spool after it, row for row (step, host,
+    row, key, content hash, tokens, epoch), workers and shuffle buffers included."""
+    run, d = iterable_run, iterable_run["dir"]
+    env = {"TALLY_TEST_HF": str(d / "hf")}
+    before, after = spool_table(d / "before"), spool_table(d / "after")
+    assert before["step"].to_pylist()[-1] == run["cut"] - 1
+    assert after["step"].to_pylist()[0] == run["cut"]
+    steps_after = after["step"].to_pylist()[-1] + 1 - run["cut"]
+    code, out, err = cli(*replay_args(run, d / "r0", run["cut"]), **env)
+    assert code == 0, err
+    assert spool_table(d / "r0").equals(before)
+    code, out, err = cli(*replay_args(run, d / "r1", steps_after, "--states",
+                                      str(d / "states")), **env)
+    assert code == 0, err
+    assert json.loads(out)["first_step"] == run["cut"]
+    assert spool_table(d / "r1").equals(after)
+    meta = pq.read_schema(next((d / "r1").rglob("seg-*.parquet"))).metadata
+    assert meta[b"tally.replayed"] == b"1"
+
+
+def test_iterable_replay_refusals_are_one_line(cli, iterable_run, tmp_path):  # noqa: F811
+    """A dataset without the key column, states saved on 2 ranks replayed on 4 where each rank
+    read whole shards of its own, a states file that is no datasets state, and hashes read from
+    the source: each refused in one line, before anything is written."""
+    run, d = iterable_run, iterable_run["dir"]
+    keyless = tmp_path / "keyless"
+    token_dataset(run["n"]).save_to_disk(str(keyless))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for h in range(2):
+        (bad / f"dataloader_{h}-of-2.json").write_text(json.dumps({"_num_yielded": 3}))
+    states = ["--states", str(d / "states")]
+    cases = [({"TALLY_TEST_HF": str(keyless)}, [], "has no 'tally_key' column (columns: "
+              "input_ids): add the row index"),
+             ({}, [*states, "--hosts", "4"], "states saved on 2 ranks, the loader's dataset "
+              "is split over 4: datasets gives each of 2 ranks whole shards of the 4"),
+             ({}, ["--states", str(bad)], "dataloader_0-of-2.json: not a saved "
+              "StatefulDataLoader state (ValueError: no datasets IterableDataset state"),
+             ({}, ["--hashes", "source"], "replayed over its 'tally_key' column alone")]
+    for env, extra, said in cases:
+        code, _, err = cli(*replay_args(run, tmp_path / "x", 3, *extra),
+                           **{"TALLY_TEST_HF": str(d / "hf"), **env})
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").rglob("*.parquet"))
+    # What the replay runs: the factory's loader, its batches the key column alone.
+    os.environ["TALLY_TEST_HF"] = str(d / "hf")
+    try:
+        batch = next(iter(hf_datasets.key_only(make_iterable_loader(0, 2))))
+    finally:
+        os.environ.pop("TALLY_TEST_HF")
+    assert set(batch) == {"tally_key"} and batch["tally_key"].shape == (ITER_BS,)

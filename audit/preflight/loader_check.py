@@ -15,6 +15,9 @@ read, so a plan of 64 hosts x 1,000 steps takes seconds:
   states `dataloader_<i>-of-<n>.json|.pt`, new host h restoring old host h % n's as the job's
   `load_state_dict` would. A StatefulDistributedSampler's saved offset counts the old rank's
   own samples, so restored on another world size it repeats (fewer ranks) or skips (more).
+  Over a Hugging Face map-style node (`hf_datasets.split_dataset_by_node`) the same, indices
+  mapped to the rows' keys in the dataset that was split by the node's marks; a node without
+  them (datasets' own split) is refused, its keys unknown.
 - MosaicML Streaming: streaming's own partition (`tally.pipeline.loaders.mosaic.batches`) on the new
   ranks (`--ranks-per-node`), from the one global state `streaming.json` (streaming re-partitions
   a saved sample offset elastically, keeping num_canonical_nodes) or fresh at `--at-step`.
@@ -59,7 +62,7 @@ from tally.audit.core.errors import TallyError
 from tally.audit.core.exposure import effective_sql, start_sql
 from tally.audit.ledger.database import Ledger, one
 from tally.audit.preflight.verdict import PreflightVerdict
-from tally.pipeline.replay import loader_kind, make_loader
+from tally.pipeline.replay import check_hf_keys, loader_kind, make_loader
 
 DEFAULT_MAX_HORIZON = 1000
 
@@ -117,6 +120,7 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
 
     try:
         if kind == "torch":
+            check_hf_keys(first, n)  # a Hugging Face node: its rows' keys must be known
             return _torch_plan(spec, new_hosts, at_step, states, n)
         if kind == "streaming":
             return _streaming_plan(first, new_hosts, at_step, states, ranks_per_node)

@@ -185,6 +185,16 @@ def field(batch: Any, name: str | int | None) -> Any:
     raise AttachError(f"cannot take field {name!r} of a {type(batch).__name__} batch")
 
 
+def restore(loader: Any, state: dict[str, Any]) -> None:
+    """Load a saved state (Tally's step taken out) into `loader`: its own `load_state_dict` (a
+    StatefulDataLoader's), else its dataset's (`state["dataset"]`, as a plain DataLoader's
+    audited state keeps it)."""
+    if callable(getattr(loader, "load_state_dict", None)):
+        loader.load_state_dict(state)
+    else:
+        loader.dataset.load_state_dict(state.get("dataset", state))
+
+
 class SteppedLoader:
     """An audited loader whose every other attribute is the user's loader's own, and whose
     saved state carries the next step (STEP_KEY) beside the loader's (or dataset's) state."""
@@ -198,10 +208,7 @@ class SteppedLoader:
         step = state.pop(self.STEP_KEY, None)
         if step is not None:
             self.next_step = int(step)
-        if callable(getattr(self.loader, "load_state_dict", None)):
-            self.loader.load_state_dict(state)
-        else:
-            self.loader.dataset.load_state_dict(state.get("dataset", state))
+        restore(self.loader, state)
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":

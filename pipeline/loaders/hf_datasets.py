@@ -32,11 +32,26 @@ added (`tally_step`), so a restore continues steps, and keys come with the examp
 
 Content hashed, as torch_loader does: the batch's tokens (`tokens_field`, `mask_field`), or the
 manifest's hashes (`hashes=PATH`).
+
+**Replay of an IterableDataset** (`tally replay --loader MODULE:FACTORY`, `replay_host`): no
+arithmetic gives its order (shards, shuffle buffers, the split and the workers decide it as it
+runs), so the factory's own loader runs, restored from the saved state, over the key column
+alone: its dataset becomes `dataset.select_columns([key_field])`, which wraps the same example
+iterable (same shards, order, buffers, split; datasets' state has the same shape), and its
+collate_fn torch's default (the user's may need the columns left out); batch size, workers and
+every other setting stay the loader's. No token column is formatted or collated (an Arrow-backed
+dataset does not decode it either). Saved states as for torch: each host's audited
+`state_dict()` as `dataloader_<h>-of-<n>.json|.pt`, host h restoring old host h % n's. datasets'
+state of a split dataset counts the rank's own shards when the shards divide among the ranks
+(`shard_data_sources`), or a position in the whole stream that each rank reads every
+world-size-th example of (`StepExamplesIterable`); the first cannot be restored on another world
+size, and such a replay is refused (`check_restorable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +60,7 @@ import numpy as np
 try:
     import datasets
     from datasets.distributed import split_dataset_by_node as _hf_split
+    from torch.utils.data import DataLoader, default_collate, default_convert
 except ModuleNotFoundError as _exc:  # one line naming the extra (tally.audit.extras: MODULE_EXTRA)
     raise ModuleNotFoundError(f"tally.pipeline.loaders.hf_datasets needs the hf extra "
                               f"({_exc.name} is not installed): pip install 'tally-audit[hf]'",
@@ -57,6 +73,7 @@ from tally.pipeline.loaders import (
     leading_rows,
     manifest_hashes,
     record,
+    restore,
     spool_options,
     torch_loader,
 )
@@ -224,3 +241,196 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *, full: Any = N
     return AuditedIterableLoader(loader, writer, host=host, start_step=start_step,
                                  key_field=key_field, key_of=key_of, tokens_field=tokens_field,
                                  mask_field=mask_field, hashes=hashes)
+
+
+# ---- replay and checks of a factory's loader -------------------------------------------------
+
+def check_marked(dataset: Any, records: int) -> None:
+    """AttachError for a map-style `dataset` whose sampler indices are not the manifest's
+    `records` keys: not marked with its keys (`mark`) and not the whole dataset. A node of
+    datasets' own split_dataset_by_node keeps no trace of its rows' place in the dataset that
+    was split, so its indices 0.. would be read as the first records on every rank."""
+    if getattr(dataset, "tally_record_keys", None) is None and len(dataset) != records:
+        raise AttachError(f"the loader's datasets.Dataset has {len(dataset):,} rows, the "
+                          f"manifest {records:,} records, and no keys of its rows (a node of "
+                          "datasets' split_dataset_by_node?): build the node with "
+                          "tally.pipeline.loaders.hf_datasets.split_dataset_by_node, or mark "
+                          "it with hf_datasets.mark(node, len(full), rank, world_size)")
+
+
+def check_iterable(loader: Any, key_field: str = KEY_FIELD) -> None:
+    """AttachError unless `loader` is a torch DataLoader, not yet iterated, over a
+    datasets.IterableDataset with a `key_field` column (where its columns are known)."""
+    if not isinstance(loader, DataLoader):
+        raise AttachError(f"expected a torch DataLoader (or torchdata's StatefulDataLoader), "
+                          f"got {type(loader).__name__}")
+    dataset = loader.dataset
+    if not isinstance(dataset, datasets.IterableDataset):
+        raise AttachError(f"expected a DataLoader over a datasets.IterableDataset, got one "
+                          f"over {type(dataset).__name__}")
+    if getattr(loader, "_iterator", None) is not None:
+        raise AttachError("the factory's loader was iterated before it was returned")
+    columns = dataset.column_names
+    if columns is not None and key_field not in columns:
+        raise AttachError(f"its IterableDataset has no {key_field!r} column (columns: "
+                          f"{', '.join(columns)}): add the row index before the dataset "
+                          f"becomes iterable and before any shuffle: ds = ds.map(lambda _, "
+                          f"i: {{{key_field!r}: i}}, with_indices=True)")
+
+
+def split_of(dataset: Any) -> tuple[int, int] | None:
+    """(rank, world size) of a split IterableDataset (split_dataset_by_node), else None."""
+    distributed = getattr(dataset, "_distributed", None)
+    return None if distributed is None else (distributed.rank, distributed.world_size)
+
+
+def check_restorable(dataset: Any, saved_world: int) -> None:
+    """AttachError when a state saved on `saved_world` ranks is one datasets cannot restore
+    on `dataset`'s world size: where the shards divide among the ranks (on either side), each
+    rank reads whole shards of its own and its state counts those; else every rank reads
+    every world-size-th example of the one stream, and the state is a place in that stream."""
+    split = split_of(dataset)
+    if split is None or split[1] == saved_world:
+        return
+    world, shards = split[1], dataset._ex_iterable.num_shards
+    whole = [w for w in (saved_world, world) if shards % w == 0]
+    if whole:
+        raise AttachError(f"states saved on {saved_world} ranks, the loader's dataset is split "
+                          f"over {world}: datasets gives each of {whole[0]} ranks whole "
+                          f"shards of the {shards} (split_dataset_by_node) and its state counts "
+                          "the rank's own, which it cannot restore on another world size")
+
+
+def key_only(loader: Any, key_field: str = KEY_FIELD) -> Any:
+    """The factory's `loader` made to read `key_field` alone (see the module's doc)."""
+    check_iterable(loader, key_field)
+    dataset = loader.dataset
+    keyed = dataset.select_columns([key_field])
+    if dataset.epoch:
+        keyed.set_epoch(dataset.epoch)
+    object.__setattr__(loader, "dataset", keyed)  # DataLoader refuses a plain setattr
+    loader.collate_fn = default_convert if loader.batch_size is None else default_collate
+    return loader
+
+
+def saved_epoch(state: Any) -> int | None:
+    """The epoch of the first datasets IterableDataset state inside a loader's saved `state`
+    (a worker's, the main process's, or a plain DataLoader's "dataset"), else None. datasets
+    restores a state only into a dataset at that epoch."""
+    if isinstance(state, dict):
+        if "examples_iterable" in state and isinstance(state.get("epoch"), int):
+            return state["epoch"]
+        values = state.values()
+    elif isinstance(state, list):
+        values = state
+    else:
+        return None
+    for value in values:
+        epoch = saved_epoch(value)
+        if epoch is not None:
+            return epoch
+    return None
+
+
+def key_batches(loader: Any, steps: int, *, start_step: int = 0,
+                state: dict[str, Any] | None = None, key_field: str = KEY_FIELD
+                ) -> Iterator[tuple[int, np.ndarray, int]]:
+    """(step, record keys, epoch) of the factory's loader's next `steps` batches, run over
+    the key column (`key_only`), restored from `state` (an audited loader's `state_dict()`:
+    its `tally_step` numbers the first batch, else `start_step`), pass after pass (the dataset
+    set to its epoch + 1 at each new pass, as a training loop does)."""
+    loader = key_only(loader, key_field)
+    base = start_step
+    if state is not None:
+        state = dict(state)
+        saved_step = state.pop(STEP_KEY, None)
+        base = base if saved_step is None else int(saved_step)
+        epoch = saved_epoch(state)
+        if epoch is not None and epoch != loader.dataset.epoch:
+            loader.dataset.set_epoch(epoch)  # as the job sets it before iterating again
+        restore(loader, state)
+    done = 0
+    while done < steps:
+        epoch, drew = loader.dataset.epoch, False
+        it = iter(loader)
+        for _ in range(steps - done):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except Exception as exc:  # noqa: BLE001  (datasets' or a worker's, in one line)
+                said = (str(exc).strip().splitlines() or [""])[-1]
+                raise AttachError(f"the loader over the {key_field!r} column failed at step "
+                                  f"{base + done}: {type(exc).__name__}: {said}") from None
+            drew = True
+            yield base + done, np.asarray(batch[key_field], np.int64).reshape(-1), epoch
+            done += 1
+        if not drew:
+            return  # an empty pass: nothing more will come
+        loader.dataset.set_epoch(epoch + 1)
+
+
+def _states(spec: Any) -> tuple[int, dict[int, dict[str, Any]]] | None:
+    """(n, each old host's saved state) from spec.states, found as torch's are."""
+    if spec.states is None:
+        return None
+    return torch_loader.saved_states(spec.states, check=_check_state)
+
+
+def _check_state(state: Any) -> None:
+    if saved_epoch(state) is None:
+        raise ValueError("no datasets IterableDataset state in it")
+
+
+def replay_host(spec: Any, host: int, hashes: Any, loader: Any) -> Any:
+    """Write host `host`'s replayed spool files for `spec` (tally.pipeline.replay.ReplaySpec)
+    from the factory's DataLoader over an IterableDataset, restored from old host
+    host % n's state; returns tally.pipeline.loaders.replayed.HostReplay."""
+    from tally.pipeline.loaders.replayed import HostReplay, ReplayedHost, ReplayError
+
+    t0 = time.perf_counter()
+    try:
+        old = _states(spec)
+        state = None
+        if old is not None:
+            check_restorable(loader.dataset, old[0])
+            state = old[1][host % old[0]]
+        out = ReplayedHost(spec.spool, spec.run_id, host, spec.hosts,
+                           records_per_epoch=len(hashes), resolve=manifest_resolve(hashes),
+                           fsync=spec.fsync, fingerprint=hashes.fingerprint,
+                           content_basis=hashes.content_basis)
+        for item in key_batches(loader, spec.steps, start_step=spec.start_step, state=state):
+            out.add(*item)
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader} (host {host}): {exc}") from None
+    out.flush()
+    return HostReplay(host, out.rows, out.files, out.first, out.last, time.perf_counter() - t0)
+
+
+def manifest_resolve(hashes: Any) -> Callable[[np.ndarray, np.ndarray], tuple]:
+    """Record keys -> (keys, n_tokens, content hashes) from the manifest's hashes."""
+
+    def resolve(keys: np.ndarray, _epochs: np.ndarray) -> tuple:
+        content, n_tokens = hashes.lookup(keys)
+        return keys, n_tokens, content
+
+    return resolve
+
+
+def check_replay(spec: Any, loader: Any) -> None:
+    """What a replay of an IterableDataset refuses before it writes anything
+    (tally.pipeline.replay.check): hashes read from the source (the replay reads the key column
+    alone), a loader or dataset it cannot run over its key column, states it cannot restore."""
+    from tally.pipeline.loaders.replayed import ReplayError
+
+    if spec.hashes == "source":
+        raise ReplayError(f"--loader {spec.loader}: an IterableDataset is replayed over its "
+                          f"{KEY_FIELD!r} column alone: give the run's --manifest for the "
+                          "content hashes, not --hashes source")
+    try:
+        check_iterable(loader)
+        old = _states(spec)
+        if old is not None:
+            check_restorable(loader.dataset, old[0])
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader}: {exc}") from None

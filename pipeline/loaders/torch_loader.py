@@ -529,9 +529,11 @@ def check_replay(spec: Any, loader: DataLoader) -> None:
 
 # ---- pre-flight: the relaunch's plan, from the loaders and the states it restores ------------
 
-def saved_states(states: Path) -> tuple[int, dict[int, dict[str, Any]]]:
+def saved_states(states: Path, check: Callable[[dict[str, Any]], Any] | None = None
+                 ) -> tuple[int, dict[int, dict[str, Any]]]:
     """(n, every old host's saved state by host) from `dataloader_<h>-of-<n>.json|.pt` in
-    `states`, one n for all; AttachError naming what was found otherwise."""
+    `states`, one n for all, each passing `check` (default: a StatefulDataLoader's, see
+    `resume_step`); AttachError naming what was found otherwise."""
     found = sorted(p for p in states.glob("dataloader_*-of-*.*") if p.suffix in (".json", ".pt"))
     counts = {p.stem.rsplit("-of-", 1)[-1] for p in found}
     if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
@@ -547,7 +549,7 @@ def saved_states(states: Path) -> tuple[int, dict[int, dict[str, Any]]]:
                              f"(dataloader_{h}-of-{n}.json or .pt)")
         try:
             out[h] = read_state(path)
-            resume_step(out[h])
+            (check or resume_step)(out[h])
         except Exception as exc:  # noqa: BLE001  (a file that is not a loader state)
             raise AttachError(f"{path}: not a saved StatefulDataLoader state "
                              f"({type(exc).__name__}: {exc})") from None
