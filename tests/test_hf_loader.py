@@ -317,6 +317,7 @@ def iterable_run(tmp_path_factory):
             resumed.writer.finish()
     finally:
         os.environ.pop("TALLY_TEST_HF")
+    assert main(["ingest", str(d / "before"), "--ledger", str(d / "ledger.duckdb"), "-q"]) == 0
     return {"dir": d, "n": n, "hosts": hosts, "cut": cut, "manifest": d / "m.parquet"}
 
 
@@ -372,6 +373,13 @@ def test_iterable_replay_refusals_are_one_line(cli, iterable_run, tmp_path):  # 
                            **{"TALLY_TEST_HF": str(d / "hf"), **env})
         assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").rglob("*.parquet"))
+    # Pre-flight does not plan an IterableDataset: said in one line (not "expected Grain's").
+    code, _, err = cli("preflight", "--run", "r", "--ledger", str(d / "ledger.duckdb"),
+                       "--manifest", str(run["manifest"]), "--loader",
+                       "tests.test_hf_loader:make_iterable_loader", "--hosts", "4", "--states",
+                       str(d / "states"), TALLY_TEST_HF=str(d / "hf"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "pre-flight does not plan a DataLoader over a datasets.IterableDataset" in err, err
     # What the replay runs: the factory's loader, its batches the key column alone.
     os.environ["TALLY_TEST_HF"] = str(d / "hf")
     try:

@@ -128,6 +128,11 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
             return _litdata_plan(spec, first, new_hosts, at_step, states, n)
         if kind == "olmo":
             return _olmo_plan(spec, first, new_hosts, at_step, states, n)
+        if kind == "hf_iterable":
+            raise AttachError("pre-flight does not plan a DataLoader over a datasets."
+                              "IterableDataset (its order is its shards', shuffle buffers' and "
+                              "workers' as it runs): audit the relaunch live, and `tally "
+                              "replay` a run from its states")
     except AttachError as exc:
         raise TallyError(f"--loader {spec}: {exc}") from None
     return _grain_plan(spec, first, new_hosts, at_step, states, n)
