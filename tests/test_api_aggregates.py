@@ -25,7 +25,7 @@ from tally.audit.ledger.state import (
     _slots,
     group,
 )
-from tests.api_helpers import Server, write_steps
+from tests.support.api import Server, write_steps
 
 N = 150  # train records; keys 150.. are outside (held out or unknown)
 

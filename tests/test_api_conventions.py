@@ -25,8 +25,10 @@ from tally.api.app import create_app
 from tally.api.errors import Problem
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tests.api_helpers import Server, content_hash_of, free_port, poll, write_steps
-from tests.test_api_live import N, _chromium, write_manifest
+from tests.support.api import Server, free_port, poll, write_steps
+from tests.support.browser import chromium, needs_chromium
+from tests.support.manifest import content_hash_of
+from tests.test_api_live import N, write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -217,14 +219,14 @@ def _page_requests(netlog: Path) -> set[str]:
             if "url" in p and "127.0.0.1" in p.get("network_isolation_key", "")}
 
 
-@pytest.mark.skipif(_chromium() is None, reason="needs chromium (CI installs it)")
+@needs_chromium
 @pytest.mark.parametrize("page", ["docs", "redoc"])
 def test_docs_render_with_the_network_blocked_in_headless_chromium(served, page, tmp_path):
     srv, _ = served
     netlog = tmp_path / "net.json"
     with tempfile.TemporaryDirectory() as profile:
         out = subprocess.run(
-            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
              "--no-first-run", "--disable-background-networking", "--disable-component-update",
              "--disable-sync", f"--user-data-dir={profile}",
              "--no-default-browser-check", "--disable-domain-reliability", "--no-pings",

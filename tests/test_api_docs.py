@@ -23,9 +23,10 @@ from tally.api.app import create_app
 from tally.api.errors import MEDIA_TYPE, Problem
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tests.api_helpers import Server, free_port, poll, write_steps
-from tests.browser import Browser, chromium
-from tests.conftest import ROOT
+from tests.support import ROOT
+from tests.support.api import Server, free_port, poll, write_steps
+from tests.support.browser import Browser, needs_chromium
+from tests.support.cli import tally
 from tests.test_api_live import N
 
 TOKEN = "s3cret"
@@ -107,7 +108,7 @@ def test_redoc_references_no_other_host(served):
         assert "cdn.redoc.ly" not in body.text, s
 
 
-@pytest.mark.skipif(chromium() is None, reason="needs chromium (CI installs it)")
+@needs_chromium
 def test_swagger_ui_offers_authorize_in_headless_chromium(served):
     srv, _ = served
     with Browser() as browser:
@@ -276,9 +277,7 @@ def test_metrics_hosts_bounds_the_per_host_series(served, tmp_path):
         finally:
             proc.terminate()
             proc.communicate(timeout=30)
-    bad = subprocess.run([sys.executable, "-m", "tally.audit.cli", "serve", "--ledger",
-                          str(ledger_path), "--metrics-hosts", "-1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    bad = tally("serve", "--ledger", ledger_path, "--metrics-hosts", "-1", timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "--metrics-hosts" in bad.stderr.strip().splitlines()[-1]
 

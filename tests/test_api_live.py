@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,30 +15,23 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from tally.api.alerts import Thresholds
 from tally.api.app import create_app
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tally.pipeline.manifest import MANIFEST_SCHEMA
-from tally.pipeline.manifest_file import write_manifest_table
-from tests.api_helpers import Server, content_hash_of, free_port, poll, write_steps
-from tests.conftest import ROOT
+from tests.support import ROOT
+from tests.support.api import Server, free_port, poll, write_steps
+from tests.support.browser import chromium, needs_chromium
+from tests.support.manifest import CODE_EVERY_THIRD, content_hash_of, keyed_manifest
 
 N, HELDOUT = 150, 10
 
 
 def write_manifest(path: Path) -> Path:
-    keys = np.arange(N + HELDOUT)
-    t = pa.table({"record_key": keys, "content_hash": content_hash_of(keys),
-                  "n_tokens": np.full(len(keys), 64, np.int32),
-                  "domain": ["web" if k % 3 else "code" for k in keys],
-                  "split": ["train"] * N + ["heldout"] * HELDOUT,
-                  "source": ["s"] * len(keys), "source_index": keys,
-                  "doc_id": [None] * len(keys)}, schema=MANIFEST_SCHEMA)
-    return write_manifest_table(t, path, fingerprint="f00d")
+    return keyed_manifest(path, N, HELDOUT, hashes=content_hash_of, tokens=64,
+                          domains=CODE_EVERY_THIRD, fingerprint="f00d")
 
 
 def test_live_ingest_every_endpoint_exactly_once(tmp_path):
@@ -212,12 +204,7 @@ def test_serve_cli_requires_the_bearer_token(tmp_path):
     assert "serve: loading the state of" in out  # the start's progress
 
 
-def _chromium() -> str | None:
-    return next((p for p in map(shutil.which, ("chromium", "chromium-browser",
-                                               "google-chrome")) if p), None)
-
-
-@pytest.mark.skipif(_chromium() is None, reason="needs chromium (CI installs it)")
+@needs_chromium
 def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
     spool = tmp_path / "spool"
     for h in range(3):
@@ -227,7 +214,7 @@ def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
         with Server(create_app(ledger, records=N)) as srv, \
                 tempfile.TemporaryDirectory() as profile:
             out = subprocess.run(
-                [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
                  "--virtual-time-budget=10000", "--dump-dom", srv.url + "/?run=d"],
@@ -247,7 +234,7 @@ def test_dashboard_renders_plots_with_data_in_headless_chromium(tmp_path):
     assert len(cells) == 6 and all(int(v) > 0 for v in cells)  # 3 x 2: every pair overlaps
 
 
-@pytest.mark.skipif(_chromium() is None, reason="needs chromium (CI installs it)")
+@needs_chromium
 def test_dashboard_heatmap_of_256_hosts_shows_those_sharing_most(tmp_path):
     """Beyond 64 hosts every host's shared records are numbers, so the heatmap's 16 hosts are
     the 16 that share the most, wherever they are (before, hosts 64.. had none to rank by)."""
@@ -261,7 +248,7 @@ def test_dashboard_heatmap_of_256_hosts_shows_those_sharing_most(tmp_path):
                 tempfile.TemporaryDirectory() as profile:
             per_host = srv.get("/v1/runs/w/hosts").json()["per_host"]
             out = subprocess.run(
-                [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
                  "--virtual-time-budget=10000", "--dump-dom", srv.url + "/?run=w"],

@@ -14,7 +14,7 @@ from schemathesis.checks import positive_data_acceptance
 from tally.api.app import create_app
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tests.api_helpers import Server, write_steps
+from tests.support.api import Server, write_steps
 from tests.test_api_live import N, write_manifest
 
 # By default the same 50 requests per operation every run (derandomized): a failure in CI is

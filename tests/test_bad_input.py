@@ -10,7 +10,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +20,9 @@ from tally.audit.hook import spool as sp
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tests.conftest import ROOT, limited, unpacked_batch
+from tests.support.batches import unpacked_batch
+from tests.support.cli import tally
+from tests.support.processes import limited
 
 N = 1000  # records_per_epoch of the healthy run
 GOOD_ROWS = 2 * 10 * 4
@@ -195,10 +196,7 @@ def test_more_than_forty_kinds_of_bad_entry_are_quarantined_each_with_its_reason
     want = _matrix(spool, tmp_path)
     assert len(want) >= 40
     ledger_path = tmp_path / "ledger.duckdb"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "tally.audit.cli", "ingest", str(spool), "--ledger",
-                          str(ledger_path), "-q"], capture_output=True, text=True, timeout=120,
-                         env=env)
+    out = tally("ingest", spool, "--ledger", ledger_path, "-q", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     lines = {ln.split(": ", 1)[0].removeprefix("quarantined "): ln.split(": ", 1)[1]
@@ -279,10 +277,7 @@ def test_a_file_of_host_65535_goes_in_and_stops_no_other_run(tmp_path):
     _put(spool, "pair", _segs(host=3), host=3, meta={"host_count": "65536"})
     _put(spool, "pair", _segs(host=65535, record_key=[2, 3, 4, 5]), host=65535,
          meta={"host_count": "65536"})
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([*_capped(4), "-m", "tally.audit.cli", "ingest", str(spool), "--ledger",
-                          str(path), "-q"], capture_output=True, text=True, timeout=120,
-                         env=env)
+    out = tally("ingest", spool, "--ledger", path, "-q", timeout=120, python=_capped(4))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     with Ledger(path) as ledger:
         rows = {r["run_id"]: r["n"] for r in ledger.query(
@@ -305,8 +300,8 @@ def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp
     matrix follows them (row i is per_host[i]'s host): the live API (/hosts, one host's steps,
     /metrics), and reconcile from the spool and from the ledger, within 4 GiB each."""
     from tally.api.app import create_app
-    from tests.api_helpers import Server
-    from tests.conftest import uniform_manifest
+    from tests.support.api import Server
+    from tests.support.manifest import uniform_manifest
 
     spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
     for run, hosts in (("wide", (65535,)), ("pair", (3, 65535))):
@@ -316,15 +311,12 @@ def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp
                 for s in range(2):
                     w.write_batch(s, unpacked_batch(s, n_records=N))
                 w.finish()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-    def tally(*args: str) -> subprocess.CompletedProcess:
-        out = subprocess.run([*_capped(4), "-m", "tally.audit.cli", *args], capture_output=True,
-                             text=True, timeout=300, env=env)
+    def tally_ok(*args: str) -> subprocess.CompletedProcess:
+        out = tally(*args, timeout=300, python=_capped(4))
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
         return out
 
-    tally("ingest", str(spool), "--ledger", str(path), "-q")
+    tally_ok("ingest", str(spool), "--ledger", str(path), "-q")
     with Ledger(path) as ledger, Server(create_app(ledger)) as srv:
         for run, hosts in (("wide", [65535]), ("pair", [3, 65535])):
             got = srv.get(f"/v1/runs/{run}/hosts")
@@ -347,8 +339,8 @@ def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp
     for run, source, hosts in (("wide", ["--spool", str(spool)], [65535]),
                                ("pair", ["--ledger", str(path)], [3, 65535])):
         out = tmp_path / f"report-{run}"
-        tally("reconcile", *source, "--manifest", str(manifest), "--run", run, "-o", str(out),
-              "-q")
+        tally_ok("reconcile", *source, "--manifest", str(manifest), "--run", run, "-o", str(out),
+                 "-q")
         r = json.loads((out / "report.json").read_text())["hosts"]
         assert r["count"] == 65536 and [p["host"] for p in r["per_host"]] == hosts
         assert [p["unique"] for p in r["per_host"]] == [8] * len(hosts)
@@ -364,7 +356,7 @@ def test_hosts_that_consumed_nothing_are_one_finding_per_attempt(tmp_path, decla
     the silent hosts and naming the first ten. Before, each was a finding of its own: an attempt
     of 65,536 declared hosts of which one wrote, resumed once, gave 65,535 FAIL findings, a 100
     MB report.json and 1 GB of memory."""
-    from tests.conftest import uniform_manifest
+    from tests.support.manifest import uniform_manifest
 
     spool = tmp_path / "spool"
     for h in wrote:  # attempt 0 dies after step 1; attempt 1 resumes on 2 hosts and finishes
@@ -379,10 +371,8 @@ def test_hosts_that_consumed_nothing_are_one_finding_per_attempt(tmp_path, decla
                 w.write_batch(s, unpacked_batch(s, host=h, hosts=2, n_records=N))
             w.finish()
     manifest = uniform_manifest(tmp_path / "m.parquet", N)
-    out = subprocess.run([*_capped(4), "-m", "tally.audit.cli", "reconcile", "--spool", str(spool),
-                          "--manifest", str(manifest), "--run", "r", "-o",
-                          str(tmp_path / "rep"), "-q"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = tally("reconcile", "--spool", spool, "--manifest", manifest, "--run", "r", "-o",
+                tmp_path / "rep", "-q", timeout=300, python=_capped(4))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     report = tmp_path / "rep" / "report.json"
     assert report.stat().st_size < 1_000_000

@@ -2,18 +2,13 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tally.audit.hook.writer import LedgerWriter
-from tests.conftest import ROOT, unpacked_batch
-
-
-def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=900)
+from tests.support.batches import unpacked_batch
+from tests.support.cli import tally
 
 
 def test_ingest_and_ledger_commands(spool, tmp_path):

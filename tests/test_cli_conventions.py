@@ -14,15 +14,11 @@ import pytest
 
 from tally.audit.cli import build_parser
 from tally.audit.hook.writer import LedgerWriter
-from tests.conftest import ROOT, unpacked_batch
+from tests.support import ROOT
+from tests.support.batches import unpacked_batch
+from tests.support.cli import tally_bare
 
 QUIET_AND_JSON = {"ingest", "manifest", "reconcile", "diff", "exposure", "compare", "preflight"}
-
-
-def tally(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300, env={"PYTHONPATH": str(ROOT),
-                                                                 "PATH": "/usr/bin:/bin"})
 
 
 def _commands(parser) -> dict:
@@ -36,9 +32,9 @@ def _commands(parser) -> dict:
 
 
 def test_version_examples_exit_codes_quiet_and_json_in_the_help():
-    r = tally("--version")
+    r = tally_bare("--version")
     assert r.returncode == 0 and r.stdout.startswith("tally 0.")
-    top = tally("--help").stdout
+    top = tally_bare("--help").stdout
     for code in ("0 ", "1 ", "2 ", "130 "):
         assert f"\n  {code}" in top, top
     for name, p in _commands(build_parser()).items():
@@ -54,9 +50,9 @@ def test_version_examples_exit_codes_quiet_and_json_in_the_help():
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("small")
-    assert tally("corpus", "synth", "corpus", "--records", "300", "--length-scale", "0.1",
-                 "--max-len", "128", cwd=tmp).returncode == 0
-    assert tally("manifest", "corpus", "-o", "m.parquet", "-q", cwd=tmp).returncode == 0
+    assert tally_bare("corpus", "synth", "corpus", "--records", "300", "--length-scale", "0.1",
+                      "--max-len", "128", cwd=tmp).returncode == 0
+    assert tally_bare("manifest", "corpus", "-o", "m.parquet", "-q", cwd=tmp).returncode == 0
     for h in range(2):
         with LedgerWriter(tmp / "spool", "r", host=h, host_count=2) as w:
             for s in range(10):
@@ -65,29 +61,29 @@ def small(tmp_path_factory) -> Path:
 
 
 def test_progress_on_stderr_and_quiet_json_with_beam_workers_silenced(small):
-    r = tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
-              "rep", cwd=small)
+    r = tally_bare("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
+                   "rep", cwd=small)
     assert r.returncode == 0 and r.stdout.startswith("run r: PASS"), r.stderr
     # Into a pipe: a line per stage, no redraws (tests/test_logs.py).
     assert "tally: [info] reconcile r: key buckets (2 parts)" in r.stderr
     assert "\r" not in r.stderr
     # Worker processes print 40 lines of INFO (and "apitools not found") without -q.
-    r = tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
-              "rep-q", "--mode", "multi_processing", "-q", "--json", cwd=small)
+    r = tally_bare("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
+                   "rep-q", "--mode", "multi_processing", "-q", "--json", cwd=small)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     got = json.loads(r.stdout)
     assert got["verdict"] == "PASS" and got["report"] == str(Path("rep-q") / "report.json")
     # An error still says its one line under -q.
-    r = tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "nope", "-o",
-              "rep-n", "-q", cwd=small)
+    r = tally_bare("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "nope",
+                   "-o", "rep-n", "-q", cwd=small)
     assert r.returncode == 2 and r.stderr.startswith("tally: error: no segment files")
 
 
 def test_load_report_gives_typed_objects_and_arrow_tables(small):
     from tally import audit
     if not (small / "rep" / "report.json").exists():
-        assert tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r",
-                     "-o", "rep", "-q", cwd=small).returncode == 0
+        assert tally_bare("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r",
+                          "-o", "rep", "-q", cwd=small).returncode == 0
     rep = audit.load_report(small / "rep")
     data = json.loads((small / "rep" / "report.json").read_text())
     assert (rep.run_id, rep.verdict) == ("r", data["verdict"])

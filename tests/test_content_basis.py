@@ -7,8 +7,6 @@ naming `eos_id`, not a flood of hash mismatches."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,21 +17,18 @@ import pytest
 from tally.audit.hook.writer import LedgerWriter
 from tally.pipeline.manifest_file import write_manifest_table
 from tally.pipeline.text import TextHasher
-from tests.text_corpus import documents, loop_hashes, train_tokenizer
+from tests.support.cli import tally
+from tests.support.text_corpus import documents, loop_hashes, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS, HELDOUT, BATCH, STEPS = 48, 8, 4, 10  # 40 train records, one epoch
 
 
-def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
-
-
 def text_manifest(path: Path, docs: list[dict], hasher: TextHasher, tokenizer: Path | None
                   ) -> Path:
     """The manifest of `docs` (the first DOCS - HELDOUT train) under the hasher's basis, with
-    hashes from the independent reference (tests.text_corpus), not from tally.pipeline.text."""
+    hashes from the independent reference (tests.support.text_corpus), not from
+    tally.pipeline.text."""
     b = hasher.basis
     settings = {} if tokenizer is None else {
         "bos_id": b.bos_id, "eos_id": b.eos_id, "special_tokens": b.special_tokens,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -21,7 +20,8 @@ import pytest
 
 from tally.audit.core.errors import CorpusError
 from tally.pipeline.formats import Fields, hf_arrow, mds, tf_example
-from tests.text_corpus import documents, loop_hashes, train_tokenizer
+from tests.support.cli import tally
+from tests.support.text_corpus import documents, loop_hashes, train_tokenizer
 
 
 def read_all(fmt, files: list[Path], fields: Fields, batch: int = 4096) -> list[dict]:
@@ -379,8 +379,7 @@ def tokenizer(tmp_path_factory) -> Path:
 
 def manifest(tmp_path: Path, corpus: Path, *flags: str) -> pa.Table:
     out = tmp_path / "manifest.parquet"
-    res = subprocess.run([sys.executable, "-m", "tally.audit.cli", "manifest", str(corpus), "-o",
-                          str(out), "-q", *flags], capture_output=True, text=True, timeout=120)
+    res = tally("manifest", corpus, "-o", out, "-q", *flags, timeout=120)
     assert res.returncode == 0, res.stderr
     return pq.read_table(out)
 
@@ -438,8 +437,7 @@ def test_manifest_names_the_bad_record(tmp_path):
     _write_examples(tmp_path / "c" / "a.array_record",
                     [_example({"text": d["text"]}) for d in docs[:6]] + [b"\x00\x01junk"])
     out = tmp_path / "m.parquet"
-    res = subprocess.run([sys.executable, "-m", "tally.audit.cli", "manifest", str(tmp_path / "c"),
-                          "-o", str(out), "-q"], capture_output=True, text=True, timeout=120)
+    res = tally("manifest", tmp_path / "c", "-o", out, "-q", timeout=120)
     assert res.returncode != 0 and not out.exists()
     assert res.stderr.strip().splitlines() == [
         f"tally: error: {tmp_path / 'c' / 'a.array_record'} record 6: not a serialized "

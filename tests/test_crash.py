@@ -19,14 +19,15 @@ from tally.audit.ledger import queries as q
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.lookup import LookupIndex
-from tests.conftest import ROOT, popen_py
+from tests.support import ROOT
+from tests.support.processes import popen_py
 
 ROWS = 256
 
 WRITER = f"""
 import sys
 from tally.audit.hook.writer import LedgerWriter
-from tests.conftest import unpacked_batch
+from tests.support.batches import unpacked_batch
 w = LedgerWriter(sys.argv[1], "crash", flush_every=int(sys.argv[2]))
 last = None
 for step in range(10**6):

@@ -22,7 +22,7 @@ from bench.reference.dask_cluster import DaskProcesses
 from tally.audit.reconcile import reconcile
 from tally.pipeline.manifest import build_manifest, manifest_info
 from tally.pipeline.synth import synth_corpus
-from tests.conftest import ROOT
+from tests.support import ROOT
 from tests.test_reconcile import random_run, write_manifest
 
 RUNS = ("r0",)

@@ -11,7 +11,7 @@ import yaml
 
 from tally.audit.cli import parse
 from tally.trainer import host
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def _expand(arg: str) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from tests.test_readme import pages
 
 # What would make a page fetch from another host: a script, a stylesheet, an import in CSS,

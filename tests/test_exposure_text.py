@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tally.pipeline.text import TextHasher
+from tests.support.cli import tally
+from tests.support.text_corpus import documents, train_tokenizer, write_jsonl
 from tests.test_content_basis import DOCS, HELDOUT, run_loop, text_manifest
-from tests.text_corpus import documents, train_tokenizer, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 # The run: one pass over the 40 train records, then records 0..11 again (2 exposures each).
@@ -24,11 +24,6 @@ ORDER = np.concatenate([np.arange(DOCS - HELDOUT), np.arange(12)])
 # The documents asked about: trained twice, twice, once; held out (in the corpus, never
 # trained); and one that is in no corpus.
 ASKED = (0, 5, 20, DOCS - 2)
-
-
-def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
 
 
 def one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:

@@ -7,30 +7,23 @@ the true never-seen and seen-2+ fractions; the same stack sharded once is PASS."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from absl import flags
 
 from tally.audit import LedgerWriter
 from tally.pipeline.grain_attach import audited
 from tally.pipeline.olmo import write_mix
-from tests import olmo_stack
+from tests.support import olmo_stack
+from tests.support.cli import tally
+from tests.support.spool import spool_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 16
 N = 4096  # instances in the mix: 2,048 of each file
-
-
-def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=900, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +66,6 @@ def reconcile(mix, spool, run, out):
     return json.loads((out / "report.json").read_text())
 
 
-def spool_table(spool, run):
-    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
-    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
-    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
-    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
-                                   ("row", "ascending")])
-
-
 def fractions(counts):
     return (counts == 0).mean(), (counts >= 2).mean()
 
@@ -105,7 +90,7 @@ def test_sharded_twice_is_named_live_and_by_replay(mix, tmp_path, hosts, batch):
     # The same spool without the run: the loader factory replayed from its contract.
     env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_SHARDING": "twice",
            "TALLY_TEST_BATCH": str(batch)}
-    r = tally("replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", str(hosts),
+    r = tally("replay", "--loader", "tests.support.olmo_stack:make_loader", "--hosts", str(hosts),
               "--steps", str(steps), "--spool", str(tmp_path / "replay"), "--run", "twice",
               "--manifest", str(mix["manifest"]), "--json", env=env)
     assert r.returncode == 0, r.stderr
@@ -129,7 +114,7 @@ def test_sharded_once_passes_live_and_by_replay(mix, tmp_path):
     assert rep["coverage"]["never_seen"] == 0
     env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_SHARDING": "once",
            "TALLY_TEST_BATCH": str(batch)}
-    r = tally("replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", str(hosts),
+    r = tally("replay", "--loader", "tests.support.olmo_stack:make_loader", "--hosts", str(hosts),
               "--steps", str(steps), "--spool", str(tmp_path / "replay"), "--run", "once",
               "--manifest", str(mix["manifest"]), "--hashes", "source", env=env)
     assert r.returncode == 0, r.stderr
@@ -156,7 +141,7 @@ def test_replay_from_checkpointed_loader_states(mix, tmp_path):
             (states / f"process_{h}-of-{hosts}.json").write_bytes(it.get_state())
             for _ in range(7):
                 next(it)
-    r = tally("replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", str(hosts),
+    r = tally("replay", "--loader", "tests.support.olmo_stack:make_loader", "--hosts", str(hosts),
               "--steps", "7", "--spool", str(tmp_path / "replay"), "--run", "ck",
               "--manifest", str(mix["manifest"]), "--states", str(states), env=env)
     assert r.returncode == 0, r.stderr
@@ -165,34 +150,22 @@ def test_replay_from_checkpointed_loader_states(mix, tmp_path):
     assert after.equals(spool_table(tmp_path / "replay", "ck"))
 
 
-def test_replay_bad_input_is_one_line(mix, tmp_path, monkeypatch, capsys):
+def test_replay_bad_input_is_one_line(mix, tmp_path, cli):
+    # The CLI's own main, in this process (as its supervised child runs it): every case is
+    # refused before any work, and six child processes importing Grain and JAX cost 40 s.
     env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_BATCH": "4"}
-
-    def tally(*args: str, env: dict) -> subprocess.CompletedProcess:
-        # The CLI's own main, in this process (as its supervised child runs it): every case is
-        # refused before any work, and six child processes importing Grain and JAX cost 40 s.
-        from tally.audit.cli import main
-
-        monkeypatch.chdir(ROOT)
-        for k, v in {**env, "TALLY_SUPERVISED": "1"}.items():
-            monkeypatch.setenv(k, v)
-        capsys.readouterr()
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-
     base = ["replay", "--hosts", "4", "--steps", "3", "--spool", str(tmp_path / "s"),
             "--run", "bad", "--manifest", str(mix["manifest"])]
     cases = {
         "no_such_module:f": "cannot import 'no_such_module'",
-        "tests.olmo_stack:nope": "has no function 'nope'",
-        "tests.olmo_stack": "expected MODULE:FUNCTION",
-        "tests.olmo_stack:make_filtered_loader": "operation 0 (DropRepetitive) is not 1:1",
+        "tests.support.olmo_stack:nope": "has no function 'nope'",
+        "tests.support.olmo_stack": "expected MODULE:FUNCTION",
+        "tests.support.olmo_stack:make_filtered_loader": "operation 0 (DropRepetitive) is not 1:1",
     }
     for spec, said in cases.items():
-        r = tally(*base, "--loader", spec, env=env)
-        assert r.returncode == 2 and said in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+        code, _, err = cli(*base, "--loader", spec, **env)
+        assert code == 2 and said in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     # A state saved for another sampler (Grain's repr check).
     states = tmp_path / "st"
     states.mkdir()
@@ -201,17 +174,17 @@ def test_replay_bad_input_is_one_line(mix, tmp_path, monkeypatch, capsys):
             {"last_seen_indices": {"0": 3}, "last_worker_index": 0, "worker_count": 0,
              "sampler": "BlockSampler(total=1, seed=0, shard=0/1)",
              "data_source": "x"}))
-    r = tally(*base, "--loader", "tests.olmo_stack:make_loader", "--states", str(states),
-              env=env)
-    assert r.returncode == 2 and "saved for sampler BlockSampler(total=1" in r.stderr
+    code, _, err = cli(*base, "--loader", "tests.support.olmo_stack:make_loader", "--states",
+                       str(states), **env)
+    assert code == 2 and "saved for sampler BlockSampler(total=1" in err
     # A state that is not Grain's at all: one line, not a KeyError's traceback.
     for h in range(4):
         (states / f"process_{h}-of-4.json").write_text(json.dumps(
             {"last_seen_indices": {"7": 3}, "last_worker_index": 0, "worker_count": 0}))
-    r = tally(*base, "--loader", "tests.olmo_stack:make_loader", "--states", str(states),
-              env=env)
-    assert r.returncode == 2 and "not a Grain DataLoader state" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    code, _, err = cli(*base, "--loader", "tests.support.olmo_stack:make_loader", "--states",
+                       str(states), **env)
+    assert code == 2 and "not a Grain DataLoader state" in err, err
+    assert len(err.strip().splitlines()) == 1
     assert not list((tmp_path / "s").rglob("*.parquet"))
 
 
@@ -237,7 +210,7 @@ def eight_host_run(mix, tmp_path_factory):
 
 def preflight(mix, run8, hosts, env, *extra):  # run8: any ingested "olmo8" run
     r = tally("preflight", "--run", "olmo8", "--ledger", str(run8["ledger"]), "--manifest",
-              str(mix["manifest"]), "--loader", "tests.olmo_stack:make_loader", "--hosts",
+              str(mix["manifest"]), "--loader", "tests.support.olmo_stack:make_loader", "--hosts",
               str(hosts), "--json", "-q", *extra, env={"TALLY_TEST_MIX": str(mix["index"]),
                                                        **env})
     assert r.returncode in (0, 1, 2), r.stderr
@@ -331,7 +304,7 @@ def test_preflight_no_false_alarm_across_an_epoch_end_nor_with_workers(odd_run, 
 
 def test_a_replay_that_fails_midway_leaves_no_run_and_can_run_again(mix, tmp_path):
     env = {"TALLY_TEST_MIX": str(mix["index"]), "TALLY_TEST_BATCH": "4"}
-    args = ["replay", "--loader", "tests.olmo_stack:make_loader", "--hosts", "2", "--steps",
+    args = ["replay", "--loader", "tests.support.olmo_stack:make_loader", "--hosts", "2", "--steps",
             "30", "--spool", str(tmp_path / "s"), "--run", "r", "--manifest",
             str(mix["manifest"]), "--workers", "1"]
     # Host 0 is written, then host 1's loader cannot be made.

@@ -19,16 +19,13 @@ from tally.api.app import create_app
 from tally.audit.hook import spool as sp
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
-from tests.api_helpers import Server, poll, write_steps
-from tests.conftest import ROOT, uniform_manifest, unpacked_batch
+from tests.support import ROOT
+from tests.support.api import Server, poll, write_steps
+from tests.support.batches import unpacked_batch
+from tests.support.cli import tally
+from tests.support.manifest import uniform_manifest
 
 N = 150
-
-
-def _tally(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, **kw)
 
 
 def test_a_fifo_and_a_symlink_loop_neither_hang_nor_stop_live_ingest(tmp_path):
@@ -94,7 +91,7 @@ def test_a_nan_loss_is_served_as_null_and_never_breaks_an_answer(tmp_path):
 
 def test_a_failed_start_of_serve_creates_nothing(tmp_path):
     ledger = tmp_path / "y.duckdb"
-    out = _tally("serve", "--spool", str(tmp_path / "nonexistent"), "--ledger", str(ledger))
+    out = tally("serve", "--spool", str(tmp_path / "nonexistent"), "--ledger", str(ledger))
     assert out.returncode == 2
     assert out.stderr == f"tally: error: spool {tmp_path / 'nonexistent'} is not a directory\n"
     assert not ledger.exists()
@@ -102,10 +99,10 @@ def test_a_failed_start_of_serve_creates_nothing(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        out = _tally("serve", "--ledger", str(ledger), "--port", str(port))
+        out = tally("serve", "--ledger", str(ledger), "--port", str(port))
     assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr
     assert out.stderr.count("\n") == 1 and not ledger.exists()
-    out = _tally("serve", "--ledger", str(ledger), "--manifest", str(tmp_path / "m.parquet"))
+    out = tally("serve", "--ledger", str(ledger), "--manifest", str(tmp_path / "m.parquet"))
     assert out.returncode == 2 and "cannot read manifest" in out.stderr
     assert not ledger.exists()
 
@@ -116,14 +113,14 @@ def test_bad_config_values_print_one_line_naming_key_value_and_what_is_allowed(t
                             (["packing=bogus"], "packing='bogus': Input should be 'none', "
                                                 "'first_fit' or 'concat_split'"),
                             (["nope=1"], "override 'nope=1': expected key=value")):
-        out = _tally("train", f"spool={tmp_path / 'spool'}", *overrides)
+        out = tally("train", f"spool={tmp_path / 'spool'}", *overrides)
         assert (out.returncode, out.stderr.count("\n")) == (2, 1), out.stderr
         assert said in out.stderr and out.stderr.startswith("tally: error: ")
     for body, said in (({"global_batch": -3}, "global_batch=-3: Input should be greater than "
                                               "or equal to 1"),
                        ({"steps": "30"}, "steps='30': Input should be a valid integer")):
         conf.write_text(json.dumps(body))
-        out = _tally("train", "--config", str(conf))
+        out = tally("train", "--config", str(conf))
         assert (out.returncode, out.stderr.count("\n")) == (2, 1), out.stderr
         assert said in out.stderr
 
@@ -131,7 +128,7 @@ def test_bad_config_values_print_one_line_naming_key_value_and_what_is_allowed(t
 def test_a_fresh_train_of_a_run_that_has_a_spool_is_refused(tmp_path):
     spool = tmp_path / "spool"
     write_steps(spool, "exp1", host=0, hosts=1, steps=range(2), n=N, seed=0)
-    out = _tally("train", f"spool={spool}", "run_id=exp1", "steps=2")
+    out = tally("train", f"spool={spool}", "run_id=exp1", "steps=2")
     assert out.returncode == 2
     assert out.stderr == (f"tally: error: run exp1 already has a spool in {spool}: resume it "
                           "(--resume) or choose another run id\n")
@@ -175,7 +172,7 @@ def test_a_reconcile_over_unreadable_files_fails_and_says_why(tmp_path):
     d.mkdir(parents=True)
     pq.write_table(pa.table({"step": [0], "x": [1]}), d / sp.file_name("seg", 0, 0))
     uniform_manifest(tmp_path / "m.parquet", N)
-    out = _tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
+    out = tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
                  "--run", "r", "-o", str(tmp_path / "rep"), "--strict")
     assert out.returncode == 1, out.stderr
     assert "FAIL: 1 spool file of this run could not be read" in out.stdout
@@ -187,38 +184,10 @@ def test_a_fifo_named_like_a_segment_is_left_out_of_reconcile_with_its_reason(tm
     write_steps(spool, "r", host=0, hosts=1, steps=range(10), n=N, seed=0, flush_every=5)
     os.mkfifo(sp.host_dir(spool, "r", 0, 0) / sp.file_name("seg", 50, 0))
     uniform_manifest(tmp_path / "m.parquet", N)
-    out = _tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
+    out = tally("reconcile", "--spool", str(spool), "--manifest", str(tmp_path / "m.parquet"),
                  "--run", "r", "-o", str(tmp_path / "rep"), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "not a regular file: a FIFO" in out.stdout
-
-
-def test_ctrl_c_during_train_stops_every_host_with_one_line(tmp_path):
-    from tally.pipeline.synth import synth_corpus
-
-    synth_corpus(tmp_path / "c", records=300, seed=1, length_scale=0.1, max_len=64)
-    spool = tmp_path / "spool"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "train", "--hosts", "2",
-                             f"corpus={tmp_path / 'c'}", f"spool={spool}", "steps=100000",
-                             "flush_every=1", "d_model=16", "n_layers=1", "seq_len=32"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:  # until both hosts train (each has published a file)
-        assert poll(lambda: len(list(spool.glob("*/*/host=*/seg-*"))) >= 2
-                    or proc.poll() is not None, timeout=180, every=0.2)
-        assert proc.poll() is None, proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130
-    assert err.endswith("tally: interrupted\n") and "Traceback" not in err, err[-3000:]
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", f"tally.trainer.host.*{spool}"], capture_output=True,
-                          text=True)
-    assert left.stdout == ""
 
 
 def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
@@ -229,7 +198,7 @@ def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
     (d / sp.file_name("seg", 0, 77)).write_bytes(first.read_bytes())  # a copy
     (d / sp.file_name("seg", 90, 78)).write_text("not parquet")
     uniform_manifest(tmp_path / "m.parquet", N)
-    assert _tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
+    assert tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
                   "-q").returncode == 0
     from tally.audit.reconcile import reconcile
 
@@ -293,16 +262,16 @@ def test_diff_and_exposure_report_unreadable_files_as_reconcile_does(tmp_path):
     man = str(tmp_path / "m.parquet")
     uniform_manifest(tmp_path / "m.parquet", N)
     pq.write_table(pa.table({"record_key": list(range(N))}), tmp_path / "docs.parquet")
-    assert _tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
+    assert tally("ingest", str(spool), "--ledger", str(tmp_path / "l.duckdb"),
                   "-q").returncode == 0
     for src in (spool, tmp_path / "l.duckdb"):
         tag = src.name
-        rec = _tally("reconcile", *(["--spool", str(src)] if src == spool else
+        rec = tally("reconcile", *(["--spool", str(src)] if src == spool else
                                     ["--ledger", str(src)]), "--manifest", man, "--run", "b",
                      "-o", str(tmp_path / f"rep-{tag}"), "-q", "--json")
-        d = _tally("diff", "--a", f"{src}:a", "--b", f"{src}:b", "--manifest", man, "-o",
+        d = tally("diff", "--a", f"{src}:a", "--b", f"{src}:b", "--manifest", man, "-o",
                    str(tmp_path / f"d-{tag}"), "-q", "--strict")
-        e = _tally("exposure", "--spool" if src == spool else "--ledger", str(src),
+        e = tally("exposure", "--spool" if src == spool else "--ledger", str(src),
                    "--manifest", man, "--run", "a", "--run", "b", "--docs",
                    str(tmp_path / "docs.parquet"), "-o", str(tmp_path / f"e-{tag}"), "-q")
         assert "Traceback" not in rec.stderr + d.stderr + e.stderr
@@ -333,9 +302,9 @@ def test_a_step_far_ahead_is_one_line_not_a_machine_full_of_step_series(tmp_path
             for s in (0, 30_000_000):
                 w.write_batch(s, unpacked_batch(s, n_records=N))
     man = str(uniform_manifest(tmp_path / "m.parquet", N))
-    rec = _tally("reconcile", "--spool", str(spool), "--manifest", man, "--run", "a", "-o",
+    rec = tally("reconcile", "--spool", str(spool), "--manifest", man, "--run", "a", "-o",
                  str(tmp_path / "rep"), "-q")
-    d = _tally("diff", "--a", f"{spool}:a", "--b", f"{spool}:b", "--manifest", man, "-o",
+    d = tally("diff", "--a", f"{spool}:a", "--b", f"{spool}:b", "--manifest", man, "-o",
                str(tmp_path / "d"), "-q")
     for out, job in ((rec, "reconcile"), (d, "diff")):
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr

@@ -25,9 +25,10 @@ from tally.audit.core.errors import TallyError
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.queries import MAX_POINTS
-from tests.api_helpers import Server, free_port, poll, write_steps
-from tests.conftest import uniform_manifest, unpacked_batch
-from tests.test_hardening import _tally
+from tests.support.api import Server, free_port, poll, write_steps
+from tests.support.batches import unpacked_batch
+from tests.support.cli import tally
+from tests.support.manifest import uniform_manifest
 
 N = 150
 FAR = [0, 1, 3 * 10**7, 2**40]  # steps of the sparse runs: a live diff was sized by the last
@@ -294,7 +295,7 @@ def test_a_webhook_that_is_no_http_url_is_refused_at_start(tmp_path, url):
         return
     # The real command: one line, status 2, no ledger made (it served, and its sender thread
     # died at the first alert while /healthz said ok; file:// counted as delivered).
-    r = _tally("serve", "--ledger", str(tmp_path / "new.duckdb"), "--port", str(free_port()),
+    r = tally("serve", "--ledger", str(tmp_path / "new.duckdb"), "--port", str(free_port()),
                "--webhook", url, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("tally: error: --webhook") and "http" in r.stderr
@@ -384,7 +385,7 @@ def test_a_run_at_step_2_55_gets_its_report_and_its_plots(tmp_path, cli):
     out = tmp_path / "out"
     args = (["reconcile", "--spool", str(spool), "--run", "r"] if cli == "reconcile" else
             ["diff", "--a", f"{spool}:r", "--b", f"{spool}:s"])
-    r = _tally(*args, "--manifest", str(manifest), "-o", str(out), "-q")
+    r = tally(*args, "--manifest", str(manifest), "-o", str(out), "-q")
     assert r.returncode == 0, r.stderr  # "math domain error", and no report, before
     page = (out / ("report.html" if cli == "reconcile" else "diff.html")).read_text()
     assert "<svg" in page and str(2**55) in page

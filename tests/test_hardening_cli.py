@@ -27,26 +27,14 @@ from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.lookup import LookupIndex
-from tests.api_helpers import free_port, poll, write_steps
-from tests.conftest import ROOT, limited
+from tests.support import ROOT
+from tests.support.api import free_port, poll, write_steps
+from tests.support.cli import tally, tally_popen
+from tests.support.processes import limited
 
 FILES, ROWS = 48, 10_000  # ~1 s of ingest on this 2-core box, in batches of 3 files
 BATCH = ["--batch-rows", str(3 * ROWS)]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def _tally(*args: str | Path, timeout: float = 120, cwd: Path = ROOT,
-           python: list[str] | None = None, **kw) -> subprocess.CompletedProcess:
-    kw.setdefault("capture_output", "stdout" not in kw)
-    return subprocess.run([*(python or [sys.executable]), "-m", "tally.audit.cli", *map(str, args)],
-                          text=True, timeout=timeout, env=ENV, cwd=cwd, **kw)
-
-
-def _popen(*args: str | Path, python: list[str] | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([*(python or [sys.executable]), "-m", "tally.audit.cli",
-                             *map(str, args)], env=ENV,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kw)
 
 
 def _counts(path: Path) -> dict:
@@ -87,7 +75,7 @@ def big(tmp_path_factory) -> tuple[Path, dict]:
                 row=np.arange(ROWS) % 512, record_key=rng.integers(0, 10**6, ROWS),
                 n_tokens=np.full(ROWS, 100), content_hash=rng.integers(0, 2**63, ROWS),
                 epoch=np.zeros(ROWS)))
-    r = _tally("ingest", spool, "--ledger", tmp / "clean.duckdb", "-q", *BATCH)
+    r = tally("ingest", spool, "--ledger", tmp / "clean.duckdb", "-q", *BATCH)
     assert r.returncode == 0, r.stderr
     return spool, _counts(tmp / "clean.duckdb")
 
@@ -171,7 +159,7 @@ def test_ctrl_c_at_twelve_points_of_an_ingest_exits_130_in_one_line_and_loses_no
         lines = err.text.splitlines()  # a progress bar's lines, then this one
         assert lines[-1] == "tally: interrupted" and "Traceback" not in err.text, (i, err.text)
         partial.append(_counts(path)["files"][0])  # whole files only, aggregates agreeing
-        r = _tally("ingest", spool, "--ledger", path, "-q", *BATCH)
+        r = tally("ingest", spool, "--ledger", path, "-q", *BATCH)
         assert r.returncode == 0, r.stderr
         assert _counts(path) == want, i  # nothing lost, nothing twice
     assert sum(0 < p < FILES for p in partial) >= 8, partial  # mid-ingest, as intended
@@ -185,7 +173,7 @@ def test_serve_stops_alike_on_sigterm_and_ctrl_c_and_writes_its_lookup_index(tmp
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
     write_steps(spool, "r", host=0, hosts=1, steps=range(20), n=100, seed=0, flush_every=5)
     port = free_port()
-    proc = _popen("serve", "--ledger", path, "--spool", spool, "--port", port,
+    proc = tally_popen("serve", "--ledger", path, "--spool", spool, "--port", port,
                   "--interval", "0.1", "-q")
 
     def files() -> int:
@@ -242,8 +230,8 @@ def test_a_damaged_ledger_is_one_line_in_ledger_ingest_and_serve(tmp_path, big, 
     said = (f"tally: error: ledger {bad} is damaged (", "restore it from a backup")
     for cmd in (["ingest", spool, "--ledger", bad, "-q"],
                 ["serve", "--ledger", bad, "--port", free_port(), "-q"]):
-        _one_line_error(_tally(*cmd, timeout=60), *said)
-    r = _tally("ledger", bad)
+        _one_line_error(tally(*cmd, timeout=60), *said)
+    r = tally("ledger", bad)
     if how == "truncated" or r.returncode:
         _one_line_error(r, *said)
     else:  # the overview reads the small tables only, which the zeros may have missed
@@ -282,12 +270,12 @@ def test_a_full_disk_during_ingest_is_one_line_and_the_next_ingest_loses_nothing
         python = limited("FSIZE", limit)
     path = disk / "l.duckdb"
     try:
-        r = _tally("ingest", spool, "--ledger", path, "-q", *BATCH, python=python)
+        r = tally("ingest", spool, "--ledger", path, "-q", *BATCH, python=python)
         _one_line_error(r, f"tally: error: ledger {path}: the disk is full (",
                         "free space, and the next ingest goes on from there")
         if full == "tmpfs":
             subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
-        r = _tally("ingest", spool, "--ledger", path, "-q", *BATCH)
+        r = tally("ingest", spool, "--ledger", path, "-q", *BATCH)
         assert r.returncode == 0, r.stderr
         assert "already in the ledger" in r.stdout and " 0 already" not in r.stdout
         assert _counts(path) == want
@@ -304,7 +292,7 @@ def test_serve_on_a_full_disk_says_so_once_and_in_healthz_and_still_stops_cleanl
     spool, _ = big
     port, limit = free_port(), 4 << 20
     path = tmp_path / "l.duckdb"
-    proc = _popen("serve", "--ledger", path, "--spool", spool, "--port", port,
+    proc = tally_popen("serve", "--ledger", path, "--spool", spool, "--port", port,
                   "--interval", "0.1", "-q", python=limited("FSIZE", limit))
 
     def health() -> dict:
@@ -342,7 +330,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path, big):
         read, write = os.pipe()
         os.close(read)  # the reader is gone before the first line
         try:
-            r = _tally(*cmd, stdout=write, stderr=subprocess.PIPE)
+            r = tally(*cmd, stdout=write, stderr=subprocess.PIPE)
         finally:
             os.close(write)
         assert (r.returncode, r.stderr) == (141, ""), (cmd, r.stderr)
@@ -353,20 +341,20 @@ def test_bad_paths_and_log_level_are_one_line_before_any_work(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("mine")
     ledger = tmp_path / "s.duckdb"
-    r = _tally("serve", "--ledger", ledger, "--log-level", "bogus")
+    r = tally("serve", "--ledger", ledger, "--log-level", "bogus")
     _one_line_error(r, "argument --log-level: invalid choice: 'bogus'")
     assert not ledger.exists()  # a failed start creates nothing
     for cmd in (["reconcile", "--spool", tmp_path, "--manifest", "m.parquet", "--run", "r"],
                 ["diff", "--manifest", "m.parquet", "--a", "s:a", "--b", "s:b"]):
-        r = _tally(*cmd, "-o", afile)
+        r = tally(*cmd, "-o", afile)
         _one_line_error(r, f"argument -o/--output: {afile} exists and is not a directory")
-        r = _tally(*cmd, "-o", afile / "sub")
+        r = tally(*cmd, "-o", afile / "sub")
         _one_line_error(r, f"argument -o/--output: {afile} is not a directory")
     assert afile.read_text() == "mine"
     # Before, every host failed with a traceback from the writer or from orbax.
-    r = _tally("train", "spool=/etc/passwd/x", cwd=tmp_path)
+    r = tally("train", "spool=/etc/passwd/x", cwd=tmp_path)
     _one_line_error(r, "tally: error: spool=/etc/passwd/x: /etc/passwd is not a directory")
-    r = _tally("train", f"spool={tmp_path / 'spool'}", "checkpoint_dir=/proc/x",
+    r = tally("train", f"spool={tmp_path / 'spool'}", "checkpoint_dir=/proc/x",
                "checkpoint_every=1", cwd=tmp_path)
     _one_line_error(r, "tally: error: checkpoint_dir=/proc/x: cannot create anything in /proc")
     assert not (tmp_path / "spool").exists()
@@ -399,7 +387,7 @@ def test_options_that_must_be_refused_are_refused_before_any_work(tmp_path, args
              "preflight": ["--run", "r", "--ledger", tmp_path / "l.duckdb", "--manifest",
                            "m.parquet", "--hosts", "2", "--loader", "m:f"]}[command]
     try:
-        r = _tally(command, *needs, *rest, timeout=30)
+        r = tally(command, *needs, *rest, timeout=30)
     except subprocess.TimeoutExpired:
         pytest.fail(f"tally {' '.join(args)} was accepted and ran")
     _one_line_error(r, said)
@@ -408,6 +396,6 @@ def test_options_that_must_be_refused_are_refused_before_any_work(tmp_path, args
 
 def test_a_learning_rate_of_inf_or_nan_is_refused_before_any_host_starts(tmp_path):
     for value in ("inf", "nan"):
-        r = _tally("train", f"spool={tmp_path / 'spool'}", f"learning_rate={value}",
+        r = tally("train", f"spool={tmp_path / 'spool'}", f"learning_rate={value}",
                    cwd=tmp_path)
         _one_line_error(r, f"learning_rate={value}: Input should be a finite number")

@@ -13,7 +13,8 @@ from tally.audit.hook import spool as sp
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tests.conftest import popen_py, unpacked_batch
+from tests.support.batches import unpacked_batch
+from tests.support.processes import popen_py
 
 
 def _write(spool, run, steps, *, hosts=2, attempt=0, resumed=None, flush_every=5):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest_loop import IngestLoop
-from tests.api_helpers import write_steps
+from tests.support.api import write_steps
 
 
 def test_settled_directories_are_skipped_until_they_change(tmp_path, monkeypatch):

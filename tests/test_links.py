@@ -9,8 +9,6 @@ hosts, repeated records and records never consumed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,8 +17,9 @@ import pytest
 
 from tally.api.app import create_app
 from tally.audit.ledger.database import Ledger
-from tests.api_helpers import Server, poll
-from tests.browser import Browser, chromium
+from tests.support.api import Server, poll
+from tests.support.browser import Browser, chromium, needs_chromium
+from tests.support.cli import tally
 from tests.test_pages import HELDOUT, N, _manifest, _write_run
 
 TOKEN = "s3cret-token"
@@ -30,14 +29,11 @@ API_URL = "http://tally.example:8000/audit"  # a service behind a path prefix
 LINKS = ("[...document.links].filter((a) => !a.href.startsWith('data:'))"
          ".map((a) => [a.getAttribute('href'), a.href])")
 
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="needs chromium")
 
 
 def _reconcile(root: Path, out: str, *extra: str) -> Path:
-    done = subprocess.run(
-        [sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool", str(root / "spool"),
-         "--manifest", str(root / "manifest.parquet"), "--run", "bad", "-o", str(root / out),
-         "-q", *extra], capture_output=True, text=True, timeout=120)
+    done = tally("reconcile", "--spool", root / "spool", "--manifest", root / "manifest.parquet",
+                 "--run", "bad", "-o", root / out, "-q", *extra, timeout=120)
     assert done.returncode == 0, done.stderr
     return root / out
 
@@ -118,11 +114,9 @@ def test_report_made_for_a_service_links_to_it(made, browser):
 
 def test_api_url_must_be_a_service_url(made, tmp_path):
     root, _, _ = made
-    done = subprocess.run(
-        [sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool", str(root / "spool"),
-         "--manifest", str(root / "manifest.parquet"), "--run", "bad", "-o",
-         str(tmp_path / "r"), "--api-url", "tally.example:8000"],
-        capture_output=True, text=True, timeout=60)
+    done = tally("reconcile", "--spool", root / "spool", "--manifest", root / "manifest.parquet",
+                 "--run", "bad", "-o", tmp_path / "r", "--api-url", "tally.example:8000",
+                 timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "not an http(s) URL" in done.stderr and not (tmp_path / "r").exists()
 

@@ -42,6 +42,7 @@ from tally.pipeline.loaders import AttachError  # noqa: E402
 from tally.pipeline.loaders import litdata_loader as tally_litdata  # noqa: E402
 from tally.pipeline.loaders.replayed import ReplayError  # noqa: E402
 from tally.pipeline.manifest_file import write_manifest_table  # noqa: E402
+from tests.support.spool import spool_table  # noqa: E402
 
 N, L, BS, SEED = 192, 16, 4, 3
 
@@ -89,14 +90,6 @@ def as_rank(rank: int | None, world: int | None, rank_var: str = "GLOBAL_RANK"):
 def make_loader(data: Path, workers: int) -> StreamingDataLoader:
     ds = StreamingDataset(str(data / "data"), shuffle=True, seed=SEED)
     return StreamingDataLoader(ds, batch_size=BS, num_workers=workers)
-
-
-def spool_table(spool: Path, run: str = "r") -> pa.Table:
-    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
-    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
-    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
-    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
-                                   ("row", "ascending")])
 
 
 def reconcile(spool: Path, m: Path, out: Path) -> dict:
@@ -323,25 +316,6 @@ def elastic_run(data, tmp_path_factory):
         loader.writer.finish()
     assert main(["ingest", str(d / "spool"), "--ledger", str(d / "ledger.duckdb"), "-q"]) == 0
     return {"dir": d, "manifest": m, "truth": truth, "data": data / "data"}
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """`tally ARGS` through tally.audit.cli.main in this process: (exit status, stdout, stderr)."""
-    from tally.audit.cli import main
-
-    def run(*args: str, **env: str) -> tuple[int, str, str]:
-        monkeypatch.chdir(Path(__file__).resolve().parent.parent)
-        for k, v in {**env, "TALLY_SUPERVISED": "1"}.items():
-            monkeypatch.setenv(k, v)
-        for k in ("WORLD_SIZE", "GLOBAL_RANK", "NNODES"):
-            monkeypatch.delenv(k, raising=False)
-        capsys.readouterr()
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def attempt_rows(spool: Path, attempt: int) -> pa.Table:

@@ -10,17 +10,14 @@ from tally.audit.core.hashing import content_hash
 from tally.audit.hook.segments import segments_from_batch
 from tally.pipeline.corpus import TokenSource
 from tally.pipeline.loader import KeyedLoader, LoaderConfig, LoaderStateError
-from tally.pipeline.synth import synth_corpus
 
 SEQ = 64
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    synth_corpus(root, records=1026, seed=3, shards=3, heldout_fraction=0.0025,
-                 length_scale=0.08, min_len=1, max_len=200)
-    src = TokenSource(root)
+def source(corpora):
+    src = TokenSource(corpora.corpus(records=1026, seed=3, shards=3, heldout_fraction=0.0025,
+                                     length_scale=0.08, min_len=1, max_len=200))
     assert len(src) == 1024
     return src
 
@@ -184,9 +181,9 @@ def test_mp_prefetch_workers_cover_the_epoch_and_restore_exactly(source):
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.support import ROOT
     corpus = str(source.shards[0].path.parent)
-    r = subprocess.run([sys.executable, "tests/loader_workers.py", corpus], cwd=ROOT,
+    r = subprocess.run([sys.executable, "tests/support/loader_workers.py", corpus], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["first_fit", "ok"]

@@ -20,18 +20,12 @@ import httpx
 import pytest
 
 from tally.audit.hook.writer import LedgerWriter
-from tests.api_helpers import free_port, poll, write_steps
-from tests.conftest import ROOT, popen_py, run_py, uniform_manifest, unpacked_batch
-
-ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-
-
-def tally(*args: object, cwd: Path = ROOT, env: dict | None = None,
-          timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                          env={**ENV, **(env or {})})
-
+from tests.support import ROOT
+from tests.support.api import free_port, poll, write_steps
+from tests.support.batches import unpacked_batch
+from tests.support.cli import BARE_ENV, tally_bare
+from tests.support.manifest import uniform_manifest
+from tests.support.processes import popen_py, run_py
 
 STAGES = """
 import time
@@ -84,14 +78,14 @@ def spool(tmp_path_factory) -> Path:
 
 
 def test_ingest_into_a_pipe_one_line_none_with_json_and_json_log_lines(spool, tmp_path):
-    r = tally("ingest", spool / "spool", "--ledger", tmp_path / "a.duckdb")
+    r = tally_bare("ingest", spool / "spool", "--ledger", tmp_path / "a.duckdb")
     assert r.returncode == 0 and "\r" not in r.stderr, r.stderr
     assert r.stderr.count("tally: [info] ingest: ") == 1, r.stderr
-    r = tally("ingest", spool / "spool", "--ledger", tmp_path / "b.duckdb", "--json")
+    r = tally_bare("ingest", spool / "spool", "--ledger", tmp_path / "b.duckdb", "--json")
     assert r.returncode == 0 and "ingest:" not in r.stderr and "\r" not in r.stderr, r.stderr
     json.loads(r.stdout)
-    r = tally("ingest", spool / "spool", "--ledger", tmp_path / "c.duckdb", "--log-format",
-              "json")
+    r = tally_bare("ingest", spool / "spool", "--ledger", tmp_path / "c.duckdb", "--log-format",
+                   "json")
     lines = [json.loads(x) for x in r.stderr.splitlines()]
     assert lines and all({"time", "level", "logger", "message"} <= x.keys() for x in lines)
     assert any(x["message"].startswith("ingest: ") for x in lines), lines
@@ -125,7 +119,7 @@ def test_serve_logs_alerts_reconciles_quarantine_access_in_json_and_no_lag_alarm
          "--log-format", "json", "--access-log", "--max-epoch-duplicates", "-1",
          "--max-coverage-behind", "-1", "--max-ingest-lag", "5", "--findings-every", "1",
          "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=ENV, cwd=tmp_path)
+        env=BARE_ENV, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     seen: list[dict] = []
 
@@ -191,8 +185,8 @@ def test_summary_never_contradicts_the_verdict(tmp_path):
             for s in range(5):
                 w.write_batch(s, unpacked_batch(s, host=h, hosts=2, n_records=1000))
     uniform_manifest(tmp_path / "m.parquet", 1000)  # its hashes are not the records'
-    r = tally("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
-              "rep", "-q", cwd=tmp_path)
+    r = tally_bare("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
+                   "rep", "-q", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("run r: FAIL"), r.stdout
     assert "first bad step none" not in r.stdout, r.stdout
@@ -202,12 +196,12 @@ def test_summary_never_contradicts_the_verdict(tmp_path):
 def test_messages_name_what_to_do(spool, tmp_path):
     # Unknown run, from a spool: the runs it holds.
     uniform_manifest(tmp_path / "x.parquet", 1000)
-    r = tally("reconcile", "--spool", spool / "spool", "--manifest", tmp_path / "x.parquet",
-              "--run", "nope", "-o", tmp_path / "rep", "-q")
+    r = tally_bare("reconcile", "--spool", spool / "spool", "--manifest", tmp_path / "x.parquet",
+                   "--run", "nope", "-o", tmp_path / "rep", "-q")
     assert r.returncode == 2 and r.stderr.strip().endswith("runs here: r"), r.stderr
     # Unknown run, from a ledger: the runs it holds.
     ledger = tmp_path / "l.duckdb"
-    assert tally("ingest", spool / "spool", "--ledger", ledger, "-q").returncode == 0
+    assert tally_bare("ingest", spool / "spool", "--ledger", ledger, "-q").returncode == 0
     r = run_py("from tally.audit.ledger.database import Ledger\n"
                "from tally.audit.ledger import queries as q\n"
                f"with Ledger({str(ledger)!r}, read_only=True) as l:\n"
@@ -218,7 +212,7 @@ def test_messages_name_what_to_do(spool, tmp_path):
                       f"l = Ledger({str(ledger)!r})\nprint('open', flush=True)\ntime.sleep(60)")
     try:
         assert holder.stdout.readline().strip() == "open"
-        r = tally("ledger", ledger)
+        r = tally_bare("ledger", ledger)
     finally:
         holder.kill()
         holder.wait()
@@ -230,15 +224,15 @@ def test_messages_name_what_to_do(spool, tmp_path):
 def test_array_record_corpus_without_the_extra_names_it(tmp_path):
     """The base install (array_record absent: its import blocked here) reading an ArrayRecord
     corpus: 'unreadable array_record shard' read as a damaged file."""
-    assert tally("corpus", "synth", "corpus", "--records", "50", "--length-scale", "0.1",
-                 "--max-len", "64", cwd=tmp_path).returncode == 0
+    assert tally_bare("corpus", "synth", "corpus", "--records", "50", "--length-scale", "0.1",
+                      "--max-len", "64", cwd=tmp_path).returncode == 0
     uniform_manifest(tmp_path / "m.parquet", 50)
     code = ("import sys\nsys.modules['array_record'] = None\n"
             "from tally.audit.cli import main\nsys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "exposure", "--manifest", "m.parquet",
                         "--spool", "spool", "--run", "r", "--docs", "corpus", "-o", "out"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                       env={**ENV, "TALLY_SUPERVISED": "1"})
+                       env={**BARE_ENV, "TALLY_SUPERVISED": "1"})
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("tally: error: 'tally exposure' needs the beam extra"), r.stderr
     assert "unreadable" not in r.stderr

@@ -17,7 +17,7 @@ from tally.audit.ledger import queries as q
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.lookup import LookupIndex, Run
-from tests.api_helpers import write_steps
+from tests.support.api import write_steps
 
 N = 400
 

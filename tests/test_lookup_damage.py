@@ -16,7 +16,7 @@ from tally.audit.ledger import lookup
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.lookup import LookupIndex
-from tests.api_helpers import Server, write_steps
+from tests.support.api import Server, write_steps
 
 N = 400
 

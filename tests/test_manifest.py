@@ -10,14 +10,11 @@ from tally.pipeline.corpus import CorpusError, encode_record, list_shards
 from tally.pipeline.manifest import MANIFEST_SCHEMA, build_manifest, manifest_info
 from tally.pipeline.manifest_file import uniform_row_groups
 from tally.pipeline.runners import RunnerSpec
-from tally.pipeline.synth import synth_corpus
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    synth_corpus(root, records=2500, seed=11, shards=3, length_scale=0.2)
-    return root
+def corpus(corpora):
+    return corpora.corpus(records=2500, seed=11, shards=3, length_scale=0.2)
 
 
 def reference(root):

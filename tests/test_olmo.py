@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import pickle
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 import xxhash
 
-from tally.audit.cli import main
 from tally.audit.core.hashing import content_hash
 from tally.pipeline.corpus import CorpusError
 from tally.pipeline.manifest_file import MANIFEST_SCHEMA, manifest_info
 from tally.pipeline.olmo import index_from_files, load_index, write_mix
-from tests.conftest import ROOT
+from tests.support.cli import tally
 
 L = 64  # sequence length
 
@@ -90,20 +87,14 @@ def oracle(files: list[tuple[str, str, Path]], dtype: str) -> pa.Table:
     return pa.table(rows, schema=MANIFEST_SCHEMA)
 
 
-def tally(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.parametrize("dtype,mode", [("uint16", "in_memory"),
                                         ("uint32", "multi_processing")])
-def test_manifest_of_a_mix_equals_the_numpy_oracle(tmp_path, capsys, in_process, dtype, mode):
+def test_manifest_of_a_mix_equals_the_numpy_oracle(tmp_path, cli, dtype, mode):
     index, files = _mix(tmp_path / "mix", dtype)
     out = tmp_path / "m.parquet"
     # 3 instances per range: ranges cut inside files, across the workers.
-    code, stdout, err = tally(capsys, "manifest", str(index), "-o", str(out), "-q",
-                              "--chunk-records", "3", "--mode", mode, "--workers", "2")
+    code, stdout, err = cli("manifest", str(index), "-o", str(out), "-q",
+                            "--chunk-records", "3", "--mode", mode, "--workers", "2")
     assert code == 0, err
     assert "12 records (12 train), 768 tokens" in stdout
     got = pq.read_table(out)
@@ -145,7 +136,7 @@ def test_index_api_locates_instances_and_pickles(tmp_path):
         index.locate(np.array([5]))
 
 
-def test_token_files_without_an_index(tmp_path, capsys, in_process):
+def test_token_files_without_an_index(tmp_path, cli):
     """index_from_files: n_tokens from each file's size, the label from its directory, the
     source relative to the files' common directory; a directory of files reads in path order."""
     rng = np.random.default_rng(5)
@@ -156,25 +147,25 @@ def test_token_files_without_an_index(tmp_path, capsys, in_process):
     assert [f.n_tokens for f in ix.files] == [5 * L, 3 * L + 7, 4 * L + 3]
     assert ix.fingerprint.startswith("sha256:") and ix.path is None
     out = tmp_path / "files.parquet"
-    code, _, err = tally(capsys, "manifest", *map(str, paths), "--sequence-length", str(L),
-                         "--dtype", "uint32", "-o", str(out), "-q")
+    code, _, err = cli("manifest", *map(str, paths), "--sequence-length", str(L),
+                       "--dtype", "uint32", "-o", str(out), "-q")
     assert code == 0, err
     assert pq.read_table(out).equals(oracle(files, "uint32"))
     assert manifest_info(out)["olmo_fingerprint"] == ix.fingerprint
     # The directory: *.npy at any depth, in path order (books, code, web).
     out = tmp_path / "dir.parquet"
-    code, _, err = tally(capsys, "manifest", str(tmp_path / "mix"), "--sequence-length",
-                         str(L), "--dtype", "uint32", "-o", str(out), "-q")
+    code, _, err = cli("manifest", str(tmp_path / "mix"), "--sequence-length",
+                       str(L), "--dtype", "uint32", "-o", str(out), "-q")
     assert code == 0, err
     assert pq.read_table(out).equals(oracle([files[2], files[1], files[0]], "uint32"))
     # write_mix's own mix, by its index and by its files, hashes alike.
     mix = write_mix(tmp_path / "w", [("a", rng.integers(0, 99, 2 * L)),
                                      ("b", rng.integers(0, 99, 3 * L))], L, "uint16")
-    code, _, err = tally(capsys, "manifest", str(mix), "-o", str(tmp_path / "w1.parquet"), "-q")
+    code, _, err = cli("manifest", str(mix), "-o", str(tmp_path / "w1.parquet"), "-q")
     assert code == 0, err
-    code, _, err = tally(capsys, "manifest", str(tmp_path / "w" / "a-0000.npy"),
-                         str(tmp_path / "w" / "b-0001.npy"), "--sequence-length", str(L),
-                         "--dtype", "uint16", "-o", str(tmp_path / "w2.parquet"), "-q")
+    code, _, err = cli("manifest", str(tmp_path / "w" / "a-0000.npy"),
+                       str(tmp_path / "w" / "b-0001.npy"), "--sequence-length", str(L),
+                       "--dtype", "uint16", "-o", str(tmp_path / "w2.parquet"), "-q")
     assert code == 0, err
     w1, w2 = pq.read_table(tmp_path / "w1.parquet"), pq.read_table(tmp_path / "w2.parquet")
     assert w1["domain"].to_pylist() == ["a"] * 2 + ["b"] * 3
@@ -233,12 +224,12 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_index_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys, in_process,
+def test_bad_index_is_one_line_and_exit_2_with_nothing_written(tmp_path, cli,
                                                                case):
     index, _ = _mix(tmp_path / "mix", "uint32")
     spoil, message = BAD[case]
     spoil(index, tmp_path / "mix")
-    code, out, err = tally(capsys, "manifest", str(index), "-o", str(tmp_path / "m.parquet"))
+    code, out, err = cli("manifest", str(index), "-o", str(tmp_path / "m.parquet"))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("tally: error: "), err
     assert re.search(message, err), err
@@ -260,10 +251,9 @@ def test_bad_index_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys,
      r"no file holds a whole instance of 4,096 tokens"),
     (["mix/none.json"], r"index\.json: no such file|none\.json: no such file"),
 ])
-def test_bad_token_file_arguments(tmp_path, capsys, in_process, monkeypatch, args, message):
+def test_bad_token_file_arguments(tmp_path, cli, args, message):
     _mix(tmp_path / "mix", "uint32")
-    monkeypatch.chdir(tmp_path)
-    code, out, err = tally(capsys, "manifest", *args, "-o", "m.parquet")
+    code, out, err = cli("manifest", *args, "-o", "m.parquet", cwd=tmp_path)
     assert code == 2 and err.count("\n") == 1 and err.startswith("tally: error: "), err
     assert re.search(message, err), err
     assert not list(tmp_path.glob("*m.parquet*"))
@@ -273,9 +263,7 @@ def test_the_real_command_line_says_one_line(tmp_path):
     """Through the supervised child process, as a user runs it."""
     index, _ = _mix(tmp_path / "mix", "uint16")
     (tmp_path / "mix" / "web" / "a.npy").unlink()
-    r = subprocess.run([sys.executable, "-m", "tally.audit.cli", "manifest", str(index), "-o",
-                        str(tmp_path / "m.parquet")], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+    r = tally("manifest", index, "-o", tmp_path / "m.parquet", timeout=300)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == (f"tally: error: OLMo index {index}: token file "
                         f"{tmp_path / 'mix' / 'web' / 'a.npy'} is missing\n")
@@ -302,7 +290,7 @@ def test_the_benchmark_runs_at_toy_size(tmp_path):
 EOS = 0
 
 
-def test_exposure_finds_documents_inside_the_mix(tmp_path, capsys, in_process, monkeypatch):
+def test_exposure_finds_documents_inside_the_mix(tmp_path, cli, monkeypatch):
     """Documents concatenated with EOS into two files, cut into 16-token instances; a run that
     consumed some instances (some twice). Each asked document maps to exactly the instances its
     tokens fall in (an oracle from where the test put them), duplicates in both files, across
@@ -369,16 +357,16 @@ def test_exposure_finds_documents_inside_the_mix(tmp_path, capsys, in_process, m
     assert res["runs"]["r1"]["consumed_2plus"] == sum(
         1 for v in want.values() if sum(v.values()) >= 2)
     # The command line, and a manifest that names no index.
-    code, out, err = tally(capsys, "exposure", "--manifest", str(tmp_path / "m.parquet"),
-                           "--spool", str(tmp_path / "spool"), "--run", "r1", "--docs",
-                           str(tmp_path / "docs.parquet"), "--eos-token-id", "0", "-o",
-                           str(tmp_path / "cli"), "--json")
+    code, out, err = cli("exposure", "--manifest", str(tmp_path / "m.parquet"),
+                         "--spool", str(tmp_path / "spool"), "--run", "r1", "--docs",
+                         str(tmp_path / "docs.parquet"), "--eos-token-id", "0", "-o",
+                         str(tmp_path / "cli"), "--json")
     assert code == 0, err
     assert json.loads(out)["matched"] == 4
     build_manifest([f.path for f in ix.files], tmp_path / "m2.parquet", sequence_length=n16,
                    dtype="uint16")
-    code, out, err = tally(capsys, "exposure", "--manifest", str(tmp_path / "m2.parquet"),
-                           "--spool", str(tmp_path / "spool"), "--run", "r1", "--docs",
-                           str(tmp_path / "docs.parquet"), "--eos-token-id", "0", "-o",
-                           str(tmp_path / "cli2"))
+    code, out, err = cli("exposure", "--manifest", str(tmp_path / "m2.parquet"),
+                         "--spool", str(tmp_path / "spool"), "--run", "r1", "--docs",
+                         str(tmp_path / "docs.parquet"), "--eos-token-id", "0", "-o",
+                         str(tmp_path / "cli2"))
     assert code == 2 and "no tally.olmo_index" in err and err.count("\n") == 1

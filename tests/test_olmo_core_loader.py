@@ -40,6 +40,7 @@ from tally.audit.hook.writer import LedgerWriter  # noqa: E402
 from tally.pipeline.loaders import AttachError  # noqa: E402
 from tally.pipeline.loaders import olmo_core as tally_olmo  # noqa: E402
 from tally.pipeline.olmo import load_index, write_mix  # noqa: E402
+from tests.support.spool import spool_table  # noqa: E402
 
 L, EOS, VOCAB, SEED = 16, 0, 1000, 3
 N = 100 + 60  # instances: 100 in the first file, 60 in the second (trailing tokens dropped)
@@ -96,14 +97,6 @@ def truth(mix: dict, batch: dict) -> list[int]:
         mix["by_tokens"] = {olmo.instance_tokens(i).tobytes(): i for i in range(N)}
     by_tokens = mix["by_tokens"]
     return [by_tokens[row.astype(np.int32).tobytes()] for row in batch["input_ids"].numpy()]
-
-
-def spool_table(spool: Path, run: str = "r") -> pa.Table:
-    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
-    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
-    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
-    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
-                                   ("row", "ascending")])
 
 
 def reconcile(spool: Path, mix: dict, out: Path) -> dict:
@@ -401,22 +394,9 @@ def make_factory(host: int, hosts: int) -> NumpyFSLDataLoader:
 
 
 @pytest.fixture
-def cli(monkeypatch, capsys, mix):
-    """`tally ARGS` through tally.audit.cli.main in this process: (exit status, stdout, stderr)."""
-
-    def run(*args: str, **env: str) -> tuple[int, str, str]:
-        monkeypatch.chdir(ROOT)
-        for k, v in {"TALLY_TEST_OLMO": str(mix["index"]), "TALLY_SUPERVISED": "1",
-                     **env}.items():
-            monkeypatch.setenv(k, v)
-        capsys.readouterr()
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        for k in env:
-            monkeypatch.delenv(k)
-        return code, out, err
-
-    return run
+def cli(cli, mix):
+    """tests/conftest.py's `cli`, with TALLY_TEST_OLMO naming the mix the factory reads."""
+    return lambda *args, **env: cli(*args, **{"TALLY_TEST_OLMO": str(mix["index"]), **env})
 
 
 def test_cli_replay_of_a_factory_equals_the_live_spool(cli, tmp_path, mix, two_ranks, trained):

@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -29,27 +28,19 @@ from tally.audit.ledger.database import Ledger
 from tally.audit.reconcile.html import heatmap_chart
 from tally.audit.render.charts import nice_ticks
 from tally.audit.render.vocabulary import MAX_HEATMAP_HOSTS, PALETTE
-from tally.pipeline.manifest import MANIFEST_SCHEMA
-from tally.pipeline.manifest_file import write_manifest_table
-from tests.api_helpers import Server, content_hash_of, poll
-from tests.browser import Browser, chromium
+from tests.support.api import Server, poll
+from tests.support.browser import Browser, chromium, needs_chromium
+from tests.support.manifest import CODE_EVERY_THIRD, content_hash_of, keyed_manifest
 
 N, HELDOUT, HOSTS, ROWS = 600, 24, 4, 2  # 8 records a step: one epoch in 75 steps
 STEPS = N // (HOSTS * ROWS)
 RUNS = ("good", "bad")
 
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="needs chromium")
 
 
 def _manifest(path: Path) -> Path:
-    keys = np.arange(N + HELDOUT)
-    t = pa.table({"record_key": keys, "content_hash": content_hash_of(keys),
-                  "n_tokens": np.full(len(keys), 32, np.int32),
-                  "domain": ["web" if k % 3 else "code" for k in keys],
-                  "split": ["train"] * N + ["heldout"] * HELDOUT,
-                  "source": ["s"] * len(keys), "source_index": keys,
-                  "doc_id": [None] * len(keys)}, schema=MANIFEST_SCHEMA)
-    return write_manifest_table(t, path, fingerprint="feed")
+    return keyed_manifest(path, N, HELDOUT, hashes=content_hash_of, tokens=32,
+                          domains=CODE_EVERY_THIRD, fingerprint="feed")
 
 
 def _write_run(spool: Path, run_id: str) -> None:

@@ -12,7 +12,8 @@ from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.reconcile import reconcile
-from tests.conftest import uniform_manifest, unpacked_batch
+from tests.support.batches import unpacked_batch
+from tests.support.manifest import uniform_manifest
 
 N = 1000
 

@@ -29,14 +29,10 @@ from tally.pipeline.corpus import TokenSource
 from tally.pipeline.loader import KeyedLoader, LoaderConfig
 from tally.pipeline.manifest import build_manifest
 from tally.pipeline.runners import RunnerSpec
-from tests.conftest import ROOT
+from tests.support import ROOT
+from tests.support.browser import chromium, needs_chromium
+from tests.support.cli import tally_bare
 from tests.test_reconcile import random_run, write_manifest
-
-
-def tally(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=600,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
 def _tables(out: Path) -> dict:
@@ -236,8 +232,8 @@ def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_or
 
     code = {name: next(c for lang, _, c in blocks() if lang == "python" and name in c)
             for name in ("spool-grain", "spool-torch")}
-    assert tally("corpus", "synth", "corpus", "--records", "1200", "--length-scale", "0.2",
-                 "--max-len", "512", cwd=tmp_path).returncode == 0
+    assert tally_bare("corpus", "synth", "corpus", "--records", "1200", "--length-scale", "0.2",
+                      "--max-len", "512", cwd=tmp_path).returncode == 0
     build_manifest(tmp_path / "corpus", tmp_path / "manifest.parquet")
     for name, c in code.items():
         done = subprocess.run([sys.executable, "-c", c], cwd=tmp_path, capture_output=True,
@@ -245,8 +241,9 @@ def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_or
                                                            "PATH": "/usr/bin:/bin",
                                                            "JAX_PLATFORMS": "cpu"})
         assert done.returncode == 0, (name, done.stderr[-3000:])
-    r = tally("diff", "--manifest", "manifest.parquet", "-o", "diff-loaders", "--a",
-              "spool-grain:grain-run", "--b", "spool-torch:torch-run", "--strict", cwd=tmp_path)
+    r = tally_bare("diff", "--manifest", "manifest.parquet", "-o", "diff-loaders", "--a",
+                   "spool-grain:grain-run", "--b", "spool-torch:torch-run", "--strict",
+                   cwd=tmp_path)
     assert r.returncode == 1, r.stderr  # they differ: --strict says so
     assert "DIFFERENT" in r.stdout and "first divergent step 0" in r.stdout
     d = json.loads((tmp_path / "diff-loaders" / "diff.json").read_text())
@@ -274,8 +271,8 @@ def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_or
 def test_diff_command_exit_codes_and_one_line_errors(grain_runs, tmp_path):
     tmp = grain_runs
     m = str(tmp / "m.parquet")
-    r = tally("diff", "--manifest", m, "-o", str(tmp_path / "same"), "--a",
-              f"{tmp / 'spool'}:straight", "--b", f"{tmp / 'l.duckdb'}:resumed", "--strict")
+    r = tally_bare("diff", "--manifest", m, "-o", str(tmp_path / "same"), "--a",
+                   f"{tmp / 'spool'}:straight", "--b", f"{tmp / 'l.duckdb'}:resumed", "--strict")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"diff A {tmp / 'spool'}:straight vs B") and "IDENTICAL" \
         in r.stdout and f"steps: {STEPS} of {STEPS} identical" in r.stdout
@@ -288,7 +285,7 @@ def test_diff_command_exit_codes_and_one_line_errors(grain_runs, tmp_path):
              "run 'missing' is not in ledger"),
             (["--a", f"{tmp / 'spool'}:straight", "--b", f"{tmp / 'spool'}:inexact",
               "--window", "0"], "--window must be >= 1")):
-        r = tally("diff", "--manifest", m, "-o", str(tmp_path / "x"), *args)
+        r = tally_bare("diff", "--manifest", m, "-o", str(tmp_path / "x"), *args)
         assert r.returncode == 2 and r.stderr.startswith("tally: error: ") and words in \
             r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
@@ -415,13 +412,13 @@ def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
         with pytest.raises(TallyError, match=words):
             exposure(manifest=tmp / "m.parquet", docs=docs, runs=["r1"], out=tmp_path / "x",
                      ledger=tmp / "l.duckdb")
-    r = tally("exposure", "--manifest", str(tmp / "m.parquet"), "--ledger",
-              str(tmp / "l.duckdb"), "--run", "r1", "--run", "nope", "--docs",
-              str(tmp / "evalset"), "-o", str(tmp_path / "cli"))
+    r = tally_bare("exposure", "--manifest", str(tmp / "m.parquet"), "--ledger",
+                   str(tmp / "l.duckdb"), "--run", "r1", "--run", "nope", "--docs",
+                   str(tmp / "evalset"), "-o", str(tmp_path / "cli"))
     assert r.returncode == 2 and r.stderr.startswith("tally: error: unknown run 'nope'")
-    r = tally("exposure", "--manifest", str(tmp / "m.parquet"), "--spool", str(tmp / "spool"),
-              "--run", "r1", "--run", "r2", "--docs", str(tmp / "evalset"), "-o",
-              str(tmp_path / "cli"))
+    r = tally_bare("exposure", "--manifest", str(tmp / "m.parquet"), "--spool", str(tmp / "spool"),
+                   "--run", "r1", "--run", "r2", "--docs", str(tmp / "evalset"), "-o",
+                   str(tmp_path / "cli"))
     assert r.returncode == 0, r.stderr
     assert "7 documents, 5 in the corpus (8 records)" in r.stdout
     assert "run r1: of the 7 documents, 5 are in the corpus and 5 of them were consumed" \
@@ -434,7 +431,7 @@ def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
 
 def test_api_diff_gives_the_cli_diffs_answer(grain_runs, random_ledger, tmp_path):
     from tally.api.app import create_app
-    from tests.api_helpers import Server
+    from tests.support.api import Server
 
     for tmp, a, b in ((grain_runs, "straight", "resumed"), (grain_runs, "straight", "inexact"),
                       (random_ledger, "r", "s")):
@@ -478,7 +475,7 @@ def test_api_diff_gives_the_cli_diffs_answer(grain_runs, random_ledger, tmp_path
 
 def test_api_diff_and_exposure_errors(planted, grain_runs):
     from tally.api.app import create_app
-    from tests.api_helpers import Server
+    from tests.support.api import Server
 
     tmp, _ = grain_runs, None
     with Ledger(tmp / "l.duckdb") as ledger, Server(create_app(ledger)) as srv:
@@ -496,7 +493,7 @@ def test_api_exposure_gives_the_cli_exposures_answer(planted, tmp_path):
     from tally.api.app import create_app
     from tally.audit.posthoc.answers import MAX_HASHES
     from tally.audit.posthoc.exposure import exposure
-    from tests.api_helpers import Server
+    from tests.support.api import Server
 
     tmp, hashes = planted
     cli = exposure(manifest=tmp / "m.parquet", docs=tmp / "evalset", runs=["r2"],
@@ -525,21 +522,18 @@ def test_api_exposure_gives_the_cli_exposures_answer(planted, tmp_path):
         assert r.status_code == 404 and "unknown run" in r.text
 
 
+@needs_chromium
 def test_dashboard_shows_two_runs_side_by_side_in_headless_chromium(grain_runs):
     import re
     import tempfile
 
     from tally.api.app import create_app
-    from tests.api_helpers import Server
-    from tests.test_api_live import _chromium
-
-    if _chromium() is None:
-        pytest.skip("needs chromium (CI installs it)")
+    from tests.support.api import Server
     tmp = grain_runs
     with Ledger(tmp / "l.duckdb") as ledger, Server(create_app(
             ledger, manifest=tmp / "m.parquet")) as srv, tempfile.TemporaryDirectory() as prof:
         out = subprocess.run(
-            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={prof}", "--virtual-time-budget=10000", "--dump-dom",
              srv.url + "/?run=straight&compare=inexact"], capture_output=True, text=True,
@@ -579,7 +573,8 @@ def test_same_data_in_another_order_per_window_cli_and_api(tmp_path):
     of 2 steps holds the same records, no step is identical."""
     from tally.api.app import create_app
     from tally.audit.hook.segments import Segments
-    from tests.api_helpers import Server, content_hash_of
+    from tests.support.api import Server
+    from tests.support.manifest import content_hash_of
 
     rng = np.random.default_rng(4)
     write_manifest(tmp_path / "m.parquet", 400, 0, rng)

@@ -15,9 +15,7 @@ from tally.audit.ledger.ingest import ingest
 from tally.audit.preflight import record_verdict, run_preflight
 from tally.pipeline.corpus import TokenSource
 from tally.pipeline.loader import KeyedLoader, LoaderConfig
-from tally.pipeline.manifest import build_manifest
 from tally.pipeline.shadow import ShadowSource, record_starts, shadow_run
-from tally.pipeline.synth import synth_corpus
 from tally.trainer import checkpoint
 
 STEPS = 40  # steps the old topology ran before its checkpoint
@@ -29,15 +27,13 @@ def _cfg(**kw) -> LoaderConfig:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("preflight")
+def corpus(corpora):
     # 2,048 train records: 128 steps of 16 rows an epoch.
-    synth_corpus(root / "c", records=2089, seed=5, heldout_fraction=0.02, length_scale=0.05,
-                 min_len=1, max_len=64)
-    build_manifest(root / "c", root / "m.parquet")
-    source = TokenSource(root / "c")
+    c = corpora.corpus(records=2089, seed=5, heldout_fraction=0.02, length_scale=0.05,
+                       min_len=1, max_len=64)
+    source = TokenSource(c)
     assert len(source) == 2048
-    return root / "m.parquet", source
+    return corpora.manifest(c), source
 
 
 def _old_run(tmp, source, cfg, hosts, *, steps=STEPS, unrecorded=0, checkpoint_dir=None):
@@ -290,7 +286,7 @@ def test_the_preflight_endpoint_reads_only_checkpoints_it_may_and_bounds_its_wor
     import httpx
 
     from tally.api.app import create_app
-    from tests.api_helpers import Server
+    from tests.support.api import Server
 
     manifest, source = corpus
     ckpt = _old_run(tmp_path, source, _cfg(), 4, checkpoint_dir=tmp_path / "ckpt")

@@ -8,15 +8,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.api_helpers import poll, write_steps
-from tests.conftest import ROOT, uniform_manifest
-
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+from tests.support.api import poll, write_steps
+from tests.support.cli import tally, tally_popen
+from tests.support.manifest import uniform_manifest
 
 
 def foreign(err: str) -> list[str]:
@@ -31,20 +30,14 @@ def assert_quiet(err: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    from tally.pipeline.synth import synth_corpus
-
-    root = tmp_path_factory.mktemp("quiet") / "c"
-    synth_corpus(root, records=300, seed=1, length_scale=0.1, max_len=64)
-    return root
+def corpus(corpora) -> Path:
+    return corpora.corpus(records=300, seed=1, length_scale=0.1, max_len=64)
 
 
 def _train(corpus: Path, spool: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "train", "--hosts", "2",
-                             f"corpus={corpus}", f"spool={spool}", "steps=100000",
-                             "flush_every=1", "d_model=16", "n_layers=1", "seq_len=32"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return tally_popen("train", "--hosts", "2", f"corpus={corpus}", f"spool={spool}",
+                       "steps=100000", "flush_every=1", "d_model=16", "n_layers=1", "seq_len=32",
+                       start_new_session=True)
 
 
 def _until_training(proc: subprocess.Popen, spool: Path) -> None:
@@ -57,7 +50,7 @@ def _until_training(proc: subprocess.Popen, spool: Path) -> None:
 def test_ctrl_c_during_a_two_host_train_prints_only_tallys_line(corpus, tmp_path):
     """Each host printed XLA's preemption notifier's "SIGTERM caught at ..." and trained on
     until the launcher's SIGKILL; the supervised launcher's own `tally: interrupted` could
-    double the supervisor's."""
+    double the supervisor's. Every host process is gone after it."""
     spool = tmp_path / "spool"
     proc = _train(corpus, spool)
     try:
@@ -69,6 +62,10 @@ def test_ctrl_c_during_a_two_host_train_prints_only_tallys_line(corpus, tmp_path
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130
     assert err == "tally: interrupted\n", err[-3000:]
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", f"tally.trainer.host.*{spool}"], capture_output=True,
+                          text=True)
+    assert left.stdout == ""
 
 
 def test_a_host_that_dies_is_named_in_tallys_lines_without_a_gloo_traceback(corpus, tmp_path):
@@ -111,10 +108,8 @@ def test_reconcile_without_q_prints_only_tallys_lines(tmp_path, runner):
             taken.listen()
         except OSError:
             pass  # another process holds it already: the same situation
-        done = subprocess.run([sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool",
-                               str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run",
-                               "r", "-o", str(tmp_path / "rep"), *runner],
-                              env=ENV, capture_output=True, text=True, timeout=180)
+        done = tally("reconcile", "--spool", spool, "--manifest", tmp_path / "m.parquet",
+                     "--run", "r", "-o", tmp_path / "rep", *runner, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reconcile r: writing the report" in done.stderr  # Tally's own lines stay
     assert_quiet(done.stderr)
@@ -152,12 +147,9 @@ def test_ctrl_c_during_a_dask_reconcile_leaks_no_semaphore(tmp_path):
     spool = tmp_path / "spool"
     write_steps(spool, "r", host=0, hosts=1, steps=range(6), n=40, seed=0, flush_every=3)
     uniform_manifest(tmp_path / "m.parquet", 40)
-    proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool",
-                             str(spool), "--manifest", str(tmp_path / "m.parquet"), "--run",
-                             "r", "-o", str(tmp_path / "rep"), "--runner", "dask",
-                             "--workers", "2"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = tally_popen("reconcile", "--spool", spool, "--manifest", tmp_path / "m.parquet",
+                       "--run", "r", "-o", tmp_path / "rep", "--runner", "dask", "--workers",
+                       "2", start_new_session=True)
 
     def workers() -> bool:  # the supervised child runs in a session of its own
         child = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from tally.audit.cli import parse
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 BLOCK = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```$", re.M | re.S)
 SETUP = ("python3.11 -m venv .venv && .venv/bin/pip install -e '.[all]' && .venv/bin/tally demo",

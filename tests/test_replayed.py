@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -27,32 +26,19 @@ from tally.audit.core.schema import SEGMENT_SCHEMA
 from tally.audit.hook import spool as sp
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter, publish
-from tally.pipeline.manifest import MANIFEST_SCHEMA
-from tally.pipeline.manifest_file import write_manifest_table
 from tally.pipeline.replay import WRITER_VERSION
-from tests.api_helpers import content_hash_of
-from tests.conftest import ROOT
+from tests.support import ROOT
+from tests.support.cli import tally_bare
+from tests.support.manifest import CODE_EVERY_THIRD, content_hash_of, keyed_manifest
 
 N, HELDOUT, HOSTS, ROWS, STEPS = 240, 10, 2, 4, 20  # one epoch in 30 steps
 RESUME = 12  # `mix`: attempt 1 resumes live from here
 RUNS = ("live", "rep", "mix")
 
 
-def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-
-
 def _manifest(path: Path) -> Path:
-    keys = np.arange(N + HELDOUT)
-    t = pa.table({"record_key": keys, "content_hash": content_hash_of(keys),
-                  "n_tokens": np.full(len(keys), 32, np.int32),
-                  "domain": ["web" if k % 3 else "code" for k in keys],
-                  "split": ["train"] * N + ["heldout"] * HELDOUT,
-                  "source": ["s"] * len(keys), "source_index": keys,
-                  "doc_id": [None] * len(keys)}, schema=MANIFEST_SCHEMA)
-    return write_manifest_table(t, path, fingerprint="feed")
+    return keyed_manifest(path, N, HELDOUT, hashes=content_hash_of, tokens=32,
+                          domains=CODE_EVERY_THIRD, fingerprint="feed")
 
 
 def _keys(step: int, host: int) -> np.ndarray:
@@ -112,7 +98,7 @@ def runs(tmp_path_factory):
     rep_files = _replayed(spool, "rep", range(STEPS))
     mix_files = _replayed(spool, "mix", range(STEPS))
     _live(spool, "mix", range(RESUME, STEPS + 4), attempt=1, resumed=RESUME)
-    r = tally("ingest", str(spool), "--ledger", str(tmp / "l.duckdb"), "-q", "--json")
+    r = tally_bare("ingest", str(spool), "--ledger", str(tmp / "l.duckdb"), "-q", "--json")
     assert r.returncode == 0, r.stderr
     segs = {run: len(list((spool / run).rglob("seg-*.parquet"))) for run in RUNS}
     return {"tmp": tmp, "spool": spool, "ledger": tmp / "l.duckdb",
@@ -138,8 +124,8 @@ def test_reconcile_from_the_ledger_says_replayed_as_from_the_spool(runs, tmp_pat
         reports = {}
         for kind in ("spool", "ledger"):
             out = tmp_path / f"{run_id}-{kind}"
-            r = tally("reconcile", f"--{kind}", str(runs[kind]), "--manifest",
-                      str(runs["manifest"]), "--run", run_id, "-o", str(out), "-q")
+            r = tally_bare("reconcile", f"--{kind}", str(runs[kind]), "--manifest",
+                           str(runs["manifest"]), "--run", run_id, "-o", str(out), "-q")
             assert r.returncode in (0, 1), r.stderr
             rep = reports[kind] = json.loads((out / "report.json").read_text())
             assert (rep["replayed"], rep["replayed_files"],
@@ -174,7 +160,7 @@ def test_live_api_and_dashboard_say_replayed(runs):
     from tally.api import models
     from tally.api.app import create_app
     from tally.audit.ledger.database import Ledger
-    from tests.api_helpers import Server
+    from tests.support.api import Server
 
     want = runs["want"]
     with Ledger(runs["ledger"]) as ledger, Server(create_app(
@@ -214,7 +200,7 @@ def test_dashboard_note_says_replayed(runs):
     """The run view's note, from the page's own function over the summaries served."""
     from tally.api.app import create_app
     from tally.audit.ledger.database import Ledger
-    from tests.api_helpers import Server
+    from tests.support.api import Server
 
     with Ledger(runs["ledger"]) as ledger, Server(create_app(ledger)) as srv:
         summaries = {run_id: srv.get(f"/v1/runs/{run_id}").json() for run_id in RUNS}
@@ -227,7 +213,7 @@ def test_dashboard_note_says_replayed(runs):
 
 
 def test_tally_ledger_names_replayed_attempts(runs):
-    r = tally("ledger", str(runs["ledger"]))
+    r = tally_bare("ledger", str(runs["ledger"]))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     at = {line.split()[1]: i for i, line in enumerate(lines) if line.startswith("run ")}
@@ -243,8 +229,8 @@ def test_tally_ledger_names_replayed_attempts(runs):
 @pytest.mark.parametrize("a_kind,b_kind", [("spool", "ledger"), ("ledger", "spool")])
 def test_diff_says_which_run_was_replayed(runs, tmp_path, a_kind, b_kind):
     out = tmp_path / "diff"
-    r = tally("diff", "--manifest", str(runs["manifest"]), "-o", str(out), "-q",
-              "--a", f"{runs[a_kind]}:rep", "--b", f"{runs[b_kind]}:live")
+    r = tally_bare("diff", "--manifest", str(runs["manifest"]), "-o", str(out), "-q",
+                   "--a", f"{runs[a_kind]}:rep", "--b", f"{runs[b_kind]}:live")
     assert r.returncode == 0, r.stderr
     d = json.loads((out / "diff.json").read_text())
     assert d["status"] == "identical"
@@ -266,9 +252,9 @@ def test_exposure_says_which_runs_were_replayed(runs, tmp_path):
     results = {}
     for kind in ("spool", "ledger"):
         args = [a for run_id in RUNS for a in ("--run", run_id)]
-        r = tally("exposure", f"--{kind}", str(runs[kind]), "--manifest",
-                  str(runs["manifest"]), "--docs", str(tmp_path / "docs.parquet"), "-o",
-                  str(tmp_path / kind), *args)
+        r = tally_bare("exposure", f"--{kind}", str(runs[kind]), "--manifest",
+                       str(runs["manifest"]), "--docs", str(tmp_path / "docs.parquet"), "-o",
+                       str(tmp_path / kind), *args)
         assert r.returncode == 0, r.stderr
         res = results[kind] = json.loads((tmp_path / kind / "exposure.json").read_text())
         assert {run_id: x["replayed"] for run_id, x in res["runs"].items()} == {

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -24,16 +21,10 @@ from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.trainer.config import TrainConfig
 from tally.trainer.launch import refuse_reuse
-from tests.api_helpers import Server, free_port, poll, write_steps
-from tests.conftest import ROOT
+from tests.support.api import Server, free_port, poll, write_steps
+from tests.support.cli import tally
 
 N = 400
-
-
-def _tally(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
 
 
 def _train(spool, *, seed: int, steps: range, flush_every: int = 5) -> None:
@@ -59,7 +50,7 @@ def test_a_new_training_under_an_ingested_run_id_is_quarantined_not_mixed_in(tmp
     names, at steps already ingested. Either way its later files are beyond the old run."""
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
     _train(spool, seed=0, steps=range(10))
-    first = _tally("ingest", str(spool), "--ledger", str(path), "-q")
+    first = tally("ingest", str(spool), "--ledger", str(path), "-q")
     assert first.returncode == 0 and not _quarantined(first.stderr), first.stderr
     with Ledger(path) as ledger:
         before = _consumed(ledger)
@@ -68,7 +59,7 @@ def test_a_new_training_under_an_ingested_run_id_is_quarantined_not_mixed_in(tmp
     _train(spool, seed=1, steps=range(20), flush_every=flush_every)
     new = sorted(p.relative_to(spool).as_posix() for p in (spool / "exp").rglob("*.parquet"))
 
-    out = _tally("ingest", str(spool), "--ledger", str(path), "-q")
+    out = tally("ingest", str(spool), "--ledger", str(path), "-q")
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     got = _quarantined(out.stderr)
     assert sorted(got) == new, out.stderr  # every file of the new training, none ingested
@@ -76,11 +67,11 @@ def test_a_new_training_under_an_ingested_run_id_is_quarantined_not_mixed_in(tmp
     with Ledger(path) as ledger:
         assert _consumed(ledger) == before  # the first training, exactly as it was
         assert sorted(r["path"] for r in ledger.overview()["quarantine"]) == new
-    again = _tally("ingest", str(spool), "--ledger", str(path), "-q")  # reported once
+    again = tally("ingest", str(spool), "--ledger", str(path), "-q")  # reported once
     assert (again.returncode, _quarantined(again.stderr)) == (0, {}), again.stderr
     # Reconcile from the ledger names the reuse, not "could not be read".
     from tally.audit.reconcile import reconcile
-    from tests.conftest import uniform_manifest
+    from tests.support.manifest import uniform_manifest
 
     r = reconcile(run_id="exp", manifest=uniform_manifest(tmp_path / "m.parquet", N),
                   out=tmp_path / "rep", ledger=path)
@@ -183,7 +174,7 @@ def test_a_fresh_train_of_a_run_the_ledger_holds_is_refused_without_its_spool(tm
     with Ledger(path) as ledger:
         ingest(spool, ledger)
     shutil.rmtree(spool / "exp")
-    out = _tally("train", f"spool={spool}", "run_id=exp", "steps=2", f"ledger={path}")
+    out = tally("train", f"spool={spool}", "run_id=exp", "steps=2", f"ledger={path}")
     assert out.returncode == 2
     assert out.stderr == (f"tally: error: run exp is already in the ledger {path} (its spool "
                           "may have been removed): resume it (--resume) or choose another run "
@@ -205,7 +196,7 @@ def test_a_fresh_train_of_a_run_the_ledger_holds_is_refused_without_its_spool(tm
             refuse_reuse(TrainConfig(run_id="exp", spool=str(spool), api=srv.url))
         refuse_reuse(TrainConfig(run_id="other", spool=str(spool), api=srv.url))
         # Only the file given, and another process holds it: asked to name the service.
-        out = _tally("train", f"spool={spool}", "run_id=exp", "steps=2", f"ledger={path}")
+        out = tally("train", f"spool={spool}", "run_id=exp", "steps=2", f"ledger={path}")
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert "cannot tell whether run exp is already in the ledger" in out.stderr
         assert "api=URL" in out.stderr

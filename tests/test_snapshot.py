@@ -6,11 +6,9 @@ one leaves the previous snapshot or none."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -22,8 +20,8 @@ from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.snapshot import Applied, open_snapshot, write_snapshot
 from tally.audit.ledger.state import COMPACT
-from tests.api_helpers import Server, free_port, poll, write_steps
-from tests.conftest import ROOT
+from tests.support.api import Server, free_port, poll, write_steps
+from tests.support.cli import tally_popen
 from tests.test_api_aggregates import N, assert_same_state, check
 
 COMMON = {"n": N + 3, "flush_every": 4}  # keys N.. are outside the train universe
@@ -194,13 +192,6 @@ def test_a_ledger_made_before_ledger_ids_gets_one_and_snapshots(tmp_path, caplog
     assert "restored from its snapshot" in said[0], said
 
 
-def _tally(*args, env=None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tally.audit.cli", *args],
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kw)
-
-
 PAUSED = {"TALLY_SNAPSHOT_TEST_PAUSE_S": "0.3", "TALLY_SNAPSHOT_ROWS": "1",
           "TALLY_SNAPSHOT_SECONDS": "0"}
 
@@ -227,7 +218,7 @@ def test_kill_9_while_a_snapshot_is_written_leaves_the_old_one_or_none(tmp_path,
     spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
     snap = tmp_path / "ledger.duckdb.state" / "run-1.state"
     publish(spool, STAGES[:1])
-    child = _tally("ingest", str(spool), "--ledger", str(path), env=PAUSED)
+    child = tally_popen("ingest", str(spool), "--ledger", str(path), env=PAUSED)
     _kill_at(child, "rows to")  # the very first snapshot, half written
     assert not snap.exists()
     agg, said = loaded(path, caplog)
@@ -238,7 +229,7 @@ def test_kill_9_while_a_snapshot_is_written_leaves_the_old_one_or_none(tmp_path,
     for stage, step in zip(STAGES[1:5], ("begun", "rows to", "synced", "renamed"),
                            strict=True):
         publish(spool, [stage])
-        _kill_at(_tally("ingest", str(spool), "--ledger", str(path), env=PAUSED), step)
+        _kill_at(tally_popen("ingest", str(spool), "--ledger", str(path), env=PAUSED), step)
         with Ledger(path) as ledger:
             opened = open_snapshot(snap, ledger_id=ledger.ledger_id, run=1, run_id="r",
                                    dtype=COMPACT, cur=ledger.cursor())
@@ -271,13 +262,13 @@ def test_kill_9_of_tally_serve_mid_snapshot_then_it_serves_the_same_numbers(tmp_
     publish(spool, STAGES[:2])
     for h in (0, 1):
         write_steps(spool, "s", host=h, hosts=2, steps=range(0, 30), seed=40 + h, **COMMON)
-    first = _tally("ingest", str(spool), "--ledger", str(path), "-q")
+    first = tally_popen("ingest", str(spool), "--ledger", str(path), "-q")
     assert first.wait(60) == 0, first.stderr.read()
     publish(spool, STAGES[2:6])
     port = free_port()
     serve = ("serve", "--ledger", str(path), "--records", str(N), "--port", str(port),
              "--log-level", "info")
-    run = _tally(*serve, "--spool", str(spool), "--interval", "0.05", env=PAUSED)
+    run = tally_popen(*serve, "--spool", str(spool), "--interval", "0.05", env=PAUSED)
     seen = _kill_at(run, "rows to")
     assert any("restored from its snapshot" in s for s in seen), seen
 
@@ -291,7 +282,7 @@ def test_kill_9_of_tally_serve_mid_snapshot_then_it_serves_the_same_numbers(tmp_
                 a.pop("ingest_lag_seconds", None)
         return out
 
-    run = _tally(*serve)
+    run = tally_popen(*serve)
     try:
         assert poll(lambda: _up(f"http://127.0.0.1:{port}"), timeout=60), run.stderr.read()
         restored = get(f"http://127.0.0.1:{port}")

@@ -4,14 +4,10 @@ on its own, left three times the bound of state and snapshots (the bound was per
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.state import COMPACT
-from tests.conftest import ROOT
+from tests.support.cli import tally
 from tests.test_bad_input import _put, _segs
 
 BOUND_GB = 0.02  # 20 MiB
@@ -28,10 +24,8 @@ def _big(spool, run: str) -> None:
 
 def _ingest(spool, path) -> dict[str, str]:
     """`tally ingest` in a process of its own: the files it quarantined, with why."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TALLY_MAX_STATE_GB": str(BOUND_GB)}
-    out = subprocess.run([sys.executable, "-m", "tally.audit.cli", "ingest", str(spool), "--ledger",
-                          str(path), "-q"], capture_output=True, text=True, timeout=120,
-                         env=env)
+    out = tally("ingest", spool, "--ledger", path, "-q", timeout=120,
+                env={"TALLY_MAX_STATE_GB": str(BOUND_GB)})
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     return {ln.split(": ", 1)[0].removeprefix("quarantined ").split("/")[0]:
             ln.split(": ", 1)[1] for ln in out.stderr.splitlines()

@@ -34,6 +34,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tally.pipeline.loaders import AttachError, mosaic  # noqa: E402
+from tests.support.cli import tally  # noqa: E402
+from tests.support.spool import spool_table  # noqa: E402
 from tests.test_corpus_formats import mds_writer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,19 +98,6 @@ def make_loader(mds: Path, workers: int, batch_size: int = BS, ncn: int = NCN) -
     ds = dataset_cls(local=str(mds / "data"), batch_size=batch_size, shuffle=True,
                      shuffle_seed=SEED, num_canonical_nodes=ncn)
     return loader_cls(ds, batch_size=batch_size, num_workers=workers)
-
-
-def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
-
-
-def spool_table(spool: Path, run: str = "r") -> pa.Table:
-    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
-    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
-    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
-    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
-                                   ("row", "ascending")])
 
 
 def reconcile(spool: Path, m: Path, out: Path) -> dict:

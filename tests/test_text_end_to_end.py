@@ -21,8 +21,8 @@ from tally.audit.reconcile import reconcile
 from tally.pipeline.manifest import build_manifest
 from tally.pipeline.runners import RunnerSpec
 from tally.pipeline.text import TextHasher
+from tests.support.text_corpus import documents, loop_token_ids, train_tokenizer
 from tests.test_corpus_formats import _example, _write_examples, _write_mds
-from tests.text_corpus import documents, loop_token_ids, train_tokenizer
 
 HOSTS, BATCH, EOS = 2, 3, 1
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +27,10 @@ from tally.pipeline.manifest_file import (
 )
 from tally.pipeline.runners import RunnerSpec
 from tally.pipeline.text import ContentBasis
-from tests.text_corpus import documents, loop_hashes, train_tokenizer, write_jsonl
+from tests.support.cli import tally
+from tests.support.text_corpus import documents, loop_hashes, train_tokenizer, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def tally(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
 
 
 @pytest.fixture(scope="module")

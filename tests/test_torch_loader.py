@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -36,7 +33,9 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # 
 from tally.audit.core.hashing import content_hash  # noqa: E402
 from tally.pipeline.loaders import AttachError  # noqa: E402
 from tally.pipeline.loaders import torch_loader as tally_torch  # noqa: E402
-from tally.pipeline.manifest_file import write_manifest_table  # noqa: E402
+from tests.support.cli import tally  # noqa: E402
+from tests.support.manifest import keyed_manifest  # noqa: E402
+from tests.support.spool import spool_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 8
@@ -82,13 +81,9 @@ class EveryThird(torch.utils.data.Sampler):
 
 
 def manifest(path: Path, n: int) -> Path:
-    keys = np.arange(n)
-    t = pa.table({"record_key": keys,
-                  "content_hash": np.array([content_hash(record_tokens(i)) for i in range(n)],
-                                           np.uint64),
-                  "n_tokens": np.full(n, SEQ, np.int32), "domain": ["web"] * n,
-                  "split": ["train"] * n, "source": ["s"] * n, "source_index": keys})
-    return write_manifest_table(t, path)
+    """Records 0..n-1 whose content is record_tokens(key)."""
+    return keyed_manifest(path, n, tokens=SEQ, fingerprint=None, hashes=lambda keys: np.array(
+        [content_hash(record_tokens(int(k))) for k in keys], np.uint64))
 
 
 def truth_of(batch: dict, by_tokens: dict) -> list[int]:
@@ -98,14 +93,6 @@ def truth_of(batch: dict, by_tokens: dict) -> list[int]:
 
 def by_tokens_of(n: int) -> dict:
     return {record_tokens(i).tobytes(): i for i in range(n)}
-
-
-def spool_table(spool: Path, run: str) -> pa.Table:
-    files = sorted(Path(spool, run).rglob("seg-*.parquet"))
-    t = pa.concat_tables([pq.read_table(f, partitioning=None) for f in files])
-    cols = ["step", "host", "row", "record_key", "content_hash", "n_tokens", "epoch"]
-    return t.select(cols).sort_by([("step", "ascending"), ("host", "ascending"),
-                                   ("row", "ascending")])
 
 
 def make_loader(host: int, hosts: int, kind: str | None = None, n: int | None = None,
@@ -254,11 +241,6 @@ def test_stateful_restore_continues_keys_and_steps(tmp_path, workers):
     second.writer.close()
     both = pa.concat_tables([spool_table(tmp_path / "a", "r"), spool_table(tmp_path / "b", "r")])
     assert both.equals(spool_table(tmp_path / "whole", "r"))
-
-
-def tally(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})})
 
 
 def test_replay_equals_live_row_for_row(tmp_path):

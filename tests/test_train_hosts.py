@@ -17,23 +17,15 @@ from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tally.pipeline.corpus import TokenSource
 from tally.pipeline.loader import KeyedLoader
-from tally.pipeline.synth import synth_corpus
 from tally.trainer.config import TrainConfig
 from tally.trainer.loop import loader_config
-from tests.conftest import ROOT
+from tests.support import ROOT
+from tests.support.cli import tally
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hosts") / "c"
-    synth_corpus(root, records=600, seed=3, length_scale=0.2, max_len=512)
-    return root
-
-
-def tally(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+def corpus(corpora) -> Path:
+    return corpora.corpus(records=600, seed=3, length_scale=0.2, max_len=512)
 
 
 def expected_rows(cfg: TrainConfig, hosts: int, steps: range) -> set[tuple]:

@@ -8,17 +8,14 @@ import pytest
 from tally.audit.core.errors import TallyError
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tally.pipeline.synth import synth_corpus
 from tally.trainer.config import TrainConfig
 from tally.trainer.loop import train
 from tally.trainer.step import init
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train") / "c"
-    synth_corpus(root, records=600, seed=1, length_scale=0.2, max_len=512)
-    return root
+def corpus(corpora):
+    return corpora.corpus(records=600, seed=1, length_scale=0.2, max_len=512)
 
 
 def test_training_learns_and_the_ledger_holds_every_consumed_segment(corpus, tmp_path):

@@ -14,14 +14,10 @@ bytes differ from the manifest's, all from the corpus source "books")."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from urllib.parse import unquote
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from tally.api.app import create_app
@@ -31,28 +27,21 @@ from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
 from tally.audit.reconcile.verdict import plural
 from tally.audit.render.vocabulary import CHARTS, HEATMAP_FONT_PX, PALETTE
-from tally.pipeline.manifest import MANIFEST_SCHEMA
-from tally.pipeline.manifest_file import write_manifest_table
-from tests.api_helpers import Server, content_hash_of, poll
-from tests.browser import Browser, chromium
+from tests.support.api import Server, poll
+from tests.support.browser import Browser, chromium, needs_chromium
+from tests.support.cli import tally
+from tests.support.manifest import CODE_EVERY_THIRD, content_hash_of, keyed_manifest
 
 N, HOSTS, ROWS = 600, 4, 2
 STEPS = N // (HOSTS * ROWS)  # 75: one epoch
 RESUME = 40
 ROOT = Path(__file__).resolve().parents[1]
 
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="needs chromium")
 
 
 def _manifest(path: Path) -> Path:
-    keys = np.arange(N)
-    t = pa.table({"record_key": keys, "content_hash": content_hash_of(keys),
-                  "n_tokens": np.full(N, 32, np.int32),
-                  "domain": ["web" if k % 3 else "code" for k in keys],
-                  "split": ["train"] * N,
-                  "source": ["books" if k % 2 else "crawl" for k in keys],
-                  "source_index": keys, "doc_id": [None] * len(keys)}, schema=MANIFEST_SCHEMA)
-    return write_manifest_table(t, path, fingerprint="feed")
+    return keyed_manifest(path, N, hashes=content_hash_of, tokens=32, domains=CODE_EVERY_THIRD,
+                          sources=("crawl", "books"), fingerprint="feed")
 
 
 def _write_run(spool: Path, run_id: str) -> None:
@@ -81,12 +70,6 @@ def _write_run(spool: Path, run_id: str) -> None:
             w.close()
 
 
-def _tally(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tally.audit.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vocabulary")
@@ -97,7 +80,7 @@ def world(tmp_path_factory):
     reports = {}
     for run_id in ("good", "bad"):
         out = root / f"report-{run_id}"
-        p = _tally("reconcile", "--spool", spool, "--manifest", manifest, "--run", run_id,
+        p = tally("reconcile", "--spool", spool, "--manifest", manifest, "--run", run_id,
                    "-o", out, "-q")
         assert p.returncode == 0, p.stderr
         reports[run_id] = (json.loads((out / "report.json").read_text()), out)
@@ -134,7 +117,7 @@ def test_report_json_carries_version_command_line_inputs_and_fingerprints(world)
 def test_diff_json_carries_version_command_line_inputs_and_fingerprints(world):
     root, spool, manifest, _ = world
     out = root / "diff"
-    p = _tally("diff", "--manifest", manifest, "-o", out, "--a", f"{spool}:good",
+    p = tally("diff", "--manifest", manifest, "-o", out, "--a", f"{spool}:good",
                "--b", f"{spool}:bad", "-q")
     assert p.returncode in (0, 1), p.stderr
     d = json.loads((out / "diff.json").read_text())

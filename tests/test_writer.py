@@ -12,7 +12,7 @@ from tally.audit.hook.segments import Segments, segments_from_batch
 from tally.audit.hook.writer import LedgerWriter, WriterError
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
-from tests.conftest import record_tokens, unpacked_batch
+from tests.support.batches import record_tokens, unpacked_batch
 
 
 def _published(spool):

@@ -4,13 +4,13 @@ an OLMo numpy mix (index JSON + flat token files), a sampler that takes this hos
 block of each epoch's global permutation, 1:1 operations that drop the instance id and reshape
 rows into inputs/targets, then `Batch`.
 
-`make_loader(host, host_count)` is what `tally replay --loader tests.olmo_stack:make_loader`
-imports. The environment picks the mix and the mistake, as a job's flags would:
-TALLY_TEST_MIX (index JSON), TALLY_TEST_SHARDING (`twice`: the sampler takes the host's block
-*and* the loader is given ShardOptions for the host, the reference incident; `once`: a global
-permutation, sharded by the loader only), TALLY_TEST_BATCH (rows per host), TALLY_TEST_WORKERS,
-TALLY_TEST_START (the sampler's start offset, MaxText's `initial_step`: the first absolute index
-the sampler gives; global for `once`, per host for `twice`).
+`make_loader(host, host_count)` is what `tally replay --loader
+tests.support.olmo_stack:make_loader` imports. The environment picks the mix and the mistake, as a
+job's flags would: TALLY_TEST_MIX (index JSON), TALLY_TEST_SHARDING (`twice`: the sampler takes the
+host's block *and* the loader is given ShardOptions for the host, the reference incident; `once`: a
+global permutation, sharded by the loader only), TALLY_TEST_BATCH (rows per host),
+TALLY_TEST_WORKERS, TALLY_TEST_START (the sampler's start offset, MaxText's `initial_step`: the
+first absolute index the sampler gives; global for `once`, per host for `twice`).
 """
 
 from __future__ import annotations

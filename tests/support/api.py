@@ -15,6 +15,7 @@ import uvicorn
 
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
+from tests.support.manifest import content_hash_of
 
 
 def free_port() -> int:
@@ -58,10 +59,6 @@ def poll(fn: Callable[[], object], timeout: float = 30.0, every: float = 0.05):
         if v or time.monotonic() > deadline:
             return v
         time.sleep(every)
-
-
-def content_hash_of(keys: np.ndarray) -> np.ndarray:
-    return (np.asarray(keys, np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
 
 
 def write_steps(spool: Path, run_id: str, *, host: int, hosts: int, steps: range, n: int,

@@ -18,10 +18,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 def chromium() -> str | None:
     return next((p for p in map(shutil.which, ("chromium", "chromium-browser",
                                                "google-chrome")) if p), None)
+
+
+def needs_chromium(test):
+    """A test that drives headless Chromium: skipped where none is installed (CI installs
+    one), and in the slow layer (a browser's start and each page's render take seconds)."""
+    test = pytest.mark.skipif(chromium() is None, reason="needs chromium (CI installs it)")(test)
+    return pytest.mark.slow(test)
 
 
 class BrowserError(RuntimeError):
