@@ -50,8 +50,8 @@ class Forbidden(TallyError):
 
 def checkpoint_roots(svc: Any, run: int, cur: Any) -> list[str]:
     """The directories checkpoints may be read from: --checkpoints, else the run's own."""
-    if svc.checkpoints:
-        return [os.path.realpath(p) for p in svc.checkpoints]
+    if svc.settings.checkpoints:
+        return [os.path.realpath(p) for p in svc.settings.checkpoints]
     return [os.path.realpath(r[0]) for r in cur.execute(
         "SELECT DISTINCT checkpoint_dir FROM attempts WHERE run = ? AND checkpoint_dir "
         "IS NOT NULL", [run]).fetchall()]
@@ -98,7 +98,7 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
                             "--checkpoints DIR)")
         cancel = threading.Event()
         work = asyncio.ensure_future(asyncio.to_thread(_check, svc, run_id, body, cancel))
-        deadline = time.monotonic() + svc.preflight_seconds
+        deadline = time.monotonic() + svc.settings.preflight_seconds
         try:
             while not work.done():
                 await asyncio.wait({work}, timeout=0.25)
@@ -110,8 +110,8 @@ def add_routes(app: FastAPI, svc: Any, run_id_type: Any, responses: dict) -> Non
             return result if isinstance(result, Response) else JSONResponse(result)
         except Cancelled:
             return errors.problem(503, f"the pre-flight check ran past its time box of "
-                                       f"{svc.preflight_seconds:.0f} s and was stopped; give a "
-                                       "shorter horizon")
+                                       f"{svc.settings.preflight_seconds:.0f} s and was "
+                                       "stopped; give a shorter horizon")
         finally:
             cancel.set()
 

@@ -1,0 +1,62 @@
+"""`tally reconcile`: the Beam job auditing a run's consumption against the manifest."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tally.audit.commands.common import print_json, progress
+from tally.audit.commands.options import (
+    examples,
+    http_url,
+    non_negative_int,
+    output_dir,
+    positive_float,
+    quiet_json,
+    runner,
+    runner_args,
+)
+
+
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    from tally.audit.reconcile import reconcile
+    from tally.audit.reconcile.report import summary
+
+    report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
+                       spool=args.spool, ledger=args.ledger, at_step=args.at_step,
+                       runner=runner(args), memory_gb=args.memory_gb,
+                       progress=progress(args), api_url=args.api_url)
+    out = Path(args.output)
+    if args.json:
+        print_json({k: report.get(k) for k in ("run_id", "verdict", "findings", "coverage",
+                                                "first_bad_step")}
+                   | {"report": str(out / "report.json"), "html": str(out / "report.html")})
+    else:
+        print(summary(report, out))
+    return 0 if report["verdict"] != "FAIL" or not args.strict else 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("reconcile", help="Beam job: a run's consumption vs the manifest, "
+                                         "with a report")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--spool", help="spool directory (published segment files are read)")
+    src.add_argument("--ledger", help="DuckDB ledger file (exported, then read)")
+    s.add_argument("--manifest", required=True, help="manifest Parquet file")
+    s.add_argument("--run", required=True, help="run id")
+    s.add_argument("-o", "--output", required=True, type=output_dir, help="report directory")
+    s.add_argument("--at-step", type=non_negative_int, help="audit as of this step")
+    s.add_argument("--strict", action="store_true", help="exit 1 when the verdict is FAIL")
+    s.add_argument("--memory-gb", type=positive_float, default=3.0,
+                   help="memory budget: sizes the record-key buckets so that the buckets "
+                        "in memory at once stay within it (default 3)")
+    s.add_argument("--api-url", type=http_url,
+                   help="the `tally serve` that report.html's evidence links open (e.g. "
+                        "http://tally.internal:8000); without it they lead to the page's own "
+                        "Evidence tables")
+    quiet_json(s)
+    runner_args(s)
+    examples(s, "tally reconcile --spool spool --manifest manifest.parquet --run exp1 -o report",
+             "tally reconcile --ledger ledger.duckdb --manifest manifest.parquet --run exp1 -o "
+             "report --at-step 20 --strict -q --json")
+    s.set_defaults(func=_cmd_reconcile)
