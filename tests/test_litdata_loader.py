@@ -346,7 +346,9 @@ def test_elastic_resume_audited_keys_are_what_litdata_read(elastic_run):
 def test_reconcile_elastic_relaunch_passes_lost_elastic_mode_fails(elastic_run):
     """`tally reconcile` of the run: the elastic relaunch to the epoch's end reads every record
     once: PASS; resumed again from the states it saved (attempt 2), the epoch reads records
-    twice and leaves others unread, as many as the real loaders' batches show."""
+    twice and leaves others unread, as many as the real loaders' batches show: named on
+    attempt 2 (`resume_band`, its repeats and the epoch's unread records), not on attempt 1's
+    restripe, which repeated nothing."""
     d, m, truth = elastic_run["dir"], elastic_run["manifest"], elastic_run["truth"]
 
     def report(spool: Path) -> dict:
@@ -365,6 +367,18 @@ def test_reconcile_elastic_relaunch_passes_lost_elastic_mode_fails(elastic_run):
     assert bad["verdict"] == "FAIL", bad["findings"]
     assert bad["coverage"]["epoch_duplicate_records"] == int((read > 1).sum()) > 0
     assert bad["coverage"]["never_seen"] == int((read == 0).sum()) > 0
+    again = CUT + CUT2  # attempt 2's resume step
+    seen: set[int] = set()
+    repeated = 0
+    for (_, step, _), keys in sorted(truth.items(), key=lambda kv: kv[0][1]):
+        repeated += sum(k in seen for k in keys) if step >= again else 0
+        seen.update(keys)
+    codes = {f["code"]: f for f in bad["findings"]}
+    assert "reshard_band" not in codes, bad["findings"]
+    assert codes["resume_band"]["numbers"] == {
+        "attempt": 2, "step": again, "hosts": NEW_W, "previous_hosts": NEW_W,
+        "repeated": repeated, "skipped": int((read == 0).sum())}
+    assert codes["resharded"]["severity"] == "INFO"
 
 
 def test_replay_of_a_litdata_factory_equals_live(cli, elastic_run, tmp_path):

@@ -329,7 +329,7 @@ def test_resume_at_another_world_size_or_seed_is_a_clean_trap(tmp_path, mix, cas
 
 def test_resume_without_state_or_at_another_batch_named(tmp_path, mix):
     """2 ranks x 4 stop after 5 steps (40 instances consumed). Not restoring the loader state
-    starts epoch 1 again: those 40 are read twice, named from step 5 on. Resuming at a global
+    starts epoch 1 again: those 40 are read twice, the resume at step 5 named. Resuming at a global
     batch of 12 instances restores batches_processed = 40 // 12 = 3 batches of 12 (36): the 4
     instances 36..39 of the epoch's order are read twice, and the epoch's 160 instances cut to
     13 batches of 12 leave 4 unseen."""
@@ -337,8 +337,9 @@ def test_resume_without_state_or_at_another_batch_named(tmp_path, mix):
     resume(mix, tmp_path, "forgot", stop=stop, load_state=False)
     bad = reconcile(tmp_path / "forgot", mix, tmp_path / "rf")
     codes = {f["code"]: f for f in bad["findings"]}
-    assert bad["verdict"] == "FAIL" and "repeats_in_steps" in codes, bad["findings"]
-    assert codes["repeats_in_steps"]["numbers"]["first_step"] == stop
+    assert bad["verdict"] == "FAIL" and "resume_band" in codes, bad["findings"]
+    assert {k: codes["resume_band"]["numbers"][k] for k in ("step", "repeated", "skipped")} \
+        == {"step": stop, "repeated": consumed, "skipped": 0}
     assert bad["coverage"]["epoch_duplicates"] == consumed
     assert bad["coverage"]["epoch_duplicate_records"] == consumed
     assert bad["coverage"]["exposures"] == N + consumed and bad["coverage"]["never_seen"] == 0

@@ -246,17 +246,19 @@ def test_resume_without_load_state_dict_named_and_right_resume_passes(tmp_path, 
                                                                         one_process_group):
     """2 ranks x batch 4 stop after 10 steps (80 samples) and resume: forgetting
     load_state_dict starts epoch 0 again, so the 80 samples consumed before the checkpoint
-    are read twice: reconcile names `repeats_in_steps` from step 10 on, 80 within-epoch
-    repeats of 80 records (the resumed run ends the epoch, so nothing is unseen); loading the
-    state is PASS."""
+    are read twice: reconcile names the resume (`resume_band`, attempt 1 at step 10), 80
+    within-epoch repeats of 80 records (the resumed run ends the epoch, so nothing is unseen);
+    loading the state is PASS."""
     world, stop = 2, 10
     resume(tmp_path, mds, "forgot", load_state=False, world=world, stop=stop)
     resume(tmp_path, mds, "right", load_state=True, world=world, stop=stop)
     consumed = world * BS * stop
     bad = reconcile(tmp_path / "forgot", mds / "m.parquet", tmp_path / "rb")
     codes = {f["code"]: f for f in bad["findings"]}
-    assert bad["verdict"] == "FAIL" and "repeats_in_steps" in codes, bad["findings"]
-    assert codes["repeats_in_steps"]["numbers"]["first_step"] == stop  # the resume
+    assert bad["verdict"] == "FAIL" and "resume_band" in codes, bad["findings"]
+    assert codes["resume_band"]["numbers"] == {"attempt": 1, "step": stop, "hosts": world,
+                                               "previous_hosts": world, "repeated": consumed,
+                                               "skipped": 0}
     assert bad["coverage"]["epoch_duplicate_records"] == consumed
     assert bad["coverage"]["epoch_duplicates"] == consumed
     assert bad["coverage"]["exposures"] == N + consumed and bad["coverage"]["never_seen"] == 0

@@ -24,9 +24,9 @@ from tally.audit.core.exposure import Finding
 # Findings about records exposed more often than due: their evidence is where the repeats are.
 REPEATS = {"with_replacement", "no_sharding", "padding", "epoch_duplicates", "uneven_exposure",
            "loss_flattered", "repeats_on_hosts", "repeats_in_steps", "reshard_band",
-           "resharded", "batch_changed"}
+           "resharded", "batch_changed", "resume_band"}
 # ... and about records never consumed.
-SKIPS = {"with_replacement", "uneven_exposure", "reshard_band", "epoch_skipped",
+SKIPS = {"with_replacement", "uneven_exposure", "reshard_band", "resume_band", "epoch_skipped",
          "drop_remainder", "final_epoch_short", "files_unread", "host_gap"}
 # Integrity findings and the report's examples that show them.
 EXAMPLES = {"unknown_keys": "unknown", "hash_mismatch": "hash_mismatch",
@@ -84,7 +84,7 @@ class _Evidence:
             lo, hi = None, None
             if code == "repeats_in_steps":
                 lo, hi = n["first_step"], n["last_step"]
-            elif code in ("reshard_band", "resharded", "batch_changed"):
+            elif code in ("reshard_band", "resharded", "batch_changed", "resume_band"):
                 lo = n.get("step")
             out["steps"] = self.top_steps(lo, hi)
             named = n.get("hosts") if code == "repeats_on_hosts" else None

@@ -3,22 +3,16 @@ that point at it (docs/DESIGN.md, "Known ways loaders go wrong")."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from tally.audit.buckets.left_out import left_out_findings
 from tally.audit.core.exposure import Findings, independent_hosts
+from tally.audit.core.words import plural, were
 from tally.audit.reconcile import evidence
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """"1 step", "2 steps": the count with its noun agreeing (never "step(s)")."""
-    return f"{n:,} {word if n == 1 else many or word + 's'}"
-
-
-def _were(n: int) -> str:
-    return "was" if n == 1 else "were"
 
 
 def _pct(x: float) -> str:
@@ -38,7 +32,7 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
     bad_loss = r.get("metrics", {}).get("non_finite_losses", {})
     if bad_loss.get("count"):
         add("WARN", "non_finite_loss",
-            f"{plural(bad_loss['count'], 'loss value')} {_were(bad_loss['count'])} logged as NaN "
+            f"{plural(bad_loss['count'], 'loss value')} {were(bad_loss['count'])} logged as NaN "
             f"or infinite, the first at "
             f"step {bad_loss['first_step']}: the run diverged there, and its losses after it "
             "say nothing about the data", count=bad_loss["count"],
@@ -113,24 +107,6 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
     return [f.to_dict() for f in evidence.attach(out, r, steps)]
 
 
-def basis_differences(manifest_basis: str, run_bases: list[str]) -> list[str]:
-    """How the run's content bases (JSON, tally.pipeline.text.ContentBasis; none: unknown, never a
-    difference) differ from the manifest's ("": token ids), in words."""
-    from tally.audit.core.errors import CorpusError
-    from tally.pipeline.text import ContentBasis
-
-    want = ContentBasis.from_json(manifest_basis, "the manifest")
-    out: list[str] = []
-    for raw in run_bases:
-        try:
-            got = ContentBasis.from_json(raw, "the run's spool")
-        except CorpusError as exc:
-            out.append(str(exc))
-            continue
-        out += [d for d in want.differences(got) if d not in out]
-    return out
-
-
 def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
     """Repeats flattered the training loss: exposures beyond the ideal scored measurably lower
     than due ones in the same windows (tally.audit.reconcile.loss: z >= 3). How train and held-out
@@ -153,47 +129,6 @@ def _loss_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
         widened_by=None if g is None else g["widened_by"])
 
 
-def left_out_findings(cons: dict[str, Any], add: Callable[..., Any], *, whose: str = "this run",
-                      missing_from: str = "every number of this report",
-                      **numbers: Any) -> None:
-    """FAIL files_unreadable, FAIL run_id_reused and WARN duplicate_files from what
-    tally.audit.reconcile.report.files_left_out counted: how reconcile, diff and exposure say it."""
-    from tally.audit.ledger.ingest import is_reuse
-
-    def first(kind: str) -> str:
-        said = [s if len(s) < 240 else s[:237] + "..." for s in cons["skipped_files"]
-                if _left_out_kind(s, is_reuse) == kind]
-        return "; ".join(said[:3])
-
-    bad, dups = cons.get("unreadable_files", 0), cons.get("duplicate_files", 0)
-    reused = cons.get("reused_files", 0)
-    if bad:
-        add("FAIL", "files_unreadable",
-            f"{plural(bad, 'spool file')} of {whose} could not be read and {_were(bad)} left "
-            f"out: the rows they hold are missing from {missing_from}. {first('unreadable')}",
-            files=bad, **numbers)
-    if reused:
-        add("FAIL", "run_id_reused",
-            f"{plural(reused, 'spool file')} under the id of {whose} "
-            f"{'comes' if reused == 1 else 'come'} from another training (its run id reused "
-            f"after the spool was removed) and {_were(reused)} left out: the rows of that "
-            f"training are in none of {missing_from}; give it its own run id. "
-            f"{first('reused')}", files=reused, **numbers)
-    if dups:
-        add("WARN", "duplicate_files",
-            f"{plural(dups, 'spool file')} of {whose} {'repeats' if dups == 1 else 'repeat'} "
-            f"host-steps already read from another file "
-            f"(a copy of a file, or a writer restarted within its attempt); each host-step was "
-            f"counted once. {first('duplicate')}", files=dups, **numbers)
-
-
-def _left_out_kind(said: str, is_reuse: Callable[[str], bool]) -> str:
-    """'duplicate', 'reused' or 'unreadable', from one "path: why" example."""
-    why = said.split(": ", 1)[-1]
-    return "duplicate" if why.startswith("duplicate:") else \
-        "reused" if is_reuse(why) else "unreadable"
-
-
 def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
     """Causes, most specific first: what one host or one resume did (its own evidence in the
     steps), then what the whole run's exposure looks like, then where unexplained repeats sit,
@@ -202,10 +137,13 @@ def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
     n, total = cov["train_records"], cov["exposures"]
     if not n:
         return
-    explained = _host_findings(r, add)
-    explained |= _resume_findings(r, add)
+    by_hosts = _host_findings(r, add)
     dups = cov["epoch_duplicates"]
     off = total and (cov["excess_exposures"] or cov["missing_exposures"] or dups)
+    # A resume on the same topology is named only where neither a host nor the whole run's
+    # pattern accounts for what its steps did (asked without saying it).
+    explained = _resume_findings(r, add, lambda: by_hosts or bool(
+        off and _run_findings(r, lambda *a, **k: None))) or by_hosts
     if off and not explained:
         explained = _run_findings(r, add)
     if dups and not explained:
@@ -290,45 +228,170 @@ def _epoch_at(r: dict[str, Any], step: int) -> dict[str, Any] | None:
     return None
 
 
-def _resume_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
-    """A resume on another host count is the cause of what follows it: repeats after it and
-    records its epoch skipped, counted from the ledger. A global batch that changed with it is
-    a consequence, reported beside it. A resume the ledger shows to be clean (nothing repeated,
-    its epoch complete with nothing skipped) is not flagged; one whose epoch is still going is
-    a warning until the epoch ends."""
-    found = False
+@dataclasses.dataclass(eq=False)
+class _Resume:
+    """A resumed attempt and its band: the steps it consumed in the surviving lineage, from its
+    resume step to the step a later attempt resumed at (`end`, exclusive; None: the run's
+    last), and what the steps just before it (the band it continues, within its epoch when
+    that epoch began before it) repeated."""
+
+    attempt: int
+    step: int
+    end: int | None
+    hosts: int
+    previous_hosts: int | None
+    epoch: dict[str, Any] | None
+    repeated: int  # within-epoch repeats at its steps
+    repeated_before: int  # ... at the steps it continues
+    change: dict[str, Any] | None  # the global batch changed at its step
+    last_step: int  # its band's last step (below `step`: rolled back whole)
+    own: bool = False  # its consumption went wrong: the epoch's skipped records can be its
+    skipped: int | None = None  # records of its epoch charged to it; None: epoch still going
+    skipped_by: _Resume | None = None  # the later resume its epoch's skipped records went to
+
+    @property
+    def resharded(self) -> bool:
+        return self.previous_hosts is not None and self.previous_hosts != self.hosts
+
+    @property
+    def steps(self) -> str:
+        return "no step" if self.last_step < self.step else _steps(
+            {"first_step": self.step, "last_step": self.last_step})
+
+    def lost(self) -> str:
+        """What its epoch skipped, as far as it is this resume's."""
+        e = self.epoch
+        if self.skipped is None or e is None:
+            return "its epoch is still going, so records it skips are not known yet"
+        if self.skipped_by is not None:
+            by = self.skipped_by
+            return (f"the {plural(e['skipped'], 'record')} epoch {e['epoch']} skipped are "
+                    f"attempt {by.attempt}'s (resumed at step {by.step})")
+        if not self.skipped:
+            return f"no record of epoch {e['epoch']} skipped"
+        return f"{self.skipped:,} records of epoch {e['epoch']} skipped"
+
+
+def _resumes(r: dict[str, Any]) -> list[_Resume]:
+    """Every resumed attempt with its band. A later attempt resumed at step t rolls back every
+    earlier row at t or after, so a band ends at the lowest later resume step; the band a
+    resume continues is the latest earlier one that began before it."""
     restarts = [x for x in r["restarts"] if x["resumed_from_step"] is not None]
     changes = {c["step"]: c for c in r.get("batch_changes", [])}
+    first, last = r["consumption"].get("first_step"), r["consumption"].get("last_step")
+    out = []
     for i, rs in enumerate(restarts):
-        s, prev, now = rs["resumed_from_step"], rs.get("previous_host_count"), rs["host_count"]
-        nxt = restarts[i + 1]["resumed_from_step"] if i + 1 < len(restarts) else None
-        change = changes.get(s)
-        repeated = _repeats_between(r, s, nxt)
+        s = rs["resumed_from_step"]
+        end = min((x["resumed_from_step"] for x in restarts[i + 1:]), default=None)
+        if end is not None:
+            end = max(end, s)  # rolled back whole: an empty band
+        lo = max((x["resumed_from_step"] for x in restarts[:i] if x["resumed_from_step"] < s),
+                 default=s if first is None else min(first, s))
         epoch = _epoch_at(r, s)
-        skipped = epoch["skipped"] if epoch is not None else None
-        if prev is not None and prev != now:
-            lost = ("its epoch is still going, so records it skips are not known yet"
-                    if skipped is None else f"{skipped:,} records of epoch {epoch['epoch']} "
-                    "skipped")
-            if repeated or skipped:
+        if epoch is not None and lo < epoch["first_step"] < s:
+            lo = epoch["first_step"]
+        out.append(_Resume(rs["attempt"], s, end, rs["host_count"],
+                           rs.get("previous_host_count"), epoch, _repeats_between(r, s, end),
+                           _repeats_between(r, lo, s), changes.get(s),
+                           (s - 1 if last is None else last) if end is None else end - 1))
+    return out
+
+
+def _charge(r: dict[str, Any], resumes: list[_Resume], others_explain: Callable[[], bool]
+            ) -> None:
+    """Which resumes went wrong (`own`) and whose each epoch's skipped records are
+    (`skipped`, `skipped_by`).
+
+    A resume on another topology that repeated records went wrong (as before), and so did one
+    at another global batch on the same hosts. So did one on the same topology whose steps
+    repeated records while the steps it continues repeated none, unless something else
+    explains the repeats (`others_explain`: a host's own fault, a pattern of the whole run's
+    exposure such as padding at an epoch's end or sampling with replacement): a correct
+    resume continues where the checkpoint left off and re-reads nothing.
+
+    The records an epoch skipped were skipped by the last resume in it that went wrong: it
+    restored a position that claims as consumed records no earlier band consumed, whatever
+    earlier resumes did (a record still unread when it resumed is unread because it jumped
+    past it). With none, by the epoch's last reshard (a restore on another topology that
+    repeated nothing may still skip); with none either, by a same-topology resume only when
+    the epoch ended and the epochs the run finished without a resume skipped nothing (the
+    loader on its own skips none)."""
+    unexplained: list[bool] = []
+
+    def may_charge() -> bool:
+        if not unexplained:
+            unexplained.append(not others_explain())
+        return unexplained[0]
+
+    for x in resumes:
+        if x.resharded:
+            x.own = bool(x.repeated)
+        elif x.change is not None:  # a position recomputed at another batch: never right
+            x.own = True
+        elif x.repeated and not x.repeated_before:
+            x.own = may_charge()
+    at_resume = {id(x.epoch) for x in resumes if x.epoch is not None}
+    finished = [e for e in r.get("epochs", []) if e["complete"] and id(e) not in at_resume]
+    loader_skips_none = bool(finished) and not any(e["skipped"] for e in finished)
+    for e in r.get("epochs", []):
+        here = [x for x in resumes if x.epoch is e]
+        k = e["skipped"]
+        for x in here:
+            x.skipped = k
+        if not k or not here:
+            continue
+        guilty = [x for x in here if x.own] or [x for x in here if x.resharded] or [
+            x for x in here if not x.repeated and e["complete"] and loader_skips_none
+            and may_charge()]
+        if not guilty:
+            continue
+        last = max(guilty, key=lambda x: (x.step, x.attempt))
+        last.own = True
+        for x in here:
+            if x is not last:
+                x.skipped, x.skipped_by = 0, last
+
+
+def _resume_findings(r: dict[str, Any], add: Callable[..., Any],
+                     others_explain: Callable[[], bool]) -> bool:
+    """What each resume did, counted from the ledger: the repeats at its own steps and the
+    records its epoch skipped that are its (`_charge`). A resume on another host count that
+    went wrong is `reshard_band`, with a global batch that changed with it reported beside it
+    as a consequence; one at another global batch on the same hosts is `batch_changed`; one on
+    the same topology is `resume_band`. A reshard the ledger shows to be clean (nothing
+    repeated, none of its epoch's skipped records its) is not flagged; one whose epoch is still
+    going is a warning until the epoch ends."""
+    found = False
+    resumes = _resumes(r)
+    _charge(r, resumes, others_explain)
+    for x in resumes:
+        s, prev, now, change = x.step, x.previous_hosts, x.hosts, x.change
+        repeated, skipped, epoch = x.repeated, x.skipped, x.epoch
+        if x.resharded:
+            if x.own:
                 add("FAIL", "reshard_band",
-                    f"attempt {rs['attempt']} resumed at step {s} on {now} hosts (was {prev}): "
+                    f"attempt {x.attempt} resumed at step {s} on {now} hosts (was {prev}): "
                     "per-host loader states were restored on another topology; "
                     f"{repeated:,} exposures repeated records already seen in their epoch, "
-                    f"{lost}", attempt=rs["attempt"], step=s, hosts=now, previous_hosts=prev,
+                    f"{x.lost()}", attempt=x.attempt, step=s, hosts=now, previous_hosts=prev,
                     repeated=repeated, skipped=skipped)
                 found = True
             elif skipped is None:
                 add("WARN", "resharded",
-                    f"attempt {rs['attempt']} resumed at step {s} on {now} hosts (was {prev}); "
+                    f"attempt {x.attempt} resumed at step {s} on {now} hosts (was {prev}); "
                     "nothing repeated so far, but a skipped band only shows when its epoch "
-                    "ends: check it with tally preflight", attempt=rs["attempt"], step=s,
+                    "ends: check it with tally preflight", attempt=x.attempt, step=s,
                     hosts=now, previous_hosts=prev)
+            elif x.skipped_by is not None:
+                add("INFO", "resharded",
+                    f"attempt {x.attempt} resumed at step {s} on {now} hosts (was {prev}); "
+                    f"nothing it consumed ({x.steps}) repeated a record, and {x.lost()}: the "
+                    "reshard itself was clean", attempt=x.attempt, step=s)
             else:
                 add("INFO", "resharded",
-                    f"attempt {rs['attempt']} resumed at step {s} on {now} hosts (was {prev}); "
+                    f"attempt {x.attempt} resumed at step {s} on {now} hosts (was {prev}); "
                     f"its epoch ({epoch['epoch']}) ended with every record seen once: the "
-                    "reshard was clean", attempt=rs["attempt"], step=s)
+                    "reshard was clean", attempt=x.attempt, step=s)
             if change is not None:
                 add("FAIL" if found else "WARN", "batch_changed",
                     f"with it, the global batch changed from {change['before']} to "
@@ -341,6 +404,23 @@ def _resume_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
                 f"record ({repeated:,} exposures repeated records after it"
                 + ("" if skipped is None else f", {skipped:,} records of its epoch skipped")
                 + ")", **change, repeated=repeated, skipped=skipped)
+            found = True
+        elif x.own:
+            hosts = f"the same {plural(now, 'host')}" if prev == now else plural(now, "host")
+            if repeated:
+                said = (f"{repeated:,} exposures at its {x.steps} repeated records already "
+                        f"seen in their epoch, where the steps before it repeated none; "
+                        f"{x.lost()}: its loader did not continue where the checkpoint left "
+                        "off (no state restored, or a stale or partial one)")
+            else:
+                said = (f"nothing it consumed repeated a record, but {x.lost()} while the "
+                        "epochs the run finished without a resume skipped none: its restored "
+                        "position was ahead of what had been consumed (a state saved after "
+                        "batches were read ahead, or from a later step)")
+            add("FAIL", "resume_band",
+                f"attempt {x.attempt} resumed at step {s} on {hosts}: {said}",
+                attempt=x.attempt, step=s, hosts=now, previous_hosts=prev, repeated=repeated,
+                skipped=skipped)
             found = True
     return found
 
@@ -394,7 +474,7 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     if unread and len(unread) < len(r["sources"]):
         k = sum(s["records"] for s in unread)
         add("FAIL", "files_unread",
-            f"{plural(len(unread), 'corpus file')} {_were(len(unread))} never read ({k:,} records: "
+            f"{plural(len(unread), 'corpus file')} {were(len(unread))} never read ({k:,} records: "
             + ", ".join(s["source"] for s in unread[:5])
             + "): file-level sharding with a file count not divisible by the host count",
             files=len(unread), records=k)
@@ -520,7 +600,7 @@ def _epoch_findings(r: dict[str, Any], add: Callable[..., Any], explained: bool)
         else:
             skipped = sum(e["skipped"] for e in done)
             add("FAIL", "epoch_skipped",
-                f"{plural(skipped, 'record')} {_were(skipped)} never consumed in "
+                f"{plural(skipped, 'record')} {were(skipped)} never consumed in "
                 f"{'the epoch' if len(done) == 1 else 'epochs'} the run has finished ("
                 + ", ".join(f"epoch {e['epoch']}: {e['skipped']:,}" for e in done[:5])
                 + "): the loader skipped them", records=skipped,
