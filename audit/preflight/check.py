@@ -41,6 +41,8 @@ from tally.pipeline.progress import Progress
 from tally.pipeline.shadow import Cancelled, ShadowSource, default_workers, shadow_run
 
 DEFAULT_MAX_HORIZON = 1000
+
+
 def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """The JSON `meta` item of an orbax checkpoint (tally.trainer.checkpoint): of the latest step of
     a checkpoint directory, or of one step's directory."""
@@ -162,13 +164,12 @@ def run_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str | Path
     cfg = loader_config or _saved_config(state0, where)
     if global_batch is not None:
         cfg = dataclasses.replace(cfg, global_batch=global_batch)
+    resume = _Resume(run_id, source, step, loaders, cfg, new_hosts, horizon, workers, cancel)
     with Progress(f"preflight {run_id}", progress) as bar:
         if isinstance(ledger, Ledger):
-            return _check(ledger, run_id, source, step, loaders, cfg, new_hosts, horizon,
-                          workers, t0, cancel, bar)
+            return _check(ledger, resume, t0, bar)
         with Ledger(_existing(ledger), read_only=True) as opened:
-            return _check(opened, run_id, source, step, loaders, cfg, new_hosts, horizon,
-                          workers, t0, cancel, bar)
+            return _check(opened, resume, t0, bar)
 
 
 def _existing(path: str | Path) -> Path:
@@ -184,10 +185,29 @@ def _saved_config(state: dict[str, Any], where: str) -> LoaderConfig:
         raise TallyError(f"{where}: the saved loader config is not a LoaderConfig: {exc}") from None
 
 
-def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders: dict,
-           cfg: LoaderConfig, new_hosts: int, horizon: int | None, workers: int | None,
-           t0: float, cancel: threading.Event | None = None,
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """What the check is asked: may `run_id` resume from the checkpoint at `step` (its hosts'
+    loader states, `loaders`) on `new_hosts` hosts with loader config `cfg`, its plan shadow-run
+    over `source` for `horizon` steps (None: to the epoch's end) by `workers` processes (None:
+    as many as help); setting `cancel` stops the shadow run."""
+
+    run_id: str
+    source: ShadowSource
+    step: int
+    loaders: dict
+    cfg: LoaderConfig
+    new_hosts: int
+    horizon: int | None
+    workers: int | None
+    cancel: threading.Event | None = None
+
+
+def _check(ledger: Ledger, resume: _Resume, t0: float,
            bar: Progress | None = None) -> PreflightVerdict:
+    run_id, source, step, loaders, cfg = (resume.run_id, resume.source, resume.step,
+                                          resume.loaders, resume.cfg)
+    new_hosts, horizon, workers = resume.new_hosts, resume.horizon, resume.workers
     bar = bar or Progress("", enabled=False)
     bar.stage("reading the ledger")
     state0 = loaders["0"]
@@ -269,7 +289,7 @@ def _check(ledger: Ledger, run_id: str, source: ShadowSource, step: int, loaders
         try:
             plans, steps = shadow_run(source, cfg, new_hosts, states, steps=steps,
                                       until_epoch=epoch, to_epoch_end=horizon is None,
-                                      workers=workers, cancel=cancel)
+                                      workers=workers, cancel=resume.cancel)
         except Cancelled:
             raise
         except Exception as exc:  # a forced state that does not fit this pipeline at all

@@ -86,13 +86,13 @@ def run_loader_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str
     from tally.pipeline.manifest_file import manifest_info
 
     n = int(manifest_info(manifest)["train_records"])
-    args = (run_id, n, loader, new_hosts, at_step, states, horizon, ranks_per_node, t0)
+    relaunch = _Relaunch(run_id, n, loader, new_hosts, at_step, states, horizon, ranks_per_node)
     if isinstance(ledger, Ledger):
-        return _check(ledger, *args)
+        return _check(ledger, relaunch, t0)
     if not Path(ledger).is_file():
         raise TallyError(f"no ledger at {ledger}")
     with Ledger(ledger, read_only=True) as opened:
-        return _check(opened, *args)
+        return _check(opened, relaunch, t0)
 
 
 @dataclass
@@ -320,9 +320,27 @@ def _litdata_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
                  ll.epoch_remainder(n, first, new_hosts, old.get(0)))
 
 
-def _check(ledger: Ledger, run_id: str, n: int, spec: str, new_hosts: int,
-           at_step: int | None, states: str | Path | None, horizon: int | None,
-           ranks_per_node: int, t0: float) -> PreflightVerdict:
+@dataclass(frozen=True)
+class _Relaunch:
+    """What the check is asked: may `run_id` (`n` train records an epoch) go on with the
+    loaders the factory `spec` makes on `new_hosts` hosts (`ranks_per_node` a node: Streaming),
+    restored from `states` or fresh at `at_step`, planned for `horizon` steps (None: to the
+    next multiple of N exposures, at most DEFAULT_MAX_HORIZON)?"""
+
+    run_id: str
+    n: int
+    spec: str
+    new_hosts: int
+    at_step: int | None
+    states: str | Path | None
+    horizon: int | None
+    ranks_per_node: int
+
+
+def _check(ledger: Ledger, relaunch: _Relaunch, t0: float) -> PreflightVerdict:
+    run_id, n, spec, new_hosts = relaunch.run_id, relaunch.n, relaunch.spec, relaunch.new_hosts
+    at_step, states, horizon = relaunch.at_step, relaunch.states, relaunch.horizon
+    ranks_per_node = relaunch.ranks_per_node
     cur = ledger.cursor()
     try:
         row = one(cur, "SELECT run FROM runs WHERE run_id = ?", [run_id])
