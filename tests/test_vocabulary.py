@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from tally.api.app import create_app
+from tally.audit.core.words import plural
 from tally.audit.extras import version
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
-from tally.audit.reconcile.verdict import plural
 from tally.audit.render.vocabulary import CHARTS, HEATMAP_FONT_PX, PALETTE
 from tests.support.api import Server, poll
 from tests.support.browser import Browser, chromium, needs_chromium

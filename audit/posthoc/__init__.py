@@ -1,10 +1,13 @@
-"""Post-hoc audits, after a run: did two runs consume the same data (`diff`, a Beam job over
-reconcile's record-key buckets), and which runs consumed these documents (`exposure`)?
-The answers the live API gives for one ledger are in `answers`."""
+"""Post-hoc audits, after a run: did two runs consume the same data (`diff`, a Beam job on the
+bucket jobs' floor, tally.audit.buckets), and which runs consumed these documents (`exposure`)?
+The answers the live API gives for one ledger are in `answers`.
+
+What the rest of Tally may use: `diff` and `exposure` (the two audits, loaded on use), `sources`
+(`SOURCE:RUN`), `diff_report` (its `summary`) and `answers`."""
 
 from typing import Any
 
-__all__ = ["diff", "exposure"]
+__all__ = ["answers", "diff", "diff_report", "exposure", "sources"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: the live answers load without Beam

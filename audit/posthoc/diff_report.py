@@ -21,16 +21,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tally.audit.buckets.left_out import files_left_out
+from tally.audit.buckets.left_out import files_left_out, left_out_findings
 from tally.audit.buckets.partials import Partial
+from tally.audit.buckets.plan import basis_differences
 from tally.audit.core import exposure
 from tally.audit.core.arrays import json_default
 from tally.audit.core.exposure import Coverage, Findings, verdict
+from tally.audit.core.words import plural
 from tally.audit.hook.spool import replayed_run
 from tally.audit.posthoc.diff_bucket import RUNS, DiffPartial
 from tally.audit.posthoc.multiset import jaccard
 from tally.audit.provenance import plan_fingerprint, provenance
-from tally.audit.reconcile.verdict import basis_differences, left_out_findings, plural
 
 DIFF_VERSION = 1
 STATUS = ("identical", "same_data_other_order", "different")

@@ -538,10 +538,9 @@ def exposure(*, manifest: str | Path, docs: str | Path, runs: list[str], out: st
     With `eos_token_id`, the manifest is an OLMo mix's (built from its index) and a document
     matches the instances that hold its tokens: every run of tokens between two EOS tokens of
     the mix with the document's content (`tally.pipeline.olmo.find_documents`)."""
-    from tally.audit.buckets.left_out import files_left_out
+    from tally.audit.buckets.left_out import files_left_out, left_out_findings
     from tally.audit.ledger.database import Ledger
     from tally.audit.ledger.queries import quarantined_of, replayed_of, run_of
-    from tally.audit.reconcile.verdict import left_out_findings
 
     if (spool is None) == (ledger is None):
         raise TallyError("give exactly one of --spool or --ledger")

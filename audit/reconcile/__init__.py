@@ -1,10 +1,14 @@
-"""Reconcile: a run's consumption against the corpus manifest, as a Beam job (job), over a plan
-of inputs and key buckets (plan), with typed partial results (partials), and the report it
-writes (report, html, verdict)."""
+"""Reconcile: a run's consumption against the corpus manifest, as a Beam job (job) on the bucket
+jobs' floor (tally.audit.buckets: plan, bucket files, typed partials, the shared stages), with
+the per-bucket statistics (bucket_stats) and the report it writes (report, html, verdict,
+evidence, loss).
+
+What the rest of Tally may use: `reconcile` (the job, loaded on use), `report` (its `summary`),
+`html` (`served`: report.html as the service serves it) and `load` (a report read back)."""
 
 from typing import Any
 
-__all__ = ["reconcile"]
+__all__ = ["html", "load", "reconcile", "report"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: the report and bucket maths load without Beam

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from tally.audit.buckets import host_steps
 from tally.audit.buckets.left_out import files_left_out
 from tally.audit.buckets.partials import Partial, Spans
-from tally.audit.buckets.plan import Plan
+from tally.audit.buckets.plan import Plan, basis_differences
 from tally.audit.core import exposure
 from tally.audit.core.arrays import json_default
 from tally.audit.core.exposure import Coverage, verdict
@@ -23,7 +23,7 @@ from tally.audit.hook.spool import replayed_run
 from tally.audit.provenance import plan_fingerprint, provenance
 from tally.audit.reconcile import loss
 from tally.audit.reconcile.html import render_html, segment_files
-from tally.audit.reconcile.verdict import basis_differences, findings
+from tally.audit.reconcile.verdict import findings
 from tally.audit.render.charts import step_or_none
 
 REPORT_VERSION = 1
