@@ -5,4 +5,14 @@
 - `schema`: the segment and metric columns, from which every file and table layout derives.
 - `exposure`: which rows count, what an exposure is, the ideal and the distance from it, the
   coverage answer and the finding record.
+- `arrays`: array helpers of the numpy-vectorised jobs.
+- `paths`: output paths checked before work starts, and the one way a file is published.
+- `logs`: Tally's log lines on stderr, in their two formats.
+- `allocator`: the C allocator's settings for Tally's own processes.
+- `words`: how Tally's lines say a count (the noun and the verb agreeing with it).
+
+The public face (`__all__`): every module; the siblings import from them.
 """
+
+__all__ = ["allocator", "arrays", "errors", "exposure", "hashing", "logs", "paths", "schema",
+           "words"]
