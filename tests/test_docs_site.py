@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.support import ROOT
-from tests.test_readme import pages
+from tests.test_readme import pages, slug
 
 # What would make a page fetch from another host: a script, a stylesheet, an import in CSS,
 # a web font service.
@@ -55,15 +55,9 @@ def test_every_page_is_in_the_nav_and_every_guide_is_linked_from_readme():
     assert all(f"(docs/guides/{p.name})" in readme for p in (docs / "guides").glob("*.md"))
 
 
-def _slug(heading: str) -> str:
-    """A heading's anchor as GitHub (and MkDocs' toc, for these headings) makes it."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
-
-
 def _anchors(page: Path) -> set[str]:
     text = FENCED.sub("", page.read_text())
-    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
 
 
 def test_relative_links_lead_to_files_and_headings_that_exist():

@@ -1,11 +1,13 @@
 """The manual's code blocks, all of them: README.md's, then each docs page's in the site's nav
-order (mkdocs.yml; a page may use what an earlier one made), run in order in one empty
-directory, as a reader would.
+order (mkdocs.yml; a page may use what an earlier one made), run in order as a reader would.
 
-Blocks marked `bash cluster` need a cluster (Dask scheduler, Dataflow, Flink, Spark): each of
-their commands is parsed by the real CLI and its Beam options by Beam's own parser. The first
-two blocks are README's set-up commands: the demo they end in is run by tests/test_cli.py and
-the test command is what .ci/run runs.
+They run in two directories, one test each, so that pytest-xdist's two workers share them
+(`--dist loadfile`): the tour and all that builds on it here, and the sections in APART, which
+make their own corpora and datasets, in tests/test_manual_apart.py. Blocks marked `bash cluster`
+need a cluster (Dask scheduler, Dataflow, Flink, Spark): each of their commands is parsed by the
+real CLI and its Beam options by Beam's own parser. The first two blocks are README's set-up
+commands: the demo they end in is run by tests/test_cli.py and the test command is what .ci/run
+runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from tally.audit.cli import parse
@@ -24,6 +27,36 @@ from tests.support import ROOT
 BLOCK = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```$", re.M | re.S)
 SETUP = ("python3.11 -m venv .venv && .venv/bin/pip install -e '.[all]' && .venv/bin/tally demo",
          "python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest -q")
+
+
+# Sections that build on nothing the tour made, by page and heading anchor (a page's own path
+# alone: all of it). A block belongs to the headings above it; these run apart, in order.
+APART = {
+    "docs/guides/corpus.md": (),
+    "docs/guides/attach.md": ("hugging-face-datasets", "mosaicml-streaming", "litdata",
+                              "olmo-core", "attaching-tally-to-a-grain-dataloader"),
+}
+HEADING = re.compile(r"^(#{1,6}) (.+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    lang: str
+    attrs: str  # the fence's words after the language
+    code: str
+    sections: tuple[str, ...]  # the anchors of the headings it is under, outermost first
+
+    @property
+    def apart(self) -> bool:
+        where = str(self.page.relative_to(ROOT))
+        return where in APART and (not APART[where] or bool(set(APART[where])
+                                                             & set(self.sections)))
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor, as GitHub (and MkDocs' toc, for the manual's headings) makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def pages() -> list[Path]:
@@ -41,14 +74,29 @@ def pages() -> list[Path]:
     return ordered + sorted(set(docs.rglob("*.md")) - set(ordered))
 
 
-def page_blocks() -> list[tuple[Path, str, str, str]]:
-    """(page, language, the fence's other words, code) for every block of the manual."""
-    return [(page, m.group(1), m.group(2).strip(), m.group(3)) for page in pages()
-            for m in BLOCK.finditer(page.read_text())]
+def page_blocks() -> list[Block]:
+    """Every block of the manual, in the order they run."""
+    found = []
+    for page in pages():
+        text = page.read_text()
+        fences = [(m.start(), m.end()) for m in BLOCK.finditer(text)]
+        headings = [(m.start(), len(m.group(1)), slug(m.group(2)))
+                    for m in HEADING.finditer(text)
+                    if not any(a <= m.start() < b for a, b in fences)]
+        for m in BLOCK.finditer(text):
+            stack: list[tuple[int, str]] = []
+            for at, level, anchor in headings:
+                if at > m.start():
+                    break
+                stack = [h for h in stack if h[0] < level] + [(level, anchor)]
+            found.append(Block(page, m.group(1), m.group(2).strip(), m.group(3),
+                               tuple(a for _, a in stack)))
+    return found
 
 
 def blocks() -> list[tuple[str, str, str]]:
-    return [(lang, attrs, code) for _, lang, attrs, code in page_blocks()]
+    """(language, the fence's other words, code) for every block of the manual."""
+    return [(b.lang, b.attrs, b.code) for b in page_blocks()]
 
 
 def test_readme_opens_with_the_two_setup_commands():
@@ -84,38 +132,56 @@ def _free_port() -> int:
     return free_port()
 
 
-def test_every_block_runs_in_order(tmp_path):
+def run_in_order(chosen: list[Block], cwd: Path) -> dict[str, int]:
+    """Run the blocks one after another in cwd, as a reader would; a block ending in `&` keeps
+    running in the background until the last is done. What ran, by kind."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "PYTHONPATH": str(ROOT)}
     port = str(_free_port())
     background: list[subprocess.Popen] = []
     ran = {"bash": 0, "python": 0, "cluster": 0}
     try:
-        for page, lang, attrs, code in page_blocks()[2:]:
-            where = page.relative_to(ROOT)
+        for block in chosen:
+            where, lang, code = block.page.relative_to(ROOT), block.lang, block.code
             code = code.replace("8000", port)
-            if lang == "bash" and attrs == "cluster":
+            if lang == "bash" and block.attrs == "cluster":
                 ran["cluster"] += _check_cluster_commands(code)
                 continue
             assert lang in ("bash", "python"), f"{where}: a block in {lang!r}: nothing runs it"
             if lang == "bash" and code.rstrip().endswith("&"):
                 background.append(subprocess.Popen(
-                    ["bash", "-c", code.rstrip()[:-1]], cwd=tmp_path, env=env,
+                    ["bash", "-c", code.rstrip()[:-1]], cwd=cwd, env=env,
                     start_new_session=True))
                 continue
             cmd = (["bash", "-euo", "pipefail", "-c", code] if lang == "bash"
                    else [sys.executable, "-c", code])
-            done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+            done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                                   timeout=600)
             assert done.returncode == 0, (
-                f"{where}: {lang} block failed:\n{code}\n--- stdout\n{done.stdout[-3000:]}"
-                f"\n--- stderr\n{done.stderr[-3000:]}")
+                f"{where} ({'/'.join(block.sections)}): {lang} block failed:\n{code}\n"
+                f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
             ran[lang] += 1
     finally:
         for p in background:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(30)
-    assert ran["bash"] >= 6 and ran["python"] >= 4 and ran["cluster"] >= 6, ran
+    return ran
+
+
+def test_the_sections_run_apart_are_still_there():
+    """APART names sections by their anchors: one renamed or moved would run with the tour."""
+    every = page_blocks()[2:]
+    for where, anchors in APART.items():  # a renamed heading must not leave its blocks here
+        found = {a for b in every if str(b.page.relative_to(ROOT)) == where for a in b.sections}
+        assert (ROOT / where).exists() and set(anchors) <= found, (where, set(anchors) - found)
+    kinds = [("cluster" if b.attrs == "cluster" else b.lang) for b in every]
+    assert kinds.count("bash") >= 10 and kinds.count("python") >= 8 and kinds.count(
+        "cluster") >= 3, kinds
+
+
+def test_the_tour_and_what_builds_on_it_run_in_order(tmp_path):
+    ran = run_in_order([b for b in page_blocks()[2:] if not b.apart], tmp_path)
+    assert ran["bash"] >= 6 and ran["python"] >= 4 and ran["cluster"] >= 1, ran
     # What the blocks made is real: the tour's report, the verdicts, the attached loops' spools.
     import json
 
