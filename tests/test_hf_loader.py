@@ -270,19 +270,29 @@ def test_forgotten_split_named_and_split_passes(tmp_path):
 SHARDS, WORKERS, ITER_BS = 4, 2, 6
 
 
-def make_iterable_loader(host: int, hosts: int) -> StatefulDataLoader:
-    """The factory `tally replay` calls for an IterableDataset: the saved keyed dataset
-    (TALLY_TEST_HF) made iterable in SHARDS shards, shuffled (unless TALLY_TEST_SHUFFLE=0),
-    split by node, in a StatefulDataLoader with workers."""
+def saved_stream(host: int, hosts: int, shuffle: bool) -> datasets.IterableDataset:
+    """Node `host` of the saved keyed dataset (TALLY_TEST_HF) made iterable in SHARDS shards,
+    shuffled or not."""
     full = datasets.load_from_disk(os.environ["TALLY_TEST_HF"])
     stream = full.to_iterable_dataset(num_shards=SHARDS)
-    if os.environ.get("TALLY_TEST_SHUFFLE", "1") == "1":
+    if shuffle:
         # Each shard through its own buffer (datasets 5 would interleave them into one): the
         # shards stay apart, for the split and the workers.
         stream = stream.shuffle(seed=5, buffer_size=8, max_buffer_input_shards=1)
-    stream = stream.with_format("torch")
-    return StatefulDataLoader(split_dataset_by_node(stream, rank=host, world_size=hosts),
-                              batch_size=ITER_BS, num_workers=WORKERS)
+    return split_dataset_by_node(stream.with_format("torch"), rank=host, world_size=hosts)
+
+
+def make_iterable_loader(host: int, hosts: int) -> StatefulDataLoader:
+    """The factory `tally replay` calls for an IterableDataset: `saved_stream`, shuffled unless
+    TALLY_TEST_SHUFFLE=0, in a StatefulDataLoader with workers."""
+    shuffle = os.environ.get("TALLY_TEST_SHUFFLE", "1") == "1"
+    return StatefulDataLoader(saved_stream(host, hosts, shuffle), batch_size=ITER_BS,
+                              num_workers=WORKERS)
+
+
+def make_plain_iterable_loader(host: int, hosts: int) -> DataLoader:
+    """A plain torch DataLoader, no workers, over `saved_stream` unshuffled."""
+    return DataLoader(saved_stream(host, hosts, shuffle=False), batch_size=ITER_BS)
 
 
 def live_iterable_run(d: Path, shuffle: bool, n: int = 60, hosts: int = 2, cut: int = 2
@@ -426,3 +436,49 @@ def test_iterable_replay_refusals_are_one_line(cli, iterable_run, tmp_path):  # 
     finally:
         os.environ.pop("TALLY_TEST_HF")
     assert set(batch) == {"tally_key"} and batch["tally_key"].shape == (ITER_BS,)
+
+
+def test_iterable_replay_of_a_plain_loader_across_epochs(cli, tmp_path):  # noqa: F811
+    """A plain DataLoader (no workers; its audited state is the dataset's) over a split
+    IterableDataset for three epochs, the loop calling set_epoch (datasets reorders the shards
+    by epoch), a state saved 2 steps into the third: replay from the beginning writes every
+    epoch as the live run read it, and from the state the rest of the third (the state's epoch
+    set on the dataset before it is restored, as the job sets it)."""
+    from tally.audit.cli import main
+
+    n, hosts = 60, 2
+    token_dataset(n, keyed=True).save_to_disk(str(tmp_path / "hf"))
+    assert main(["manifest", str(tmp_path / "hf"), "-o", str(tmp_path / "m.parquet"), "-q",
+                 "--tokens-field", "input_ids"]) == 0
+    (tmp_path / "states").mkdir()
+    os.environ["TALLY_TEST_HF"] = str(tmp_path / "hf")
+    try:
+        for h in range(hosts):
+            loader = hf_datasets.audited(make_plain_iterable_loader(h, hosts),
+                                         tmp_path / "live", "r", fsync=False,
+                                         records_per_epoch=n)
+            for epoch in range(3):
+                loader.dataset.set_epoch(epoch)
+                for k, _ in enumerate(loader):
+                    if (epoch, k) == (2, 1):
+                        (tmp_path / "states" / f"dataloader_{h}-of-{hosts}.json").write_text(
+                            json.dumps(loader.state_dict()))
+            loader.writer.finish()
+    finally:
+        os.environ.pop("TALLY_TEST_HF")
+    live = spool_table(tmp_path / "live")
+    assert live["step"].to_pylist()[-1] == 14 and set(live["epoch"].to_pylist()) == {0, 1, 2}
+    order = {e: live.filter(pa.compute.equal(live["epoch"], e))["record_key"].to_pylist()
+             for e in (0, 2)}
+    assert order[0] != order[2], order  # datasets' shard order of epoch 2 is not epoch 0's
+    args = ["replay", "--loader", "tests.test_hf_loader:make_plain_iterable_loader", "--hosts",
+            str(hosts), "--run", "r", "--manifest", str(tmp_path / "m.parquet"), "--json"]
+    env = {"TALLY_TEST_HF": str(tmp_path / "hf")}
+    code, _, err = cli(*args, "--steps", "15", "--spool", str(tmp_path / "r0"), **env)
+    assert code == 0, err
+    assert spool_table(tmp_path / "r0").equals(live)
+    code, out, err = cli(*args, "--steps", "3", "--spool", str(tmp_path / "r1"), "--states",
+                         str(tmp_path / "states"), **env)
+    assert code == 0, err
+    assert spool_table(tmp_path / "r1").equals(
+        live.filter(pa.compute.greater_equal(live["step"], 12)))
