@@ -138,7 +138,7 @@ def contract_of(loader: grain.DataLoader) -> Contract:
                 "no longer names one record, so Tally cannot read the keys from the loader. "
                 "Filter in the data source or the sampler instead, or carry the record key "
                 "through the pipeline and write batches with LedgerWriter.write_batch "
-                "(README: 'Attaching Tally to your own loop')")
+                "(docs/guides/attach.md: 'Attaching Tally to your own loop')")
     if batch is None:
         raise AttachError("the loader has no Batch operation: Tally records batches (add "
                           "grain.transforms.Batch(batch_size=...) as the last operation)")
@@ -496,7 +496,8 @@ def source_indices(ds: grain.MapDataset, idx: np.ndarray) -> tuple[np.ndarray, A
                 f"{name} in the MapDataset pipeline changes which record an index names "
                 "(filter, flat map, mix, window shuffle, zip): carry the record key instead "
                 "(map_with_index right after the source) and hand batches to "
-                "LedgerWriter.write_batch (README: 'Attaching Tally to your own loop')")
+                "LedgerWriter.write_batch (docs/guides/attach.md: 'Attaching Tally to your own "
+                "loop')")
         ds = _parent(ds)
         if ds is None:
             raise AttachError("the pipeline does not start at MapDataset.source(...)")
@@ -529,8 +530,8 @@ def dataset_contract(ds: Any) -> DatasetContract:
     if type(d).__name__ not in ("BatchMapDataset", "BatchIterDataset"):
         raise AttachError(f"expected a pipeline ending in .batch(B) (1:1 maps after it), found "
                           f"{type(d).__name__}: packing and other IterDataset transformations "
-                          "need the record key carried (README: 'Attaching Tally to your own "
-                          "loop')")
+                          "need the record key carried (docs/guides/attach.md: 'Attaching "
+                          "Tally to your own loop')")
     wraps = type(d).__name__ == "BatchMapDataset"
     b, drop, batches = int(d._batch_size), bool(d._drop_remainder), len(d) if wraps else 0
     d = _parent(d)

@@ -12,7 +12,7 @@ record is on about as many hosts as it has exposures, so four slots hold every r
 healthy run of up to four epochs on 128 hosts (two slots put 99.6% of those of a 3.85-epoch
 run in the map: 40 bytes a record, bench/state_size.py) and a loader's faults leave few beyond
 (sampling with replacement at 1.1 exposures a record: ~0.5% of records on 5+ hosts); a run of
-many epochs over a small corpus fills the maps (README: what each answer costs).
+many epochs over a small corpus fills the maps (docs/guides/live.md: what each answer costs).
 
 The three earliest exposure steps of a record (the `agg_ranks` of coverage as of a step) are
 not kept per record. Record starts are settled in step order behind a watermark W (`settle`):

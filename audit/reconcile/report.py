@@ -130,7 +130,7 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
         "run_id": plan.run_id,
         "at_step": plan.at_step,
         # Written by `tally replay` from the loader's contract: what the loader would have fed,
-        # not what the run consumed (README, "What replay cannot prove").
+        # not what the run consumed (docs/guides/attach.md, "What replay cannot prove").
         "replayed": replayed_run(plan.replayed_files, plan.segment_files),
         "replayed_files": plan.replayed_files,
         "manifest": {"path": plan.manifest, "fingerprint": plan.fingerprint,
