@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.support import ROOT
-from tests.test_readme import pages, slug
+from tests.test_readme import nav, pages, slug
 
 # What would make a page fetch from another host: a script, a stylesheet, an import in CSS,
 # a web font service.
@@ -46,11 +45,9 @@ def test_the_site_builds_strict_and_fetches_nothing(site):
 
 
 def test_every_page_is_in_the_nav_and_every_guide_is_linked_from_readme():
-    conf = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
-    docs = ROOT / conf["docs_dir"]
-    in_nav = [p for p in pages() if p != ROOT / "README.md"]
-    listed = {str(p.relative_to(docs)) for p in in_nav[:len(conf["nav"]) - 1]}
-    assert listed == {str(p.relative_to(docs)) for p in docs.rglob("*.md")}
+    docs, listed = nav()
+    assert sorted(listed) == sorted(["index.md"] + [str(p.relative_to(docs))
+                                                    for p in docs.rglob("*.md")])
     readme = (ROOT / "README.md").read_text()
     assert all(f"(docs/guides/{p.name})" in readme for p in (docs / "guides").glob("*.md"))
 

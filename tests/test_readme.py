@@ -59,18 +59,23 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def pages() -> list[Path]:
-    """README.md, the site's pages in nav order, then any other page under docs/ (none is left
-    unrun): the order in which the blocks run."""
+def nav() -> tuple[Path, list[str]]:
+    """The site's docs folder and its nav's pages, in order (mkdocs.yml)."""
     import yaml
 
-    def paths(nav) -> list[str]:
-        items = nav if isinstance(nav, list) else list(nav.values())
+    def paths(items) -> list[str]:
+        items = items if isinstance(items, list) else list(items.values())
         return [p for item in items for p in ([item] if isinstance(item, str) else paths(item))]
 
     site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
-    docs = ROOT / site.get("docs_dir", "docs")
-    ordered = [ROOT / "README.md"] + [docs / p for p in paths(site["nav"]) if p != "index.md"]
+    return ROOT / site.get("docs_dir", "docs"), paths(site["nav"])
+
+
+def pages() -> list[Path]:
+    """README.md (the site's index.md), the site's pages in nav order, then any other page under
+    docs/ (none is left unrun): the order in which the blocks run."""
+    docs, listed = nav()
+    ordered = [ROOT / "README.md"] + [docs / p for p in listed if p != "index.md"]
     return ordered + sorted(set(docs.rglob("*.md")) - set(ordered))
 
 
