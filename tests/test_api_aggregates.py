@@ -135,6 +135,7 @@ def check(srv: Server, ledger: Ledger, run_id: str, base: int = 0) -> None:
 
 # Steps are int64 end to end: the same run from step 0, and from just below 2^32 (its steps
 # cross both 2^31 and 2^32, where an int32 or uint32 anywhere would wrap).
+@pytest.mark.slow
 @pytest.mark.parametrize("base", [0, 2**32 - 25])
 def test_aggregate_endpoints_match_sql_over_effective_consumption(tmp_path, base):
     spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
@@ -203,6 +204,7 @@ def _agg_tables(ledger: Ledger) -> dict:
                           ("agg_runs", "seg_files"))}
 
 
+@pytest.mark.slow
 def test_one_batch_equals_one_transaction_per_file(tmp_path):
     """Every attempt, late files included, in one ingest call: in one batch (three lineage
     changes inside it), and one file per transaction; both match the SQL definitions."""
@@ -281,6 +283,7 @@ def _many_hosts_check(srv: Server, ledger: Ledger, hosts: int) -> dict:
 # more in a map), so the agg tables answer /hosts and the summary at any host count.
 # Few records per host; `n` keys so that records sit on a few hosts each (explicit pairs) or on
 # many (the dense product): 1,024 hosts x 40 starts over 600 keys puts ~65 hosts on a record.
+@pytest.mark.slow
 @pytest.mark.parametrize(("hosts", "n"), [(64, 100), (128, 2000), (256, 300), (1024, 600)])
 def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
     spool = tmp_path / "spool"
@@ -319,6 +322,7 @@ def test_hosts_exact_at_any_host_count(tmp_path, hosts, n):
             assert unique == {p["host"]: p["unique"] for p in h["per_host"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("seed", "hosts"), [(1, 4), (2, 4), (3, 70)])
 def test_files_in_any_order_restarts_and_reopening_match_sql(tmp_path, seed, hosts):
     """The watermark's exceptions, against the SQL definitions after every round: the spool
@@ -361,6 +365,7 @@ def test_files_in_any_order_restarts_and_reopening_match_sql(tmp_path, seed, hos
         assert_same_state(state, Aggregates.load(ledger, use_snapshots=False).runs[1])
 
 
+@pytest.mark.slow
 def test_a_run_that_grows_to_more_hosts_keeps_its_host_sets(tmp_path):
     """A row holds a record's hosts as a mask up to 32 hosts (any number of them), in four
     one-byte slots up to 255 hosts, in two two-byte slots beyond; the hosts that do not fit

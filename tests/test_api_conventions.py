@@ -67,6 +67,7 @@ def _pages(srv: Server, path: str) -> tuple[list, list[int]]:
     return rows, sizes
 
 
+@pytest.mark.slow
 def test_pages_reach_every_row_and_are_bounded(served):
     srv, ledger = served
     runs, sizes = _pages(srv, "/v1/runs?limit=2")
@@ -179,6 +180,7 @@ class _FlakyHook(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_a_failed_webhook_is_retried_with_backoff_off_the_ingest_thread(tmp_path):
     hook = ThreadingHTTPServer(("127.0.0.1", free_port()), _FlakyHook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()

@@ -70,6 +70,7 @@ def operations(schema: dict):
 
 # ---- docs and auth ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_schema_and_its_pages_answer_without_the_token_and_declare_the_bearer_scheme(
         served):
     srv, _ = served
@@ -240,6 +241,7 @@ def _hosts_exported(families: dict, run: str) -> list[int]:
         if fam else []
 
 
+@pytest.mark.slow
 def test_metrics_hosts_bounds_the_per_host_series(served, tmp_path):
     srv, _ = served
     hs = get(srv, "/v1/runs/h/hosts").json()["per_host"]

@@ -34,6 +34,7 @@ def write_manifest(path: Path) -> Path:
                           domains=CODE_EVERY_THIRD, fingerprint="f00d")
 
 
+@pytest.mark.slow
 def test_live_ingest_every_endpoint_exactly_once(tmp_path):
     spool, reports = tmp_path / "spool", tmp_path / "reports"
     spool.mkdir()
@@ -159,6 +160,7 @@ def test_alerts_post_to_a_webhook(tmp_path):
         hook.shutdown()
 
 
+@pytest.mark.slow
 def test_serve_cli_requires_the_bearer_token(tmp_path):
     spool = tmp_path / "spool"
     write_steps(spool, "t", host=0, hosts=1, steps=range(5), n=N, seed=0)

@@ -17,6 +17,9 @@ from tally.audit.ledger.ingest import ingest
 from tests.support.api import Server, write_steps
 from tests.test_api_live import N, write_manifest
 
+# Schemathesis over every operation (~15 s).
+pytestmark = pytest.mark.slow
+
 # By default the same 50 requests per operation every run (derandomized): a failure in CI is
 # then reproducible, never the luck of the draw. TALLY_FUZZ_EXAMPLES=N draws N fresh random
 # requests per operation instead, to fuzz harder (1000 passed before this was committed).

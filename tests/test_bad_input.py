@@ -295,6 +295,7 @@ def test_a_file_of_host_65535_goes_in_and_stops_no_other_run(tmp_path):
         assert ingest(spool, ledger).files == 1
 
 
+@pytest.mark.slow
 def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp_path):
     """Per-host answers list the hosts that sent rows, whatever their numbers, and the overlap
     matrix follows them (row i is per_host[i]'s host): the live API (/hosts, one host's steps,
@@ -350,6 +351,7 @@ def test_a_run_whose_only_host_is_65535_is_answered_by_the_api_and_reconcile(tmp
         assert 'data-hosts="65535,3"' in html if len(hosts) > 1 else "host 65535 itself" in html
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("declared,wrote", [(4, (0, 1, 2)), (65536, (65535,))])
 def test_hosts_that_consumed_nothing_are_one_finding_per_attempt(tmp_path, declared, wrote):
     """An ended attempt whose declared hosts did not all write: one host_gap finding counting

@@ -1,6 +1,7 @@
 """The benchmarks still run (at toy sizes) and report what they claim to measure."""
 
 import numpy as np
+import pytest
 
 from bench import hook_cost, ingest_rate, preflight_rate
 
@@ -17,6 +18,7 @@ def test_ingest_benchmark_runs(tmp_path):
     assert res["rows"] == 8000 and res["ratio"] > 0
 
 
+@pytest.mark.slow
 def test_api_latency_benchmark_runs(tmp_path):
     from bench import api_latency
 
@@ -29,6 +31,7 @@ def test_api_latency_benchmark_runs(tmp_path):
                                "record_by_key"}
     assert set(res["p99_concurrent"]) == set(res["p99"])  # every endpoint, clients at once
 
+@pytest.mark.slow
 def test_preflight_benchmark_runs(tmp_path):
     # Two worker processes: the spawned pool must plan exactly what one process plans.
     res = preflight_rate.main(["--hosts", "4", "--steps", "5", "--records", "5000",
@@ -37,6 +40,7 @@ def test_preflight_benchmark_runs(tmp_path):
     assert res["rows"] == 4 * 5 * 8 and res["planned"] == res["rows"] and res["c_s"] > 0
 
 
+@pytest.mark.slow
 def test_train_overhead_benchmark_runs():
     from bench import train_overhead
 
@@ -46,6 +50,7 @@ def test_train_overhead_benchmark_runs():
     assert 0 < res["blocked_fraction"] < 1 and res["background_ms_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_reconcile_benchmark_runs(tmp_path):
     from bench import reconcile_rate
 
@@ -63,6 +68,7 @@ def test_diff_benchmark_runs(tmp_path):
     assert not (tmp_path / "d").exists()  # cleaned up
 
 
+@pytest.mark.slow
 def test_dask_scaling_benchmark_runs(tmp_path):
     from bench import dask_scaling
 
@@ -87,6 +93,7 @@ def test_lookup_latency_benchmark_runs(tmp_path):
     assert not (tmp_path / "l").exists()  # the benchmark removes its data
 
 
+@pytest.mark.slow
 def test_restart_benchmark_runs(tmp_path):
     from bench import restart
 
@@ -98,6 +105,7 @@ def test_restart_benchmark_runs(tmp_path):
     assert not (tmp_path / "d").exists()  # the data is removed
 
 
+@pytest.mark.slow
 def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path):
     """The bench at a toy size, every stage, the run kept; then a second run on the kept run
     (--reuse), whose loader goes on where the first stopped. One test: each run is ~20 s."""
@@ -157,6 +165,7 @@ def test_state_size_benchmark_runs():
     assert healthy["ref"]["seconds"] > 0
 
 
+@pytest.mark.slow
 def test_replay_benchmark_runs(tmp_path):
     from bench import replay_rate
 
@@ -176,6 +185,7 @@ def test_attach_cost_benchmark_runs():
     assert res["plain_ms"] > 0 and res["audited_ms"] > 0 and res["ratio"] > 0
 
 
+@pytest.mark.slow
 def test_text_manifest_benchmark_runs(tmp_path):
     from pathlib import Path
 

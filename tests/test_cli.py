@@ -10,6 +10,9 @@ from tally.audit.hook.writer import LedgerWriter
 from tests.support.batches import unpacked_batch
 from tests.support.cli import tally
 
+# Each test runs the CLI in child processes; the demo trains two 4-host runs (~2 min).
+pytestmark = pytest.mark.slow
+
 
 def test_ingest_and_ledger_commands(spool, tmp_path):
     for h in range(2):

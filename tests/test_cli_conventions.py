@@ -60,6 +60,7 @@ def small(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.mark.slow
 def test_progress_on_stderr_and_quiet_json_with_beam_workers_silenced(small):
     r = tally_bare("reconcile", "--spool", "spool", "--manifest", "m.parquet", "--run", "r", "-o",
                    "rep", cwd=small)
@@ -96,6 +97,7 @@ def test_load_report_gives_typed_objects_and_arrow_tables(small):
         audit.load_report(small)
 
 
+@pytest.mark.slow
 def test_the_lean_base_install_writes_and_ingests_and_names_missing_extras(tmp_path):
     """A fresh virtual environment with the base install only (pip reuses its wheel cache;
     about 30 s here, --no-compile)."""

@@ -105,6 +105,7 @@ def test_writer_records_the_basis_in_every_file(corpus):
         LedgerWriter(tmp / "other", "x", content_basis=42)
 
 
+@pytest.mark.slow
 def test_reconcile_passes_when_the_bases_agree_and_says_the_basis(corpus, tmp_path):
     tmp, tok, _, manifest, spool = corpus
     out = tmp_path / "same"
@@ -130,6 +131,7 @@ def test_reconcile_passes_when_the_bases_agree_and_says_the_basis(corpus, tmp_pa
     assert rq["verdict"] == "PASS" and rq["content_basis"] == {"run": [], "differences": []}
 
 
+@pytest.mark.slow
 def test_a_run_that_added_eos_is_one_manifest_mismatch(corpus, tmp_path):
     _, _, _, manifest, spool = corpus
     led = tmp_path / "l.duckdb"
@@ -160,6 +162,7 @@ def test_a_run_that_added_eos_is_one_manifest_mismatch(corpus, tmp_path):
     assert json.loads((tmp_path / "same" / "report.json").read_text())["verdict"] == "PASS"
 
 
+@pytest.mark.slow
 def test_a_ledger_without_the_column_still_opens(corpus, tmp_path):
     """A ledger made before runs kept a content basis: read-only it reads as unknown; the first
     writable opening adds the column."""
@@ -193,6 +196,7 @@ def test_a_ledger_without_the_column_still_opens(corpus, tmp_path):
         assert "content_basis" in ledger._columns("runs")
 
 
+@pytest.mark.slow
 def test_diff_names_the_run_whose_basis_differs(corpus, tmp_path):
     _, _, _, manifest, spool = corpus
     out = tmp_path / "diff"
@@ -205,6 +209,7 @@ def test_diff_names_the_run_whose_basis_differs(corpus, tmp_path):
     assert d["a"]["content_basis_differences"] == []
 
 
+@pytest.mark.slow
 def test_grain_attach_passes_the_basis_to_its_writer(corpus, tmp_path):
     """`audited(loader, spool, run_id, content_basis=...)`: the writer it makes says it; with
     hashes from a manifest, the manifest's basis by default."""

@@ -395,6 +395,7 @@ def _check_manifest(table: pa.Table, docs: list[dict], splits: list[str], tokeni
     assert table["split"].to_pylist() == splits
 
 
+@pytest.mark.slow
 def test_manifest_of_hf_dataset_dict_hashes_as_the_loop(tmp_path, tokenizer):
     import datasets
 
@@ -409,6 +410,7 @@ def test_manifest_of_hf_dataset_dict_hashes_as_the_loop(tmp_path, tokenizer):
                                                   "validation/data-00000-of-00001.arrow"]
 
 
+@pytest.mark.slow
 def test_manifest_of_tf_example_array_records_hashes_as_the_loop(tmp_path, tokenizer):
     docs = documents(36, seed=12)
     files = {"heldout-00000.array_record": docs[30:], "train-00000.array_record": docs[:18],
@@ -421,6 +423,7 @@ def test_manifest_of_tf_example_array_records_hashes_as_the_loop(tmp_path, token
     _check_manifest(table, docs, ["train"] * 30 + ["heldout"] * 6, tokenizer)
 
 
+@pytest.mark.slow
 def test_manifest_of_compressed_mds_hashes_as_the_loop(tmp_path, tokenizer):
     docs = documents(50, seed=13)
     _write_mds(tmp_path / "mds", {"id": "str", "text": "str", "source": "str"}, docs,
@@ -431,6 +434,7 @@ def test_manifest_of_compressed_mds_hashes_as_the_loop(tmp_path, tokenizer):
     assert len(set(table["source"].to_pylist())) > 2  # several shards, in index.json's order
 
 
+@pytest.mark.slow
 def test_manifest_names_the_bad_record(tmp_path):
     docs = documents(10, seed=14)
     (tmp_path / "c").mkdir()

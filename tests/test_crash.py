@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from tally.audit.core.errors import NotFound
 from tally.audit.hook import spool as sp
@@ -21,6 +22,9 @@ from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.lookup import LookupIndex
 from tests.support import ROOT
 from tests.support.processes import popen_py
+
+# kill -9 of real writer, ingest and serve processes; the soak alone is ~50 s.
+pytestmark = pytest.mark.slow
 
 ROWS = 256
 

@@ -25,6 +25,9 @@ from tally.pipeline.synth import synth_corpus
 from tests.support import ROOT
 from tests.test_reconcile import random_run, write_manifest
 
+# Separate dask scheduler and worker processes and the jobs on them (~1.5 min).
+pytestmark = pytest.mark.slow
+
 RUNS = ("r0",)
 SMALL_BUCKETS = "0.0001"  # --memory-gb: the smallest buckets, 10,000 records
 

@@ -35,6 +35,7 @@ def test_services_share_one_volume_and_the_project_image(compose):
     assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]
 
 
+@pytest.mark.slow
 def test_every_command_parses_with_the_real_cli(compose):
     services = compose["services"]
     for name in ("api", "reconcile"):
@@ -111,6 +112,7 @@ def test_dockerfile_copies_what_exists_and_runs_the_console_script():
     assert packages["project"]["scripts"]["tally"] == "tally.audit.cli:main"
 
 
+@pytest.mark.slow
 def test_the_sdk_harness_image_is_beams_at_the_installed_version_with_tally():
     import sys
 

@@ -64,6 +64,7 @@ def check(res: dict, table: pa.Table, docs: list[dict]) -> None:
                                                                strict=True)]
 
 
+@pytest.mark.slow
 def test_exposure_of_jsonl_text_through_the_manifests_tokenizer(setup, tmp_path):
     tmp, tok, docs, manifest, asked = setup
     for name in ("eval.jsonl", "eval.jsonl.gz", "eval.jsonl.zst"):
@@ -108,6 +109,7 @@ def test_exposure_by_bytes_needs_no_tokenizer(setup, tmp_path):
                  out=tmp_path / "x", spool=tmp / "spool", tokenizer="tok.json")
 
 
+@pytest.mark.slow
 def test_text_the_manifest_cannot_hash_is_one_line(setup, tmp_path):
     tmp, tok, docs, manifest, asked = setup
     evalset = write_jsonl(tmp_path / "e.jsonl", asked)
@@ -139,6 +141,7 @@ def test_text_the_manifest_cannot_hash_is_one_line(setup, tmp_path):
                          str(tmp_path / "o3")), str(bad), "text")
 
 
+@pytest.mark.slow
 def test_manifest_job_loop_reconcile_and_exposure_end_to_end(tmp_path):
     """The manifest job over a zstd JSON lines corpus with the run's tokenizer and EOS; a loop
     that tokenizes on the fly with the same: reconcile checks every consumed hash (none differs,

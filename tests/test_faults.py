@@ -66,6 +66,7 @@ def _reconcile(root, spool, name):
     return reconcile(run_id="r", manifest=root / "m.parquet", out=root / name, spool=spool)
 
 
+@pytest.mark.slow
 def test_seed_check_per_host_seeds_on_64_hosts_match_the_analytic_values(corpus, tmp_path):
     root, source = corpus
     assert len(source) == HOSTS * 2 * 153
@@ -83,6 +84,7 @@ def test_seed_check_per_host_seeds_on_64_hosts_match_the_analytic_values(corpus,
     assert "per-host shuffle seeds" in finding["message"]
 
 
+@pytest.mark.slow
 def test_correct_loader_on_64_hosts_sees_every_record_once(corpus, tmp_path):
     root, source = corpus
     cfg = _cfg(global_batch=HOSTS * 2, seed=7)
@@ -107,6 +109,7 @@ def test_no_sharding_is_named(corpus, tmp_path):
     assert "each of 4 hosts saw the same records" in r["findings"][0]["message"]
 
 
+@pytest.mark.slow
 def test_double_slicing_is_caught(corpus, tmp_path):
     root, source = corpus
     cfg = _cfg(global_batch=32, fault="double_slice", seed=1)
@@ -117,6 +120,7 @@ def test_double_slicing_is_caught(corpus, tmp_path):
     assert "applied twice" in finding["message"]
 
 
+@pytest.mark.slow
 def test_naive_reshard_8_to_4_is_named(corpus, tmp_path):
     root, source = corpus
     cfg = _cfg(global_batch=32, seed=2, fault="naive_reshard")
@@ -274,6 +278,7 @@ def test_one_misconfigured_host_is_named_by_the_repeats_it_takes_part_in(corpus,
                any(s["host"] == 3 for s in x["seen"]) for x in ev["records"])
 
 
+@pytest.mark.slow
 def test_a_clean_elastic_reshard_is_settled_once_its_epoch_ends(corpus, tmp_path):
     """8 hosts, then 4 from the step-100 checkpoint with the elastic iterator and the same
     global batch, on to epoch 1: nothing repeated or skipped, so no warning is left."""
@@ -291,6 +296,7 @@ def test_a_clean_elastic_reshard_is_settled_once_its_epoch_ends(corpus, tmp_path
     assert r["epochs"][0]["complete"] and r["epochs"][0]["skipped"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hosts, packing", [(128, "first_fit"), (256, "none")])
 def test_sampling_with_replacement_is_named_on_many_hosts_packed_or_not(tmp_path, hosts,
                                                                        packing):
@@ -308,6 +314,7 @@ def test_sampling_with_replacement_is_named_on_many_hosts_packed_or_not(tmp_path
     assert codes == ["with_replacement"], r["findings"]
 
 
+@pytest.mark.slow
 def test_a_sampler_that_drops_each_epochs_remainder_is_named(corpus, tmp_path):
     """PyTorch's DataLoader with drop_last=True: two epochs, each leaving N mod batch out."""
     from torch.utils.data import DataLoader

@@ -48,6 +48,10 @@ class Odd(grain.transforms.Filter):
         return bool(x["id"] % 2)
 
 
+# In this process, and with Grain worker processes (each case ~10-25 s more: the slow layer).
+WORKERS = [0, pytest.param(2, marks=pytest.mark.slow)]
+
+
 def tokens_of(i: int) -> np.ndarray:
     return np.arange(i, i + i % 5 + 2, dtype=np.int32)
 
@@ -93,7 +97,7 @@ SAMPLERS = {
 }
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("kind", sorted(SAMPLERS))
 def test_keys_from_the_contract_and_the_same_batches(tmp_path, workers, kind):
     plain = iter(loader(SAMPLERS[kind](), workers=workers))
@@ -121,7 +125,7 @@ def test_epochs_of_grain_index_sampler(tmp_path):
         assert sorted(rows["record_key"][rows["epoch"] == e].tolist()) == list(range(N))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS)
 def test_a_restored_iterator_continues_keys_and_steps(tmp_path, workers):
     make = SAMPLERS["index_shuffled"]
     truth = iter(loader(make(), workers=workers))

@@ -21,6 +21,9 @@ from tests.support import olmo_stack
 from tests.support.cli import tally
 from tests.support.spool import spool_table
 
+# Grain loaders on 4-8 hosts, replayed through the CLI and reconciled.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 16
 N = 4096  # instances in the mix: 2,048 of each file

@@ -22,6 +22,9 @@ from tests.support.browser import Browser, chromium, needs_chromium
 from tests.support.cli import tally
 from tests.test_pages import HELDOUT, N, _manifest, _write_run
 
+# Reconcile reports built by the job and served, followed in Chromium.
+pytestmark = pytest.mark.slow
+
 TOKEN = "s3cret-token"
 API_URL = "http://tally.example:8000/audit"  # a service behind a path prefix
 # Every link of a page that leads somewhere (a table's CSV download is a data: URL, the page's

@@ -31,6 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+# Real litdata loaders with worker processes, replays and pre-flights of them.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 pytest.importorskip("litdata")
 

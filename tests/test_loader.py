@@ -177,6 +177,7 @@ def test_bad_configs_are_refused(source):
         KeyedLoader(source, LoaderConfig(fault="typo"), 0, 1)
 
 
+@pytest.mark.slow
 def test_mp_prefetch_workers_cover_the_epoch_and_restore_exactly(source):
     import subprocess
     import sys

@@ -47,6 +47,7 @@ def _answer(srv: Server, key: int, content_hash: int) -> tuple:
             by_hash.status_code, by_hash.json().get("segments_total"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["one_code", "zeroed_block"])
 def test_a_run_with_zeroed_bytes_is_rebuilt_and_consumed_records_answer(tmp_path, damage,
                                                                         caplog):

@@ -68,6 +68,7 @@ def test_row_groups_are_equal_whatever_the_job_split(corpus, tmp_path, monkeypat
     assert uniform_row_groups(meta) == 256
 
 
+@pytest.mark.slow
 def test_manifest_on_dask_runner_equals_the_reference(corpus, tmp_path):
     build_manifest(corpus, tmp_path / "m.parquet", chunk_records=400,
                    runner=RunnerSpec("dask", workers=2))
@@ -76,6 +77,7 @@ def test_manifest_on_dask_runner_equals_the_reference(corpus, tmp_path):
     assert manifest_info(tmp_path / "ref.parquet")["manifest_fingerprint"] == fp
 
 
+@pytest.mark.slow
 def test_parquet_corpus_on_multiprocessing_fnapi_gives_the_same_manifest(corpus, tmp_path):
     pq_root = tmp_path / "pq"
     pq_root.mkdir()

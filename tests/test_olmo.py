@@ -88,7 +88,8 @@ def oracle(files: list[tuple[str, str, Path]], dtype: str) -> pa.Table:
 
 
 @pytest.mark.parametrize("dtype,mode", [("uint16", "in_memory"),
-                                        ("uint32", "multi_processing")])
+                                        pytest.param("uint32", "multi_processing",
+                                                     marks=pytest.mark.slow)])
 def test_manifest_of_a_mix_equals_the_numpy_oracle(tmp_path, cli, dtype, mode):
     index, files = _mix(tmp_path / "mix", dtype)
     out = tmp_path / "m.parquet"
@@ -259,6 +260,7 @@ def test_bad_token_file_arguments(tmp_path, cli, args, message):
     assert not list(tmp_path.glob("*m.parquet*"))
 
 
+@pytest.mark.slow
 def test_the_real_command_line_says_one_line(tmp_path):
     """Through the supervised child process, as a user runs it."""
     index, _ = _mix(tmp_path / "mix", "uint16")

@@ -26,6 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+# OLMo-core's real data loader and Trainer, replays and pre-flights of them.
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("olmo_core")
 

@@ -369,6 +369,7 @@ def test_ticks_are_round():
     assert nice_ticks(0, 74, 6, integer=True) == [0, 20, 40, 60]
 
 
+@pytest.mark.slow
 def test_evidence_is_what_the_ledger_says(service):
     """The bad run's evidence, computed by the reconcile job in its buckets, against the live
     API's own answers from the ledger: each record's exposures and where they were seen, the
@@ -401,6 +402,7 @@ def test_evidence_is_what_the_ledger_says(service):
         assert srv.get(h["api"]).status_code == 200
 
 
+@pytest.mark.slow
 def test_live_findings_and_loaded_reports_keep_their_evidence(service):
     """What the summary serves is what its OpenAPI model says (first bad step, evidence), and a
     report loaded in a notebook keeps each finding's evidence."""

@@ -31,6 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+# MosaicML Streaming loaders with worker processes over MDS shards, replayed and reconciled.
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 from tally.pipeline.loaders import AttachError, mosaic  # noqa: E402

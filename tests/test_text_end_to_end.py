@@ -24,6 +24,9 @@ from tally.pipeline.text import TextHasher
 from tests.support.text_corpus import documents, loop_token_ids, train_tokenizer
 from tests.test_corpus_formats import _example, _write_examples, _write_mds
 
+# Text corpora through the manifest job, the loop and reconcile, end to end.
+pytestmark = pytest.mark.slow
+
 HOSTS, BATCH, EOS = 2, 3, 1
 
 

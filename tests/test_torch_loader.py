@@ -16,6 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+# torch DataLoaders with worker processes, replayed and reconciled through the CLI.
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata")
 

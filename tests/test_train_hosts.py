@@ -22,6 +22,9 @@ from tally.trainer.loop import loader_config
 from tests.support import ROOT
 from tests.support.cli import tally
 
+# Multi-process training runs (jax.distributed), ~40 s each.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def corpus(corpora) -> Path:

@@ -12,6 +12,9 @@ from tally.trainer.config import TrainConfig
 from tally.trainer.loop import train
 from tally.trainer.step import init
 
+# Trains the model (JAX).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def corpus(corpora):

@@ -32,6 +32,9 @@ from tests.support.browser import Browser, chromium, needs_chromium
 from tests.support.cli import tally
 from tests.support.manifest import CODE_EVERY_THIRD, content_hash_of, keyed_manifest
 
+# Reports and diffs built by the jobs and served, read in Chromium.
+pytestmark = pytest.mark.slow
+
 N, HOSTS, ROWS = 600, 4, 2
 STEPS = N // (HOSTS * ROWS)  # 75: one epoch
 RESUME = 40
