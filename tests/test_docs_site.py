@@ -15,6 +15,9 @@ import pytest
 from tests.support import ROOT
 from tests.test_readme import nav, pages, slug
 
+# Builds the MkDocs site (--strict) and checks every page.
+pytestmark = pytest.mark.slow
+
 # What would make a page fetch from another host: a script, a stylesheet, an import in CSS,
 # a web font service.
 REMOTE = re.compile(r"""<script[^>]+src=["']?(https?:)?//|<link[^>]+href=["']?(https?:)?//"""

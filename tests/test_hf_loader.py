@@ -19,6 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+# Hugging Face datasets through real torch loaders with workers, replayed and reconciled.
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("torchdata")

@@ -18,6 +18,9 @@ import os
 
 import pytest
 
+# Pre-flight and replay over real Hugging Face datasets loaders.
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("torchdata")

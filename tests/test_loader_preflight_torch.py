@@ -30,6 +30,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+# Pre-flight and replay over real torch and Streaming loaders with workers.
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata")
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.test_readme import page_blocks, run_in_order
+
+# The guides' sections that make their own data, run in order (minutes).
+pytestmark = pytest.mark.slow
 
 
 def test_the_sections_that_make_their_own_data_run_in_order(tmp_path):

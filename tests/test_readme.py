@@ -21,8 +21,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tally.audit.cli import parse
 from tests.support import ROOT
+
+# Every runnable block of README and the guides, in order (minutes).
+pytestmark = pytest.mark.slow
 
 BLOCK = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```$", re.M | re.S)
 SETUP = ("python3.11 -m venv .venv && .venv/bin/pip install -e '.[all]' && .venv/bin/tally demo",

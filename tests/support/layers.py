@@ -13,7 +13,8 @@ import pytest
 # The files that take longest on 2 cores, longest first (per-file times, `pytest -n 0
 # --durations=0 FILE`, on a shared 2-core box, 2026-12-05).
 LONGEST_FIRST: tuple[str, ...] = (
-    "test_readme.py", "test_cli.py", "test_train_hosts.py", "test_posthoc.py",
+    "test_readme.py", "test_manual_apart.py", "test_cli.py", "test_train_hosts.py",
+    "test_posthoc.py",
     "test_grain_attach.py", "test_dask_cluster.py", "test_bench.py", "test_olmo_core_loader.py",
     "test_litdata_loader.py", "test_hf_loader.py", "test_faults.py", "test_crash.py",
     "test_reconcile.py", "test_grain_replay.py", "test_vocabulary.py", "test_pages.py",
