@@ -14,6 +14,7 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from tally.api.app import create_app
 from tally.audit.hook import spool as sp
@@ -107,6 +108,7 @@ def test_a_failed_start_of_serve_creates_nothing(tmp_path):
     assert not ledger.exists()
 
 
+@pytest.mark.slow
 def test_bad_config_values_print_one_line_naming_key_value_and_what_is_allowed(tmp_path):
     conf = tmp_path / "train.json"
     for overrides, said in ((["steps=abc"], "override steps='abc': expected an integer"),
@@ -248,6 +250,7 @@ def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_p
         assert report["findings"] == want["findings"]
 
 
+@pytest.mark.slow
 def test_diff_and_exposure_report_unreadable_files_as_reconcile_does(tmp_path):
     """Before: with one truncated spool file, reconcile said FAIL files_unreadable, but `tally
     diff` blamed a divergence at that file's step and `tally exposure` said nothing. Now each

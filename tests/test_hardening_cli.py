@@ -111,6 +111,7 @@ class _Stderr(threading.Thread):
                 self.files = int(counts[-1])
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_twelve_points_of_an_ingest_exits_130_in_one_line_and_loses_nothing(
         tmp_path, big):
     """SIGINT to the process group (what a terminal's Ctrl-C sends) at twelve points of an

@@ -104,6 +104,7 @@ def _old_spool(root: Path, files: int) -> Path:
     return spool
 
 
+@pytest.mark.slow
 def test_serve_logs_alerts_reconciles_quarantine_access_in_json_and_no_lag_alarm_on_an_old_spool(
         tmp_path):
     """A service restarted over a spool written a day ago: the files' age is not lag (it fired

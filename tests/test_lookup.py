@@ -85,6 +85,7 @@ def _check(path, rolled: bool = True) -> LookupIndex:
         return index
 
 
+@pytest.mark.slow
 def test_index_answers_as_a_scan_does_as_it_grows_and_when_behind(tmp_path):
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
     for stage in range(3):

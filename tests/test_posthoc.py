@@ -227,6 +227,7 @@ def test_an_inexact_replay_diverges_at_the_resume_step(grain_runs, tmp_path):
 
 # ---- README's Grain and PyTorch examples on the same corpus --------------------------------------
 
+@pytest.mark.slow
 def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_order(tmp_path):
     from tests.test_readme import blocks
 
@@ -268,6 +269,7 @@ def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_or
 
 # ---- the command line ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_diff_command_exit_codes_and_one_line_errors(grain_runs, tmp_path):
     tmp = grain_runs
     m = str(tmp / "m.parquet")

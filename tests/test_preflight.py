@@ -278,6 +278,7 @@ def test_horizon_to_the_epoch_end_keeps_hosts_in_lockstep(corpus):
     assert sorted(everything[everything < 2048]) == list(range(2048))
 
 
+@pytest.mark.slow
 def test_the_preflight_endpoint_reads_only_checkpoints_it_may_and_bounds_its_work(corpus,
                                                                                    tmp_path):
     """A client names a path on the server: only under the checkpoint directories the service

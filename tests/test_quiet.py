@@ -17,6 +17,9 @@ from tests.support.api import poll, write_steps
 from tests.support.cli import tally, tally_popen
 from tests.support.manifest import uniform_manifest
 
+# Real 2-host training runs, Beam workers and a Dask cluster, stopped and read.
+pytestmark = pytest.mark.slow
+
 
 def foreign(err: str) -> list[str]:
     """stderr's lines that are not Tally's own."""

@@ -136,6 +136,7 @@ def test_beam_on_fnapi_agrees_with_sql_on_random_ledgers(tmp_path, seed):
     _agree(tmp_path, seed)
 
 
+@pytest.mark.slow
 def test_beam_on_fnapi_multi_processing_agrees_with_sql(tmp_path):
     _agree(tmp_path, 8, runner=RunnerSpec("direct", mode="multi_processing", workers=2))
 
@@ -155,6 +156,7 @@ def test_beam_agrees_with_sql_at_int64_steps(tmp_path):
     _agree(tmp_path / "at", 6, at_step=first + 12, first=first)
 
 
+@pytest.mark.slow
 def test_beam_on_dask_agrees_with_sql(tmp_path):
     _agree(tmp_path, 6, runner=RunnerSpec("dask", workers=2))
 

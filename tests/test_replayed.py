@@ -119,6 +119,7 @@ def test_the_rule_has_one_home():
 
 # ---- 1. reconcile: from the ledger as from the spool ----------------------------------------
 
+@pytest.mark.slow
 def test_reconcile_from_the_ledger_says_replayed_as_from_the_spool(runs, tmp_path):
     for run_id, (replayed, k, n) in runs["want"].items():
         reports = {}

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from tally.api.app import create_app
 from tally.audit.ledger.aggregates import Aggregates
@@ -211,6 +212,7 @@ def _kill_at(child: subprocess.Popen, step: str) -> list[str]:
     return seen
 
 
+@pytest.mark.slow
 def test_kill_9_while_a_snapshot_is_written_leaves_the_old_one_or_none(tmp_path, caplog):
     """`tally ingest` killed at each step of its snapshot write (paused there): before the
     rename the previous snapshot is untouched (none at the first write), after it the new one
