@@ -212,6 +212,7 @@ def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
     assert r["verdict"] == "FAIL"
 
 
+@pytest.mark.slow
 def test_live_findings_are_the_findings_reconcile_gives_for_the_same_spool(tmp_path):
     """The service re-runs the reconcile job over its spool: the run summary names the same
     causes with the same numbers as `tally reconcile`, and the findings alert fires."""

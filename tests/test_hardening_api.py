@@ -267,6 +267,7 @@ class _Trickle(socketserver.BaseRequestHandler):
         self.tries.append((t, time.monotonic()))
 
 
+@pytest.mark.slow
 def test_a_trickling_receiver_is_cut_off_at_the_posts_total_timeout(tmp_path):
     _Trickle.tries = []
     slow = socketserver.ThreadingTCPServer(("127.0.0.1", free_port()), _Trickle)

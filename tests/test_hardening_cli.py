@@ -338,6 +338,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path, big):
     assert _counts(path) == want
 
 
+@pytest.mark.slow
 def test_bad_paths_and_log_level_are_one_line_before_any_work(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("mine")
@@ -395,6 +396,7 @@ def test_options_that_must_be_refused_are_refused_before_any_work(tmp_path, args
     assert not (tmp_path / "l.duckdb").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_learning_rate_of_inf_or_nan_is_refused_before_any_host_starts(tmp_path):
     for value in ("inf", "nan"):
         r = tally("train", f"spool={tmp_path / 'spool'}", f"learning_rate={value}",

@@ -38,6 +38,7 @@ with Progress("wait", True) as p:
 """
 
 
+@pytest.mark.slow
 def test_progress_into_a_pipe_is_one_line_per_stage_and_redraws_on_a_terminal():
     r = run_py(STAGES)
     assert r.returncode == 0, r.stderr

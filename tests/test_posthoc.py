@@ -124,6 +124,7 @@ def test_a_run_against_itself_from_spool_and_ledger_is_identical(random_ledger, 
     assert [f["code"] for f in d["findings"]] == ["unknown_keys", "unknown_keys", "identical"]
 
 
+@pytest.mark.slow
 def test_diff_on_dask_agrees_with_sql(random_ledger, tmp_path):
     tmp = random_ledger
     d = diff(a=run_source(tmp / "l.duckdb", "s"), b=run_source(tmp / "spool", "r"),

@@ -168,6 +168,7 @@ def test_the_live_service_quarantines_a_reused_run_id_at_the_old_names_only(tmp_
         assert srv.get("/healthz").json()["status"] == rounds["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_a_fresh_train_of_a_run_the_ledger_holds_is_refused_without_its_spool(tmp_path):
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
     _train(spool, seed=0, steps=range(10))

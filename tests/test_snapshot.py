@@ -256,6 +256,7 @@ def test_kill_9_while_a_snapshot_is_written_leaves_the_old_one_or_none(tmp_path,
     assert not list(snap.parent.glob(".*"))
 
 
+@pytest.mark.slow
 def test_kill_9_of_tally_serve_mid_snapshot_then_it_serves_the_same_numbers(tmp_path):
     """A real `tally serve` ingesting the spool, killed while it writes a snapshot; the next
     `tally serve` restores it and answers exactly what a server that rebuilt the state
