@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from tally.audit.commands.common import ledger_errors
+from tally.audit.commands.common import ledger_errors, print_json
 from tally.audit.commands.options import examples, quiet_json
 
 
@@ -16,7 +15,7 @@ def _cmd_ledger(args: argparse.Namespace) -> int:
     with ledger_errors(args.path), Ledger(args.path, read_only=True) as ledger:
         ov = ledger.overview()
     if args.json:
-        print(json.dumps(ov, indent=2, default=str))
+        print_json(ov)
         return 0
     print(format_overview(ov, args.path))
     return 0

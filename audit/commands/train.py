@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from tally.audit.commands.common import progress
+from tally.audit.commands.common import print_json, progress
 from tally.audit.commands.options import examples, quiet_json
 
 
@@ -24,7 +23,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     out = compare(args.a, args.b, corpus=args.corpus, records=args.records,
                   progress=progress(args))
     if args.json:
-        print(json.dumps(out, indent=2))
+        print_json(out)
     else:
         print(f"mean token-level KL(A || B) = {out['mean_kl']:.4f} nats over {out['tokens']:,} "
               f"held-out tokens ({out['records']} records); A: {out['a']} step {out['step_a']}, "
