@@ -24,6 +24,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.slow
 def test_tuned_processes_reuse_freed_temporaries_and_pass_it_on():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
 

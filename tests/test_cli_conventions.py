@@ -80,6 +80,7 @@ def test_progress_on_stderr_and_quiet_json_with_beam_workers_silenced(small):
     assert r.returncode == 2 and r.stderr.startswith("tally: error: no segment files")
 
 
+@pytest.mark.slow
 def test_load_report_gives_typed_objects_and_arrow_tables(small):
     from tally import audit
     if not (small / "rep" / "report.json").exists():

@@ -90,6 +90,7 @@ def test_a_nan_loss_is_served_as_null_and_never_breaks_an_answer(tmp_path):
         assert f["numbers"] == {"count": 3, "first_step": 1}, source
 
 
+@pytest.mark.slow
 def test_a_failed_start_of_serve_creates_nothing(tmp_path):
     ledger = tmp_path / "y.duckdb"
     out = tally("serve", "--spool", str(tmp_path / "nonexistent"), "--ledger", str(ledger))
@@ -127,6 +128,7 @@ def test_bad_config_values_print_one_line_naming_key_value_and_what_is_allowed(t
         assert said in out.stderr
 
 
+@pytest.mark.slow
 def test_a_fresh_train_of_a_run_that_has_a_spool_is_refused(tmp_path):
     spool = tmp_path / "spool"
     write_steps(spool, "exp1", host=0, hosts=1, steps=range(2), n=N, seed=0)
@@ -166,6 +168,7 @@ def test_ctrl_c_during_reconcile_prints_one_line_and_leaves_no_output(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_a_reconcile_over_unreadable_files_fails_and_says_why(tmp_path):
     """Before: a spool whose only file had the wrong columns gave WARN 'nothing consumed' and
     exit 0, the reason only in report.json."""
@@ -181,6 +184,7 @@ def test_a_reconcile_over_unreadable_files_fails_and_says_why(tmp_path):
     assert "schema mismatch" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_fifo_named_like_a_segment_is_left_out_of_reconcile_with_its_reason(tmp_path):
     spool = tmp_path / "spool"
     write_steps(spool, "r", host=0, hosts=1, steps=range(10), n=N, seed=0, flush_every=5)
@@ -192,6 +196,7 @@ def test_a_fifo_named_like_a_segment_is_left_out_of_reconcile_with_its_reason(tm
     assert "not a regular file: a FIFO" in out.stdout
 
 
+@pytest.mark.slow
 def test_reconcile_from_the_ledger_reports_the_files_ingest_set_aside(tmp_path):
     spool = tmp_path / "spool"
     write_steps(spool, "r", host=0, hosts=1, steps=range(10), n=N, seed=0, flush_every=5)
@@ -294,6 +299,7 @@ def test_diff_and_exposure_report_unreadable_files_as_reconcile_does(tmp_path):
         assert {f["code"] for f in exposed["findings"]} == {"files_unreadable"}
 
 
+@pytest.mark.slow
 def test_a_step_far_ahead_is_one_line_not_a_machine_full_of_step_series(tmp_path):
     """Reconcile and diff keep per-step series from a run's first step to its last: one file
     whose step jumps to 3x10^7 made two 2-row runs cost 1.0 GB (reconcile) and 2.4 GB (diff),

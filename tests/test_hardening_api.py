@@ -375,6 +375,7 @@ def test_an_unhandled_error_answers_500_in_the_problem_shape_and_is_logged(tmp_p
 
 
 @pytest.mark.parametrize("cli", ["reconcile", "diff"])
+@pytest.mark.slow
 def test_a_run_at_step_2_55_gets_its_report_and_its_plots(tmp_path, cli):
     manifest = uniform_manifest(tmp_path / "m.parquet", 100)
     spool = tmp_path / "spool"

@@ -167,6 +167,7 @@ def test_ctrl_c_at_twelve_points_of_an_ingest_exits_130_in_one_line_and_loses_no
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_serve_stops_alike_on_sigterm_and_ctrl_c_and_writes_its_lookup_index(tmp_path, sig):
     """docker stop and systemd send SIGTERM: `tally serve` ended with status 143 there, its
     ledger unclosed and the lookup index's runs in memory never written; uvicorn swallowed a
@@ -222,6 +223,7 @@ def _damage(tmp_path: Path, clean: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize("how", ["truncated", "zeroed"])
+@pytest.mark.slow
 def test_a_damaged_ledger_is_one_line_in_ledger_ingest_and_serve(tmp_path, big, how):
     """Without the state's snapshot beside it, the ledger's rows are read at start: a block
     that is not what DuckDB wrote made a traceback of `tally ingest` and `tally serve` (and
@@ -250,6 +252,7 @@ def _tmpfs(where: Path, size: str) -> bool:
 
 
 @pytest.mark.parametrize("full", ["tmpfs", "file_size_limit"])
+@pytest.mark.slow
 def test_a_full_disk_during_ingest_is_one_line_and_the_next_ingest_loses_nothing(
         tmp_path, big, full):
     """The ledger's disk fills mid-ingest: a COMMIT (or its checkpoint) fails, then the
@@ -285,6 +288,7 @@ def test_a_full_disk_during_ingest_is_one_line_and_the_next_ingest_loses_nothing
             subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_serve_on_a_full_disk_says_so_once_and_in_healthz_and_still_stops_cleanly(tmp_path,
                                                                                   big):
     """The live ingester's rounds fail while the ledger's disk is full (here RLIMIT_FSIZE on
@@ -320,6 +324,7 @@ def test_serve_on_a_full_disk_says_so_once_and_in_healthz_and_still_stops_cleanl
     assert proc.returncode == 130 and err.endswith("tally: interrupted\n"), err
 
 
+@pytest.mark.slow
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path, big):
     """`tally ledger L | head`, `tally ingest --json | head`: a BrokenPipeError traceback,
     status 1. Now status 141 (a program killed by SIGPIPE), nothing on stderr; the ingest's

@@ -78,6 +78,7 @@ def spool(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.mark.slow
 def test_ingest_into_a_pipe_one_line_none_with_json_and_json_log_lines(spool, tmp_path):
     r = tally_bare("ingest", spool / "spool", "--ledger", tmp_path / "a.duckdb")
     assert r.returncode == 0 and "\r" not in r.stderr, r.stderr
@@ -180,6 +181,7 @@ def test_serve_logs_alerts_reconciles_quarantine_access_in_json_and_no_lag_alarm
     assert "s3cret" not in err
 
 
+@pytest.mark.slow
 def test_summary_never_contradicts_the_verdict(tmp_path):
     """Content drift with no repeat: FAIL, and no 'first bad step none' beside it."""
     for h in range(2):
@@ -195,6 +197,7 @@ def test_summary_never_contradicts_the_verdict(tmp_path):
     assert "no step is bad by exposure counts; the FAIL comes from" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_messages_name_what_to_do(spool, tmp_path):
     # Unknown run, from a spool: the runs it holds.
     uniform_manifest(tmp_path / "x.parquet", 1000)

@@ -121,6 +121,7 @@ def test_index_answers_as_a_scan_does_as_it_grows_and_when_behind(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign", "temporary"])
+@pytest.mark.slow
 def test_a_damaged_or_foreign_index_is_dropped_never_believed(tmp_path, damage):
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
     _spool(spool)
@@ -180,6 +181,7 @@ def test_a_merge_killed_before_it_removed_its_inputs_counts_nothing_twice(tmp_pa
     assert [r.hi for r in index.coverage.runs["key"]][0] == run.hi  # the widest was kept
 
 
+@pytest.mark.slow
 def test_a_writer_killed_between_the_kinds_leaves_no_gap(tmp_path):
     """catch_up writes the key kind's new run (and merges it) before the hash kind's: a kill in
     between leaves the key runs reaching further, across the hash runs' end, than the hash
@@ -259,6 +261,7 @@ def test_a_lookup_walked_page_by_page_is_the_sql_of_its_definition(tmp_path):
 
 
 @pytest.mark.memory_tail
+@pytest.mark.slow
 def test_runs_held_in_memory_answer_and_reach_disk_when_the_ledger_closes(tmp_path):
     """Below MEMORY_ROWS a run stays in memory, merged there: lookups use it at once, the
     ledger's closing writes it as one run, and a process that ends without closing (a kill)

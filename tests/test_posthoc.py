@@ -387,6 +387,7 @@ def want_runs_consuming(want: dict, k: int) -> int:
     return sum(1 for runs in per_doc.values() if len(runs) == k)
 
 
+@pytest.mark.slow
 def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
     from tally.audit.core.errors import TallyError
     from tally.audit.posthoc.exposure import exposure
@@ -432,6 +433,7 @@ def test_exposure_documents_as_hashes_or_record_keys(planted, tmp_path):
 
 # ---- the live API: two runs of one ledger, documents posted -------------------------------------
 
+@pytest.mark.slow
 def test_api_diff_gives_the_cli_diffs_answer(grain_runs, random_ledger, tmp_path):
     from tally.api.app import create_app
     from tests.support.api import Server

@@ -145,6 +145,7 @@ def test_beam_agrees_with_sql_as_of_a_step(tmp_path):
     _agree(tmp_path, 5, at_step=9)
 
 
+@pytest.mark.slow
 def test_beam_agrees_with_sql_at_int64_steps(tmp_path):
     # From just below 2^33: the steps cross it, and any int32 or uint32 on the way wraps.
     first = 2**33 - 7
@@ -161,6 +162,7 @@ def test_beam_on_dask_agrees_with_sql(tmp_path):
     _agree(tmp_path, 6, runner=RunnerSpec("dask", workers=2))
 
 
+@pytest.mark.slow
 def test_report_files(tmp_path):
     report = _agree(tmp_path, 7)
     out = tmp_path / "out-spool"
