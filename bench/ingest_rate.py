@@ -17,12 +17,20 @@ with the number of records: 16 hosts x 13 steps x 500k rows over 100M records in
 
     python -m bench.ingest_rate [--files 200] [--rows 100000] [--hosts 8] [--records 10000000]
                                 [--keys random|perm] [--dir bench/out/ingest]
+                                [--scale 4 [--min-scaling 0.8]]
+
+`--scale K` is the regression guard for that growth: the same rows are ingested twice, over
+`--records` and over K times as many records, each beside its own reference, and the command
+exits non-zero when the ingest's ratio to its reference over K times the records falls below
+`--min-scaling` of that over `--records` (the reference does not depend on the records, so
+the box's load between the two runs cancels).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -82,15 +90,39 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--records", type=int, default=10**7)
     ap.add_argument("--keys", choices=("random", "perm"), default="random")
     ap.add_argument("--dir", default="bench/out/ingest")
+    ap.add_argument("--scale", type=int, default=0,
+                    help="also ingest the same rows over SCALE times the records, and compare")
+    ap.add_argument("--min-scaling", type=float, default=0.8,
+                    help="with --scale: the least rate over SCALE x records / rate over records")
     args = ap.parse_args(argv)
+    res = _measure(args, args.records)
+    if not args.scale:
+        return res
+    big = _measure(args, args.scale * args.records)
+    # Each rate against its own reference: the box's load between the two runs cancels
+    # (the reference's cost does not depend on the records).
+    scaling = big["ratio"] / res["ratio"]
+    print(f"scaling: ingest/reference over {args.scale}x the records / over {args.records:,} "
+          f"records: {scaling:.2f} (raw rates {big['ours_rate'] / res['ours_rate']:.2f}; "
+          f"guard >= {args.min_scaling})")
+    out = {**res, "scaled": big, "scaling": scaling}
+    if scaling < args.min_scaling:
+        print(f"FAIL: the ingest's cost per row grows with the number of records "
+              f"({scaling:.2f} < {args.min_scaling})", file=sys.stderr)
+        sys.exit(1)
+    return out
+
+
+def _measure(args: argparse.Namespace, records: int) -> dict:
+    """One spool of `records` records, ingested beside the reference; the figures."""
     out = Path(args.dir)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     spool = out / "spool"
     t0 = time.perf_counter()
-    make_spool(spool, args.files, args.rows, args.hosts, args.records, args.keys)
+    make_spool(spool, args.files, args.rows, args.hosts, records, args.keys)
     print(f"spool: {args.files} files x {args.rows:,} rows ({args.hosts} hosts, {args.keys} "
-          f"keys over {args.records:,} records) written in "
+          f"keys over {records:,} records) written in "
           f"{time.perf_counter() - t0:.1f} s")
     paths = [f.path for f, _ in sp.scan(spool)]
     tables = [pq.read_table(p) for p in paths]

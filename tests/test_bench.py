@@ -18,6 +18,18 @@ def test_ingest_benchmark_runs(tmp_path):
     assert res["rows"] == 8000 and res["ratio"] > 0
 
 
+def test_ingest_benchmark_guard_compares_two_sizes(tmp_path):
+    # The guard's two measurements (a toy size: the guard itself runs as a bench).
+    res = ingest_rate.main(["--files", "8", "--rows", "1000", "--records", "5000", "--scale",
+                            "4", "--min-scaling", "0", "--dir", str(tmp_path / "b")])
+    assert res["scaled"]["rows"] == res["rows"] == 8000
+    assert res["scaling"] == pytest.approx(res["scaled"]["ratio"] / res["ratio"])
+    with pytest.raises(SystemExit) as ended:  # a guard that cannot pass exits non-zero
+        ingest_rate.main(["--files", "8", "--rows", "1000", "--records", "5000", "--scale",
+                          "4", "--min-scaling", "1000", "--dir", str(tmp_path / "c")])
+    assert ended.value.code == 1
+
+
 @pytest.mark.slow
 def test_api_latency_benchmark_runs(tmp_path):
     from bench import api_latency
