@@ -44,3 +44,40 @@ def test_tuned_processes_reuse_freed_temporaries_and_pass_it_on():
          f"{PROBE!r}, 'plain'], capture_output=True, text=True).stdout)"],
         env=env, check=True, capture_output=True, text=True).stdout
     assert int(child.split()[-1]) < 2 * 6 * 2048
+
+
+RELEASE_PROBE = """
+import sys
+from tally.audit.core import allocator
+allocator.tune()
+import numpy as np
+
+def anon():
+    return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("RssAnon"))
+
+base = anon()
+# Many 1 MiB temporaries alive at once, then freed: below the tuned mmap threshold they live on
+# the heap, and below its trim threshold freeing them keeps them resident.
+a = [np.ones(1 << 17, np.int64) for _ in range(160)]
+del a
+kept = anon() - base
+if sys.argv[1] == "release":
+    allocator.release()
+print(kept, anon() - base)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_release_gives_back_what_the_tuned_allocator_keeps():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def kib(mode: str) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", RELEASE_PROBE, mode], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        kept, after = out.split()
+        return int(kept), int(after)
+
+    kept, after = kib("keep")
+    assert kept > 100 * 1024 and after > 100 * 1024  # 160 MiB freed, still resident
+    kept, after = kib("release")
+    assert kept > 100 * 1024 and after < 20 * 1024  # given back

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tqdm import tqdm
 
+from tally.audit.core import allocator
 from tally.audit.core.exposure import starts
 from tally.audit.core.logs import info_line, terminal
 from tally.audit.core.schema import METRIC_COLUMNS, SEGMENT_COLUMNS_ALL, sql_select
@@ -110,6 +111,7 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
     with agg.ingesting:  # one ingest at a time per process: each sees the last one's files
         _ingest(Path(spool), ledger, agg, progress, batch_rows, listing, result, stop)
         agg.save_locked(ledger, final=final)
+    allocator.release()  # the batches' freed temporaries, kept for speed, back between rounds
     result.seconds = time.perf_counter() - t0
     return result
 
