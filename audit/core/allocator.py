@@ -43,12 +43,17 @@ def tune() -> None:
 
 
 def release() -> None:
-    """Give back to the system the memory the allocator holds free (glibc's `malloc_trim`):
+    """Give back to the system the memory the allocators hold free (glibc's `malloc_trim`, and
+    Arrow's memory pool, which keeps its own):
     at the end of an ingest, what `tune` keeps for the next batch's temporaries (up to
     TRIM_THRESHOLD an arena, and each thread that allocates has its arena) would otherwise
     stay resident while the service idles between rounds. A live ingest of 2M rows over 20M
-    records from 256 hosts held 23.2 bytes a record of anonymous memory beyond an empty
-    service; 15.4 after this (bench/RESULTS.md). Elsewhere than glibc, nothing."""
+    records from 256 hosts held 33.7 bytes a record of anonymous memory beyond an empty
+    service, tuned as the command line runs; 14.7 after this (bench/RESULTS.md). Elsewhere
+    than glibc, Arrow's pool only."""
+    import pyarrow as pa  # here: the allocator's settings load before anything else
+
+    pa.default_memory_pool().release_unused()
     if not sys.platform.startswith("linux"):
         return
     try:
