@@ -404,7 +404,8 @@ def test_shuffle_buffer_lost_on_restore_named_and_unshuffled_passes(cli, iterabl
 def test_iterable_replay_refusals_are_one_line(cli, iterable_run, tmp_path):  # noqa: F811
     """A dataset without the key column, states saved on 2 ranks replayed on 4 where each rank
     read whole shards of its own, a states file that is no datasets state, and hashes read from
-    the source: each refused in one line, before anything is written."""
+    the source: each refused in one line, before anything is written (pre-flight plans the
+    4-rank restore, and says what it does)."""
     run, d = iterable_run, iterable_run["dir"]
     keyless = tmp_path / "keyless"
     token_dataset(run["n"]).save_to_disk(str(keyless))
@@ -425,13 +426,16 @@ def test_iterable_replay_refusals_are_one_line(cli, iterable_run, tmp_path):  # 
                            **{"TALLY_TEST_HF": str(d / "hf"), **env})
         assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").rglob("*.parquet"))
-    # Pre-flight does not plan an IterableDataset: said in one line (not "expected Grain's").
-    code, _, err = cli("preflight", "--run", "r", "--ledger", str(d / "ledger.duckdb"),
-                       "--manifest", str(run["manifest"]), "--loader",
-                       "tests.test_hf_loader:make_iterable_loader", "--hosts", "4", "--states",
-                       str(d / "states"), TALLY_TEST_HF=str(d / "hf"))
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "pre-flight does not plan a DataLoader over a datasets.IterableDataset" in err, err
+    # Pre-flight plans what replay refuses here: datasets loads old rank h's place in its 2
+    # whole shards into new rank h of 4 (one shard each), so ranks 2 and 3 start their own
+    # shard where old ranks 0 and 1 stood in theirs, passing over its first rows: UNSAFE.
+    code, out, err = cli("preflight", "--run", "r", "--ledger", str(d / "ledger.duckdb"),
+                         "--manifest", str(run["manifest"]), "--loader",
+                         "tests.test_hf_loader:make_iterable_loader", "--hosts", "4", "--states",
+                         str(d / "states"), "--json", "-q", TALLY_TEST_HF=str(d / "hf"))
+    assert code == 1, err
+    v = json.loads(out)
+    assert v["numbers"]["loader_kind"] == "hf_iterable" and v["numbers"]["skipped"] > 0, v
     # What the replay runs: the factory's loader, its batches the key column alone.
     os.environ["TALLY_TEST_HF"] = str(d / "hf")
     try:

@@ -41,6 +41,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # 
 
 from tally.pipeline.loaders import mosaic  # noqa: E402
 from tally.pipeline.loaders import torch_loader as tally_torch  # noqa: E402
+from tests.support.checkpointed import read_epoch_checkpointed  # noqa: E402
 from tests.test_streaming_loader import N as N_MDS  # noqa: E402
 from tests.test_streaming_loader import (  # noqa: E402,F401  (fixtures shared, module scope)
     as_rank,
@@ -111,13 +112,8 @@ def torch_run(tmp_path_factory):
     for h in range(OLD):
         loader = tally_torch.audited(make_torch(h, OLD), d / "spool", "t", hashes=m,
                                      fsync=False)
-        for k, batch in enumerate(loader):
-            if k < CUT:
-                before += truth_of(batch, by_tokens)
-            if k + 1 == CUT:
-                (states / f"dataloader_{h}-of-{OLD}.json").write_text(
-                    json.dumps(loader.state_dict()))
-        loader.writer.finish()
+        before += read_epoch_checkpointed(loader, CUT, states / f"dataloader_{h}-of-{OLD}.json",
+                                          lambda batch: truth_of(batch, by_tokens))[0]
     assert main(["ingest", str(d / "spool"), "--ledger", str(d / "ledger.duckdb"), "-q"]) == 0
     return {"dir": d, "manifest": m, "states": states, "before": before}
 

@@ -27,14 +27,22 @@ read, so a plan of 64 hosts x 1,000 steps takes seconds:
 - OLMo-core: its own order (`tally.pipeline.loaders.olmo_core.planned_keys`) on the new dp ranks,
   rank r restoring the Trainer checkpoint's `train/rank<r>.pt` (else rank0.pt) as its
   Checkpointer does, at the state's global_step, or fresh at `--at-step`.
-The planners differ; the check does not.
+- Hugging Face IterableDataset: no arithmetic gives its order, so the factory's own loaders run
+  over the key column (`tally.pipeline.loaders.hf_datasets.planned_keys`, workers included),
+  new rank h restored from old rank h % n's `dataloader_<h>-of-<n>.json|.pt` by datasets' own
+  restore; a state datasets cannot load on the new world size (one layout's on the other's:
+  `hf_datasets.check_loadable`) is refused.
+The planners differ; the check does not. Each says the epoch of each planned key where the
+tool has passes (Grain: none), so that the check can find where the relaunch's epoch ends.
 
 The checks need no epochs (a custom sampler need not say them): the run's effective exposures
 before the step, from the ledger, plus the plan's, against the ideal of the DESIGN ("every
 record seen floor(C/N) or ceil(C/N) times"). A correct continuation adds no exposure beyond
 ceil(C/N) and, once the plan reaches the next multiple of N exposures, leaves no record below
 floor(C/N); what the plan adds beyond the ledger's own distance from the ideal is what the
-relaunch would do:
+relaunch would do. A plan that stops short of the multiple (short last batches) goes on to the
+end of its epoch on every host and is judged there, as an IterableDataset's always is (see
+_plan_findings):
 - `repeats`: exposures beyond ceil(C/N) the plan adds (records already seen as often as the
   ideal allows, planned again);
 - `skips`: records the plan leaves below floor(C/N) when its horizon reaches a multiple of N;
@@ -98,7 +106,8 @@ def run_loader_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str
 @dataclass
 class _Plan:
     """A relaunch's plan, whichever tool's: its first step, its global batch, and each host's
-    record keys for a horizon (`keys(steps)` -> keys, step of each, host of each); `slack` and
+    record keys for a horizon (`keys(steps)` -> keys, step of each, host of each, and the
+    tool's epoch of each, or None where the tool does not say its passes); `slack` and
     `remainder` are what a correct loader of this kind may show (see _plan_findings)."""
 
     kind: str
@@ -107,6 +116,11 @@ class _Plan:
     keys: Any
     slack: int = 0
     remainder: int = 0
+    # Judged at its epoch's end even where the plan reaches the next multiple of N first: a
+    # loader whose epoch does not end on a whole global batch (an IterableDataset's last
+    # batches are short, one a worker), so the multiple falls inside a step (see
+    # _plan_findings).
+    by_epoch: bool = False
 
 
 def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None, n: int,
@@ -129,10 +143,7 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
         if kind == "olmo":
             return _olmo_plan(spec, first, new_hosts, at_step, states, n)
         if kind == "hf_iterable":
-            raise AttachError("pre-flight does not plan a DataLoader over a datasets."
-                              "IterableDataset (its order is its shards', shuffle buffers' and "
-                              "workers' as it runs): audit the relaunch live, and `tally "
-                              "replay` a run from its states")
+            return _hf_iterable_plan(spec, first, new_hosts, at_step, states)
     except AttachError as exc:
         raise TallyError(f"--loader {spec}: {exc}") from None
     return _grain_plan(spec, first, new_hosts, at_step, states, n)
@@ -162,14 +173,15 @@ def _grain_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
     step = int(at_step)
     new_batch = sum(c.batch_size for c in contracts)
 
-    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
         k, at, on = [], [], []
         for h, (x, c, cu) in enumerate(zip(loaders, contracts, cursors, strict=True)):
             idx, ordinal, _ = batches(c, cu, steps)
             k.append(SamplerKeys(x._sampler).keys(idx))
             at.append(ordinal - (firsts[h] or 0) + step)
             on.append(np.full(len(idx), h, np.int32))
-        return np.concatenate(k), np.concatenate(at), np.concatenate(on)
+        # Grain's index contract numbers records, not passes: no epochs.
+        return np.concatenate(k), np.concatenate(at), np.concatenate(on), None
 
     # With W worker streams a host's reads at a step boundary are not a prefix of its order:
     # each stream but one may be up to a batch ahead, on the run's side and on the plan's
@@ -217,19 +229,20 @@ def _torch_plan(spec: str, new_hosts: int, at_step: int | None, states: Path | N
         at_step = min(tl.resume_step(st) for st in old.values())
     step = int(at_step)
 
-    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        k, at, on = [], [], []
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        k, at, on, ep = [], [], [], []
         for h in range(new_hosts):
             # Loaders made afresh for each plan: drawing moves a sampler on (its epoch, an
             # offset it was given), as the relaunched job's loaders start from their factory.
             x = make_loader(spec, h, new_hosts)
             st = old[h % len(old)] if old else None
             # A restored loader numbers its steps from its state; a fresh one from --at-step.
-            kh, ah = tl.planned_keys(x, steps, start_step=0 if old else step, state=st)
+            kh, ah, eh = tl.planned_keys(x, steps, start_step=0 if old else step, state=st)
             k.append(kh)
             at.append(ah)
             on.append(np.full(len(kh), h, np.int32))
-        return np.concatenate(k), np.concatenate(at), np.concatenate(on)
+            ep.append(eh)
+        return np.concatenate(k), np.concatenate(at), np.concatenate(on), np.concatenate(ep)
 
     batch = int(len(keys(1)[0]))  # the rows of the plan's first step
     remainder = n % new_hosts + n % max(1, batch)
@@ -255,7 +268,7 @@ def _streaming_plan(loader: Any, new_hosts: int, at_step: int | None, states: Pa
     step = int(at_step)
     shape = mosaic.loader_shape(loader)
 
-    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return mosaic.planned_keys(loader, hosts=new_hosts, ranks_per_node=ranks_per_node,
                                    steps=steps, state=state, start_step=step)
 
@@ -283,7 +296,7 @@ def _olmo_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
         at_step = min(at)
     step = int(at_step)
 
-    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return oc.planned_keys(lambda h, hosts: make_loader(spec, h, hosts), new_hosts, steps,
                                states=states, start_step=step)
 
@@ -310,7 +323,7 @@ def _litdata_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
                       for h, st in old.items())
     step = int(at_step)
 
-    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return ll.planned_keys(spec, hosts=new_hosts, steps=steps, states=old or None,
                                start_step=step)
 
@@ -320,12 +333,51 @@ def _litdata_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
                  ll.epoch_remainder(n, first, new_hosts, old.get(0)))
 
 
+def _hf_iterable_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
+                      states: Path | None) -> _Plan:
+    """The factory's own loaders over a Hugging Face IterableDataset, run over the key column
+    (`hf_datasets.planned_keys`): new rank h restored from old rank h % n's
+    dataloader_<h>-of-<n>.json|.pt as the job's `load_state_dict` restores it (datasets
+    reads from a state saved on another world size what it reads: a place in the rank's own
+    shards, or in the one stream it steps through), or fresh at --at-step. No arithmetic
+    gives this order (shards, shuffle buffers, the split and the workers make it as it runs),
+    so the real loader runs; a state datasets cannot load at all is refused."""
+    from tally.pipeline.loaders import AttachError
+    from tally.pipeline.loaders import hf_datasets as hf
+
+    hf.check_iterable(first)
+    old = None
+    if states is not None:
+        old = hf.saved_states(states)
+        at = {hf.resume_step(st) for st in old[1].values()}
+        if None in at:
+            raise AttachError(f"--states {states}: a loader state without its step "
+                              f"({hf.STEP_KEY}): save the audited loader's state_dict() (it "
+                              "carries the step)")
+        at_step = min(at)  # the relaunch's step: the lowest the old ranks were at
+        hf.check_loadable(first.dataset, old[0])
+    step = int(at_step)
+
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return hf.planned_keys(lambda h, hosts: make_loader(spec, h, hosts), new_hosts, steps,
+                               states=old, start_step=step)
+
+    batch = max(1, int(first.batch_size or 1))
+    # The shadow is the loader itself, its workers' batches in the order it hands them over:
+    # no allowance for streams. Every example reaches one rank an epoch, unless drop_last
+    # drops each worker's short last batch (fewer than a batch a worker).
+    workers = max(1, int(first.num_workers))
+    dropped = (batch - 1) * workers * new_hosts if first.drop_last else 0
+    return _Plan("hf_iterable", step, batch * new_hosts, keys, 0, dropped, by_epoch=True)
+
+
 @dataclass(frozen=True)
 class _Relaunch:
     """What the check is asked: may `run_id` (`n` train records an epoch) go on with the
     loaders the factory `spec` makes on `new_hosts` hosts (`ranks_per_node` a node: Streaming),
     restored from `states` or fresh at `at_step`, planned for `horizon` steps (None: to the
-    next multiple of N exposures, at most DEFAULT_MAX_HORIZON)?"""
+    next multiple of N exposures, or on to the end of the epoch on every host, at most
+    DEFAULT_MAX_HORIZON)?"""
 
     run_id: str
     n: int
@@ -378,25 +430,63 @@ def _check(ledger: Ledger, relaunch: _Relaunch, t0: float) -> PreflightVerdict:
     from tally.pipeline.loaders import AttachError
 
     try:
-        k, s, hh = plan.keys(steps)
+        k, s, hh, ep = plan.keys(steps)
+        # Whole batches to the next multiple of N can stop short of the epoch's end: a
+        # loader's last batches may be short (an IterableDataset's, one a worker). Where the
+        # tool says its passes, the default horizon goes on until every host's epoch ends.
+        grow = max(1, steps // 8)
+        while (horizon is None and ep is not None and steps < DEFAULT_MAX_HORIZON
+               and _epoch_of_plan(ep, hh, new_hosts) is None
+               and (plan.by_epoch or not _reaches_multiple(consumed, consumed + len(k), n))):
+            steps, grow, planned = min(DEFAULT_MAX_HORIZON, steps + grow), 2 * grow, len(k)
+            k, s, hh, ep = plan.keys(steps)
+            if len(k) == planned:
+                break  # the loaders have nothing more to give
     except AttachError as exc:
         raise TallyError(f"--loader {spec}: {exc}") from None
     _plan_findings(v, counts, k, s, hh, n, steps, add, slack=plan.slack,
-                   remainder=plan.remainder)
+                   remainder=plan.remainder, epochs=ep, by_epoch=plan.by_epoch)
     return _done(v, t0)
 
 
+def _reaches_multiple(c0: int, c1: int, n: int) -> bool:
+    """Do exposures going from c0 to c1 reach the next multiple of the corpus (n)?"""
+    return c1 // n > c0 // n or (c0 % n == 0 and c1 > c0 and c1 % n == 0)
+
+
+def _epoch_of_plan(epochs: np.ndarray | None, hosts: np.ndarray, new_hosts: int
+                   ) -> int | None:
+    """The epoch the relaunch is in (the plan's first), if every host's plan goes past its
+    end (a batch of a later epoch, or none at all: a loader with nothing to give), else None
+    (the tool says no passes, or the plan stops inside the epoch on some host)."""
+    if epochs is None or not len(epochs):
+        return None
+    first = int(epochs.min())
+    later = np.zeros(new_hosts, bool)
+    later[np.unique(hosts[epochs > first])] = True
+    later[np.setdiff1d(np.arange(new_hosts), hosts)] = True
+    return first if later.all() else None
+
+
+# A correct loader's last batches of an epoch may be short (drop_last=False; an
+# IterableDataset's, one a worker and rank): the run's global batch is the largest step among
+# the last few, on the last step's hosts, not the last step's rows.
+SHAPE_STEPS = 16
+
+
 def _ledger_shape(cur: Any, run: int, step: int) -> tuple[int | None, int | None, int | None]:
-    """(hosts, rows per step, last step) of the surviving lineage just before `step`."""
+    """(hosts, rows per step, last step) of the surviving lineage just before `step`: the rows
+    the largest of its last SHAPE_STEPS steps held on the last step's host count."""
     rows = cur.execute(f"""
         SELECT h.step, count(DISTINCT h.host), sum(h.exposures) FROM agg_steps h JOIN attempts a
             USING (run, attempt)
         WHERE h.run = ? AND {effective_sql("h", "a")} AND h.step < ?
-        GROUP BY h.step ORDER BY h.step DESC LIMIT 1""", [run, step]).fetchall()
+        GROUP BY h.step ORDER BY h.step DESC LIMIT ?""", [run, step, SHAPE_STEPS]).fetchall()
     if not rows:
         return None, None, None
-    last, hosts, starts = rows[0]
-    return int(hosts), int(starts), int(last)
+    last, hosts, _ = rows[0]
+    starts = max(int(r[2]) for r in rows if r[1] == hosts)
+    return int(hosts), starts, int(last)
 
 
 def _consumed(cur: Any, run: int, step: int, n: int) -> np.ndarray:
@@ -412,10 +502,19 @@ def _consumed(cur: Any, run: int, step: int, n: int) -> np.ndarray:
 
 def _plan_findings(v: PreflightVerdict, before: np.ndarray, keys: np.ndarray,
                    steps_at: np.ndarray, hosts: np.ndarray, n: int, horizon: int, add, *,
-                   slack: int = 0, remainder: int = 0) -> None:
+                   slack: int = 0, remainder: int = 0,
+                   epochs: np.ndarray | None = None, by_epoch: bool = False) -> None:
     """The plan's findings. Counts within what a correct loader does (`slack`: worker streams'
     reads across a step boundary; `remainder`: records an epoch drops by design, per epoch
-    the plan crosses) are said as INFO with the reason, beyond it as FAIL."""
+    the plan crosses) are said as INFO with the reason, beyond it as FAIL.
+
+    Where the plan is judged: where it reaches the next multiple of N exposures (a correct
+    epoch reads at most N, so a plan that gets there inside its epoch repeats anyway), or,
+    where the tool says its passes (`epochs`) and every host's plan gets past the end of the
+    epoch it is in, at that end when the plan does not reach the multiple, or always for a
+    plan `by_epoch`: a record is skipped only if the epoch ends without it (short last
+    batches, a host a batch behind the others, are the epoch's own), and what later epochs
+    plan is not this one's."""
     num = v.numbers
     outside = (keys < 0) | (keys >= n)
     if outside.any():
@@ -441,10 +540,25 @@ def _plan_findings(v: PreflightVerdict, before: np.ndarray, keys: np.ndarray,
             add("FAIL", code, message, **numbers)
 
     excess0, _ = beyond(before, c0)
-    excess1, _ = beyond(after, c1)
+    epoch = None
+    if by_epoch or not _reaches_multiple(c0, c1, n):
+        epoch = _epoch_of_plan(epochs, hosts, int(num.get("new_hosts") or 0))
+    if epoch is None:
+        judged = np.ones(len(keys), bool)
+        hi, lo1, decided = -(-c1 // n), c1 // n, _reaches_multiple(c0, c1, n)
+    else:
+        # The epoch's target: one read more than the epochs the ledger completed, unless the
+        # ledger stands at a multiple and the epoch planned nothing (a state saved at its
+        # epoch's end).
+        judged = epochs == epoch
+        hi = lo1 = c0 // n + (1 if c0 % n or judged.any() else 0)
+        decided = True
+    after_judged = before + np.bincount(keys[judged], minlength=n)
+    c_judged = int(after_judged.sum())
     num.update(horizon_steps=horizon, planned=len(keys), consumed_exposures=c0,
-               reached_multiple=c1 // n > c0 // n or (c0 % n == 0 and c1 > c0 and c1 % n == 0),
-               allowance_streams=slack)
+               reached_multiple=_reaches_multiple(c0, c1, n), allowance_streams=slack,
+               epoch_end_step=None if epoch is None or not judged.any()
+               else int(steps_at[judged].max()))
     streams_why = "worker streams read up to a batch ahead of each other"
 
     # Records planned more often than the epochs the plan touches allow, by two hosts or more.
@@ -466,38 +580,40 @@ def _plan_findings(v: PreflightVerdict, before: np.ndarray, keys: np.ndarray,
               "disjoint shares (sharded twice, per-host seeds, no sharding?)",
               records=int(twice.sum()), on_several_hosts=cross)
 
-    added = max(0, excess1 - excess0)
+    added = max(0, int(np.maximum(after_judged - hi, 0).sum()) - excess0)
     num["repeats"] = added
     if added:
-        hi = -(-c1 // n)
-        again = np.flatnonzero(after > hi)
-        mask = np.isin(keys, again) & (before[keys] > 0)
+        again = np.flatnonzero(after_judged > hi)
+        mask = np.isin(keys, again) & judged & (before[keys] > 0)
         if mask.any() and added > slack:
             bad_steps.append(steps_at[mask])
         judge("repeats", added, slack, streams_why,
               f"would add {added:,} exposures beyond the ideal ({hi} per record after "
-              f"{c1:,} exposures of {n:,} records): records the run already saw as often as "
-              "it should, planned again",
+              f"{c_judged:,} exposures of {n:,} records): records the run already saw as "
+              "often as it should, planned again",
               exposures=added, records=int(len(again)))
     num["skipped"] = None
-    if num["reached_multiple"]:
+    if decided:
         # Only what the plan adds: a record already behind before the step (an earlier fault,
         # or a remainder dropped before) counts when the plan leaves it further behind.
-        lo0, lo1 = c0 // n, c1 // n
-        grown = np.maximum(lo1 - after, 0) - np.maximum(lo0 - before, 0)
+        lo0 = c0 // n
+        grown = np.maximum(lo1 - after_judged, 0) - np.maximum(lo0 - before, 0)
         skipped = int(np.maximum(grown, 0).sum())
         records = int((grown > 0).sum())
         num["skipped"] = skipped
         if skipped:
-            end = int(steps_at.max()) if len(steps_at) else num["checkpoint_step"]
+            end = num["epoch_end_step"]
+            if end is None:
+                end = int(steps_at.max()) if len(steps_at) else num["checkpoint_step"]
             allowed = slack + remainder * (lo1 - lo0)
             if skipped > allowed:
                 bad_steps.append(np.array([num["checkpoint_step"], end]))
+            where = (f"when its epoch ends, at step {end}" if epoch is not None else
+                     f"when the plan reaches {c1:,} exposures by step {end}")
             judge("skips", skipped, allowed,
                   f"{streams_why}; an epoch may drop N mod hosts + N mod global batch = "
                   f"{remainder:,}",
-                  f"would leave {records:,} records below {lo1} exposure(s) when the plan "
-                  f"reaches {c1:,} exposures by step {end}: skipped",
+                  f"would leave {records:,} records below {lo1} exposure(s) {where}: skipped",
                   records=records, exposures=skipped)
     else:
         add("INFO", "horizon_short",

@@ -55,6 +55,8 @@ class PreflightVerdict:
         if "horizon_steps" in n and n.get("plan") == "loader":
             end = ("reaching the next multiple of the corpus" if n["reached_multiple"]
                    else "short of the next multiple of the corpus")
+            if n.get("epoch_end_step") is not None:  # judged where the epoch ends
+                end = f"judged where its epoch ends, at step {n['epoch_end_step']}"
             lines.append(
                 f"  plan of {n['loader']}: {n['new_hosts']} host(s) x {n['horizon_steps']} "
                 f"steps from step {n['checkpoint_step']} ({end}), {n['planned']:,} records "

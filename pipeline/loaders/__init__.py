@@ -285,18 +285,22 @@ class PlannedLoader(SteppedLoader):
         return state
 
 
-def plan_arrays(planned: Iterable[tuple[int, int, np.ndarray]]
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A pre-flight plan's (rank, step, sample ids) batches as flat arrays: (record keys,
-    step of each, rank of each)."""
-    keys, at, ranks = [], [], []
-    for rank, step, ids in planned:
+def plan_arrays(planned: Iterable[tuple[int, int, np.ndarray, int]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A pre-flight plan's (rank, step, sample ids, epoch) batches as flat arrays: (record keys,
+    step of each, rank of each, epoch of each: the tool's pass the batch belongs to, which the
+    check reads to find where the relaunch's epoch ends)."""
+    keys, at, ranks, epochs = [], [], [], []
+    for rank, step, ids, epoch in planned:
         keys.append(np.asarray(ids, np.int64))
         at.append(np.full(len(ids), step, np.int64))
         ranks.append(np.full(len(ids), rank, np.int32))
+        epochs.append(np.full(len(ids), epoch, np.int64))
     if not keys:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
-    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks)
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros(0, np.int32), empty
+    return np.concatenate(keys), np.concatenate(at), np.concatenate(ranks), \
+        np.concatenate(epochs)
 
 
 def leading_rows(batch: Any) -> int | None:

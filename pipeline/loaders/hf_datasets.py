@@ -72,6 +72,7 @@ from tally.pipeline.loaders import (
     batch_content,
     leading_rows,
     manifest_hashes,
+    plan_arrays,
     record,
     restore,
     spool_options,
@@ -301,6 +302,26 @@ def check_restorable(dataset: Any, saved_world: int) -> None:
                           "the rank's own, which it cannot restore on another world size")
 
 
+def check_loadable(dataset: Any, saved_world: int) -> None:
+    """AttachError when datasets cannot load a state saved on `saved_world` ranks into
+    `dataset` at all: one world size divides the shards (each rank reads whole shards of its
+    own, its state a place in them) and the other does not (each rank steps through the one
+    stream, its state a place in it and a step count), so the two states differ in shape and
+    datasets' load fails (KeyError). Where both or neither divide, datasets loads the state
+    on another world size and reads from it what it reads: pre-flight plans that."""
+    split = split_of(dataset)
+    if split is None or split[1] == saved_world:
+        return
+    world, shards = split[1], dataset._ex_iterable.num_shards
+    if (shards % saved_world == 0) == (shards % world == 0):
+        return
+    whole, stepped = (saved_world, world) if shards % saved_world == 0 else (world, saved_world)
+    raise AttachError(f"states saved on {saved_world} ranks, the loader's dataset is split over "
+                      f"{world}: of its {shards} shards datasets gives each of {whole} ranks "
+                      f"whole shards but has each of {stepped} ranks step through the one "
+                      "stream, and it cannot load a state of one into the other")
+
+
 def key_only(loader: Any, key_field: str = KEY_FIELD) -> Any:
     """The factory's `loader` made to read `key_field` alone (see the module's doc)."""
     check_iterable(loader, key_field)
@@ -338,9 +359,11 @@ def key_batches(loader: Any, steps: int, *, start_step: int = 0,
     """(step, record keys, epoch) of the factory's loader's next `steps` batches, run over
     the key column (`key_only`), restored from `state` (an audited loader's `state_dict()`:
     its `tally_step` numbers the first batch, else `start_step`), pass after pass (the dataset
-    set to its epoch + 1 at each new pass, as a training loop does)."""
+    set to its epoch + 1 at each new pass, as a training loop does; a state saved at its
+    epoch's end restores an empty pass, and the next epoch follows)."""
     loader = key_only(loader, key_field)
     base = start_step
+    restored = state is not None
     if state is not None:
         state = dict(state)
         saved_step = state.pop(STEP_KEY, None)
@@ -365,8 +388,9 @@ def key_batches(loader: Any, steps: int, *, start_step: int = 0,
             drew = True
             yield base + done, np.asarray(batch[key_field], np.int64).reshape(-1), epoch
             done += 1
-        if not drew:
+        if not drew and not restored:
             return  # an empty pass: nothing more will come
+        restored = False  # a state saved at its epoch's end: the job goes on to the next
         loader.dataset.set_epoch(epoch + 1)
 
 
@@ -374,12 +398,49 @@ def _states(spec: Any) -> tuple[int, dict[int, dict[str, Any]]] | None:
     """(n, each old host's saved state) from spec.states, found as torch's are."""
     if spec.states is None:
         return None
-    return torch_loader.saved_states(spec.states, check=_check_state)
+    return saved_states(spec.states)
+
+
+def saved_states(states: Path) -> tuple[int, dict[int, dict[str, Any]]]:
+    """(n, every old host's saved state by host) from `dataloader_<h>-of-<n>.json|.pt` in
+    `states`, each holding a datasets IterableDataset state (torch_loader.saved_states)."""
+    return torch_loader.saved_states(Path(states), check=_check_state)
 
 
 def _check_state(state: Any) -> None:
     if saved_epoch(state) is None:
         raise ValueError("no datasets IterableDataset state in it")
+
+
+def resume_step(state: dict[str, Any]) -> int | None:
+    """The step of the next batch a loader restored from an audited `state` hands out (its
+    `tally_step`), else None."""
+    step = state.get(STEP_KEY)
+    return None if step is None else int(step)
+
+
+def planned_keys(make: Callable[[int, int], Any], hosts: int, steps: int, *,
+                 states: tuple[int, dict[int, dict[str, Any]]] | None = None,
+                 start_step: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(record keys, step, rank, epoch) of every new rank's next `steps` batches: the loader
+    `make(rank, hosts)` run over its key column (`key_batches`), restored from old rank
+    rank % n's state of `states` ((n, states by rank), as the relaunched job's
+    `load_state_dict` restores it), or fresh with its first batch numbered `start_step`. The
+    real loader runs, workers, shuffle buffers and datasets' own restore included: its order
+    is made as it runs."""
+    def planned() -> Iterator[tuple[int, int, np.ndarray, int]]:
+        for rank in range(hosts):
+            loader = make(rank, hosts)
+            state = None
+            if states is not None:
+                check_loadable(loader.dataset, states[0])
+                state = states[1][rank % states[0]]
+            for step, keys, epoch in key_batches(loader, steps, start_step=start_step,
+                                                 state=state):
+                yield rank, step, keys, epoch
+
+    return plan_arrays(planned())
 
 
 def replay_host(spec: Any, host: int, hashes: Any, loader: Any) -> Any:

@@ -459,18 +459,18 @@ def loader_shape(loader: Any) -> dict[str, Any]:
 
 def planned_keys(factory: str, *, hosts: int, steps: int,
                  states: dict[int, dict[str, Any]] | None = None, start_step: int = 0
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sample indices, step, rank) of every rank's next `steps` batches on `hosts` ranks:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sample indices, step, rank, epoch) of every rank's next `steps` batches on `hosts` ranks:
     rank h's loader from the factory, restored from old rank h % n's state of `states` (or
     fresh, its first batch numbered `start_step`)."""
     def planned() -> Iterator[tuple[int, int, np.ndarray]]:
         for h in range(hosts):
             loader = rank_loader(factory, h, hosts)
             st = states[h % len(states)] if states else None
-            for step, ids, _ in batches(loader.dataset, world_size=hosts, rank=h, steps=steps,
+            for step, ids, epoch in batches(loader.dataset, world_size=hosts, rank=h, steps=steps,
                                         state=st, start_step=start_step,
                                         **loader_shape(loader)):
-                yield h, step, ids
+                yield h, step, ids, epoch
 
     return plan_arrays(planned())
 

@@ -363,19 +363,20 @@ def loader_shape(loader: Any) -> dict[str, Any]:
 
 def planned_keys(loader: Any, *, hosts: int, ranks_per_node: int, steps: int,
                  state: dict[str, Any] | None = None, start_step: int = 0
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sample ids, step, rank) of every rank's next `steps` batches on `hosts` ranks, from the
-    saved global `state` or fresh at `start_step`: streaming's own partition (`batches`) of the
-    loader's dataset, one dataset for every rank (the partition is global)."""
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sample ids, step, rank, epoch) of every rank's next `steps` batches on `hosts` ranks,
+    from the saved global `state` or fresh at `start_step`: streaming's own partition
+    (`batches`) of the loader's dataset, one dataset for every rank (the partition is
+    global)."""
     nodes, per_node = topology_of(hosts, ranks_per_node)
     shape = loader_shape(loader)
 
     def planned() -> Iterator[tuple[int, int, np.ndarray]]:
         for rank in range(hosts):
-            for step, ids, _ in batches(loader.dataset, num_nodes=nodes,
+            for step, ids, epoch in batches(loader.dataset, num_nodes=nodes,
                                         ranks_per_node=per_node, rank=rank, steps=steps,
                                         state=state, start_step=start_step, **shape):
-                yield rank, step, ids
+                yield rank, step, ids, epoch
 
     try:
         return plan_arrays(planned())

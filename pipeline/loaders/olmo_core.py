@@ -418,8 +418,8 @@ def check_replay(spec: Any, loader: Any) -> None:
 
 def planned_keys(make: Callable[[int, int], Any], hosts: int, steps: int, *,
                  states: Path | None = None, start_step: int = 0
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(instance indices, step, dp rank) of every new rank's next `steps` batches: the loader
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(instance indices, step, dp rank, epoch) of every new rank's next `steps` batches: the loader
     `make(rank, hosts)`, restored from its state in `states` as the Trainer restores it (steps
     numbered from the state's), or fresh from epoch 1 numbered from `start_step`."""
     def planned() -> Iterator[tuple[int, int, np.ndarray]]:
@@ -427,8 +427,8 @@ def planned_keys(make: Callable[[int, int], Any], hosts: int, steps: int, *,
             loader = make(rank, hosts)
             factory_loader(loader, rank, hosts)
             state = None if states is None else read_state(state_file(states, rank))
-            for step, ids, _ in batches(loader, steps=steps, state=state,
+            for step, ids, epoch in batches(loader, steps=steps, state=state,
                                         start_step=start_step):
-                yield rank, step, ids
+                yield rank, step, ids, epoch
 
     return plan_arrays(planned())

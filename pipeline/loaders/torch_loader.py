@@ -569,16 +569,19 @@ def resume_step(state: dict[str, Any]) -> int:
 
 
 def planned_keys(loader: DataLoader, steps: int, *, start_step: int = 0,
-                 state: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(record keys, step of each) of the loader's next `steps` batches as `index_batches`
-    draws them (from `state` when given), keys through the dataset's `tally_record_keys`."""
+                 state: dict[str, Any] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(record keys, step of each, epoch of each: the sampler's, -1 unknown) of the loader's
+    next `steps` batches as `index_batches` draws them (from `state` when given), keys through
+    the dataset's `tally_record_keys`."""
     check_loader(loader)
     check_deterministic(loader)
     keys_of = _keys_function(loader, None)
-    keys, at = [], []
-    for step, idx, _ in index_batches(loader, steps, start_step=start_step, state=state):
+    keys, at, epochs = [], [], []
+    for step, idx, epoch in index_batches(loader, steps, start_step=start_step, state=state):
         keys.append(keys_of(idx))
         at.append(np.full(len(idx), step, np.int64))
+        epochs.append(np.full(len(idx), epoch, np.int64))
     if not keys:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(keys), np.concatenate(at)
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(keys), np.concatenate(at), np.concatenate(epochs)
