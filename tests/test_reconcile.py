@@ -1,6 +1,7 @@
 """The reconcile job against the DuckDB SQL reference on randomised ledgers, on FnApiRunner
 and on Dask, plus the report files."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -279,6 +280,58 @@ def test_host_sets_match_a_record_by_record_count(hosts):
     assert np.array_equal(overlap, tr.T @ tr)
     assert n_hosts.tolist() == seen.sum(axis=1).tolist()
     assert hosts == 1 or overlap[:, 0].sum() > unique[0]  # records shared with host 0 are here
+
+
+@pytest.mark.parametrize("hosts", [1, 5, 16, 17, 64])
+def test_hosts_of_repeated_groups_match_a_group_by_group_count(hosts):
+    """Per host, the (record, epoch) groups seen more than once that it took part in: the
+    histogram of host sets (<= 16 hosts) and the distinct pairs (more) against Python sets."""
+    from tally.audit.reconcile.bucket_stats import _hosts_of_repeated
+
+    rng = np.random.default_rng(hosts)
+    counts = rng.integers(1, 5, 400)
+    host = rng.integers(0, hosts, int(counts.sum()))
+    starts = np.r_[0, np.cumsum(counts)[:-1]]
+    want = np.zeros(hosts, np.int64)
+    for a, k in zip(starts, counts, strict=True):
+        if k > 1:
+            for h in set(host[a:a + k].tolist()):
+                want[h] += 1
+    assert _hosts_of_repeated(starts, counts, host, hosts).tolist() == want.tolist()
+    one = np.ones(3, np.int64)  # no group repeated: nobody took part in one
+    assert _hosts_of_repeated(np.arange(3), one, np.zeros(3, np.int64), hosts).tolist() == \
+        [0] * hosts
+
+
+def test_a_bucket_gives_the_same_numbers_by_either_sort():
+    """compute() orders a bucket's starts by (record, step) with the within-epoch sort when
+    every epoch is known and no loss is logged, else with a sort of its own: both give the same
+    partial and per-record rows (the loss split aside, which only the second computes)."""
+    from tally.audit.reconcile.bucket_stats import compute
+
+    rng = np.random.default_rng(3)
+    n, rows, hosts = 500, 6000, np.arange(4)
+    man = {"record_key": np.arange(1000, 1000 + n), "content_hash": rng.integers(0, 2**62, n),
+           "n_tokens": rng.integers(1, 50, n).astype(np.int32), "split": np.zeros(n, np.int32),
+           "split_names": ["train"], "domain": np.zeros(n, np.int32), "domain_names": ["web"],
+           "source": np.zeros(n, np.int32), "source_names": ["s"]}
+    step = np.sort(rng.integers(7, 400, rows))
+    key = rng.integers(0, n, rows).astype(np.uint32)
+    c = {"key": key, "step": step, "host": rng.integers(0, 4, rows).astype(np.uint16),
+         "start": rng.random(rows) < 0.8, "n_tokens": man["n_tokens"][key],
+         "content_hash": man["content_hash"][key], "epoch": (step // 100).astype(np.int32),
+         "loss": np.full(rows, np.nan, np.float32)}
+    plain, plain_records = compute(man, c, hosts, 10, 7)
+    lossy, lossy_records = compute(man, {**c, "loss": rng.random(rows).astype(np.float32)},
+                                   hosts, 10, 7)
+    assert plain.loss_by_rank.size == 0 and lossy.loss_by_rank.size > 0
+    for f in dataclasses.fields(plain):
+        if f.name != "loss_by_rank":
+            a, b = getattr(plain, f.name), getattr(lossy, f.name)
+            a, b = (x.dense() if hasattr(x, "dense") else x for x in (a, b))
+            np.testing.assert_equal(a, b, err_msg=f.name)
+    assert plain_records.equals(lossy_records)
+    assert plain.epoch_duplicates > 0 and plain.max_rank_by_step.dense().max() > 1
 
 
 def test_a_run_spanning_more_than_max_run_steps_is_refused_in_one_line(tmp_path):

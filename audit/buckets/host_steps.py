@@ -97,11 +97,20 @@ def per_file(cols: dict[str, np.ndarray], train_records: int) -> dict:
     epoch = cols["epoch"].astype(np.int64, copy=False)
     known = epoch >= 0
     if known.any():
-        e, inv = np.unique(epoch[known], return_inverse=True)
-        lo = np.full(len(e), np.iinfo(np.int64).max)
-        hi = np.full(len(e), np.iinfo(np.int64).min)
-        np.minimum.at(lo, inv, step[known])
-        np.maximum.at(hi, inv, step[known])
+        ep, st_ = epoch[known], step[known]
+        if len(ep) < 2 or bool((ep[1:] >= ep[:-1]).all()):
+            # Epochs in order (a spool file: its steps ascend and each epoch follows the one
+            # before): each epoch is one run of rows, reduced in place. np.unique's sort and
+            # the two ufunc.at were half of this function's time (2.2 of 4.3 ms a 100k-row file).
+            heads = np.flatnonzero(np.r_[True, ep[1:] != ep[:-1]])
+            e = ep[heads]
+            lo, hi = np.minimum.reduceat(st_, heads), np.maximum.reduceat(st_, heads)
+        else:
+            e, inv = np.unique(ep, return_inverse=True)
+            lo = np.full(len(e), np.iinfo(np.int64).max)
+            hi = np.full(len(e), np.iinfo(np.int64).min)
+            np.minimum.at(lo, inv, st_)
+            np.maximum.at(hi, inv, st_)
         out["epoch_steps"] = {int(x): (int(a), int(b)) for x, a, b in zip(e, lo, hi,
                                                                          strict=True)}
     # Each host-step's batch as (signature, record starts).
