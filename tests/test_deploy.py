@@ -112,6 +112,17 @@ def test_dockerfile_copies_what_exists_and_runs_the_console_script():
     assert packages["project"]["scripts"]["tally"] == "tally.audit.cli:main"
 
 
+def test_the_beam_pin_is_the_sdk_harness_release():
+    """The beam extra pins the release Dockerfile.sdk builds its harness from: a looser range
+    let a fresh install take a newer Beam than the image the manual names."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["beam"]
+    (pin,) = [d for d in extra if d.startswith("apache-beam")]
+    lines = (ROOT / "Dockerfile.sdk").read_text().splitlines()
+    (arg,) = [line for line in lines if line.startswith("ARG BEAM_VERSION=")]
+    assert pin == "apache-beam==" + arg.split("=", 1)[1]
+
+
 @pytest.mark.slow
 def test_the_sdk_harness_image_is_beams_at_the_installed_version_with_tally():
     import sys
