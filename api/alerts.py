@@ -37,9 +37,13 @@ class Thresholds:
 def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
              first_pass: bool, lag_seconds: float, behind: float | None,
              non_finite_losses: int = 0, findings: dict[str, Any] | None = None,
-             catching_up: bool = False) -> list[dict[str, Any]]:
+             catching_up: bool = False, at_ingest: dict[str, Any] | None = None
+             ) -> list[dict[str, Any]]:
     """Every configured alert with its value and whether it fires. `catching_up`: the service
-    is still ingesting the backlog it found at start, whose wait is not lag (no ingest_lag)."""
+    is still ingesting the backlog it found at start, whose wait is not lag (no ingest_lag).
+    `at_ingest`: the run's integrity checked at ingest (tally.audit.ledger.integrity.totals);
+    the integrity alerts take its numbers, newer than the live reconcile's, when it checked
+    the run."""
     checks = [
         ("epoch_duplicates", epoch_duplicates, th.epoch_duplicates,
          "exposures of a record beyond its first within one epoch"),
@@ -60,15 +64,20 @@ def evaluate(th: Thresholds, *, epoch_duplicates: int, multi_host_records: int,
                        "causes reconcile names as of step "
                        f"{findings['as_of_step']}: " + (", ".join(f["code"] for f in fails)
                                                          or "none")))
-        # Integrity against the manifest, with reconcile's own numbers (the same job).
-        integ, at = findings["integrity"], findings["as_of_step"]
+    checked = at_ingest is not None and at_ingest["skipped"] is None and \
+        at_ingest["files_checked"] > 0
+    if checked or (findings is not None and findings["verdict"] is not None):
+        # Integrity against the manifest: as checked at ingest (the rows ingested so far), or
+        # with reconcile's own numbers (the same job, as of its step).
+        integ = at_ingest if checked else findings["integrity"]
+        when = "as ingested" if checked else f"step {findings['as_of_step']}"
         checks += [
             ("hash_mismatch", integ["hash_mismatches"], 0,
-             f"consumed records whose content hash differs from the manifest's (step {at})"),
+             f"consumed records whose content hash differs from the manifest's ({when})"),
             ("unknown_keys", integ["unknown_keys"], 0,
-             f"consumed record keys the manifest does not hold (step {at})"),
+             f"consumed record keys the manifest does not hold ({when})"),
             ("heldout_leak", integ["heldout_consumed_records"], 0,
-             f"held-out records trained on (step {at})"),
+             f"held-out records trained on ({when})"),
         ]
     return [{"name": name, "value": value, "threshold": limit,
              "firing": value is not None and value > limit

@@ -103,6 +103,9 @@ class TallyCollector(Collector):
             "integrity": GaugeMetricFamily(
                 "tally_integrity", "Integrity against the manifest, as the live reconcile "
                 "found it", labels=["run", "kind"]),
+            "at_ingest": GaugeMetricFamily(
+                "tally_integrity_at_ingest", "Integrity against the manifest, checked as the "
+                "run's files were ingested", labels=["run", "kind"]),
         }
 
         def add(key: str, labels: list[str], value: float | None) -> None:
@@ -127,6 +130,9 @@ class TallyCollector(Collector):
             integ = (s.get("findings") or {}).get("integrity")
             for kind in INTEGRITY if integ else ():
                 add("integrity", [run_id, kind], integ[kind])
+            checked = s.get("integrity_at_ingest")
+            for kind in INTEGRITY if checked and checked["skipped"] is None else ():
+                add("at_ingest", [run_id, kind], checked[kind])
         yield from (family for family in m.values() if family.samples)
 
 

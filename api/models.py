@@ -186,6 +186,33 @@ class Quarantined(Strict):
     first: list[QuarantinedFile] = Field(description="the first few, by path")
 
 
+class IntegrityExample(Strict):
+    record_key: int
+    step: int
+    host: int
+
+
+class IntegrityAtIngest(Strict):
+    """A run's integrity against the manifest as its files were ingested
+    (tally.audit.ledger.integrity): over every row ingested, rolled-back steps included."""
+
+    manifest_fingerprint: str
+    files: int = Field(description="the run's segment files in the ledger")
+    files_checked: int = Field(description="of them, checked against this manifest")
+    segments: int
+    hash_checked: int = Field(description="whole-record starts compared by content hash")
+    hash_mismatches: int
+    unknown_segments: int
+    unknown_keys: int = Field(description="distinct keys outside the manifest")
+    heldout_consumed_records: int = Field(description="distinct held-out records trained on")
+    heldout_exposures: int
+    keys_at_least: bool = Field(description="distinct key counts are lower bounds (a file had "
+                                            "more than Tally keeps a file)")
+    skipped: str | None = Field(description="why the run's files were not checked")
+    hashes_skipped: str | None = Field(description="why their hashes were not compared")
+    examples: dict[Literal["mismatch", "unknown", "heldout"], list[IntegrityExample]]
+
+
 class RunSummary(Strict):
     model_config = _exact({
         "run_id": "exp1", "status": "alert",
@@ -200,7 +227,13 @@ class RunSummary(Strict):
         "non_finite_losses": {"count": 0, "first_step": None}, "finished": False,
         "finished_step": None, "state": "running", "coverage": _COVERAGE_EXAMPLE,
         "ingest_lag_seconds": 0.0, "ingest_state": "live",
-        "quarantined_files": {"count": 0, "first": []}, "findings": None})
+        "quarantined_files": {"count": 0, "first": []}, "findings": None,
+        "integrity_at_ingest": {
+            "manifest_fingerprint": "9f3c2a61d0b4e7a8", "files": 10, "files_checked": 10,
+            "segments": 480, "hash_checked": 360, "hash_mismatches": 0, "unknown_segments": 0,
+            "unknown_keys": 0, "heldout_consumed_records": 0, "heldout_exposures": 0,
+            "keys_at_least": False, "skipped": None, "hashes_skipped": None,
+            "examples": {"mismatch": [], "unknown": [], "heldout": []}}})
 
     run_id: str
     status: Literal["ok", "alert"]
@@ -230,6 +263,9 @@ class RunSummary(Strict):
     quarantined_files: Quarantined
     findings: LiveFindings | None = Field(
         description="live findings; null unless the service reconciles (--spool, --manifest)")
+    integrity_at_ingest: IntegrityAtIngest | None = Field(
+        description="integrity against the manifest, checked as each file is ingested; null "
+                    "unless the service ingests with a manifest (--spool, --manifest)")
 
 
 # ---- per step, per host ----------------------------------------------------------------------
@@ -637,6 +673,9 @@ class IngestHealth(Strict):
     catching_up: bool = Field(description="still ingesting the files found at start")
     overran: float | None = Field(description="seconds of a round beyond max_round_seconds")
     max_round_seconds: float
+    integrity_error: str | None = Field(
+        description="why integrity is not checked at ingest (the manifest could not be read); "
+                    "null when it is, or the service has no manifest")
 
 
 class Universe(Strict):
@@ -668,8 +707,7 @@ class Health(Strict):
         "quarantined_files": {},
         "ingest": {"alive": True, "rounds": 12, "files": 20, "rows": 480, "quarantined": 0,
                    "last_error": None, "lag_seconds": 0.0, "catching_up": False,
-                   "overran": None,
-                   "max_round_seconds": 60.0},
+                   "overran": None, "max_round_seconds": 60.0, "integrity_error": None},
         "universe": {"train_records": 150, "source": "manifest"},
         "thresholds": {"epoch_duplicates": 0, "host_overlap": 0, "ingest_lag_seconds": 300.0,
                        "coverage_behind": 0.02, "non_finite_losses": 0},

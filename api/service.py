@@ -24,7 +24,10 @@ from tally.audit.core.errors import NotFound, Unavailable
 from tally.audit.ledger import queries as q
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest_loop import IngestLoop
+from tally.audit.ledger.integrity import IngestIntegrity
+from tally.audit.ledger.integrity import totals as integrity_totals
 from tally.audit.ledger.live import LiveLedger, Snap
+from tally.pipeline.manifest_file import ManifestKeyIndex
 
 SWITCH_INTERVAL = 0.0005  # seconds; see Service.lifespan
 
@@ -46,9 +49,16 @@ class Service:
         self.live.revalidate = spool is not None  # the ingest loop refreshes the answers
         self.manifest = manifest  # its domains (tally.pipeline.manifest_file.ManifestDomains)
         self.webhook = Webhook(settings.webhook)
+        # Integrity at ingest: each file's rows against the manifest's hash and length by key,
+        # a cache beside the ledger (tally.audit.ledger.integrity).
+        self.integrity = None
+        if spool is not None and settings.manifest is not None:
+            path, cache = settings.manifest, Path(f"{ledger.path}.integrity")
+            self.integrity = IngestIntegrity(lambda: ManifestKeyIndex(path, cache))
         self.loop = (IngestLoop(ledger, spool, interval=settings.interval,
                                 after_round=self.after_round,
-                                max_round_seconds=settings.max_round_seconds)
+                                max_round_seconds=settings.max_round_seconds,
+                                integrity=self.integrity)
                      if spool is not None else None)
         # Live findings: reconcile re-run over the spool, with the manifest (tally.api.findings).
         self.findings = None
@@ -107,18 +117,28 @@ class Service:
         lag = self.loop.lag_seconds() if self.loop is not None else 0.0
         catching_up = self.loop is not None and self.loop.catching_up
         live = None if self.findings is None else self.findings.summary(run_id)
+        at_ingest = self.integrity_at_ingest(run_id)
         alerts = evaluate(self.settings.thresholds, epoch_duplicates=t["epoch_duplicates"],
                           multi_host_records=t["multi_host_records"], first_pass=first_pass,
                           lag_seconds=lag, behind=cov.get("behind_ideal"),
                           non_finite_losses=t["non_finite_losses"]["count"], findings=live,
-                          catching_up=catching_up)
+                          catching_up=catching_up, at_ingest=at_ingest)
         return {"run_id": run_id, "status": status(alerts), "alerts": alerts,
                 "last_step": cov["latest_step"], **t,
                 "state": "finished" if t["finished"] else "running", "coverage": cov,
                 "ingest_lag_seconds": lag, "ingest_state": None if self.loop is None else
                 "catching up" if catching_up else "live",
                 "quarantined_files": self.live.quarantined(run_id),
-                "findings": live}
+                "findings": live, "integrity_at_ingest": at_ingest}
+
+    def integrity_at_ingest(self, run_id: str) -> dict[str, Any] | None:
+        """The run's integrity as checked at ingest against the manifest (None: not checked
+        here, no manifest or it could not be read)."""
+        fp = None if self.integrity is None else self.integrity.fingerprint
+        if fp is None:
+            return None
+        with self.live.read(run_id) as snap:
+            return integrity_totals(snap.cur, snap.run, fp)
 
     def newest_report(self, run_id: str) -> dict[str, Any]:
         """The newest reconcile report of a run: under --reports, or the live one."""

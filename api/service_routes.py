@@ -29,6 +29,8 @@ def add_routes(app: FastAPI, svc: Service, scrape: Exposition) -> None:
         overran = loop is not None and loop.overran() is not None
         ok = loop is None or (loop.alive and loop.last_error is None and not overran)
         ok = ok and svc.webhook.alive  # a dead sender delivers no alert again
+        integrity_error = None if svc.integrity is None else svc.integrity.error
+        ok = ok and integrity_error is None  # integrity alerts cannot fire without the check
         return answer({"status": "ok" if ok else "degraded", "ledger": str(svc.ledger.path),
                 "files_in_ledger": files, "ingesting": loop is not None,
                 "quarantined_files": svc.live.quarantine_counts(),
@@ -37,7 +39,8 @@ def add_routes(app: FastAPI, svc: Service, scrape: Exposition) -> None:
                     "rows": loop.rows, "quarantined": loop.quarantined,
                     "last_error": loop.last_error, "lag_seconds": loop.lag_seconds(),
                     "catching_up": loop.catching_up,
-                    "overran": loop.overran(), "max_round_seconds": loop.max_round_seconds},
+                    "overran": loop.overran(), "max_round_seconds": loop.max_round_seconds,
+                    "integrity_error": integrity_error},
                 "universe": {"train_records": svc.live.uni.n, "source": svc.live.uni.source},
                 "thresholds": svc.settings.thresholds.as_dict(),
                 "webhook": {"configured": svc.webhook.url is not None,

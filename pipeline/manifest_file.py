@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from tally.audit.core.errors import TallyError
+from tally.audit.core.paths import atomic_write
 from tally.audit.hook.segments import Segments
 from tally.pipeline.corpus import CorpusError
 
@@ -196,3 +197,80 @@ class ManifestHashes:
         h, n = self.lookup(keys)
         return Segments.build(row=np.arange(len(keys)), record_key=keys, n_tokens=n,
                               content_hash=h, epoch=epochs)
+
+
+# One manifest record in the integrity cache: its content hash and length, packed (12 bytes).
+KEY_INDEX_DTYPE = np.dtype([("hash", "<u8"), ("n_tokens", "<i4")], align=False)
+
+
+class ManifestKeyIndex:
+    """Every manifest record's content hash and length by record key (all splits: the train
+    split first, then the held-out ones), memory-mapped from a cache file of 12 bytes a record
+    (`<cache_dir>/<fingerprint>.npy`): what ingest checks each consumed row against
+    (tally.audit.ledger.integrity). The pages live in the page cache, not in the process'
+    anonymous memory, and a run's rows touch only the pages of the keys it consumed.
+
+    The cache is built once per manifest fingerprint, row group by row group (a row group's
+    memory at a time), and published whole (a kill leaves the old one or none)."""
+
+    def __init__(self, path: str | os.PathLike, cache_dir: str | os.PathLike) -> None:
+        info = manifest_info(path)
+        self.path = str(path)
+        self.fingerprint = info["manifest_fingerprint"]
+        self.records = int(info["records"])
+        self.train_records = int(info["train_records"])
+        self.content_basis = info.get("content_basis", "")
+        cache = Path(cache_dir) / f"{self.fingerprint}.npy"
+        table = self._load(cache) if cache.exists() else None
+        if table is None:  # none yet, or damaged (derived data: built again)
+            try:
+                self._build(cache)
+            except OSError as exc:
+                raise TallyError(f"cannot write the integrity cache {cache}: {exc}") from None
+            table = self._load(cache)
+            if table is None:
+                raise TallyError(f"integrity cache {cache} cannot be read back")
+        self.hash, self.n_tokens = table["hash"], table["n_tokens"]
+
+    def _load(self, cache: Path) -> np.ndarray | None:
+        try:
+            table = np.load(cache, mmap_mode="r")
+        except (ValueError, OSError, EOFError):
+            return None
+        ok = table.dtype == KEY_INDEX_DTYPE and table.shape == (self.records,)
+        return table if ok else None
+
+    def _build(self, cache: Path) -> None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        f = pq.ParquetFile(self.path)
+        with atomic_write(cache, tmp) as out:
+            np.lib.format.write_array_header_1_0(out, {
+                "descr": np.lib.format.dtype_to_descr(KEY_INDEX_DTYPE), "fortran_order": False,
+                "shape": (self.records,)})
+            done = 0
+            for batch in f.iter_batches(columns=["record_key", "content_hash", "n_tokens"],
+                                        batch_size=ROW_GROUP_RECORDS):
+                keys = batch.column(0).to_numpy()
+                if not np.array_equal(keys, np.arange(done, done + len(keys))):
+                    raise TallyError(f"manifest {self.path}: record keys are not 0..N-1 in "
+                                     "order (rebuild it with `tally manifest`)")
+                part = np.empty(len(keys), KEY_INDEX_DTYPE)
+                part["hash"] = batch.column(1).to_numpy()
+                part["n_tokens"] = batch.column(2).to_numpy()
+                out.write(part.tobytes())
+                done += len(keys)
+            if done != self.records:
+                raise TallyError(f"manifest {self.path} holds {done} records, its metadata "
+                                 f"says {self.records}")
+
+    def basis_differences(self, run_basis: str | None) -> list[str]:
+        """How the run's content basis (JSON from its spool; None or "": token ids) differs
+        from the manifest's, in words; [] when the run's hashes are comparable."""
+        from tally.pipeline.text import ContentBasis
+
+        try:
+            got = ContentBasis.from_json(run_basis, "the run's spool")
+            return ContentBasis.from_json(self.content_basis, "the manifest").differences(got)
+        except CorpusError as exc:
+            return [str(exc)]

@@ -30,6 +30,16 @@ def test_ingest_benchmark_guard_compares_two_sizes(tmp_path):
     assert ended.value.code == 1
 
 
+def test_integrity_benchmark_runs_and_cleans_up(tmp_path):
+    from bench import integrity_rate
+
+    out = tmp_path / "b"
+    res = integrity_rate.main(["--records", "20000", "--files", "4", "--rows", "2000",
+                               "--hosts", "2", "--dir", str(out)])
+    assert res["rows"] == 8000 and res["check_rate"] > 0 and res["ratio"] > 0
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_api_latency_benchmark_runs(tmp_path):
     from bench import api_latency

@@ -87,6 +87,17 @@ def starts(offset: np.ndarray) -> np.ndarray:
     return np.asarray(offset) == 0
 
 
+def hash_checks(is_start: np.ndarray, n_tokens: np.ndarray, content_hash: np.ndarray,
+                want_tokens: np.ndarray, want_hash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy, per consumed row against its manifest record's length and hash: (checked,
+    mismatch). A row is checked when it starts its record and holds the whole record (a
+    segment cut from a longer record cannot be hashed against the record's hash); a checked
+    row whose hash differs is a mismatch. Reconcile's join and ingest's integrity both count
+    these."""
+    checked = is_start & (n_tokens == want_tokens)
+    return checked, checked & (content_hash != want_hash)
+
+
 # ---- the ideal and the distance from it ------------------------------------------------------
 
 HIST_BINS = ("0", "1", "2", "3+")

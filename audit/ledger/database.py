@@ -32,6 +32,7 @@ from tally.audit.core.schema import (
     sql_columns,
 )
 from tally.audit.hook.spool import replayed_sql
+from tally.audit.ledger.integrity import DDL as INTEGRITY_DDL
 
 if TYPE_CHECKING:  # both import this module
     from tally.audit.ledger.aggregates import Aggregates
@@ -293,6 +294,7 @@ class Ledger:
             self.con.execute(_DDL)
             self.con.execute("INSERT INTO meta VALUES ('schema_version', ?), ('ledger_id', ?)",
                              [str(SCHEMA_VERSION), uuid.uuid4().hex])
+            self.con.execute(INTEGRITY_DDL)
             self.con.execute("COMMIT")
             self.ledger_id = self._ledger_id()
             return
@@ -323,6 +325,9 @@ class Ledger:
             for name, kind in _RUN_COLUMNS:
                 if name not in have:
                     self.con.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+            # Integrity checked at ingest (tally.audit.ledger.integrity): tables a ledger made
+            # before them gets here; a reader that does not know them is unchanged.
+            self.con.execute(INTEGRITY_DDL)
 
     def _columns(self, table: str) -> set[str]:
         return {r[0] for r in self.con.execute(

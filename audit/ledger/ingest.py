@@ -40,6 +40,7 @@ from tally.audit.hook.spool import BadFile, read_checked
 from tally.audit.ledger import lookup
 from tally.audit.ledger.aggregates import Aggregates, for_ledger
 from tally.audit.ledger.database import Ledger
+from tally.audit.ledger.integrity import IngestIntegrity, segment_columns
 from tally.audit.ledger.state import Starts
 
 log = logging.getLogger("tally.ingest")
@@ -94,7 +95,8 @@ class _Rejected(Exception):
 def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
            batch_rows: int = BATCH_ROWS,
            listing: list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]] | None = None,
-           final: bool = False, stop: threading.Event | None = None) -> IngestResult:
+           final: bool = False, stop: threading.Event | None = None,
+           integrity: IngestIntegrity | None = None) -> IngestResult:
     """Ingest every new published file under `spool` into `ledger`, exactly once, then write
     the state snapshots that are due (tally.audit.ledger.snapshot).
 
@@ -104,20 +106,32 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
     than after its interval.
     `stop`: once set, the ingest ends after the batch under way (each batch is one
     transaction); the files after it wait for the next ingest. The live service's stop: a
-    round through a backlog of 100M rows from 128 hosts outlasted a minute's grace."""
+    round through a backlog of 100M rows from 128 hosts outlasted a minute's grace.
+    `integrity`: each segment file's rows checked against its manifest in the file's
+    transaction (tally.audit.ledger.integrity); files ingested before are checked afterwards."""
     t0 = time.perf_counter()
     result = IngestResult()
+    if integrity is not None:
+        integrity.ready()  # the manifest's cache built (once) before any transaction begins
     agg = for_ledger(ledger)  # the aggregates' per-record state, loaded once per process
     with agg.ingesting:  # one ingest at a time per process: each sees the last one's files
-        _ingest(Path(spool), ledger, agg, progress, batch_rows, listing, result, stop)
+        _ingest(Path(spool), ledger, agg, progress, batch_rows, listing, result, stop,
+                integrity)
         agg.save_locked(ledger, final=final)
+    if integrity is not None:
+        cur = ledger.cursor()
+        try:
+            integrity.catch_up(cur, stop=stop)
+        finally:
+            cur.close()
     allocator.release()  # the batches' freed temporaries, kept for speed, back between rounds
     result.seconds = time.perf_counter() - t0
     return result
 
 
 def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_rows: int,
-            listing: list | None, result: IngestResult, stop: threading.Event | None) -> None:
+            listing: list | None, result: IngestResult, stop: threading.Event | None,
+            integrity: IngestIntegrity | None) -> None:
     cur = ledger.cursor()
     try:
         only = "" if listing is None else "WHERE path IN (SELECT unnest($1))"
@@ -166,11 +180,11 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
                 batch.append(_File(item, st, *read, held=item.rel in held))
                 rows += read[0].num_rows
                 if rows >= batch_rows or len(batch) >= BATCH_FILES:
-                    _ingest_batch(ledger, cur, agg, pool, batch, result)
+                    _ingest_batch(ledger, cur, agg, pool, batch, result, integrity)
                     index.kick()
                     batch, rows = [], 0
             if batch:
-                _ingest_batch(ledger, cur, agg, pool, batch, result)
+                _ingest_batch(ledger, cur, agg, pool, batch, result, integrity)
         bar.close()
     finally:
         cur.close()
@@ -358,7 +372,8 @@ def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
 
 
 def _ingest_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
-                  batch: list[_File], result: IngestResult) -> None:
+                  batch: list[_File], result: IngestResult,
+                  integrity: IngestIntegrity | None) -> None:
     """The batch in one transaction. A file that repeats steps already ingested from another
     file, whose keys the live state cannot hold, or whose run or attempt metadata contradicts
     the ledger is quarantined, and the rest go in without it."""
@@ -367,7 +382,7 @@ def _ingest_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor
         batch = [g for g in batch if g is not f]
     while batch:
         try:
-            _write_batch(ledger, cur, agg, pool, batch)
+            _write_batch(ledger, cur, agg, pool, batch, integrity)
         except _Rejected as r:
             _quarantine(cur, result, r.file.item.rel, r.file.stat, str(r))
             batch = [f for f in batch if f is not r.file]
@@ -378,7 +393,7 @@ def _ingest_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor
 
 
 def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
-                 batch: list[_File]) -> None:
+                 batch: list[_File], integrity: IngestIntegrity | None) -> None:
     cur.execute("BEGIN TRANSACTION")
     committed = False
     try:
@@ -414,10 +429,16 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
 
         # The rows insert (DuckDB, GIL released) while this thread works out the aggregates.
         rows = pool.submit(_insert_rows, cur, batch, ids)
+        index = None if integrity is None else integrity.ready()
         try:
             incs = {run: agg.increments(run, p) for run, p in parts.items()}
+            checked = [] if index is None else [
+                (fid, f.run, integrity.check(index, segment_columns(f.table), f.info["fingerprint"],
+                                             f.info["content_basis"])) for f, fid in segs]
         finally:
             rows.result()
+        if index is not None:
+            integrity.record(cur, index, checked)
 
         if segs:
             cur.register("incoming_steps", pa.concat_tables([

@@ -16,6 +16,7 @@ from tally.audit.hook import spool as sp
 from tally.audit.ledger.aggregates import for_ledger
 from tally.audit.ledger.database import Ledger, ledger_error
 from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.integrity import IngestIntegrity
 
 log = logging.getLogger("tally.ingest")
 SETTLE_S = 2.0  # longer than the coarsest file-system timestamp tick
@@ -25,12 +26,14 @@ FULL_LISTING_S = 60.0  # every directory listed at least this often, settled or 
 class IngestLoop:
     def __init__(self, ledger: Ledger, spool: Path, *, interval: float = 1.0,
                  after_round: Callable[[], None] | None = None,
-                 max_round_seconds: float = 60.0) -> None:
+                 max_round_seconds: float = 60.0,
+                 integrity: IngestIntegrity | None = None) -> None:
         for name, value in (("interval", interval), ("max_round_seconds", max_round_seconds)):
             if not (math.isfinite(value) and value > 0):  # 0: a loop at 100% of a core
                 raise ValueError(f"{name} must be a number > 0, got {value}")
         self.ledger, self.spool, self.interval = ledger, Path(spool), interval
         self.max_round_seconds = max_round_seconds
+        self.integrity = integrity  # checks against the manifest, at ingest
         self._round_started: float | None = None  # monotonic start of the round under way
         self._last_round_seconds = 0.0
         self.after_round = after_round
@@ -180,7 +183,8 @@ class IngestLoop:
             now = time.time()
             listed = [f.rel for f, _ in pending]
             self._oldest_pending = min(self._visible.setdefault(rel, now) for rel in listed)
-            res = ingest(self.spool, self.ledger, listing=pending, stop=self._stop)
+            res = ingest(self.spool, self.ledger, listing=pending, stop=self._stop,
+                         integrity=self.integrity)
             self.files += res.files
             self.rows += res.rows
             self.quarantined += len(res.quarantined)
@@ -192,6 +196,12 @@ class IngestLoop:
                     self._visible.pop(rel, None)
         else:  # nothing new; a state rebuilt at start still gets its snapshot (ingest writes
             for_ledger(self.ledger).save(self.ledger)  # them after each round otherwise)
+            if self.integrity is not None:  # files ingested before, checked (ingest does it
+                cur = self.ledger.cursor()  # after its files otherwise)
+                try:
+                    self.integrity.catch_up(cur, stop=self._stop)
+                finally:
+                    cur.close()
         self._oldest_pending = None
         if not self._stop.is_set():
             self._caught_up = True

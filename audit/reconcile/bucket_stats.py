@@ -22,6 +22,7 @@ from tally.audit.buckets.partials import (
     Spans,
 )
 from tally.audit.core.arrays import bincount, distinct, host_overlap, ranks
+from tally.audit.core.exposure import hash_checks
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
 # Per-record exposure: one row per manifest record (report's records/ table).
@@ -70,8 +71,8 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     # record starts (tally.audit.core.exposure.starts, flagged in the bucket file)
     starts = c["start"]
     j_starts = j[starts]
-    full = starts & (c["n_tokens"] == man["n_tokens"][j])
-    mismatch = full & (c["content_hash"] != man["content_hash"][j])
+    full, mismatch = hash_checks(starts, c["n_tokens"], c["content_hash"], man["n_tokens"][j],
+                                 man["content_hash"][j])
     exposures = bincount(j_starts, n=n)
     tokens = bincount(j, c["n_tokens"], n=n)
     train_codes = [i for i, name in enumerate(man["split_names"]) if name == "train"]
