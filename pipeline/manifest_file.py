@@ -249,12 +249,15 @@ class ManifestKeyIndex:
                 "descr": np.lib.format.dtype_to_descr(KEY_INDEX_DTYPE), "fortran_order": False,
                 "shape": (self.records,)})
             done = 0
-            for batch in f.iter_batches(columns=["record_key", "content_hash", "n_tokens"],
-                                        batch_size=ROW_GROUP_RECORDS):
+            for batch in f.iter_batches(columns=["record_key", "content_hash", "n_tokens",
+                                                 "split"], batch_size=ROW_GROUP_RECORDS):
                 keys = batch.column(0).to_numpy()
-                if not np.array_equal(keys, np.arange(done, done + len(keys))):
-                    raise TallyError(f"manifest {self.path}: record keys are not 0..N-1 in "
-                                     "order (rebuild it with `tally manifest`)")
+                # Held out is a key at or past the train records: the train split first.
+                train = pc.equal(batch.column(3), "train").to_numpy(zero_copy_only=False)
+                if not np.array_equal(keys, np.arange(done, done + len(keys))) or \
+                        not np.array_equal(train, keys < self.train_records):
+                    raise TallyError(f"manifest {self.path}: record keys are not 0..N-1 with "
+                                     "the train split first (rebuild it with `tally manifest`)")
                 part = np.empty(len(keys), KEY_INDEX_DTYPE)
                 part["hash"] = batch.column(1).to_numpy()
                 part["n_tokens"] = batch.column(2).to_numpy()

@@ -10,13 +10,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from tally.api.app import create_app
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
-from tally.pipeline.manifest_file import manifest_info
+from tally.pipeline.manifest_file import manifest_info, write_manifest_table
 from tests.support.api import Server, poll
 from tests.support.cli import tally, tally_popen
 from tests.support.manifest import content_hash_of, keyed_manifest
@@ -153,6 +154,24 @@ def test_a_manifest_that_cannot_be_read_is_one_line(tmp_path):
     out = tally("ingest", spool, "--ledger", tmp_path / "l.duckdb", "--manifest", bad)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "Traceback" not in out.stderr and "bad.parquet" in out.stderr
+
+
+def test_a_manifest_without_the_train_split_first_is_refused(tmp_path):
+    """Held out is a key past the train records: a manifest whose splits interleave would make
+    train records look held out, so it is refused (one line), not checked wrongly."""
+    keys = np.arange(30)
+    bad = write_manifest_table(pa.table({
+        "record_key": keys, "content_hash": content_hash_of(keys),
+        "n_tokens": np.full(30, TOKENS, np.int32), "domain": ["web"] * 30,
+        "split": ["heldout" if k % 10 == 0 else "train" for k in keys],
+        "source": ["s"] * 30, "source_index": keys}), tmp_path / "mixed.parquet")
+    spool = tmp_path / "spool"
+    write(spool, manifest_info(bad)["manifest_fingerprint"], steps=range(1))
+    out = tally("ingest", spool, "--ledger", tmp_path / "l.duckdb", "--manifest", bad)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().endswith("record keys are not 0..N-1 with the train split first "
+                                       "(rebuild it with `tally manifest`)"), out.stderr
+    assert out.stderr.count("\n") == 1
 
 
 def summary(srv: Server) -> dict:

@@ -44,9 +44,10 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
             f"reconciles against {r['manifest']['fingerprint']}: numbers below may be wrong")
     if integ["unknown_keys"]:
         add("FAIL", "unknown_keys",
-            f"{integ['unknown_keys']:,} consumed record keys are not in the manifest "
-            f"({integ['unknown_segments']:,} segments): the loader read another corpus, or the "
-            "manifest is stale", keys=integ["unknown_keys"])
+            f"{plural(integ['unknown_keys'], 'consumed record key')} "
+            f"{'is' if integ['unknown_keys'] == 1 else 'are'} not in the manifest "
+            f"({plural(integ['unknown_segments'], 'segment')}): the loader read another "
+            "corpus, or the manifest is stale", keys=integ["unknown_keys"])
     differ = (r.get("content_basis") or {}).get("differences") or []
     if differ:
         # Every consumed hash was taken over something else than the manifest's: the hash
@@ -68,8 +69,9 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
             unverifiable=integ["hash_unverifiable"])
     elif integ["hash_mismatches"]:
         add("FAIL", "hash_mismatch",
-            f"{integ['hash_mismatches']:,} consumed records differ from the manifest's content "
-            "hash: the corpus files changed after the manifest was built",
+            f"{plural(integ['hash_mismatches'], 'consumed record')} "
+            f"{'differs' if integ['hash_mismatches'] == 1 else 'differ'} from the manifest's "
+            "content hash: the corpus files changed after the manifest was built",
             mismatches=integ["hash_mismatches"])
     starts_seen = total + integ["heldout_exposures"]
     if not differ and integ.get("hash_overlong", 0) * 2 >= max(1, starts_seen):
@@ -89,8 +91,10 @@ def findings(r: dict[str, Any], steps: Any = None) -> list[dict[str, Any]]:
             overlong=k, unverifiable=integ["hash_unverifiable"])
     if integ["heldout_consumed_records"]:
         add("FAIL", "heldout_leak",
-            f"{integ['heldout_consumed_records']:,} held-out records were trained on "
-            f"({integ['heldout_exposures']:,} exposures): held-out loss is no longer held out",
+            f"{plural(integ['heldout_consumed_records'], 'held-out record')} "
+            f"{were(integ['heldout_consumed_records'])} trained on "
+            f"({plural(integ['heldout_exposures'], 'exposure')}): held-out loss is no longer "
+            "held out",
             records=integ["heldout_consumed_records"])
     for rs in r["restarts"]:
         if rs["exact"] is False:
