@@ -17,7 +17,9 @@ from tally.api.app import create_app
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
-from tally.pipeline.manifest_file import manifest_info, write_manifest_table
+from tally.audit.ledger.ingest import ingest
+from tally.audit.ledger.integrity import IngestIntegrity
+from tally.pipeline.manifest_file import ManifestKeyIndex, manifest_info, write_manifest_table
 from tests.support.api import Server, poll
 from tests.support.cli import tally, tally_popen
 from tests.support.manifest import content_hash_of, keyed_manifest
@@ -144,6 +146,21 @@ def test_a_damaged_cache_is_built_again(tmp_path):
     got = ingest_json(spool, ledger, "--manifest", m)["integrity"]["r"]
     assert got["hash_mismatches"] == 1 and got["hash_checked"] == 3 * 2 * 8
     assert np.load(cache / f"{fp}.npy").shape == (TRAIN + HELDOUT,)
+
+
+def test_a_check_that_fails_never_stops_the_ingest(tmp_path):
+    m, fp = manifest(tmp_path)
+    spool = tmp_path / "spool"
+    write(spool, fp, steps=range(3))
+    index = ManifestKeyIndex(m, tmp_path / "cache")
+    index.hash = index.hash[:10]  # shorter than its records: the check's gather fails
+    integrity = IngestIntegrity(lambda: index)
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        res = ingest(spool, ledger, integrity=integrity)
+        assert res.rows == 3 * 2 * 8 and res.files == 2 and not res.quarantined
+        assert integrity.error.startswith("integrity at ingest is off: IndexError")
+        assert integrity.ready() is None
+        assert ledger.query("SELECT count(*) AS n FROM integrity_files")[0]["n"] == 0
 
 
 def test_a_manifest_that_cannot_be_read_is_one_line(tmp_path):

@@ -184,6 +184,22 @@ class IngestIntegrity:
                 out.keys.append(("mismatch", key[at], step[at], host[at]))
         return out
 
+    def check_files(self, index: KeyIndex, files: list[tuple[int, int, pa.Table, dict]]
+                    ) -> list[tuple[int, int, FileCheck]]:
+        """(file id, run, check) of each (file id, run, table, spool metadata). A check that
+        fails turns the checks off for this process (`error`, shown by /healthz) and returns
+        none: it never stops the files' ingest."""
+        try:
+            return [(fid, run, self.check(index, segment_columns(table), info["fingerprint"],
+                                          info["content_basis"]))
+                    for fid, run, table, info in files]
+        except Exception as exc:  # noqa: BLE001 (a bug here must not stall the ingest)
+            with self._lock:
+                self.error = f"integrity at ingest is off: {type(exc).__name__}: {exc}"
+                self._index = None
+            log.exception("integrity check failed; ingest goes on without it")
+            return []
+
     def record(self, cur: duckdb.DuckDBPyConnection, index: KeyIndex,
                checked: list[tuple[int, int, FileCheck]]) -> None:
         """The checks of (file id, run, check) into the ledger, inside the caller's
