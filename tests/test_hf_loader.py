@@ -392,6 +392,14 @@ def test_shuffle_buffer_lost_on_restore_named_and_unshuffled_passes(cli, iterabl
     assert code == 0, err
     bad = json.loads((d / "rep" / "report.json").read_text())
     assert bad["verdict"] == "FAIL" and bad["coverage"]["never_seen"] == lost, bad["findings"]
+    # The resume is named, with the lost records: its loader ran out of data in the epoch (a
+    # short last batch), so the records it never read are the restore's, not a batch change.
+    (named,) = [f for f in bad["findings"] if f["severity"] == "FAIL"]
+    assert named["code"] == "resume_band", bad["findings"]
+    assert {k: named["numbers"][k] for k in ("step", "repeated", "skipped")} == {
+        "step": run["cut"], "repeated": 0, "skipped": lost}
+    assert "shuffle buffer not restored" in named["message"]
+    assert bad["batch_changes"] == []
     plain = live_iterable_run(tmp_path, shuffle=False)
     assert sorted(plain["read"]) == list(range(plain["n"]))
     code, _, err = cli("reconcile", "--spool", str(tmp_path / "live"), "--manifest",

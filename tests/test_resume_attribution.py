@@ -59,11 +59,17 @@ class Stream:
                               resumed_from_step=first if attempt else None, flush_every=4,
                               fsync=False) as w:
                 for s in range(first, first + steps):
-                    at = position + (s - first) * batch + h * rows
-                    k, e = keys[at:at + rows], epoch[at:at + rows]
+                    step_at = position + (s - first) * batch
+                    at, take = step_at + h * rows, rows
+                    if len(keys) - step_at < batch:  # the stream's end: its rest shared
+                        at, take = _share(max(0, len(keys) - step_at), hosts, h)
+                        at += step_at
+                    k, e = keys[at:at + take], epoch[at:at + take]
+                    if not len(k):
+                        continue
                     w.write_segments(s, Segments.build(
-                        row=np.arange(rows), record_key=k, epoch=e,
-                        n_tokens=np.full(rows, 10), content_hash=k))
+                        row=np.arange(len(k)), record_key=k, epoch=e,
+                        n_tokens=np.full(len(k), 10), content_hash=k))
                     self.read.append((s, h, k, e))
                 if finish:
                     w.finish()
@@ -92,6 +98,12 @@ class Stream:
         return N - len({k for _, keys, epochs in self.effective()
                         for k, e in zip(keys.tolist(), epochs.tolist(), strict=True)
                         if e == epoch})
+
+
+def _share(left: int, hosts: int, h: int) -> tuple[int, int]:
+    """Host h's (offset, rows) of the `left` positions at a stream's end, shared evenly."""
+    sizes = [left // hosts + (j < left % hosts) for j in range(hosts)]
+    return sum(sizes[:h]), sizes[h]
 
 
 @pytest.fixture(autouse=True)
@@ -234,3 +246,66 @@ def test_a_clean_reshard_that_changed_the_global_batch_is_not_a_fault(tmp_path):
     assert st.repeats_from(0) == 0 and st.never_read(0) == 0
     assert [(f["severity"], f["code"]) for f in r["findings"]] == [
         ("INFO", "resharded"), ("WARN", "batch_changed")], r["findings"]
+
+
+# A loader that runs out of data: one epoch of N = 192 records in global batches of 10 (2 hosts
+# x 5 rows), so the epoch's last batch holds 2. Attempt 0 reads 5 steps (50 records).
+
+
+def test_records_lost_by_a_resume_in_an_epoch_the_loader_ran_out_of_are_the_resume(tmp_path):
+    """The resume restores a position 30 records ahead of what was consumed (a shuffle
+    buffer, or batches read ahead, not restored) and the loader reads on to the end of its
+    data, its last batch short: the 30 are the resume's, not a batch change and not the
+    loader's own (a loader that gives its remainder drops none)."""
+    st = Stream(seed=4, epochs=1)
+    spool = tmp_path / "ahead"
+    at = st.attempt(spool, 0, 2, 0, 5, 0, rows=5)
+    st.attempt(spool, 1, 2, 5, 12, at + 30, rows=5, finish=True)
+    r = reconcile(tmp_path, spool)
+    assert st.never_read(0) == 30 and st.repeats_from(0) == 0
+    codes = by_code(r)
+    assert r["verdict"] == "FAIL" and list(codes) == ["resume_band"], r["findings"]
+    (f,) = codes["resume_band"]
+    assert {k: f["numbers"][k] for k in ("step", "repeated", "skipped")} == {
+        "step": 5, "repeated": 0, "skipped": 30}
+    assert r["batch_changes"] == [] and r["epochs"][0]["complete"]
+
+
+def test_a_resume_that_reads_on_to_the_data_end_in_a_short_batch_passes(tmp_path):
+    st = Stream(seed=4, epochs=1)
+    spool = tmp_path / "right"
+    at = st.attempt(spool, 0, 2, 0, 5, 0, rows=5)
+    st.attempt(spool, 1, 2, 5, 15, at, rows=5, finish=True)
+    r = reconcile(tmp_path, spool)
+    assert st.never_read(0) == 0
+    assert r["verdict"] == "PASS" and r["findings"] == [], r["findings"]
+    assert r["epochs"][0]["complete"] and r["epochs"][0]["skipped"] == 0
+
+
+@pytest.mark.parametrize("ahead", [0, 30])
+def test_a_run_its_budget_stopped_inside_the_epoch_is_not_charged(tmp_path, ahead):
+    """The same runs stopped by their step budget (the last step full): the loader did not
+    run out, so the records not read are the epoch's rest, said, not flagged."""
+    st = Stream(seed=4, epochs=1)
+    spool = tmp_path / f"budget{ahead}"
+    at = st.attempt(spool, 0, 2, 0, 5, 0, rows=5)
+    st.attempt(spool, 1, 2, 5, 6, at + ahead, rows=5, finish=True)
+    r = reconcile(tmp_path, spool)
+    assert r["verdict"] == "PASS", r["findings"]
+    assert [f["code"] for f in r["findings"]] == ["final_epoch_short"]
+    assert not r["epochs"][0]["complete"]
+
+
+def test_a_smaller_batch_then_a_budget_stop_is_not_the_data_end(tmp_path):
+    """A resume at a smaller global batch (12 -> 8 on the same hosts) that then runs 6 steps
+    and stops: its last step is as full as its batch, so its epoch is not taken as ended and
+    the records after it are not called skipped; the batch change is named."""
+    st = Stream(seed=4, epochs=1)
+    spool = tmp_path / "smaller"
+    at = st.attempt(spool, 0, 2, 0, 5, 0, rows=6)
+    st.attempt(spool, 1, 2, 5, 6, at, rows=4, finish=True)
+    r = reconcile(tmp_path, spool)
+    codes = by_code(r)
+    assert r["batch_changes"] == [{"step": 5, "before": 12, "after": 8}]
+    assert "batch_changed" in codes and "epoch_skipped" not in codes, r["findings"]
+    assert "resume_band" not in codes and not r["epochs"][0]["complete"]

@@ -73,6 +73,7 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
         "coverage": (cum_unique / n if n else cum_unique * 0.0)[present],
         "ideal_coverage": np.asarray(exposure.ideal_coverage(cum_exp, n))[present],
     })
+    changes = _batch_changes(steps, plan)
 
     # The hosts that sent rows, by position (Plan.host_ids): the matrix's rows and columns
     # are per_host's, sized by the hosts that exist, whatever their numbers.
@@ -157,7 +158,7 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                       {a: v["host_count"] for a, v in plan.attempts.items()}, _ended(plan)),
                       strict=True))},
         "run": {"finished": plan.finished, "finished_step": plan.finished_step},
-        "epochs": _epochs(merged, plan, n, last),
+        "epochs": _epochs(merged, plan, n, last, _data_ended(steps, changes, plan)),
         "domains": domains,
         "sources": sources,
         "integrity": {**{k: int(getattr(merged, k)) for k in (
@@ -180,7 +181,7 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                      "never_seen": merged.never_seen_examples},
         "restarts": [r for r in restarts if r["resumed_from_step"] is not None
                      or r["rolled_back_from_step"] is not None],
-        "batch_changes": _batch_changes(steps, plan),
+        "batch_changes": changes,
         "metrics": {"non_finite_losses": plan.non_finite_losses},
         "loss": _loss(merged, plan, exp_step, n, first_bad),
         "first_bad_step": first_bad,
@@ -227,10 +228,12 @@ def _ended(plan: Plan) -> dict[int, bool]:
     return {a: a < last or plan.finished for a in plan.attempts}
 
 
-def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[str, Any]]:
+def _epochs(merged: Partial, plan: Plan, n: int, last: int | None,
+            data_ended: bool = False) -> list[dict[str, Any]]:
     """Per known epoch: its steps, the distinct train records seen in it, and, once the run has
     left it behind, the records it skipped. An epoch is complete when a later one has started
-    and no host consumed it at the last step; the last epoch of a finished run is reported as
+    and no host consumed it at the last step, or when it is the last of a finished run whose
+    loader ran out of data in it (`data_ended`); the last epoch of a finished run is reported as
     `final` (the run may have ended inside it by design)."""
     out = []
     seen = merged.records_by_epoch
@@ -241,7 +244,8 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[
         records = int(seen[e]) if e < len(seen) else 0
         # An epoch that saw every train record is complete, whatever comes after it (one at
         # 100% coverage read "complete: no").
-        complete = (later and last is not None and end < last) or (n > 0 and records >= n)
+        complete = (later and last is not None and end < last) or (n > 0 and records >= n) or (
+            data_ended and plan.finished and not later)
         out.append({"epoch": e, "first_step": first, "last_step": end, "records": records,
                     "complete": bool(complete), "final": plan.finished and not later,
                     "skipped": n - records if complete or (plan.finished and not later)
@@ -249,8 +253,29 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None) -> list[dict[
     return out
 
 
+def _data_ended(steps: pa.Table, changes: list[dict[str, int]], plan: Plan) -> bool:
+    """Whether a finished run ended because its loader ran out of data: its last step is
+    shorter than the full batch of its last stretch (since its last batch change), which a run
+    stopped by its step budget never is (its last step is as full as the others). A loader
+    that gives an epoch's remainder as a short batch has reached the epoch's end; one that
+    drops it ends on a full step, and its epoch stays `final`, not `complete`."""
+    if not plan.finished or not steps.num_rows:
+        return False
+    s, rows = steps["step"].to_numpy(), steps["rows"].to_numpy()
+    since = max((c["step"] for c in changes), default=None)
+    band = rows if since is None else rows[s >= since]
+    return bool(band.size and rows[-1] < band.max())
+
+
+# A resume's new global batch must hold for this many full steps after it to be a change: a
+# loader that runs out of data right after a resume (a Hugging Face IterableDataset restored
+# without its shuffle buffer: 2 short steps, then the end) shows short steps, not a new batch.
+CHANGE_STEPS = 2
+
+
 def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:
-    """Resumes after which the global rows per step changed."""
+    """Resumes after which the global rows per step changed: the median of at least
+    CHANGE_STEPS steps after the resume (the last step aside) differs from that before it."""
     out = []
     if not steps.num_rows:
         return out
@@ -263,7 +288,7 @@ def _batch_changes(steps: pa.Table, plan: Plan) -> list[dict[str, int]]:
             continue
         before = rows[(s < r) & ~last]
         after = rows[(s >= r) & ~last]
-        if before.size and after.size:
+        if before.size and after.size >= CHANGE_STEPS:
             b, a = int(np.median(before)), int(np.median(after))
             if a != b:
                 out.append({"step": r, "before": b, "after": a})

@@ -318,8 +318,10 @@ def _charge(r: dict[str, Any], resumes: list[_Resume], others_explain: Callable[
     earlier resumes did (a record still unread when it resumed is unread because it jumped
     past it). With none, by the epoch's last reshard (a restore on another topology that
     repeated nothing may still skip); with none either, by a same-topology resume only when
-    the epoch ended and the epochs the run finished without a resume skipped nothing (the
-    loader on its own skips none)."""
+    the epoch ended and the loader is known to skip none on its own: the epochs the run
+    finished without a resume skipped nothing, or, with no such epoch to judge by, the epoch
+    is the last of a finished run whose loader ran out of data in it with a short batch (it
+    gives its remainder rather than drop it)."""
     unexplained: list[bool] = []
 
     def may_charge() -> bool:
@@ -344,8 +346,11 @@ def _charge(r: dict[str, Any], resumes: list[_Resume], others_explain: Callable[
             x.skipped = k
         if not k or not here:
             continue
+        # A final epoch is complete with records skipped only when the loader ran out of data
+        # in it (tally.audit.reconcile.report._data_ended).
+        judged = loader_skips_none or (not finished and e["final"] and e["complete"])
         guilty = [x for x in here if x.own] or [x for x in here if x.resharded] or [
-            x for x in here if not x.repeated and e["complete"] and loader_skips_none
+            x for x in here if not x.repeated and e["complete"] and judged
             and may_charge()]
         if not guilty:
             continue
@@ -417,10 +422,14 @@ def _resume_findings(r: dict[str, Any], add: Callable[..., Any],
                         f"{x.lost()}: its loader did not continue where the checkpoint left "
                         "off (no state restored, or a stale or partial one)")
             else:
-                said = (f"nothing it consumed repeated a record, but {x.lost()} while the "
-                        "epochs the run finished without a resume skipped none: its restored "
-                        "position was ahead of what had been consumed (a state saved after "
-                        "batches were read ahead, or from a later step)")
+                why = ("while the epochs the run finished without a resume skipped none" if any(
+                    e["complete"] and e["epoch"] != (x.epoch or {}).get("epoch")
+                    for e in r.get("epochs", [])) else "although its loader gave the epoch's "
+                    "remainder as a short last batch, so it drops none on its own")
+                said = (f"nothing it consumed repeated a record, but {x.lost()} {why}: its "
+                        "restored position was ahead of what had been consumed (a state saved "
+                        "after batches were read ahead, a shuffle buffer not restored, or from "
+                        "a later step)")
             add("FAIL", "resume_band",
                 f"attempt {x.attempt} resumed at step {s} on {hosts}: {said}",
                 attempt=x.attempt, step=s, hosts=now, previous_hosts=prev, repeated=repeated,
@@ -610,7 +619,7 @@ def _epoch_findings(r: dict[str, Any], add: Callable[..., Any], explained: bool)
                 + "): the loader skipped them", records=skipped,
                 epochs=[e["epoch"] for e in done])
     for e in r.get("epochs", []):
-        if e["final"] and e["skipped"]:
+        if e["final"] and not e["complete"] and e["skipped"]:
             why = (f": {n:,} train records do not divide by the global batch of {batch}, and "
                    "the run ended with the last full batch" if remainder and
                    e["skipped"] == remainder else "")
