@@ -309,3 +309,24 @@ def test_a_smaller_batch_then_a_budget_stop_is_not_the_data_end(tmp_path):
     assert r["batch_changes"] == [{"step": 5, "before": 12, "after": 8}]
     assert "batch_changed" in codes and "epoch_skipped" not in codes, r["findings"]
     assert "resume_band" not in codes and not r["epochs"][0]["complete"]
+
+
+def test_batches_of_varying_rows_stopped_inside_the_epoch_are_not_a_data_end(tmp_path):
+    """A loader whose global batch varies from step to step (a token budget) and a run stopped
+    by its step budget on a smaller step: no batch of its own to compare with, so not taken as
+    the loader running out of data; the rest of the epoch is said, not flagged."""
+    keys = np.random.default_rng(5).permutation(N)
+    sizes = [10, 12, 9, 11, 12, 10, 8]
+    spool, at = tmp_path / "varying", 0
+    with LedgerWriter(spool, "r", host=0, host_count=1, fsync=False) as w:
+        for s, size in enumerate(sizes):
+            k = keys[at:at + size]
+            at += size
+            w.write_segments(s, Segments.build(row=np.arange(size), record_key=k,
+                                               epoch=np.zeros(size, np.int64),
+                                               n_tokens=np.full(size, 10), content_hash=k))
+        w.finish()
+    r = reconcile(tmp_path, spool)
+    assert r["verdict"] == "PASS", r["findings"]
+    assert [f["code"] for f in r["findings"]] == ["final_epoch_short"]
+    assert not r["epochs"][0]["complete"] and r["epochs"][0]["skipped"] == N - sum(sizes)

@@ -254,17 +254,20 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None,
 
 
 def _data_ended(steps: pa.Table, changes: list[dict[str, int]], plan: Plan) -> bool:
-    """Whether a finished run ended because its loader ran out of data: its last step is
-    shorter than the full batch of its last stretch (since its last batch change), which a run
-    stopped by its step budget never is (its last step is as full as the others). A loader
-    that gives an epoch's remainder as a short batch has reached the epoch's end; one that
-    drops it ends on a full step, and its epoch stays `final`, not `complete`."""
+    """Whether a finished run ended because its loader ran out of data: its last steps are
+    shorter than the batch every earlier step of its last stretch (since its last batch
+    change) held, which a run stopped by its step budget never is (its last step is as full as
+    the others). A loader that gives an epoch's remainder as a short batch has reached the
+    epoch's end; one that drops it ends on a full step, and its epoch stays `final`, not
+    `complete`. Batches whose rows vary from step to step (a token budget) say nothing: no."""
     if not plan.finished or not steps.num_rows:
         return False
     s, rows = steps["step"].to_numpy(), steps["rows"].to_numpy()
     since = max((c["step"] for c in changes), default=None)
     band = rows if since is None else rows[s >= since]
-    return bool(band.size and rows[-1] < band.max())
+    full = band.max()
+    last_full = np.flatnonzero(band == full)[-1]  # the short steps after it end the run
+    return bool(last_full < len(band) - 1 and (band[:last_full + 1] == full).all())
 
 
 # A resume's new global batch must hold for this many full steps after it to be a change: a
