@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,13 @@ from tests.support.layers import longest_first
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     longest_first(items)
 
+
+# The Ctrl-C tests send SIGINT to the commands they start: a suite started as a background job
+# of a shell without job control (`(pytest &)`, a script's `pytest &`) inherits SIGINT ignored,
+# passes it on to every child, and 3 of those tests saw their command run to the end (exit 0,
+# or a 100,000-step train timing out). A user's Ctrl-C is what they test, so the suite takes it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # One JAX compilation cache for the session, shared by the in-process tests and every training
 # host process they start: the same small model compiles once instead of once per process.
