@@ -20,6 +20,7 @@ from tally.audit.core.errors import TallyError
 from tally.audit.core.paths import atomic_write
 from tally.audit.hook.segments import Segments
 from tally.pipeline.corpus import CorpusError
+from tally.pipeline.text import ContentBasis, basis_differences
 
 MANIFEST_SCHEMA = pa.schema([
     ("record_key", pa.int64()),
@@ -220,6 +221,7 @@ class ManifestKeyIndex:
         self.records = int(info["records"])
         self.train_records = int(info["train_records"])
         self.content_basis = info.get("content_basis", "")
+        ContentBasis.from_json(self.content_basis, f"manifest {path}")  # readable, or said now
         cache = Path(cache_dir) / f"{self.fingerprint}.npy"
         table = self._load(cache) if cache.exists() else None
         if table is None:  # none yet, or damaged (derived data: built again)
@@ -268,12 +270,6 @@ class ManifestKeyIndex:
                                  f"says {self.records}")
 
     def basis_differences(self, run_basis: str | None) -> list[str]:
-        """How the run's content basis (JSON from its spool; None or "": token ids) differs
-        from the manifest's, in words; [] when the run's hashes are comparable."""
-        from tally.pipeline.text import ContentBasis
-
-        try:
-            got = ContentBasis.from_json(run_basis, "the run's spool")
-            return ContentBasis.from_json(self.content_basis, "the manifest").differences(got)
-        except CorpusError as exc:
-            return [str(exc)]
+        """How the run's content basis (JSON from its spool) differs from the manifest's, in
+        words; [] when the run's hashes are comparable."""
+        return basis_differences(self.content_basis, [run_basis])

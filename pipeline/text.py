@@ -111,6 +111,21 @@ class ContentBasis:
         return out
 
 
+def basis_differences(manifest_basis: str, run_bases: list[str]) -> list[str]:
+    """How the run's content bases (JSON, `ContentBasis`; none: unknown, never a
+    difference) differ from the manifest's ("": token ids), in words."""
+    want = ContentBasis.from_json(manifest_basis, "the manifest")
+    out: list[str] = []
+    for raw in run_bases:
+        try:
+            got = ContentBasis.from_json(raw, "the run's spool")
+        except CorpusError as exc:
+            out.append(str(exc))
+            continue
+        out += [d for d in want.differences(got) if d not in out]
+    return out
+
+
 def load_tokenizer(spec: str | os.PathLike) -> Any:
     """A Hugging Face `tokenizers.Tokenizer` from a `tokenizer.json` file, a directory holding
     one, or a hub name found in the local Hugging Face cache (never downloaded). CorpusError,

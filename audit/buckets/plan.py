@@ -343,24 +343,6 @@ def run_finished(attempts: dict[int, dict[str, Any]], finished: dict[tuple[int, 
     return True, max(steps)
 
 
-def basis_differences(manifest_basis: str, run_bases: list[str]) -> list[str]:
-    """How the run's content bases (JSON, tally.pipeline.text.ContentBasis; none: unknown, never a
-    difference) differ from the manifest's ("": token ids), in words."""
-    from tally.audit.core.errors import CorpusError
-    from tally.pipeline.text import ContentBasis
-
-    want = ContentBasis.from_json(manifest_basis, "the manifest")
-    out: list[str] = []
-    for raw in run_bases:
-        try:
-            got = ContentBasis.from_json(raw, "the run's spool")
-        except CorpusError as exc:
-            out.append(str(exc))
-            continue
-        out += [d for d in want.differences(got) if d not in out]
-    return out
-
-
 def _step_rows(path: str | Path) -> tuple[Any, Any]:
     t = pq.read_table(path, columns=["step", "row"])
     return t["step"].to_numpy(), t["row"].to_numpy()

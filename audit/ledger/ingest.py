@@ -40,7 +40,7 @@ from tally.audit.hook.spool import BadFile, read_checked
 from tally.audit.ledger import lookup
 from tally.audit.ledger.aggregates import Aggregates, for_ledger
 from tally.audit.ledger.database import Ledger
-from tally.audit.ledger.integrity import IngestIntegrity
+from tally.audit.ledger.integrity import IngestIntegrity, segment_columns
 from tally.audit.ledger.state import Starts
 
 log = logging.getLogger("tally.ingest")
@@ -432,8 +432,9 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
         index = None if integrity is None else integrity.ready()
         try:
             incs = {run: agg.increments(run, p) for run, p in parts.items()}
-            checked = [] if index is None else integrity.check_files(
-                index, [(fid, f.run, f.table, f.info) for f, fid in segs])
+            checked = [] if index is None else integrity.check_files(index, [
+                (fid, f.run, segment_columns(f.table), f.info["fingerprint"],
+                 f.info["content_basis"]) for f, fid in segs])
         finally:
             rows.result()
         if index is not None:

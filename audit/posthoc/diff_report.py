@@ -23,7 +23,6 @@ import pyarrow.parquet as pq
 
 from tally.audit.buckets.left_out import files_left_out, left_out_findings
 from tally.audit.buckets.partials import Partial
-from tally.audit.buckets.plan import basis_differences
 from tally.audit.core import exposure
 from tally.audit.core.arrays import json_default
 from tally.audit.core.exposure import Coverage, Findings, verdict
@@ -32,6 +31,7 @@ from tally.audit.hook.spool import replayed_run
 from tally.audit.posthoc.diff_bucket import RUNS, DiffPartial
 from tally.audit.posthoc.multiset import jaccard
 from tally.audit.provenance import plan_fingerprint, provenance
+from tally.pipeline.text import basis_differences
 
 DIFF_VERSION = 1
 STATUS = ("identical", "same_data_other_order", "different")

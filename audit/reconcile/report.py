@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 from tally.audit.buckets import host_steps
 from tally.audit.buckets.left_out import files_left_out
 from tally.audit.buckets.partials import Partial, Spans
-from tally.audit.buckets.plan import Plan, basis_differences
+from tally.audit.buckets.plan import Plan
 from tally.audit.core import exposure
 from tally.audit.core.arrays import json_default
+from tally.audit.core.errors import CorpusError
 from tally.audit.core.exposure import Coverage, verdict
 from tally.audit.hook.spool import replayed_run
 from tally.audit.provenance import plan_fingerprint, provenance
@@ -25,6 +26,7 @@ from tally.audit.reconcile import loss
 from tally.audit.reconcile.html import render_html, segment_files
 from tally.audit.reconcile.verdict import findings
 from tally.audit.render.charts import step_or_none
+from tally.pipeline.text import ContentBasis, basis_differences
 
 REPORT_VERSION = 1
 
@@ -200,9 +202,6 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
 
 def _basis(raw: str) -> dict[str, Any]:
     """A content basis (JSON, tally.pipeline.text.ContentBasis) as the report says it."""
-    from tally.audit.core.errors import CorpusError
-    from tally.pipeline.text import ContentBasis
-
     try:
         b = ContentBasis.from_json(raw)
     except CorpusError as exc:
