@@ -204,6 +204,20 @@ class ManifestHashes:
 KEY_INDEX_DTYPE = np.dtype([("hash", "<u8"), ("n_tokens", "<i4")], align=False)
 
 
+def check_key_order(path: str, record_key: pa.Array, split: pa.Array, done: int,
+                    train_records: int) -> np.ndarray:
+    """A batch of a manifest's rows read in order from row `done`: its keys, checked to be
+    `done`, `done` + 1, ... with the train split first (held out is a key at or past the train
+    records), which what reads the manifest by key relies on; TallyError otherwise."""
+    keys = record_key.to_numpy()
+    train = pc.equal(split, "train").to_numpy(zero_copy_only=False)
+    if not np.array_equal(keys, np.arange(done, done + len(keys))) or \
+            not np.array_equal(train, keys < train_records):
+        raise TallyError(f"manifest {path}: record keys are not 0..N-1 with the train split "
+                         "first (rebuild it with `tally manifest`)")
+    return keys
+
+
 class ManifestKeyIndex:
     """Every manifest record's content hash and length by record key (all splits: the train
     split first, then the held-out ones), memory-mapped from a cache file of 12 bytes a record
@@ -253,13 +267,8 @@ class ManifestKeyIndex:
             done = 0
             for batch in f.iter_batches(columns=["record_key", "content_hash", "n_tokens",
                                                  "split"], batch_size=ROW_GROUP_RECORDS):
-                keys = batch.column(0).to_numpy()
-                # Held out is a key at or past the train records: the train split first.
-                train = pc.equal(batch.column(3), "train").to_numpy(zero_copy_only=False)
-                if not np.array_equal(keys, np.arange(done, done + len(keys))) or \
-                        not np.array_equal(train, keys < self.train_records):
-                    raise TallyError(f"manifest {self.path}: record keys are not 0..N-1 with "
-                                     "the train split first (rebuild it with `tally manifest`)")
+                keys = check_key_order(self.path, batch.column(0), batch.column(3), done,
+                                       self.train_records)
                 part = np.empty(len(keys), KEY_INDEX_DTYPE)
                 part["hash"] = batch.column(1).to_numpy()
                 part["n_tokens"] = batch.column(2).to_numpy()

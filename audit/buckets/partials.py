@@ -112,6 +112,12 @@ def examples(a: list, b: list) -> list:
     return (a + b)[:EXAMPLES]
 
 
+def lowest_rows(a: list[dict], b: list[dict]) -> list[dict]:
+    """The EXAMPLES lowest rows of both by (record key, step, host): the same whatever the
+    order of merging."""
+    return sorted(a + b, key=lambda x: (x["record_key"], x["step"], x["host"]))[:EXAMPLES]
+
+
 def most_repeated(a: list[dict], b: list[dict]) -> list[dict]:
     """The EVIDENCE records repeated most within their epochs, then exposed most, of both
     (ties by key: the same whatever the order of merging)."""
@@ -200,9 +206,9 @@ class Partial(Mergeable):
     slices_joined: int = summed()
     unknown_segments: int = summed()
     unknown_keys: int = summed()
-    unknown_examples: list[dict] = merged_by(examples, factory=list)
-    hash_mismatch_examples: list[dict] = merged_by(examples, factory=list)
-    heldout_examples: list[dict] = merged_by(examples, factory=list)
+    unknown_examples: list[dict] = merged_by(lowest_rows, factory=list)
+    hash_mismatch_examples: list[dict] = merged_by(lowest_rows, factory=list)
+    heldout_examples: list[dict] = merged_by(lowest_rows, factory=list)
     # Evidence for the findings: the train records repeated most (with where they were
     # seen), and train records never seen (lowest keys).
     most_repeated: list[dict] = merged_by(most_repeated, factory=list)

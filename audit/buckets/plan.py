@@ -37,7 +37,10 @@ BUCKETS_IN_FLIGHT = 4
 # (32 MiB), so that the allocator reuses heap memory instead of mapping, faulting in and
 # unmapping fresh pages for every temporary (measured: 30% of a bucket's time).
 BUCKET_ROWS = 2_500_000
-LOSS_WINDOWS = 256  # windows of steps the loss by exposure rank is split into
+# Windows of steps the loss by exposure rank is split into: at most this many, each a power of
+# two steps long, so that a run's windows grow by merging pairs (the live reconcile keeps its
+# sums as the run grows, tally.audit.reconcile.follow) rather than by cutting them anew.
+LOSS_WINDOWS = 256
 # Steps are int64 and a run may start at any of them, but the job keeps per-step series from a
 # run's first step to its last: a run spans fewer than 2^31 steps (a million-step run spans
 # 2^20).
@@ -175,10 +178,13 @@ def _footer(f: sp.SpoolFile) -> dict[str, str]:
         return {}
 
 
-def spool_inputs(spool: Path, run_id: str) -> Inputs:
+def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | None = None
+                 ) -> Inputs:
     """The run's published segment files. Entries under the run's directory that are not
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
-    step) of a file before it, the rule ingest applies (each host-step counts once)."""
+    step) of a file before it, the rule ingest applies (each host-step counts once).
+    `footers`: the files' metadata already read, by path (published files never change),
+    kept up to date here (the live reconcile lists the spool every round)."""
     files, attempts, fingerprint, left_out, metric_files = [], {}, None, [], []
     bases: dict[str, None] = {}  # the run's content bases, distinct, in file order
     replayed: set[str] = set()  # paths of replayed files
@@ -188,8 +194,13 @@ def spool_inputs(spool: Path, run_id: str) -> Inputs:
             and f.run_id == run_id]
     # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
     # footers took 1.57 s one after another and 0.97 s on 4 threads (36,352 at 500M rows).
+    known = {} if footers is None else footers
+    todo = [f for f in segs if str(f.path) not in known]
     with ThreadPoolExecutor(4) as pool:
-        footers = dict(zip(map(id, segs), pool.map(_footer, segs), strict=True))
+        for f, md in zip(todo, pool.map(_footer, todo), strict=True):
+            if md:  # an unreadable footer is read again next time
+                known[str(f.path)] = md
+    footers = {id(f): known.get(str(f.path), {}) for f in segs}
     for f in listed:
         if isinstance(f, sp.Stray):
             if f.rel.startswith(f"{run_id}/"):
@@ -402,6 +413,12 @@ def ledger_inputs(ledger_path: Path, run_id: str, workdir: Path,
                   content_bases=[basis] if basis else [])
 
 
+def loss_window(span: int) -> int:
+    """Steps per window of the loss by exposure rank for a run spanning `span` steps: the
+    smallest power of two that cuts the span into at most LOSS_WINDOWS windows."""
+    return 1 << max(0, (-(-max(span, 1) // LOSS_WINDOWS) - 1).bit_length())
+
+
 def check_span(what: str, first: int, last: int, memory_gb: float, job: str) -> None:
     """Refuse a span of steps whose per-step series would not fit in `memory_gb`."""
     span = last - first + 1
@@ -485,7 +502,7 @@ def make_plan(run_id: str, manifest: str | Path, inputs: Inputs,
         raise TallyError(f"run {run_id!r} spans steps {plan.first_step}..{last}, "
                          f"{span:,} steps: a run may span at most {MAX_RUN_STEPS:,}")
     check_span(f"run {run_id!r} spans", plan.first_step, last, memory_gb, options.job)
-    plan.loss_window = max(1, -(-max(span, 1) // LOSS_WINDOWS))
+    plan.loss_window = loss_window(span)
     plan.cutoffs = rolled_back_from({a: v["resumed_from_step"] for a, v in attempts.items()})
     for a, cut in plan.cutoffs.items():
         last = attempts[a]["last_step"]

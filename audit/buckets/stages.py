@@ -69,6 +69,32 @@ def of_kind(item: tuple[str, Any], kind: str) -> list[Any]:
     return [item[1]] if item[0] == kind else []
 
 
+def effective_rows(f: InputFile, plan: Plan) -> tuple[Columns, Columns]:
+    """One input file's (effective, rolled-back) rows under the plan's cutoffs (and its
+    `at_step`); BadFile when the file fails the spool's checks."""
+    cols = _read_file(f)
+    if plan.at_step is not None:
+        cols = rows_where(cols, cols["step"] <= plan.at_step)
+    kept = effective(cols["step"], cols["attempt"], plan.cutoffs)
+    rolled = rows_where(cols, ~kept)
+    if not kept.all():
+        cols = rows_where(cols, kept)
+    return cols, rolled
+
+
+def replay_rows(plan: Plan, cols: Columns, rolled: Columns) -> Iterator[tuple[int, tuple]]:
+    """(step, (tag, rows)): a file's rolled-back rows, and its effective rows at rolled-back
+    steps, by step (what tally.audit.reconcile.job.CompareReplay compares)."""
+    if not plan.replay_ranges:
+        return
+    in_range = np.zeros(len(cols["step"]), dtype=bool)
+    for lo, hi in plan.replay_ranges:
+        in_range |= (cols["step"] >= lo) & (cols["step"] <= hi)
+    for tag, part in (("effective", rows_where(cols, in_range)), ("rolled_back", rolled)):
+        for step in np.unique(part["step"]):
+            yield int(step), (tag, rows_where(part, part["step"] == step))
+
+
 class ReadConsumption(beam.DoFn):
     """One chunk of input files (tally.audit.buckets.plan.chunks) -> (kind, value): their
     effective rows written as one bucket file and one reference per bucket, their per-step and
@@ -82,19 +108,14 @@ class ReadConsumption(beam.DoFn):
         parts, kept_cols, partial = [], [], Partial()
         for f in chunk:
             try:
-                cols = _read_file(f)
+                cols, rolled = effective_rows(f, plan)
             except BadFile as exc:
                 partial = partial.merge(Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
                 continue
-            if plan.at_step is not None:
-                cols = rows_where(cols, cols["step"] <= plan.at_step)
-            kept = effective(cols["step"], cols["attempt"], plan.cutoffs)
-            rolled = rows_where(cols, ~kept)
-            if not kept.all():
-                cols = rows_where(cols, kept)
-            yield from self._replay_rows(cols, rolled)
+            for step, part in replay_rows(plan, cols, rolled):
+                yield "replay", (step, part)
             if len(cols["step"]):
-                parts.append(self._per_file(cols))
+                parts.append(file_partial(plan, cols))
                 kept_cols.append(cols)
         refs = []
         if kept_cols:
@@ -108,58 +129,48 @@ class ReadConsumption(beam.DoFn):
         for ref in refs:
             yield "by_bucket", ref
 
-    def _replay_rows(self, cols: Columns, rolled: Columns) -> Iterator[tuple[str, Any]]:
-        """Rolled-back rows, and effective rows at rolled-back steps, by step."""
-        if not self.plan.replay_ranges:
-            return
-        in_range = np.zeros(len(cols["step"]), dtype=bool)
-        for lo, hi in self.plan.replay_ranges:
-            in_range |= (cols["step"] >= lo) & (cols["step"] <= hi)
-        for tag, part in (("effective", rows_where(cols, in_range)), ("rolled_back", rolled)):
-            for step in np.unique(part["step"]):
-                yield "replay", (int(step), (tag, rows_where(part, part["step"] == step)))
 
-    def _per_file(self, cols: Columns) -> Partial:
-        """The per-step and per-host counts of one file's effective rows."""
-        steps, host, row = cols["step"], cols["host"], cols["row"]
-        start, n_tokens = starts(cols["offset"]), cols["n_tokens"]
-        lo, hi = int(steps.min()), int(steps.max())
-        h0, h1 = int(host.min()), int(host.max())
-        rel = steps.astype(np.int64, copy=False) - lo
-        # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
-        # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
-        rows_n = int(row.max()) + 1
-        per_step = (h1 - h0 + 1) * rows_n
-        triples = rel * per_step
-        if h1 > h0:
-            triples += (host - h0).astype(np.int64) * rows_n
-        triples += row
-        space = (hi - lo + 1) * per_step
-        if space <= 8 * len(triples) + 4096:
-            mark = np.zeros(space, dtype=bool)
-            mark[triples] = True
-            rows = mark.reshape(-1, per_step).sum(axis=1)
-        else:
-            rows = bincount(distinct(triples) // per_step)
-        n = len(self.plan.host_ids)  # per host by its position (Plan.host_ids)
-        if h1 == h0:  # one host (every spool file): its totals, no bincount
-            by_host = [np.zeros(n, np.int64) for _ in range(3)]
-            at = int(self.plan.host_index(np.int64(h0)))
-            for a, total in zip(by_host, (len(steps), start.sum(), n_tokens.sum(dtype=np.int64)),
-                                strict=True):
-                a[at] = total
-        else:
-            at = self.plan.host_index(host)
-            by_host = [bincount(at, n=n),
-                       bincount(at[start], n=n),
-                       bincount(at, n_tokens, n=n)]
-        return Partial(
-            **host_steps.per_file(cols, self.plan.train_records),
-            segments=len(steps), first_step=lo, last_step=hi,
-            step_segments=Spans([(lo, bincount(rel))]),
-            step_tokens=Spans([(lo, bincount(rel, n_tokens))]),
-            step_rows=Spans([(lo, rows.astype(np.int64))]),
-            host_segments=by_host[0], host_exposures=by_host[1], host_tokens=by_host[2])
+def file_partial(plan: Plan, cols: Columns) -> Partial:
+    """The per-step and per-host counts of one file's effective rows (not empty)."""
+    steps, host, row = cols["step"], cols["host"], cols["row"]
+    start, n_tokens = starts(cols["offset"]), cols["n_tokens"]
+    lo, hi = int(steps.min()), int(steps.max())
+    h0, h1 = int(host.min()), int(host.max())
+    rel = steps.astype(np.int64, copy=False) - lo
+    # Rows per step: distinct (step, host, row) triples, packed into one key; counted in a
+    # bitmap when the key space is small (a spool file: one host, a few steps), else sorted.
+    rows_n = int(row.max()) + 1
+    per_step = (h1 - h0 + 1) * rows_n
+    triples = rel * per_step
+    if h1 > h0:
+        triples += (host - h0).astype(np.int64) * rows_n
+    triples += row
+    space = (hi - lo + 1) * per_step
+    if space <= 8 * len(triples) + 4096:
+        mark = np.zeros(space, dtype=bool)
+        mark[triples] = True
+        rows = mark.reshape(-1, per_step).sum(axis=1)
+    else:
+        rows = bincount(distinct(triples) // per_step)
+    n = len(plan.host_ids)  # per host by its position (Plan.host_ids)
+    if h1 == h0:  # one host (every spool file): its totals, no bincount
+        by_host = [np.zeros(n, np.int64) for _ in range(3)]
+        at = int(plan.host_index(np.int64(h0)))
+        for a, total in zip(by_host, (len(steps), start.sum(), n_tokens.sum(dtype=np.int64)),
+                            strict=True):
+            a[at] = total
+    else:
+        at = plan.host_index(host)
+        by_host = [bincount(at, n=n),
+                   bincount(at[start], n=n),
+                   bincount(at, n_tokens, n=n)]
+    return Partial(
+        **host_steps.per_file(cols, plan.train_records),
+        segments=len(steps), first_step=lo, last_step=hi,
+        step_segments=Spans([(lo, bincount(rel))]),
+        step_tokens=Spans([(lo, bincount(rel, n_tokens))]),
+        step_rows=Spans([(lo, rows.astype(np.int64))]),
+        host_segments=by_host[0], host_exposures=by_host[1], host_tokens=by_host[2])
 
 
 # ---- stage 2: the join, per bucket -----------------------------------------------------------

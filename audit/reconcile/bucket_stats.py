@@ -34,8 +34,11 @@ RECORDS_SCHEMA = pa.schema([
 
 
 def _examples(keys, steps, hosts) -> list[dict[str, int]]:
-    return [{"record_key": int(k), "step": int(s), "host": int(h)} for k, s, h in
-            zip(keys[:EXAMPLES], steps[:EXAMPLES], hosts[:EXAMPLES], strict=True)]
+    """The EXAMPLES lowest rows by (record key, step, host): the same whatever order the rows
+    came in (the runner's, or the live reconcile's rounds: tally.audit.reconcile.follow)."""
+    pick = np.lexsort((hosts, steps, keys))[:EXAMPLES]
+    return [{"record_key": int(keys[i]), "step": int(steps[i]), "host": int(hosts[i])}
+            for i in pick.tolist()]
 
 
 def _groups(sorted_keys: np.ndarray) -> np.ndarray:
@@ -115,7 +118,9 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     else:
         packed = (j[ev] << 32) | (step[ev] - lo)
         if with_loss:  # the exposures' losses follow them into (record, step) order
-            order = np.argsort(packed, kind="stable")
+            # Ties at one (record, step) by host, then loss: ranks and their losses do not
+            # depend on the order the rows came in.
+            order = np.lexsort((losses, c["host"][ev], packed))
             key, losses = packed[order], losses[order]
         else:
             key = np.sort(packed)
@@ -206,7 +211,7 @@ def _most_repeated(record_key: np.ndarray, j: np.ndarray, c: dict[str, np.ndarra
     wanted = np.zeros(len(exposures), bool)  # a lookup by record: np.isin sorted the rows
     wanted[top] = True
     rows = np.flatnonzero(c["start"] & wanted[j])
-    rows = rows[np.lexsort((c["host"][rows], c["step"][rows], j[rows]))]
+    rows = rows[np.lexsort((c["epoch"][rows], c["host"][rows], c["step"][rows], j[rows]))]
     out = []
     for r in top.tolist():
         mine = rows[j[rows] == r][:SEEN]

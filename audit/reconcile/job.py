@@ -65,11 +65,8 @@ class ReadMetrics(beam.DoFn):
         self.plan = plan
 
     def process(self, files: tuple):
-        facts = metric_facts(list(files), self.plan.cutoffs)
-        count, first = facts["non_finite"]
-        yield f"metrics-{name_of(chr(10).join(str(f.path) for f in files))}", Partial(
-            non_finite_losses=count, non_finite_first_step=first,
-            finished_at=facts["finished"], loss_sums=facts["loss_sums"])
+        yield (f"metrics-{name_of(chr(10).join(str(f.path) for f in files))}",
+               metric_partial(self.plan, files))
 
 
 METRIC_FILES_A_TASK = 512
@@ -176,12 +173,7 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
                            | "metrics" >> beam.ParDo(ReadMetrics(slim)))
         save_partials(tuple(results), work)
     merged = merge_all(load_partials(work / "partials", finished=work / "saved"))
-    if plan.metric_files:  # the run's metric facts, as ledger_inputs reads them by SQL
-        plan.non_finite_losses = {"count": merged.non_finite_losses,
-                                  "first_step": merged.non_finite_first_step}
-        plan.finished, plan.finished_step = run_finished(plan.attempts, merged.finished_at,
-                                                         plan.at_step)
-        plan.milestones = milestones(merged.loss_sums)
+    with_metric_facts(plan, merged)
     joined = merged.unknown_segments + merged.hash_checked + merged.hash_unverifiable
     if (merged.segments, merged.slices_written) != (joined, merged.slices_joined):
         raise TallyError(f"the reconcile job lost rows: {merged.segments:,} effective rows "
@@ -189,6 +181,25 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
                          f"bucket slices written, {merged.slices_joined:,} joined (runner "
                          f"{runner}); no report written")
     return merged
+
+
+def metric_partial(plan: Plan, files: list) -> Partial:
+    """The metric facts of some of the run's metric files, as a partial."""
+    facts = metric_facts(list(files), plan.cutoffs)
+    count, first = facts["non_finite"]
+    return Partial(non_finite_losses=count, non_finite_first_step=first,
+                   finished_at=facts["finished"], loss_sums=facts["loss_sums"])
+
+
+def with_metric_facts(plan: Plan, merged: Partial) -> None:
+    """The plan given the run's metric facts from the merged partials (a spool's: a ledger's
+    were read by SQL, in its inputs)."""
+    if plan.metric_files:
+        plan.non_finite_losses = {"count": merged.non_finite_losses,
+                                  "first_step": merged.non_finite_first_step}
+        plan.finished, plan.finished_step = run_finished(plan.attempts, merged.finished_at,
+                                                         plan.at_step)
+        plan.milestones = milestones(merged.loss_sums)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,433 @@
+"""The live reconcile: a run's report kept current round by round, each round folding in only
+what the spool gained since the last (`tally reconcile --spool S --follow SECONDS`; the live
+service runs one per run for its findings, api/findings.py).
+
+A round costs what its new rows touch, not what the run consumed. Every per-record statistic
+of the reconcile (tally.audit.reconcile.bucket_stats.compute: exposures, ranks within an
+epoch, first-seen steps, host sets, hash checks, the loss by exposure rank) depends on one
+record's rows only. So for the records R that a round's new rows touch, the round computes
+their contribution twice with the job's own code, over R's rows before the round (fetched from
+a store of every row read so far by key, tally.audit.reconcile.row_store) and over R's rows
+after it, and replaces the first by the second in the running totals: records not in R
+contribute what they did. Summed fields are replaced by subtraction; the evidence lists (the
+lowest example rows, the most repeated records) by taking R's entries out and R's new ones in,
+which is exact while rows are only added; the never-seen records come from a bit a train record
+(seen or not); the highest exposure rank per step only grows while rows are only added.
+
+Per-file partials (per step, per host, what each host consumed step by step) are made once per
+file as the job's read stage makes them; replay comparisons are made again for the rolled-back
+steps a round's files touch; metric facts once per metric file.
+
+What is not folded in but recomputed from the stored rows (a full pass, the job's own merge
+over key ranges): a new attempt that changes which rows are rolled back, and a run whose first
+step moves earlier (the loss windows start there). Loss windows are powers of two
+(tally.audit.buckets.plan.loss_window), so that a longer run merges pairs of windows.
+
+So the report is the one `tally reconcile --spool` writes over the same files (the same
+findings, verdict and numbers; tests/test_follow.py compares them after each of many rounds,
+with resumes and files published late), except: no per-record table (records/), and the
+loss sums, added and subtracted in another order, agree to floating-point rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from tally.audit.buckets.partials import (
+    EVIDENCE,
+    MaxSpans,
+    Partial,
+    Spans,
+    lowest_rows,
+    merge_all,
+    most_repeated,
+    total,
+)
+from tally.audit.buckets.plan import Plan, PlanOptions, make_plan, spool_inputs
+from tally.audit.buckets.stages import effective_rows, file_partial, replay_rows
+from tally.audit.core.errors import TallyError
+from tally.audit.core.exposure import effective
+from tally.audit.hook.spool import BadFile
+from tally.audit.reconcile import bucket_stats
+from tally.audit.reconcile import report as rp
+from tally.audit.reconcile.job import CompareReplay, metric_partial, with_metric_facts
+from tally.audit.reconcile.row_store import COLUMNS, Rows, RowStore, concat
+from tally.pipeline.manifest_file import ROW_GROUP_RECORDS, check_key_order, manifest_info
+
+log = logging.getLogger("tally.reconcile")
+
+# New rows folded in at a time, and records a full pass computes at a time: the rows of a
+# fold's records (before and after) and their manifest columns stay within a few hundred MB.
+FOLD_ROWS = 2_000_000
+PASS_RECORDS = 2_000_000
+_EXAMPLE_FIELDS = ("unknown_examples", "hash_mismatch_examples", "heldout_examples")
+_PER_HOST = ("host_segments", "host_exposures", "host_tokens", "host_unique",
+             "host_overlap_with_others", "epoch_repeats_by_host", "epoch_duplicated_by_host")
+
+
+class _Manifest:
+    """The manifest's columns a record statistic needs, by record key, memory-mapped from a
+    cache built once (`<work>/manifest.npy`, 20 bytes a record): content hash, length, and the
+    domain's and source's codes into names kept in memory."""
+
+    DTYPE = np.dtype([("hash", "<u8"), ("n_tokens", "<i4"), ("domain", "<i4"),
+                      ("source", "<i4")])
+
+    def __init__(self, path: str, work: Path) -> None:
+        info = manifest_info(path)
+        self.records, self.train = int(info["records"]), int(info["train_records"])
+        names: dict[str, dict[str, int]] = {"domain": {}, "source": {}}
+        table = np.lib.format.open_memmap(work / "manifest.npy", "w+", self.DTYPE,
+                                          (self.records,))
+        done = 0
+        f = pq.ParquetFile(path, read_dictionary=["domain", "source"])
+        for batch in f.iter_batches(columns=["record_key", "content_hash", "n_tokens",
+                                             "split", "domain", "source"],
+                                    batch_size=ROW_GROUP_RECORDS):
+            keys = check_key_order(path, batch.column(0), batch.column(3), done, self.train)
+            part = table[done:done + len(keys)]
+            part["hash"] = batch.column(1).to_numpy()
+            part["n_tokens"] = batch.column(2).to_numpy()
+            for col, at in (("domain", 4), ("source", 5)):
+                enc = batch.column(at)
+                lut = np.array([names[col].setdefault(v, len(names[col]))
+                                for v in enc.dictionary.to_pylist()] or [0], np.int32)
+                part[col] = lut[enc.indices.fill_null(0).to_numpy()]
+            done += len(keys)
+        table.flush()
+        self.table = np.load(work / "manifest.npy", mmap_mode="r")
+        self.names = {k: list(v) for k, v in names.items()}
+
+    def columns(self, keys: np.ndarray) -> dict[str, Any]:
+        """The manifest columns of `keys` (sorted, in the manifest) as
+        tally.audit.buckets.stages.manifest_bucket gives a bucket's."""
+        rows = self.table[keys]
+        return {"record_key": keys, "content_hash": rows["hash"],
+                "n_tokens": rows["n_tokens"],
+                "split": (keys >= self.train).astype(np.int32),
+                "split_names": ["train", "heldout"],
+                "domain": rows["domain"], "domain_names": self.names["domain"],
+                "source": rows["source"], "source_names": self.names["source"]}
+
+
+def _negated(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _negated(x) for k, x in v.items()}
+    if isinstance(v, Spans):
+        return Spans([(p, -c) for p, c in v.pieces])
+    return -v
+
+
+def _trimmed(a: np.ndarray) -> np.ndarray:
+    nz = np.flatnonzero(a)
+    return a[: nz[-1] + 1] if nz.size else a[:0]
+
+
+def _in(keys: np.ndarray, entries: list[dict]) -> list[bool]:
+    """Whether each entry's record key is one of `keys` (sorted)."""
+    if not entries:
+        return []
+    k = np.array([e["record_key"] for e in entries], np.int64)
+    at = np.minimum(np.searchsorted(keys, k), max(len(keys) - 1, 0))
+    return (keys[at] == k).tolist() if len(keys) else [False] * len(entries)
+
+
+def _rehost(p: Partial, pos: np.ndarray, n: int) -> None:
+    """`p`'s per-host arrays, indexed by the run's old hosts, moved to positions `pos` of `n`
+    hosts (a host that appeared in between counts zero until now)."""
+    for name in _PER_HOST:
+        a = getattr(p, name)
+        if len(a):
+            out = np.zeros(n, a.dtype)
+            out[pos] = a
+            setattr(p, name, out)
+    if p.overlap.size:
+        out = np.zeros((n, n), p.overlap.dtype)
+        out[np.ix_(pos, pos)] = p.overlap
+        p.overlap = out
+
+
+class Follower:
+    """One run's live reconcile (the module's doc). `round()` brings the report in `out` up to
+    date with the spool and returns it (None when the spool has nothing new)."""
+
+    def __init__(self, spool: Path, manifest: str | Path, run_id: str, out: Path,
+                 memory_gb: float = 3.0, api_url: str | None = None) -> None:
+        self.spool, self.run_id = Path(spool).absolute(), run_id
+        self.manifest = str(Path(manifest).absolute())
+        self.out, self.memory_gb, self.api_url = Path(out).absolute(), memory_gb, api_url
+        self.work = self.out / ".follow"
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        self.man = _Manifest(self.manifest, self.work)
+        self._footers: dict[str, dict[str, str]] = {}
+        self.plan: Plan | None = None
+        self.rounds = self.full_passes = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.store = RowStore(self.work / "rows")
+        self.files: dict[str, tuple[int, int, int]] = {}  # path -> attempt, first, last step
+        self.file_parts: dict[int, Partial] = {}  # attempt -> its files' partials, merged
+        self.metric_done: set[str] = set()
+        self.metrics = Partial()
+        self.replay: dict[int, list[Partial]] = {}  # step -> its comparisons
+        self.acc = Partial()  # the key buckets' partials, merged
+        self.seen = np.zeros(self.man.train, bool)  # train records with an exposure
+
+    # ---- a round -----------------------------------------------------------------------
+
+    def round(self) -> dict | None:
+        inputs = spool_inputs(self.spool, self.run_id, self._footers)
+        plan = make_plan(self.run_id, self.manifest, inputs,
+                         PlanOptions(memory_gb=self.memory_gb))
+        new = [f for f in plan.files if f.path not in self.files]
+        new_metrics = [f for f in plan.metric_files if str(f.path) not in self.metric_done]
+        old = self.plan
+        if old is not None and not new and not new_metrics and \
+                plan.left_out == old.left_out and plan.attempts == old.attempts:
+            return None
+        if old is None or plan.cutoffs != old.cutoffs or plan.first_step != old.first_step \
+                or plan.records != old.records:
+            self._full(plan)
+        else:
+            if not np.array_equal(plan.host_ids, old.host_ids):
+                pos = np.searchsorted(plan.host_ids, old.host_ids)
+                for p in (self.acc, *self.file_parts.values()):
+                    _rehost(p, pos, len(plan.host_ids))
+            if plan.loss_window != old.loss_window:
+                self._rebin(old.loss_window, plan.loss_window)
+            self._fold_files(plan, new)
+            if new_metrics:
+                self.metrics = self.metrics.merge(metric_partial(plan, new_metrics))
+                self.metric_done.update(str(f.path) for f in new_metrics)
+        self.plan = plan
+        self.rounds += 1
+        return self._report(plan)
+
+    def follow(self, every: float, stop: threading.Event | None = None,
+               rounds: int | None = None) -> None:
+        """Rounds every `every` seconds until `stop` is set (or `rounds` rounds were made)."""
+        stop = stop or threading.Event()
+        done = 0
+        while not stop.is_set() and (rounds is None or done < rounds):
+            t0 = time.monotonic()
+            try:
+                rep = self.round()
+            except TallyError as exc:  # no files yet, a manifest not there yet: next round
+                log.info("run %s: live reconcile waits: %s", self.run_id, exc)
+                rep = None
+            done += 1
+            if rep is not None:
+                log.info("run %s: live reconcile round %d: %s as of step %s in %.2f s",
+                         self.run_id, self.rounds, rep["verdict"],
+                         rep["consumption"]["last_step"], time.monotonic() - t0)
+            stop.wait(max(0.0, every - (time.monotonic() - t0)))
+
+    # ---- files --------------------------------------------------------------------------
+
+    def _read(self, plan: Plan, f) -> tuple[Rows | None, list[tuple[int, tuple]]]:
+        """One new file: its partial kept, its effective rows as the store keeps them (None:
+        unreadable), its replay rows."""
+        attempt = f.spool_file.attempt
+        try:
+            cols, rolled = effective_rows(f, plan)
+        except BadFile as exc:
+            self._add_part(attempt, Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
+            self.files[f.path] = (attempt, 0, -1)
+            return None, []
+        steps = cols["step"]
+        every = np.concatenate([steps, rolled["step"]])  # rolled-back steps are compared too
+        self.files[f.path] = (attempt, int(every.min()) if len(every) else 0,
+                              int(every.max()) if len(every) else -1)
+        if len(steps):
+            self._add_part(attempt, file_partial(plan, cols))
+        rows = {"key": cols["record_key"], "step": steps,
+                "host": cols["host"].astype(np.uint16), "start": cols["offset"] == 0,
+                **{k: cols[k].astype(COLUMNS[k], copy=False)
+                   for k in ("n_tokens", "content_hash", "epoch", "loss", "attempt")}}
+        return rows, list(replay_rows(plan, cols, rolled))
+
+    def _add_part(self, attempt: int, p: Partial) -> None:
+        self.file_parts[attempt] = self.file_parts.get(attempt, Partial()).merge(p)
+
+    def _fold_files(self, plan: Plan, files: list) -> None:
+        pending: list[Rows] = []
+        replay_steps: set[int] = set()
+        for f in files:
+            rows, replay = self._read(plan, f)
+            replay_steps.update(s for s, _ in replay)
+            if rows is not None:
+                pending.append(rows)
+            if sum(len(r["key"]) for r in pending) >= FOLD_ROWS:
+                self._fold(plan, concat(pending))
+                pending = []
+        if pending:
+            self._fold(plan, concat(pending))
+        if replay_steps:
+            self._compare(plan, replay_steps)
+
+    # ---- the per-record statistics ------------------------------------------------------
+
+    def _rows(self, rows: Rows, keys: np.ndarray, plan: Plan) -> dict[str, np.ndarray]:
+        """Stored rows as a bucket's columns for `compute`: effective ones, keys as positions
+        in `keys` (None: whole keys, the overflow)."""
+        kept = effective(rows["step"], rows["attempt"], plan.cutoffs)
+        c = {k: v[kept] for k, v in rows.items() if k != "attempt"}
+        if keys is not None:
+            c["key"] = np.searchsorted(keys, c["key"])
+        return c
+
+    def _compute(self, plan: Plan, man: dict | None, c: dict) -> tuple[Partial, Any]:
+        return bucket_stats.compute(man, c, plan.host_ids, plan.loss_window, plan.first_step)
+
+    def _fold(self, plan: Plan, new: Rows) -> None:
+        """Fold `new` rows (effective, not yet stored) into the totals."""
+        known = new["key"] < self.man.records
+        for part, whole in ((known, False), (~known, True)):
+            if not part.any():
+                continue
+            rows = {k: v[part] for k, v in new.items()}
+            keys = np.unique(rows["key"])
+            before = self.store.fetch(keys)
+            after = concat([before, rows])
+            man = None if whole else self.man.columns(keys)
+            at = None if whole else keys
+            old, _ = self._compute(plan, man, self._rows(before, at, plan))
+            now, records = self._compute(plan, man, self._rows(after, at, plan))
+            self._replace(old, now, keys)
+            if records is not None:
+                train = keys < self.man.train
+                self.seen[keys[train]] = records.column("exposures").to_numpy()[train] > 0
+        self.store.add(new)
+        self.acc.never_seen_examples = self._never_seen()
+
+    def _replace(self, old: Partial, now: Partial, keys: np.ndarray) -> None:
+        """The totals with `keys`' records' contribution `old` replaced by `now`."""
+        acc = self.acc
+        for f in dataclasses.fields(Partial):
+            name, merge = f.name, f.metadata["merge"]
+            a, o, n = getattr(acc, name), getattr(old, name), getattr(now, name)
+            if name in _EXAMPLE_FIELDS:
+                out = lowest_rows([e for e, t in zip(a, _in(keys, a), strict=True) if not t], n)
+            elif name == "most_repeated":
+                out = most_repeated([e for e, t in zip(a, _in(keys, a), strict=True) if not t],
+                                    n)
+            elif isinstance(n, MaxSpans):
+                out = a + n  # the highest rank per step: only grows while rows are added
+            elif merge is total and name in Partial.__dataclass_fields__ and \
+                    not isinstance(n, list):
+                out = total(a, total(n, _negated(o)))
+            else:
+                continue
+            setattr(acc, name, out)
+        acc.exposure_counts = _trimmed(acc.exposure_counts)
+        acc.records_by_epoch = _trimmed(acc.records_by_epoch)
+
+    def _never_seen(self) -> list[int]:
+        out: list[int] = []
+        for lo in range(0, len(self.seen), 1 << 20):
+            got = np.flatnonzero(~self.seen[lo:lo + (1 << 20)])[:EVIDENCE - len(out)]
+            out += (got + lo).tolist()
+            if len(out) >= EVIDENCE:
+                break
+        return out
+
+    def _rebin(self, was: int, now: int) -> None:
+        """Loss sums by window of `was` steps merged into windows of `now` (a multiple)."""
+        a = self.acc.loss_by_rank
+        if not len(a):
+            return
+        k = now // was
+        pad = -len(a) % k
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]))]) if pad else a
+        self.acc.loss_by_rank = _trimmed_windows(a.reshape(-1, k, *a.shape[1:]).sum(axis=1))
+
+    # ---- a full pass: a change that is not folded in --------------------------------------
+
+    def _full(self, plan: Plan) -> None:
+        """Everything again from the spool: the stored rows are read once more (a new attempt
+        rolls rows back, or the run's first step moved)."""
+        self.full_passes += 1
+        self._reset()
+        steps: set[int] = set()
+        pending: list[Rows] = []
+        for f in plan.files:
+            rows, replay = self._read(plan, f)
+            steps.update(s for s, _ in replay)
+            if rows is not None:
+                pending.append(rows)
+            if sum(len(r["key"]) for r in pending) >= FOLD_ROWS:
+                self.store.add(concat(pending))
+                pending = []
+        self.store.add(concat(pending))
+        parts = []
+        for lo in range(0, self.man.records, PASS_RECORDS):
+            hi = min(lo + PASS_RECORDS, self.man.records)
+            keys = np.arange(lo, hi, dtype=np.int64)
+            p, records = self._compute(plan, self.man.columns(keys),
+                                       self._rows(self.store.key_range(lo, hi), keys, plan))
+            t = min(hi, self.man.train)
+            if t > lo:
+                self.seen[lo:t] = records.column("exposures").to_numpy()[:t - lo] > 0
+            parts.append(p)
+        over = self.store.key_range(self.man.records, None)
+        if len(over["key"]):
+            parts.append(self._compute(plan, None, self._rows(over, None, plan))[0])
+        self.acc = merge_all(parts)
+        if plan.metric_files:
+            self.metrics = metric_partial(plan, plan.metric_files)
+        self.metric_done = {str(f.path) for f in plan.metric_files}
+        if steps:
+            self._compare(plan, steps)
+
+    # ---- replay comparisons --------------------------------------------------------------
+
+    def _compare(self, plan: Plan, steps: set[int]) -> None:
+        """The replay comparison of each of `steps` (rolled-back steps that files of this
+        round hold), made again from every file holding the step."""
+        host_counts = {a: int(info["host_count"]) for a, info in plan.attempts.items()}
+        by_step: dict[int, list[tuple]] = {s: [] for s in steps}
+        lo, hi = min(steps), max(steps)
+        for f in plan.files:
+            _, first, last = self.files.get(f.path, (0, 0, -1))
+            if last < lo or first > hi:
+                continue
+            try:
+                cols, rolled = effective_rows(f, plan)
+            except BadFile:
+                continue
+            for s, part in replay_rows(plan, cols, rolled):
+                if s in by_step:
+                    by_step[s].append(part)
+        compare = CompareReplay(host_counts)
+        for s, parts in by_step.items():
+            self.replay[s] = [p for _, p in compare.process((s, parts))]
+
+    # ---- the report ----------------------------------------------------------------------
+
+    def _report(self, plan: Plan) -> dict:
+        merged = merge_all([*self.file_parts.values(), self.acc, self.metrics,
+                            *(p for ps in self.replay.values() for p in ps)])
+        with_metric_facts(plan, merged)
+        joined = merged.unknown_segments + merged.hash_checked + merged.hash_unverifiable
+        if merged.segments != joined:
+            raise TallyError(f"the live reconcile lost rows: {merged.segments:,} effective "
+                             f"rows read, {joined:,} joined with the manifest")
+        report, tables = rp.build(plan, merged, ("spool", self.spool))
+        rp.write(report, tables, self.out, self.api_url)
+        return report
+
+
+def _trimmed_windows(a: np.ndarray) -> np.ndarray:
+    nz = np.flatnonzero(a.reshape(len(a), -1).any(axis=1))
+    return a[: nz[-1] + 1] if nz.size else a[:0]
