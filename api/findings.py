@@ -1,11 +1,12 @@
 """Live findings: the causes reconcile names, kept current while the run goes on.
 
-The service re-runs the reconcile job itself over the spool it ingests (`tally reconcile --spool`
-in a child process at low priority, one run at a time), for every run whose ledger version
-moved, at most every `every` seconds. So a live finding is, by construction, the finding
-`tally reconcile` gives for the same files: the same mechanism, the same numbers, as of the
-steps that job read. The cheap alerts (thresholds over the aggregates) stay instant; these
-follow within a few reconcile durations.
+The service runs one live reconcile per run over the spool it ingests (`tally reconcile --spool
+... --follow EVERY`, a child process at low priority: tally.audit.reconcile.follow), which
+folds in each round only the files published since the last and rewrites the run's report.
+So a live finding is, by construction, the finding `tally reconcile` gives for the same files:
+the same mechanism, the same numbers, as of the files that round read; a round costs what its
+new rows touch, not what the run consumed. The cheap alerts (thresholds over the aggregates)
+stay instant; these follow within a round or two.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 log = logging.getLogger("tally.api")
 
@@ -30,11 +31,11 @@ class LiveFindings:
         """`versions()` -> {run_id: ledger version} of the runs to keep current."""
         self.spool, self.manifest, self.work, self.every = spool, manifest, work, every
         self.versions = versions
-        self._done: dict[str, int] = {}  # run -> the version its findings are of
-        self._last: dict[str, float] = {}
+        self._children: dict[str, tuple[subprocess.Popen, IO[str]]] = {}
+        self._started: dict[str, float] = {}
+        self._rounds: dict[str, int] = {}  # run -> the last round logged
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-findings", daemon=True)
-        self._child: subprocess.Popen | None = None
         self.failures = 0
 
     def start(self) -> None:
@@ -43,10 +44,12 @@ class LiveFindings:
 
     def stop(self) -> None:
         self._stop.set()
-        child = self._child
-        if child is not None and child.poll() is None:
-            child.kill()
         self._thread.join(30)
+        for child, err in self._children.values():
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            err.close()
 
     def report(self, run_id: str) -> dict[str, Any] | None:
         """The newest live report of a run (None: none yet)."""
@@ -74,39 +77,62 @@ class LiveFindings:
                 log.exception("live findings round failed")
 
     def _round(self) -> None:
-        for run_id, version in self.versions().items():
+        for run_id in self.versions():
             if self._stop.is_set():
                 return
-            if self._done.get(run_id) == version or \
-                    time.monotonic() - self._last.get(run_id, -1e18) < self.every:
-                continue
-            self._last[run_id] = time.monotonic()
-            if self._reconcile(run_id):
-                self._done[run_id] = version
+            running = self._children.get(run_id)
+            if running is not None and running[0].poll() is not None:
+                self._failed(run_id, *running)
+                running = None
+            if running is None and \
+                    time.monotonic() - self._started.get(run_id, -1e18) >= self.every:
+                self._follow(run_id)
+            self._logged(run_id)
 
-    def _reconcile(self, run_id: str) -> bool:
+    def _follow(self, run_id: str) -> None:
         out = self.work / run_id
-        t0 = time.monotonic()
+        out.mkdir(parents=True, exist_ok=True)
+        self._started[run_id] = time.monotonic()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
-        self._child = subprocess.Popen(
+        # Its log to a file, not a pipe: a long-lived child would block on a full pipe.
+        err = open(out / "follow.log", "w")  # noqa: SIM115 (closed with the child)
+        child = subprocess.Popen(
             [sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool", str(self.spool),
-             "--manifest", self.manifest, "--run", run_id, "-o", str(out), "-q"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             "--manifest", self.manifest, "--run", run_id, "-o", str(out), "-q",
+             "--follow", str(self.every)],
+            env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
         with contextlib.suppress(OSError):  # below the service and the training beside it
-            os.setpriority(os.PRIO_PROCESS, self._child.pid, 10)
-        _, err = self._child.communicate()
-        if self._child.returncode not in (0, 1):
-            self.failures += 1
-            log.warning("live findings of run %s: reconcile failed: %s", run_id,
-                        err.strip().splitlines()[-1:] or "")
-            return False
-        took = time.monotonic() - t0
+            os.setpriority(os.PRIO_PROCESS, child.pid, 10)
+        self._children[run_id] = (child, err)
+
+    def _failed(self, run_id: str, child: subprocess.Popen, err: IO[str]) -> None:
+        """A live reconcile that exited: counted and said; started again after `every`."""
+        del self._children[run_id]
+        err.close()
+        self.failures += 1
+        try:
+            tail = (self.work / run_id / "follow.log").read_text().strip().splitlines()[-1:]
+        except OSError:
+            tail = []
+        log.warning("live findings of run %s: reconcile exited (%s): %s", run_id,
+                    child.returncode, tail or "")
+
+    def _logged(self, run_id: str) -> None:
+        """A line for each round the run's live reconcile finished since the last look."""
+        try:
+            st = json.loads((self.work / run_id / "follow.json").read_text())
+        except (OSError, ValueError):
+            return
+        if st["round"] == self._rounds.get(run_id):
+            return
+        self._rounds[run_id] = st["round"]
         rep = self.summary(run_id)
         log.info("run %s: live reconcile finished: %s as of step %s (%s) in %.1f s", run_id,
                  rep["verdict"], rep["as_of_step"],
-                 ", ".join(f["code"] for f in rep["findings"]) or "no findings", took,
+                 ", ".join(f["code"] for f in rep["findings"]) or "no findings",
+                 st["seconds"],
                  extra={"run": run_id, "event": "live_reconcile", "verdict": rep["verdict"],
-                        "as_of_step": rep["as_of_step"], "seconds": round(took, 3),
+                        "as_of_step": rep["as_of_step"], "seconds": st["seconds"],
+                        "round": st["round"], "full_passes": st["full_passes"],
                         "findings": [f["code"] for f in rep["findings"]]})
-        return True

@@ -146,3 +146,47 @@ def test_rounds_agree_with_the_job(tmp_path):
     rep = _round(f, tmp_path, m, k)
     assert rep["verdict"] == "FAIL" and rep["findings"]
     assert f.round() is None  # nothing new: nothing done
+
+
+def test_follow_command_keeps_the_report_current(tmp_path):
+    """`tally reconcile --follow` as a user runs it: a report once the run publishes, a new
+    round for each file published later, one line a round; a wrong combination is one line."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.manifest import uniform_manifest
+
+    m = uniform_manifest(tmp_path / "m.parquet", 100)
+    spool = tmp_path / "spool"
+    with LedgerWriter(spool, "r", host=0, flush_every=10**6, fsync=False) as w:
+        w.write_segments(0, Segments.build(row=np.arange(4), record_key=np.arange(4),
+                                           n_tokens=np.full(4, 10),
+                                           content_hash=np.arange(4, dtype=np.uint64)))
+        w.flush()
+        out = tmp_path / "live"
+        proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "reconcile",
+                                 "--spool", spool, "--manifest", m, "--run", "r", "-o", out,
+                                 "--follow", "0.2", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            first = json.loads(proc.stdout.readline())
+            assert first["round"] == 1 and first["as_of_step"] == 0
+            assert json.loads((out / "report.json").read_text())["coverage"]["seen"] == 4
+            w.write_segments(1, Segments.build(row=np.arange(4), record_key=np.arange(4),
+                                               n_tokens=np.full(4, 10),
+                                               content_hash=np.arange(4, dtype=np.uint64)))
+            w.flush()
+            second = json.loads(proc.stdout.readline())
+            assert second["round"] == 2 and second["as_of_step"] == 1
+            assert json.loads((out / "report.json").read_text())["coverage"]["exposures"] == 8
+            status = json.loads((out / "follow.json").read_text())
+            assert status["round"] == 2 and status["full_passes"] == 1 and status["rows"] == 8
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    bad = subprocess.run([sys.executable, "-m", "tally.audit.cli", "reconcile", "--ledger",
+                          tmp_path / "l.duckdb", "--manifest", m, "--run", "r", "-o",
+                          tmp_path / "x", "--follow", "5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "tally: error: --follow reads a spool as it grows: give --spool, without --at-step"]

@@ -106,14 +106,6 @@ def _old_spool(root: Path, files: int) -> Path:
     return spool
 
 
-def _children(pid: int) -> set[int]:
-    """The processes `pid` started that still run (Linux: /proc's children list)."""
-    try:
-        return {int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
-    except OSError:
-        return set()
-
-
 @pytest.mark.slow
 def test_serve_logs_alerts_reconciles_quarantine_access_in_json_and_no_lag_alarm_on_an_old_spool(
         tmp_path):
@@ -166,11 +158,9 @@ def test_serve_logs_alerts_reconciles_quarantine_access_in_json_and_no_lag_alarm
                     timeout=30)
         assert poll(lambda: httpx.get(f"{url}/v1/runs/r").json()["findings"]["verdict"],
                     timeout=90)
-        # The verdict is served once the reconcile child wrote its report; the service logs
-        # `live_reconcile` after that child exits, which on a loaded box can take seconds.
-        running = _children(proc.pid)
-        assert poll(lambda: not running & _children(proc.pid), timeout=60)
-        time.sleep(0.5)
+        # The verdict is served once the live reconcile wrote its report; the service logs
+        # `live_reconcile` when it next looks (every second).
+        time.sleep(2.5)
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=60)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from pathlib import Path
 
 from tally.audit.commands.common import print_json, progress
@@ -18,9 +20,43 @@ from tally.audit.commands.options import (
 )
 
 
+def _cmd_follow(args: argparse.Namespace) -> int:
+    """The report kept current as the spool grows, round by round, until interrupted."""
+    from tally.audit.core.errors import TallyError
+    from tally.audit.reconcile.follow import Follower
+
+    if args.spool is None or args.at_step is not None:
+        raise TallyError("--follow reads a spool as it grows: give --spool, without --at-step")
+    if not Path(args.spool).is_dir():
+        raise TallyError(f"spool {args.spool} is not a directory")
+    if not Path(args.manifest).exists():
+        raise TallyError(f"no manifest at {args.manifest}")
+    follower = Follower(Path(args.spool), args.manifest, args.run, Path(args.output),
+                        memory_gb=args.memory_gb, api_url=args.api_url)
+    while True:
+        t0 = time.monotonic()
+        try:
+            report = follower.round()
+        except TallyError as exc:  # no segment file yet: the run has not published one
+            report = None
+            if follower.rounds == 0 and not args.quiet:
+                print(f"waiting: {exc}", flush=True)
+        if report is not None and not args.quiet:
+            line = {k: report.get(k) for k in ("run_id", "verdict", "first_bad_step")} | {
+                "as_of_step": report["consumption"]["last_step"], "round": follower.rounds,
+                "findings": [f["code"] for f in report["findings"]]}
+            print(json.dumps(line) if args.json else
+                  f"round {line['round']}: {line['verdict']} as of step {line['as_of_step']}"
+                  f" ({', '.join(line['findings']) or 'no findings'})", flush=True)
+        time.sleep(max(0.0, args.follow - (time.monotonic() - t0)))
+
+
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     from tally.audit.reconcile import reconcile
     from tally.audit.reconcile.report import summary
+
+    if args.follow is not None:
+        return _cmd_follow(args)
 
     report = reconcile(run_id=args.run, manifest=args.manifest, out=args.output,
                        spool=args.spool, ledger=args.ledger, at_step=args.at_step,
@@ -47,6 +83,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("-o", "--output", required=True, type=output_dir, help="report directory")
     s.add_argument("--at-step", type=non_negative_int, help="audit as of this step")
     s.add_argument("--strict", action="store_true", help="exit 1 when the verdict is FAIL")
+    s.add_argument("--follow", type=positive_float, metavar="SECONDS",
+                   help="keep the report current as the spool grows: a round every SECONDS "
+                        "folds in only the files published since (the live service's "
+                        "findings), until interrupted; --spool only, no records/ table")
     s.add_argument("--memory-gb", type=positive_float, default=3.0,
                    help="memory budget: sizes the record-key buckets so that the buckets "
                         "in memory at once stay within it (default 3)")
@@ -58,5 +98,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     runner_args(s)
     examples(s, "tally reconcile --spool spool --manifest manifest.parquet --run exp1 -o report",
              "tally reconcile --ledger ledger.duckdb --manifest manifest.parquet --run exp1 -o "
-             "report --at-step 20 --strict -q --json")
+             "report --at-step 20 --strict -q --json",
+             "tally reconcile --spool spool --manifest manifest.parquet --run exp1 -o live "
+             "--follow 30")
     s.set_defaults(func=_cmd_reconcile)

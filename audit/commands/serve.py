@@ -136,10 +136,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "recorded in its spool files)")
     s.add_argument("--preflight-seconds", type=positive_float, default=120.0,
                    help="time box of one pre-flight request (default 120)")
-    s.add_argument("--findings-every", type=non_negative_float, default=120.0,
-                   help="re-run the reconcile job over the spool for each run that changed, at "
-                        "most this often (seconds; needs --spool and --manifest; 0: never), so "
-                        "that the summary names causes live (default 120)")
+    s.add_argument("--findings-every", type=non_negative_float, default=10.0,
+                   help="a live reconcile of each run folds in the spool's new files this "
+                        "often (seconds; needs --spool and --manifest; 0: never), so that the "
+                        "summary names causes live (default 10)")
     s.add_argument("--metrics-hosts", type=non_negative_int, metavar="N",
                    help="per-host series in /metrics for the N hosts of each run with the most "
                         "repeats only (0: none; default: every host), for runs of thousands "

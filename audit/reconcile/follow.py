@@ -32,9 +32,9 @@ loss sums, added and subtracted in another order, agree to floating-point roundi
 from __future__ import annotations
 
 import dataclasses
-import logging
+import json
+import os
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,8 +62,6 @@ from tally.audit.reconcile import report as rp
 from tally.audit.reconcile.job import CompareReplay, metric_partial, with_metric_facts
 from tally.audit.reconcile.row_store import COLUMNS, Rows, RowStore, concat
 from tally.pipeline.manifest_file import ROW_GROUP_RECORDS, check_key_order, manifest_info
-
-log = logging.getLogger("tally.reconcile")
 
 # New rows folded in at a time, and records a full pass computes at a time: the rows of a
 # fold's records (before and after) and their manifest columns stay within a few hundred MB.
@@ -158,7 +156,8 @@ def _rehost(p: Partial, pos: np.ndarray, n: int) -> None:
 
 class Follower:
     """One run's live reconcile (the module's doc). `round()` brings the report in `out` up to
-    date with the spool and returns it (None when the spool has nothing new)."""
+    date with the spool and returns it (None when the spool has nothing new); `out/follow.json`
+    says what the last round did (its number, seconds, full passes so far, rows stored)."""
 
     def __init__(self, spool: Path, manifest: str | Path, run_id: str, out: Path,
                  memory_gb: float = 3.0, api_url: str | None = None) -> None:
@@ -187,6 +186,7 @@ class Follower:
     # ---- a round -----------------------------------------------------------------------
 
     def round(self) -> dict | None:
+        t0 = time.monotonic()
         inputs = spool_inputs(self.spool, self.run_id, self._footers)
         plan = make_plan(self.run_id, self.manifest, inputs,
                          PlanOptions(memory_gb=self.memory_gb))
@@ -212,26 +212,15 @@ class Follower:
                 self.metric_done.update(str(f.path) for f in new_metrics)
         self.plan = plan
         self.rounds += 1
-        return self._report(plan)
-
-    def follow(self, every: float, stop: threading.Event | None = None,
-               rounds: int | None = None) -> None:
-        """Rounds every `every` seconds until `stop` is set (or `rounds` rounds were made)."""
-        stop = stop or threading.Event()
-        done = 0
-        while not stop.is_set() and (rounds is None or done < rounds):
-            t0 = time.monotonic()
-            try:
-                rep = self.round()
-            except TallyError as exc:  # no files yet, a manifest not there yet: next round
-                log.info("run %s: live reconcile waits: %s", self.run_id, exc)
-                rep = None
-            done += 1
-            if rep is not None:
-                log.info("run %s: live reconcile round %d: %s as of step %s in %.2f s",
-                         self.run_id, self.rounds, rep["verdict"],
-                         rep["consumption"]["last_step"], time.monotonic() - t0)
-            stop.wait(max(0.0, every - (time.monotonic() - t0)))
+        report = self._report(plan)
+        status = {"round": self.rounds, "seconds": round(time.monotonic() - t0, 3),
+                  "full_passes": self.full_passes, "rows": self.store.rows,
+                  "files": len(self.files), "as_of_step": report["consumption"]["last_step"],
+                  "verdict": report["verdict"]}
+        tmp = self.out / ".follow.json.tmp"
+        tmp.write_text(json.dumps(status))
+        os.replace(tmp, self.out / "follow.json")  # what a round did, for `tally serve`'s log
+        return report
 
     # ---- files --------------------------------------------------------------------------
 

@@ -304,7 +304,10 @@ def write(report: dict, tables: dict[str, pa.Table], out: Path,
     """report.json, report.html (its evidence links opening `api_url`'s API, or its own
     tables) and the small tables (records/ is written by the job)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=json_default))
+    # By rename: a live service reads the report of a live reconcile while the next is written.
+    tmp = out / ".report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=json_default))
+    tmp.replace(out / "report.json")
     for name, t in tables.items():
         pq.write_table(t, out / f"{name}.parquet")
     (out / "report.html").write_text(render_html(report, tables["steps"], api_url))
