@@ -190,3 +190,35 @@ def test_follow_command_keeps_the_report_current(tmp_path):
                           tmp_path / "x", "--follow", "5"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "tally: error: --follow reads a spool as it grows: give --spool, without --at-step"]
+
+
+@pytest.mark.slow
+def test_a_long_run_on_many_hosts_agrees(tmp_path):
+    """Beyond 16 hosts (the host overlap by pairs) and beyond 256 steps (the loss windows
+    double as the run grows: the follower merges pairs of them), rounds still agree."""
+    m = keyed_manifest(tmp_path / "m.parquet", TRAIN, domains=("code", "web"))
+    spool = tmp_path / "spool"
+    rng = np.random.default_rng(5)
+    hosts = 20
+    writers = [LedgerWriter(spool, "r", host=h, host_count=hosts, flush_every=10**6,
+                            fsync=False) for h in range(hosts)]
+    f = Follower(spool, m, "r", tmp_path / "live")
+    windows = set()
+    try:
+        for k, (lo, hi) in enumerate([(0, 150), (150, 330), (330, 600)]):
+            for step in range(lo, hi):
+                for w in writers:
+                    keys = rng.integers(0, TRAIN, 2)
+                    w.write_segments(step, Segments.build(
+                        row=np.arange(2), record_key=keys, n_tokens=np.full(2, 10),
+                        content_hash=keys.astype(np.uint64), epoch=np.zeros(2, np.int32),
+                        loss=rng.random(2).astype(np.float32)))
+            for w in writers:
+                w.flush()
+            rep = _round(f, tmp_path, m, k)
+            windows.add(rep["loss"]["window_steps"])
+    finally:
+        for w in writers:
+            w.close()
+    assert windows == {1, 2, 4} and f.full_passes == 1
+    assert len(rep["hosts"]["per_host"]) == hosts

@@ -1,0 +1,109 @@
+"""The live reconcile's round against the full reconcile job it replaces (issue 35, point 2).
+
+Builds a manifest of `--records` records and a run's spool of `--rows` rows (8 hosts,
+100,000-row files, keys uniform random over the records: every round touches records all
+over the key space, the shape that defeats caching per key bucket), starts a live reconcile
+(tally.audit.reconcile.follow) over it (its first round is the full pass), then `--rounds`
+times publishes one more step of every host (800k rows) and times the round that folds it in.
+The reference, measured in the same run over the same final spool: `tally reconcile --spool`
+(multi_processing, 2 workers), what the live service re-ran every round before. The final
+reports are asserted to agree. Prints the ratio job / mean round.
+
+    python -m bench.follow_rate [--rows 10000000] [--records 2000000] [--rounds 5]
+        [--dir bench/out/follow] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from bench.reconcile_rate import make_manifest
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter
+from tally.audit.reconcile.follow import Follower
+from tally.audit.reconcile.job import reconcile
+from tally.pipeline.runners import RunnerSpec
+
+HOSTS, PER_FILE = 8, 100_000
+
+
+def write_steps(spool: Path, steps: range, manifest: tuple[np.ndarray, np.ndarray],
+                seed: int) -> None:
+    hashes, lengths = manifest
+    rng = np.random.default_rng(seed)
+    for h in range(HOSTS):
+        with LedgerWriter(spool, "bench", host=h, host_count=HOSTS, flush_every=1,
+                          fsync=False) as w:
+            for step in steps:
+                keys = rng.integers(0, len(hashes), PER_FILE)
+                w.write_segments(step, Segments.build(
+                    row=np.arange(PER_FILE) % 1024, record_key=keys,
+                    n_tokens=lengths[keys], content_hash=hashes[keys],
+                    epoch=np.zeros(PER_FILE)))
+
+
+def _cpu() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--records", type=int, default=2_000_000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", type=Path, default=Path("bench/out/follow"))
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args(argv)
+    root = args.dir
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    try:
+        man = make_manifest(root / "m.parquet", args.records)
+        spool = root / "spool"
+        first = args.rows // (HOSTS * PER_FILE)
+        write_steps(spool, range(first), man, 1)
+        f = Follower(spool, root / "m.parquet", "bench", root / "live")
+        t0 = time.monotonic()
+        f.round()
+        full_pass = time.monotonic() - t0
+        print(f"backlog: {first * HOSTS * PER_FILE:,} rows over {args.records:,} records; "
+              f"the first round (a full pass) {full_pass:.1f} s")
+        rounds = []
+        for r in range(args.rounds):
+            write_steps(spool, range(first + r, first + r + 1), man, 100 + r)
+            t0, c0 = time.monotonic(), _cpu()
+            rep = f.round()
+            took, cpu = time.monotonic() - t0, _cpu() - c0
+            rounds.append((took, cpu))
+            print(f"round {r + 1}: {HOSTS * PER_FILE:,} new rows over "
+                  f"{f.store.rows:,} kept: {took:.2f} s, {cpu:.2f} CPU s "
+                  f"({HOSTS * PER_FILE / took / 1e6:.2f} M new rows/s)")
+        assert f.full_passes == 1, f.full_passes
+        t0 = time.monotonic()
+        job = reconcile(run_id="bench", manifest=root / "m.parquet", out=root / "job",
+                        spool=spool, runner=RunnerSpec(mode="multi_processing"))
+        job_s = time.monotonic() - t0
+        for k in ("coverage", "verdict", "integrity"):
+            assert rep[k] == job[k], (k, rep[k], job[k])
+        assert [x["code"] for x in rep["findings"]] == [x["code"] for x in job["findings"]]
+        mean = sum(t for t, _ in rounds) / len(rounds)
+        print(f"reference: the reconcile job over the same {f.store.rows:,} rows "
+              f"(multi_processing, 2 workers): {job_s:.1f} s")
+        print(f"ratio job / mean round: {job_s / mean:.1f}x (mean round {mean:.2f} s; "
+              f"reports agree)")
+        return {"full_pass_s": full_pass, "rounds": rounds, "job_s": job_s,
+                "ratio": job_s / mean}
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
