@@ -34,6 +34,7 @@ class LiveFindings:
         self._children: dict[str, tuple[subprocess.Popen, IO[str]]] = {}
         self._started: dict[str, float] = {}
         self._rounds: dict[str, int] = {}  # run -> the last round logged
+        self._exits: dict[str, int] = {}  # run -> its live reconcile's exits since a round
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-findings", daemon=True)
         self.failures = 0
@@ -84,8 +85,10 @@ class LiveFindings:
             if running is not None and running[0].poll() is not None:
                 self._failed(run_id, *running)
                 running = None
-            if running is None and \
-                    time.monotonic() - self._started.get(run_id, -1e18) >= self.every:
+            # Started again after `every`, doubling with each exit in a row (up to 64x): a
+            # live reconcile that keeps failing does not make a full pass every round.
+            wait = self.every * 2 ** min(self._exits.get(run_id, 0), 6)
+            if running is None and time.monotonic() - self._started.get(run_id, -1e18) >= wait:
                 self._follow(run_id)
             self._logged(run_id)
 
@@ -93,8 +96,11 @@ class LiveFindings:
         out = self.work / run_id
         out.mkdir(parents=True, exist_ok=True)
         self._started[run_id] = time.monotonic()
+        # Not supervised (the command itself runs here, so that killing it kills it), and
+        # told this process' id, so that it ends when the service goes, even killed.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+            [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+            "TALLY_SUPERVISED": "1", "TALLY_FOLLOW_PARENT": str(os.getpid())}
         # Its log to a file, not a pipe: a long-lived child would block on a full pipe.
         err = open(out / "follow.log", "w")  # noqa: SIM115 (closed with the child)
         child = subprocess.Popen(
@@ -111,6 +117,7 @@ class LiveFindings:
         del self._children[run_id]
         err.close()
         self.failures += 1
+        self._exits[run_id] = self._exits.get(run_id, 0) + 1
         try:
             tail = (self.work / run_id / "follow.log").read_text().strip().splitlines()[-1:]
         except OSError:
@@ -127,6 +134,7 @@ class LiveFindings:
         if st["round"] == self._rounds.get(run_id):
             return
         self._rounds[run_id] = st["round"]
+        self._exits.pop(run_id, None)
         rep = self.summary(run_id)
         log.info("run %s: live reconcile finished: %s as of step %s (%s) in %.1f s", run_id,
                  rep["verdict"], rep["as_of_step"],

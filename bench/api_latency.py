@@ -18,6 +18,7 @@ concurrent, and each aggregate-backed endpoint's p50 against its reference.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -85,6 +86,8 @@ def write(spool: Path, loader: Loader, steps: range, flush_every: int,
                     count["rows"] = rows
                 if step % 10 == 0:
                     w.log_metric(step, "train_loss", 3.0 + 1.0 / (1 + step))
+            if count is not None:  # when each step was handed over (a finding's age)
+                count.setdefault("step_at", {})[step] = time.time()
             if pace_rows_per_s:
                 ahead = rows / pace_rows_per_s - (time.perf_counter() - t0)
                 if ahead > 0:
@@ -126,10 +129,12 @@ _SERVE = """
 import sys, uvicorn
 from tally.api.app import create_app
 from tally.audit.ledger.database import Ledger
-ledger, spool, port, records, mem = sys.argv[1:6]
+ledger, spool, port, records, mem, manifest, every = sys.argv[1:8]
 with Ledger(ledger) as led:
     led.con.execute(f"SET memory_limit = '{mem}'")
-    app = create_app(led, spool=spool, records=int(records), interval=0.5)
+    app = create_app(led, spool=spool, records=int(records), interval=0.5,
+                     **({"manifest": manifest, "findings_every": float(every)} if manifest
+                        else {}))
     print("ready", flush=True)
     uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning")
 """
@@ -209,18 +214,24 @@ def main(argv: list[str] | None = None) -> dict:
 
 def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dict[str, float],
                    *, records: int, requests: int, clients: int, live_rows_per_s: float,
-                   live_flush_every: int, memory_limit: str, min_seconds: float = 0.0) -> dict:
+                   live_flush_every: int, memory_limit: str, min_seconds: float = 0.0,
+                   manifest: Path | None = None, findings_every: float = 10.0) -> dict:
     """Start the service on the ledger at `path` in its own process, keep writing spool files
     from step `steps` on (about `live_rows_per_s` rows a second), time `requests` requests per
     endpoint sequentially, then from `clients` processes at once; print p50 and p99 per
     endpoint against the references (`ref`: seconds per scan, from `references`). The clients
     go on for `min_seconds` at least; the writer's and the service's ingest rates are timed
-    over their window (the service's from its /healthz row count)."""
+    over their window (the service's from its /healthz row count). With a `manifest`, the
+    service keeps live findings (a live reconcile every `findings_every` seconds): the window
+    opens once they are as of a step the writer wrote, and the findings' age is sampled each
+    second through it (now minus when the step they are as of was handed to the writers),
+    with the live reconcile's rounds and CPU seconds."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     t0 = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-c", _SERVE, str(path), str(spool), str(port),
-                               str(records), memory_limit], env=env,
+                               str(records), memory_limit, str(manifest or ""),
+                               str(findings_every)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     said: list[str] = []  # read as it comes: a full pipe would block the server's next line
     reader = threading.Thread(target=lambda: said.extend(server.stdout), daemon=True)
@@ -281,6 +292,11 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
             lat[name] = np.array(times) * 1e3
         together: dict[str, np.ndarray] = {}
         window: dict[str, float] = {}
+        ages = FindingsAge(client, server.pid, Path(f"{path}.findings") / RUN, live, steps) \
+            if manifest is not None else None
+        if ages is not None:
+            ages.wait_live(timeout=3600)
+            ages.start()
         if clients > 1:
             # The same requests from `--clients` processes at once, each walking the endpoints
             # in its own order, while the writer goes on.
@@ -302,6 +318,7 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
         health = client.get("/healthz").json()
         summary = client.get(f"/v1/runs/{RUN}").json()
         rss_bytes = _peak_rss_bytes(server.pid)
+        findings = ages.stop() if ages is not None else None
     finally:
         stop.set()
         server.terminate()
@@ -319,6 +336,12 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
         print(f"beside {clients} clients, over {window['seconds']:.1f} s: the writer published "
               f"{window['written_rows_per_s']:,.0f} rows/s, the service ingested "
               f"{window['ingested_rows_per_s']:,.0f} rows/s")
+    if findings:
+        print(f"live findings: age p50 {findings['age_p50_s']:.1f} s, max "
+              f"{findings['age_max_s']:.1f} s over {findings['samples']} samples; "
+              f"{findings['rounds']} rounds of the live reconcile, "
+              f"{findings['round_s_mean']:.2f} s (max {findings['round_s_max']:.2f}) and "
+              f"{findings['cpu_per_round_s']:.2f} CPU s a round")
     conc = f" {clients} clients p50 / p99 ms" if together else ""
     print(f"{'endpoint':24s} {'p50 ms':>8s} {'p99 ms':>8s} {conc:>30s}  reference / p50")
     ratios = {}
@@ -349,8 +372,88 @@ def serve_and_time(path: Path, spool: Path, loader: Loader, steps: int, ref: dic
             "p99_concurrent": {k: float(np.percentile(v, 99)) for k, v in together.items()},
             "ratios": ratios, "live_rows": live["rows"], "ingested_live": health["ingest"]["rows"],
             "lag_s": health["ingest"]["lag_seconds"], "server_start_s": start_s,
-            "window": window,
+            "window": window, "findings": findings,
             "peak_rss_bytes": rss_bytes}
+
+
+class FindingsAge:
+    """Samples, once a second, how old the service's live findings are: now minus the time the
+    step they are as of was handed to the writers (`live["step_at"]`), and the live
+    reconcile's rounds (its follow.json) and CPU seconds (its process, a child of the
+    service's)."""
+
+    def __init__(self, client: httpx.Client, server_pid: int, work: Path, live: dict,
+                 first_live_step: int) -> None:
+        self.client, self.pid, self.work, self.live = client, server_pid, work, live
+        self.first = first_live_step
+        self.ages: list[float] = []
+        self.round_s: dict[int, float] = {}  # round -> its seconds, of the rounds sampled
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _as_of(self) -> int | None:
+        got = self.client.get(f"/v1/runs/{RUN}").json().get("findings") or {}
+        return got.get("as_of_step")
+
+    def wait_live(self, timeout: float) -> None:
+        """Until the findings are as of a step the live writer wrote (the backlog's full pass
+        done and a round over the new files)."""
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            at = self._as_of()
+            if at is not None and at >= self.first:
+                print(f"live findings as of a written step after {time.time() - t0:.0f} s")
+                return
+            time.sleep(1.0)
+        raise RuntimeError("the live findings never caught up with the writer")
+
+    def _follower(self):
+        import psutil
+
+        for p in psutil.Process(self.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "--follow" in p.cmdline():
+                    return p
+        return None
+
+    def _status(self) -> dict:
+        try:
+            return json.loads((self.work / "follow.json").read_text())
+        except (OSError, ValueError):
+            return {"round": 0}
+
+    def _cpu(self) -> float:
+        p = self._follower()
+        if p is None:
+            return 0.0
+        t = p.cpu_times()
+        return t.user + t.system
+
+    def start(self) -> None:
+        self.round0, self.cpu0, self.t0 = self._status()["round"], self._cpu(), time.time()
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            at = self._as_of()
+            when = self.live.get("step_at", {}).get(at)
+            if when is not None:
+                self.ages.append(time.time() - when)
+            st = self._status()
+            if st["round"] > self.round0:
+                self.round_s[st["round"]] = st["seconds"]
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._t.join()
+        rounds = self._status()["round"] - self.round0
+        span = time.time() - self.t0
+        a = np.array(self.ages or [float("nan")])
+        return {"age_p50_s": float(np.percentile(a, 50)), "age_max_s": float(a.max()),
+                "samples": len(self.ages), "rounds": rounds, "seconds": span,
+                "round_s_mean": float(np.mean(list(self.round_s.values()) or [np.nan])),
+                "round_s_max": float(max(self.round_s.values(), default=np.nan)),
+                "cpu_per_round_s": (self._cpu() - self.cpu0) / max(rounds, 1)}
 
 
 def _client(base: str, endpoints: dict[str, str], requests: int, record: str,

@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=200, help="per endpoint (and client)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--live-rows-per-s", type=float, default=100_000)
+    ap.add_argument("--findings-every", type=float, default=10.0,
+                    help="the service's live findings: a live reconcile round this often "
+                         "(0: none); their age is measured beside the clients")
     ap.add_argument("--clients-seconds", type=float, default=60.0,
                     help="the clients go on at least this long (the window the live ingest "
                          "beside them is timed over)")
@@ -294,7 +297,7 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
     if "restart" in args.stages:
         _restart(args, out, st, res, ledger)
     if "serve" in args.stages:
-        _serve(args, st, res, loader, spool, ledger, steps, state_bytes)
+        _serve(args, st, res, loader, spool, ledger, steps, state_bytes, manifest)
     if "lookup" in args.stages:
         _lookups(args, st, res, ledger)
     if "reconcile" in args.stages:
@@ -414,7 +417,7 @@ def _restart(args, out: Path, st: Stages, res: dict, ledger: Path) -> None:
 
 
 def _serve(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledger: Path,
-           steps: int, state_bytes: int) -> None:
+           steps: int, state_bytes: int, manifest: Path) -> None:
     # 5. Endpoints while a writer goes on, against one SQL scan per answer.
     with Ledger(ledger) as led:
         ref = api_latency.references(led, 1)
@@ -422,8 +425,16 @@ def _serve(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledge
         ledger, spool, loader, steps, ref, records=args.records, requests=args.requests,
         clients=args.clients, live_rows_per_s=args.live_rows_per_s,
         live_flush_every=args.live_flush_every, memory_limit=args.memory_limit,
-        min_seconds=args.clients_seconds)
+        min_seconds=args.clients_seconds,
+        manifest=manifest if args.findings_every else None, findings_every=args.findings_every)
     res["live"] = live
+    f = live["findings"]
+    if f:
+        st.add("live findings beside the writer and the clients",
+               f"age p50 {f['age_p50_s']:.1f} s, max {f['age_max_s']:.1f} s; "
+               f"{f['rounds']} rounds over {f['seconds']:.0f} s, {f['round_s_mean']:.2f} s "
+               f"(max {f['round_s_max']:.2f}) and {f['cpu_per_round_s']:.2f} CPU s a round",
+               f"a round every {args.findings_every:g} s")
     scan = {"summary": "coverage", "coverage": "coverage", "steps_full_range": "steps",
             "hosts": "hosts"}
     for name in live["p99"]:

@@ -148,7 +148,7 @@ def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path
     common = ["--records", "3000", "--rows", "30000", "--hosts", "4", "--batch", "4",
               "--flush-every", "10", "--corpus-records", "300", "--requests", "2", "--clients",
               "2", "--lookups", "3", "--live-rows-per-s", "3000", "--live-flush-every", "5",
-              "--clients-seconds", "3", "--dir", str(tmp_path / "s")]
+              "--clients-seconds", "3", "--findings-every", "1", "--dir", str(tmp_path / "s")]
     res = seed_scale.main([*common, "--keep"])
     assert res["rows"] >= 30000 and res["epochs"] > 1  # several epochs of packed documents
     assert res["state_bytes_per_record"] > 0 and res["reconcile_rate"] > 0
@@ -163,6 +163,9 @@ def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path
     assert window["seconds"] >= 3 and window["written_rows_per_s"] > 0
     assert window["ingested_rows_per_s"] > 0
     assert res["lookup_key_p99"] > 0 and res["lookup_hash_p99"] > 0
+    # The live findings followed the writer: sampled through the window, a round or more.
+    found = res["live"]["findings"]
+    assert found["samples"] >= 2 and found["rounds"] >= 1 and 0 < found["age_max_s"] < 60
     assert (tmp_path / "s" / "ledger.duckdb").exists()  # kept
     # The first run's live writer publishes its last files after the service stopped: the
     # rerun ingests them before it places the loader (else its writer repeats their steps).

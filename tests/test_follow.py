@@ -3,7 +3,8 @@ each of many rounds of a run that publishes its files as it goes (hosts a round 
 that joins later, within-epoch repeats, hash mismatches, unknown and held-out keys, cut
 records, losses, a resume that rolls steps back on another host count, metric files, a
 finish), the follower's report gives the job's findings, verdict and numbers over the same
-files; and a round folds in only what it touched (no full pass but for the resume)."""
+files; and a round folds in only what it touched, the resume's rollback included (no full
+pass but the first)."""
 
 from __future__ import annotations
 
@@ -105,7 +106,13 @@ def _round(follower: Follower, tmp: Path, manifest: Path, k: int) -> dict:
 
 
 @pytest.mark.slow
-def test_rounds_agree_with_the_job(tmp_path):
+@pytest.mark.parametrize("deep", [256, 21])
+def test_rounds_agree_with_the_job(tmp_path, monkeypatch, deep):
+    """`deep` 21: the follower's evidence lists barely longer than the report's, so that the
+    resume's rollback takes out entries only a full pass can replace (it makes one)."""
+    from tally.audit.reconcile import follow
+
+    monkeypatch.setattr(follow, "DEEP", deep)
     m = keyed_manifest(tmp_path / "m.parquet", TRAIN, HELDOUT, domains=("code", "web", "web"),
                        sources=("s1", "s2"))
     spool = tmp_path / "spool"
@@ -139,7 +146,10 @@ def test_rounds_agree_with_the_job(tmp_path):
         run.publish([0, 1, 2] if rnd != 1 else [0, 2])
         rep = _round(f, tmp_path, m, k)
         k += 1
-    assert f.full_passes == passes + 1  # the resume's round only
+    if deep == 21:
+        assert f.full_passes == passes + 1  # the rollback emptied a list: one full pass
+    else:
+        assert f.full_passes == passes  # the resume's rollback folded out too
     for w in run.writers.values():
         w.finish()
         w.close()
@@ -222,3 +232,47 @@ def test_a_long_run_on_many_hosts_agrees(tmp_path):
             w.close()
     assert windows == {1, 2, 4} and f.full_passes == 1
     assert len(rep["hosts"]["per_host"]) == hosts
+
+
+def test_a_killed_service_takes_its_live_reconcile_with_it(tmp_path):
+    """`tally serve` runs a live reconcile child per run; kill -9 the service and the child
+    ends too (it would otherwise fold in a spool nobody reads, for ever)."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import psutil
+
+    from tests.support.api import free_port, poll, write_steps
+    from tests.support.cli import BARE_ENV
+    from tests.support.manifest import uniform_manifest
+
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(6), n=100, seed=1, flush_every=2)
+    m = uniform_manifest(tmp_path / "m.parquet", 100)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tally.audit.cli", "serve", "--ledger", tmp_path / "l.duckdb",
+         "--spool", spool, "--manifest", m, "--port", str(port), "--findings-every", "0.5",
+         "--interval", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=BARE_ENV, cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/runs/r"
+
+        def verdict():
+            try:
+                return (httpx.get(url, timeout=5).json().get("findings") or {}).get("verdict")
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        assert poll(verdict, timeout=90)
+        service = psutil.Process(proc.pid)
+        (child,) = [p for p in service.children(recursive=True) if "--follow" in p.cmdline()]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert poll(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
+                    timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from tally.audit.commands.options import (
     runner_args,
 )
 
+# The process id of the `tally serve` that started a live reconcile: it stops when that goes.
+FOLLOW_PARENT = "TALLY_FOLLOW_PARENT"
+
 
 def _cmd_follow(args: argparse.Namespace) -> int:
     """The report kept current as the spool grows, round by round, until interrupted."""
@@ -33,7 +37,9 @@ def _cmd_follow(args: argparse.Namespace) -> int:
         raise TallyError(f"no manifest at {args.manifest}")
     follower = Follower(Path(args.spool), args.manifest, args.run, Path(args.output),
                         memory_gb=args.memory_gb, api_url=args.api_url)
-    while True:
+    # Started by `tally serve` (api/findings.py): it goes when the service does, even killed.
+    parent = int(os.environ.get(FOLLOW_PARENT, "0") or 0)
+    while not parent or os.getppid() == parent:
         t0 = time.monotonic()
         try:
             report = follower.round()
@@ -49,6 +55,7 @@ def _cmd_follow(args: argparse.Namespace) -> int:
                   f"round {line['round']}: {line['verdict']} as of step {line['as_of_step']}"
                   f" ({', '.join(line['findings']) or 'no findings'})", flush=True)
         time.sleep(max(0.0, args.follow - (time.monotonic() - t0)))
+    return 0
 
 
 def _cmd_reconcile(args: argparse.Namespace) -> int:

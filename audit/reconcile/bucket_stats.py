@@ -33,10 +33,10 @@ RECORDS_SCHEMA = pa.schema([
 ])
 
 
-def _examples(keys, steps, hosts) -> list[dict[str, int]]:
-    """The EXAMPLES lowest rows by (record key, step, host): the same whatever order the rows
+def _examples(keys, steps, hosts, keep: int = EXAMPLES) -> list[dict[str, int]]:
+    """The `keep` lowest rows by (record key, step, host): the same whatever order the rows
     came in (the runner's, or the live reconcile's rounds: tally.audit.reconcile.follow)."""
-    pick = np.lexsort((hosts, steps, keys))[:EXAMPLES]
+    pick = np.lexsort((hosts, steps, keys))[:keep]
     return [{"record_key": int(keys[i]), "step": int(steps[i]), "host": int(hosts[i])}
             for i in pick.tolist()]
 
@@ -49,11 +49,13 @@ def _groups(sorted_keys: np.ndarray) -> np.ndarray:
 
 
 def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
-            loss_window: int = 1, run_first_step: int = 0) -> tuple[Partial, pa.Table | None]:
+            loss_window: int = 1, run_first_step: int = 0, keep: int = EXAMPLES,
+            evidence: int = EVIDENCE) -> tuple[Partial, pa.Table | None]:
     """`man`: the bucket's manifest columns (None beyond the manifest); `c`: its effective
     consumption rows (tally.audit.buckets.exchange); `host_ids`: the run's hosts with rows
     (tally.audit.buckets.plan.Plan.host_ids: per-host counts are by position there);
-    `run_first_step`: the run's first step, where the loss windows start. Returns the
+    `run_first_step`: the run's first step, where the loss windows start; `keep` example rows
+    and `evidence` most repeated records at most (the live reconcile keeps more). Returns the
     bucket's partial and its per-record table."""
     if man is None:  # the overflow bucket: whole keys, none in the manifest
         keys, known = c["key"], np.zeros(len(c["key"]), dtype=bool)
@@ -64,7 +66,8 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
         keys = j[~known] + man["record_key"][0]
     unknown = ~known
     out = Partial(unknown_segments=int(unknown.sum()), unknown_keys=int(distinct(keys).size),
-                  unknown_examples=_examples(keys, c["step"][unknown], c["host"][unknown]))
+                  unknown_examples=_examples(keys, c["step"][unknown], c["host"][unknown],
+                                             keep))
     if man is None:
         return out, None
     if not known.all():
@@ -154,15 +157,15 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     out.train_exposures_by_step = Spans([(lo, bincount(ss))])
     out.max_rank_by_step = MaxSpans([(lo, max_rank)])
     out.hash_mismatch_examples = _examples(man["record_key"][j[mismatch]], c["step"][mismatch],
-                                           c["host"][mismatch])
+                                           c["host"][mismatch], keep)
     if not every:
         held = starts & ~train[j]
         out.heldout_examples = _examples(man["record_key"][j[held]], c["step"][held],
-                                         c["host"][held])
+                                         c["host"][held], keep)
     out.never_seen_examples = man["record_key"][
         np.flatnonzero(train & (exposures == 0))[:EVIDENCE]].tolist()
     out.most_repeated = _most_repeated(man["record_key"], j, c, exposures, repeats_of,
-                                       n_hosts, train)
+                                       n_hosts, train, evidence)
 
     weights = {"tokens": of_train(man["n_tokens"]), "exposures": e_train,
                "consumed": of_train(tokens), "never_seen": e_train == 0,
@@ -194,8 +197,8 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
 
 def _most_repeated(record_key: np.ndarray, j: np.ndarray, c: dict[str, np.ndarray],
                    exposures: np.ndarray, epoch_repeats: np.ndarray, n_hosts: np.ndarray,
-                   train: np.ndarray) -> list[dict]:
-    """The bucket's EVIDENCE train records repeated most within their epochs, then exposed
+                   train: np.ndarray, evidence: int = EVIDENCE) -> list[dict]:
+    """The bucket's `evidence` train records repeated most within their epochs, then exposed
     most (ties: the lower key), each with its first SEEN exposures (step, host, epoch). One
     partition over the bucket's records, then work for those few only."""
     score = epoch_repeats * (int(exposures.max(initial=0)) + 1) + exposures
@@ -203,11 +206,11 @@ def _most_repeated(record_key: np.ndarray, j: np.ndarray, c: dict[str, np.ndarra
     if not cand.size:
         return []
     sc = score[cand]
-    if cand.size > EVIDENCE:  # the EVIDENCE best: those above the cut, then the cut's lowest keys
-        cut = np.partition(sc, cand.size - EVIDENCE)[cand.size - EVIDENCE]
-        cand = np.r_[cand[sc > cut], cand[sc == cut][:EVIDENCE]]
+    if cand.size > evidence:  # the best: those above the cut, then the cut's lowest keys
+        cut = np.partition(sc, cand.size - evidence)[cand.size - evidence]
+        cand = np.r_[cand[sc > cut], cand[sc == cut][:evidence]]
         sc = score[cand]
-    top = cand[np.lexsort((cand, -sc))][:EVIDENCE]
+    top = cand[np.lexsort((cand, -sc))][:evidence]
     wanted = np.zeros(len(exposures), bool)  # a lookup by record: np.isin sorted the rows
     wanted[top] = True
     rows = np.flatnonzero(c["start"] & wanted[j])

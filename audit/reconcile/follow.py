@@ -18,9 +18,14 @@ Per-file partials (per step, per host, what each host consumed step by step) are
 file as the job's read stage makes them; replay comparisons are made again for the rolled-back
 steps a round's files touch; metric facts once per metric file.
 
-What is not folded in but recomputed from the stored rows (a full pass, the job's own merge
-over key ranges): a new attempt that changes which rows are rolled back, and a run whose first
-step moves earlier (the loss windows start there). Loss windows are powers of two
+A new attempt that rolls rows back is folded out the same way: the records of the rows it
+rolls back (read from the files that hold them) have their contribution under the old cutoffs
+replaced by theirs under the new; the per-file partials of the blocks of steps it reaches are
+made again, and the replay comparisons. What is not folded in but recomputed from the stored
+rows (a full pass, the job's own merge over key ranges): a rollback whose removed rows took
+entries out of an evidence list that only the other records could refill, a run whose first
+step moves earlier (the loss windows start there), and a file read before that the spool's
+listing now leaves out (a duplicate of a file listed before it). Loss windows are powers of two
 (tally.audit.buckets.plan.loss_window), so that a longer run merges pairs of windows.
 
 So the report is the one `tally reconcile --spool` writes over the same files (the same
@@ -44,12 +49,11 @@ import pyarrow.parquet as pq
 
 from tally.audit.buckets.partials import (
     EVIDENCE,
+    EXAMPLES,
     MaxSpans,
     Partial,
     Spans,
-    lowest_rows,
     merge_all,
-    most_repeated,
     total,
 )
 from tally.audit.buckets.plan import Plan, PlanOptions, make_plan, spool_inputs
@@ -67,7 +71,10 @@ from tally.pipeline.manifest_file import ROW_GROUP_RECORDS, check_key_order, man
 # fold's records (before and after) and their manifest columns stay within a few hundred MB.
 FOLD_ROWS = 2_000_000
 PASS_RECORDS = 2_000_000
-_EXAMPLE_FIELDS = ("unknown_examples", "hash_mismatch_examples", "heldout_examples")
+FILE_BLOCK = 4096  # steps a block of per-file partials covers (by the file's first step)
+# The evidence lists: their order, and how many entries the report shows. The follower keeps
+# DEEP of each, so that a rollback taking entries out of one still leaves the report's.
+DEEP = 256
 _PER_HOST = ("host_segments", "host_exposures", "host_tokens", "host_unique",
              "host_overlap_with_others", "epoch_repeats_by_host", "epoch_duplicated_by_host")
 
@@ -176,11 +183,16 @@ class Follower:
     def _reset(self) -> None:
         self.store = RowStore(self.work / "rows")
         self.files: dict[str, tuple[int, int, int]] = {}  # path -> attempt, first, last step
-        self.file_parts: dict[int, Partial] = {}  # attempt -> its files' partials, merged
+        # (attempt, block of FILE_BLOCK steps by a file's first step) -> its files' partials,
+        # merged, and their paths: a rollback makes again only the blocks it reaches.
+        self.file_parts: dict[tuple[int, int], Partial] = {}
+        self.blocks: dict[tuple[int, int], list[str]] = {}
         self.metric_done: set[str] = set()
         self.metrics = Partial()
         self.replay: dict[int, list[Partial]] = {}  # step -> its comparisons
         self.acc = Partial()  # the key buckets' partials, merged
+        # Whether each evidence list of `acc` holds every entry there is (else the first ones).
+        self.complete = dict.fromkeys(_LISTS, True)
         self.seen = np.zeros(self.man.train, bool)  # train records with an exposure
 
     # ---- a round -----------------------------------------------------------------------
@@ -196,8 +208,11 @@ class Follower:
         if old is not None and not new and not new_metrics and \
                 plan.left_out == old.left_out and plan.attempts == old.attempts:
             return None
-        if old is None or plan.cutoffs != old.cutoffs or plan.first_step != old.first_step \
-                or plan.records != old.records:
+        paths = {f.path for f in plan.files}
+        if old is None or plan.first_step != old.first_step or plan.records != old.records \
+                or any(p not in paths for p in self.files):
+            # A file read before and now left out (a duplicate of a new file listed before
+            # it) is undone with the rest.
             self._full(plan)
         else:
             if not np.array_equal(plan.host_ids, old.host_ids):
@@ -206,10 +221,16 @@ class Follower:
                     _rehost(p, pos, len(plan.host_ids))
             if plan.loss_window != old.loss_window:
                 self._rebin(old.loss_window, plan.loss_window)
-            self._fold_files(plan, new)
-            if new_metrics:
-                self.metrics = self.metrics.merge(metric_partial(plan, new_metrics))
-                self.metric_done.update(str(f.path) for f in new_metrics)
+            if plan.cutoffs != old.cutoffs and not self._roll_back(old, plan):
+                self._full(plan)  # the evidence lists lost entries only a full pass finds
+            else:
+                self._fold_files(plan, new)
+                if plan.cutoffs != old.cutoffs or new_metrics:
+                    # Metric facts count effective steps: a rollback makes them again.
+                    self.metrics = metric_partial(plan, plan.metric_files) \
+                        if plan.cutoffs != old.cutoffs else \
+                        self.metrics.merge(metric_partial(plan, new_metrics))
+                    self.metric_done = {str(f.path) for f in plan.metric_files}
         self.plan = plan
         self.rounds += 1
         report = self._report(plan)
@@ -228,10 +249,12 @@ class Follower:
         """One new file: its partial kept, its effective rows as the store keeps them (None:
         unreadable), its replay rows."""
         attempt = f.spool_file.attempt
+        block = (attempt, f.spool_file.first_step // FILE_BLOCK)
+        self.blocks.setdefault(block, []).append(f.path)
         try:
             cols, rolled = effective_rows(f, plan)
         except BadFile as exc:
-            self._add_part(attempt, Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
+            self._add_part(block, Partial(skipped=1, skipped_files=[(f.path, str(exc))]))
             self.files[f.path] = (attempt, 0, -1)
             return None, []
         steps = cols["step"]
@@ -239,15 +262,15 @@ class Follower:
         self.files[f.path] = (attempt, int(every.min()) if len(every) else 0,
                               int(every.max()) if len(every) else -1)
         if len(steps):
-            self._add_part(attempt, file_partial(plan, cols))
+            self._add_part(block, file_partial(plan, cols))
         rows = {"key": cols["record_key"], "step": steps,
                 "host": cols["host"].astype(np.uint16), "start": cols["offset"] == 0,
                 **{k: cols[k].astype(COLUMNS[k], copy=False)
                    for k in ("n_tokens", "content_hash", "epoch", "loss", "attempt")}}
         return rows, list(replay_rows(plan, cols, rolled))
 
-    def _add_part(self, attempt: int, p: Partial) -> None:
-        self.file_parts[attempt] = self.file_parts.get(attempt, Partial()).merge(p)
+    def _add_part(self, block: tuple[int, int], p: Partial) -> None:
+        self.file_parts[block] = self.file_parts.get(block, Partial()).merge(p)
 
     def _fold_files(self, plan: Plan, files: list) -> None:
         pending: list[Rows] = []
@@ -265,62 +288,135 @@ class Follower:
         if replay_steps:
             self._compare(plan, replay_steps)
 
+    # ---- a new attempt's rollback ---------------------------------------------------------
+
+    def _roll_back(self, old: Plan, plan: Plan) -> bool:
+        """The rows the new cutoffs roll back (of files read before), folded out: their
+        records' contribution under the old cutoffs replaced by theirs under the new; the
+        blocks of per-file partials they reach made again, and every replay comparison. False
+        when an evidence list lost entries that only a full pass can replace."""
+        changed = {a: cut for a, cut in plan.cutoffs.items()
+                   if cut is not None and cut != old.cutoffs.get(a)}
+        hit = [p for p, (a, _, last) in self.files.items() if a in changed and last >= changed[a]]
+        if not hit:
+            return True  # a clean resume: nothing was consumed past its checkpoint
+        by_path = {f.path: f for f in plan.files}
+        keys = []
+        for path in hit:
+            try:
+                cols, _ = effective_rows(by_path[path], old)
+            except BadFile:
+                continue
+            keys.append(cols["record_key"][cols["step"] >= changed[self.files[path][0]]])
+        cut = min(changed.values())
+        removed = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
+        for part in (removed[removed < self.man.records], removed[removed >= self.man.records]):
+            if len(part):
+                before = self.store.fetch(part)
+                if not self._delta(plan, part, before, before, old.cutoffs, cut):
+                    return False
+        for block in {(self.files[p][0], by_path[p].spool_file.first_step // FILE_BLOCK)
+                      for p in hit}:
+            self.file_parts.pop(block, None)
+            for path in self.blocks.pop(block):
+                self._read(plan, by_path[path])  # its partial again, under the new cutoffs
+        self.replay = {}
+        steps = {s for lo, hi in plan.replay_ranges for s in range(lo, hi + 1)}
+        if steps:
+            self._compare(plan, steps)
+        self.acc.never_seen_examples = self._never_seen()
+        return True
+
     # ---- the per-record statistics ------------------------------------------------------
 
-    def _rows(self, rows: Rows, keys: np.ndarray, plan: Plan) -> dict[str, np.ndarray]:
-        """Stored rows as a bucket's columns for `compute`: effective ones, keys as positions
-        in `keys` (None: whole keys, the overflow)."""
-        kept = effective(rows["step"], rows["attempt"], plan.cutoffs)
+    def _rows(self, rows: Rows, keys: np.ndarray | None,
+              cutoffs: dict[int, int | None]) -> dict[str, np.ndarray]:
+        """Stored rows as a bucket's columns for `compute`: those effective under `cutoffs`,
+        keys as positions in `keys` (None: whole keys, the overflow)."""
+        kept = effective(rows["step"], rows["attempt"], cutoffs)
         c = {k: v[kept] for k, v in rows.items() if k != "attempt"}
         if keys is not None:
             c["key"] = np.searchsorted(keys, c["key"])
         return c
 
     def _compute(self, plan: Plan, man: dict | None, c: dict) -> tuple[Partial, Any]:
-        return bucket_stats.compute(man, c, plan.host_ids, plan.loss_window, plan.first_step)
+        return bucket_stats.compute(man, c, plan.host_ids, plan.loss_window, plan.first_step,
+                                    keep=DEEP, evidence=DEEP)
 
     def _fold(self, plan: Plan, new: Rows) -> None:
         """Fold `new` rows (effective, not yet stored) into the totals."""
         known = new["key"] < self.man.records
-        for part, whole in ((known, False), (~known, True)):
-            if not part.any():
-                continue
-            rows = {k: v[part] for k, v in new.items()}
-            keys = np.unique(rows["key"])
-            before = self.store.fetch(keys)
-            after = concat([before, rows])
-            man = None if whole else self.man.columns(keys)
-            at = None if whole else keys
-            old, _ = self._compute(plan, man, self._rows(before, at, plan))
-            now, records = self._compute(plan, man, self._rows(after, at, plan))
-            self._replace(old, now, keys)
-            if records is not None:
-                train = keys < self.man.train
-                self.seen[keys[train]] = records.column("exposures").to_numpy()[train] > 0
+        for part in (known, ~known):
+            if part.any():
+                rows = {k: v[part] for k, v in new.items()}
+                keys = np.unique(rows["key"])
+                before = self.store.fetch(keys)
+                self._delta(plan, keys, before, concat([before, rows]), plan.cutoffs, None)
         self.store.add(new)
         self.acc.never_seen_examples = self._never_seen()
 
-    def _replace(self, old: Partial, now: Partial, keys: np.ndarray) -> None:
-        """The totals with `keys`' records' contribution `old` replaced by `now`."""
+    def _delta(self, plan: Plan, keys: np.ndarray, before: Rows, after: Rows,
+               was: dict[int, int | None], cut: int | None) -> bool:
+        """The contribution of `keys`' records (all in the manifest, or all beyond it) over
+        `before` (effective under the cutoffs `was`) replaced by theirs over `after` (under the
+        plan's). `cut`: rows were removed, at this step and later only (a rollback), rather
+        than added. False when an evidence list cannot be made exact without a full pass."""
+        whole = keys[0] >= self.man.records
+        man = None if whole else self.man.columns(keys)
+        at = None if whole else keys
+        old, _ = self._compute(plan, man, self._rows(before, at, was))
+        now, records = self._compute(plan, man, self._rows(after, at, plan.cutoffs))
+        if not self._replace(old, now, keys, cut):
+            return False
+        if records is not None:
+            train = keys < self.man.train
+            self.seen[keys[train]] = records.column("exposures").to_numpy()[train] > 0
+        return True
+
+    def _replace(self, old: Partial, now: Partial, keys: np.ndarray, cut: int | None) -> bool:
+        """The totals with `keys`' records' contribution `old` replaced by `now` (`cut`: see
+        `_delta`). Summed fields by subtraction. An evidence list (the lowest example rows,
+        the most repeated records), kept DEEP long here, takes out the records' entries and
+        merges their new ones, keeping only the entries no record outside both lists can
+        outrank; False when fewer than the report shows are left (a rollback took out
+        entries that only the other records' rows could replace). The highest exposure rank
+        per step only grows while rows are added; a rollback removes rows at its cut and
+        later, where every effective row left is one of `keys`' records, and changes no rank
+        before it."""
         acc = self.acc
+        for name, (rank, size) in _LISTS.items():
+            a, mine = getattr(acc, name), getattr(now, name)
+            kept = [e for e, t in zip(a, _in(keys, a), strict=True) if not t]
+            cand = sorted(kept + mine, key=rank)
+            # Entries ranking after `limit` may be outranked by ones no list holds: a record
+            # left out of this list (it was full), or a row of these records beyond their own
+            # DEEP (theirs was full).
+            limit = None if self.complete[name] else rank(a[-1])
+            if len(mine) >= DEEP:
+                limit = rank(mine[-1]) if limit is None else min(limit, rank(mine[-1]))
+            if limit is None:
+                out, self.complete[name] = cand[:DEEP], len(cand) <= DEEP
+            else:
+                out, self.complete[name] = [e for e in cand if rank(e) <= limit][:DEEP], False
+                if len(out) < size:
+                    return False
+            setattr(acc, name, out)
         for f in dataclasses.fields(Partial):
             name, merge = f.name, f.metadata["merge"]
             a, o, n = getattr(acc, name), getattr(old, name), getattr(now, name)
-            if name in _EXAMPLE_FIELDS:
-                out = lowest_rows([e for e, t in zip(a, _in(keys, a), strict=True) if not t], n)
-            elif name == "most_repeated":
-                out = most_repeated([e for e, t in zip(a, _in(keys, a), strict=True) if not t],
-                                    n)
-            elif isinstance(n, MaxSpans):
-                out = a + n  # the highest rank per step: only grows while rows are added
-            elif merge is total and name in Partial.__dataclass_fields__ and \
-                    not isinstance(n, list):
+            if isinstance(n, MaxSpans):
+                if cut is not None:
+                    lo = a.first()
+                    a = MaxSpans([(lo, a.dense(lo, cut - 1))] if lo is not None else [])
+                out = a + n
+            elif merge is total and not isinstance(n, list):
                 out = total(a, total(n, _negated(o)))
             else:
                 continue
             setattr(acc, name, out)
         acc.exposure_counts = _trimmed(acc.exposure_counts)
         acc.records_by_epoch = _trimmed(acc.records_by_epoch)
+        return True
 
     def _never_seen(self) -> list[int]:
         out: list[int] = []
@@ -364,15 +460,21 @@ class Follower:
             hi = min(lo + PASS_RECORDS, self.man.records)
             keys = np.arange(lo, hi, dtype=np.int64)
             p, records = self._compute(plan, self.man.columns(keys),
-                                       self._rows(self.store.key_range(lo, hi), keys, plan))
+                                       self._rows(self.store.key_range(lo, hi), keys,
+                                                  plan.cutoffs))
             t = min(hi, self.man.train)
             if t > lo:
                 self.seen[lo:t] = records.column("exposures").to_numpy()[:t - lo] > 0
             parts.append(p)
         over = self.store.key_range(self.man.records, None)
         if len(over["key"]):
-            parts.append(self._compute(plan, None, self._rows(over, None, plan))[0])
+            parts.append(self._compute(plan, None, self._rows(over, None, plan.cutoffs))[0])
         self.acc = merge_all(parts)
+        for name, (rank, _) in _LISTS.items():  # kept DEEP long, not as the report's merge cuts
+            lists = [getattr(p, name) for p in parts]
+            every = sorted((e for x in lists for e in x), key=rank)
+            setattr(self.acc, name, every[:DEEP])
+            self.complete[name] = len(every) <= DEEP and all(len(x) < DEEP for x in lists)
         if plan.metric_files:
             self.metrics = metric_partial(plan, plan.metric_files)
         self.metric_done = {str(f.path) for f in plan.metric_files}
@@ -415,6 +517,19 @@ class Follower:
         report, tables = rp.build(plan, merged, ("spool", self.spool))
         rp.write(report, tables, self.out, self.api_url)
         return report
+
+
+def _row_rank(e: dict) -> tuple:
+    return e["record_key"], e["step"], e["host"]
+
+
+def _repeat_rank(e: dict) -> tuple:
+    return -e["epoch_repeats"], -e["exposures"], e["record_key"]
+
+
+_LISTS = {**{name: (_row_rank, EXAMPLES) for name in
+             ("unknown_examples", "hash_mismatch_examples", "heldout_examples")},
+          "most_repeated": (_repeat_rank, EVIDENCE)}
 
 
 def _trimmed_windows(a: np.ndarray) -> np.ndarray:

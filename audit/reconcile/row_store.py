@@ -28,7 +28,7 @@ COLUMNS = {"key": np.int64, "step": np.int64, "host": np.uint16, "start": np.boo
            "loss": np.float32, "attempt": np.int32}
 ROW_BYTES = sum(np.dtype(t).itemsize for t in COLUMNS.values())  # 39
 FAN_IN = 4
-MEMORY_ROWS = 2**22  # runs of fewer rows stay in memory (~160 MB at most a run)
+MEMORY_ROWS = 2**20  # runs of fewer rows stay in memory (~40 MB at most a run)
 
 Rows = dict[str, np.ndarray]
 
