@@ -162,6 +162,7 @@ def test_follow_command_keeps_the_report_current(tmp_path):
     """`tally reconcile --follow` as a user runs it: a report once the run publishes, a new
     round for each file published later, one line a round; a wrong combination is one line."""
     import json
+    import signal
     import subprocess
     import sys
 
@@ -193,8 +194,11 @@ def test_follow_command_keeps_the_report_current(tmp_path):
             status = json.loads((out / "follow.json").read_text())
             assert status["round"] == 2 and status["full_passes"] == 1 and status["rows"] == 8
         finally:
-            proc.terminate()
-            proc.wait(30)
+            proc.send_signal(signal.SIGINT)  # Ctrl-C: the last report stays, the kept rows go
+            assert proc.wait(30) == 130
+        assert proc.stderr.read().strip().splitlines()[-1] == "tally: interrupted"
+        assert json.loads((out / "report.json").read_text())["coverage"]["exposures"] == 8
+        assert not (out / ".follow").exists()
     bad = subprocess.run([sys.executable, "-m", "tally.audit.cli", "reconcile", "--ledger",
                           tmp_path / "l.duckdb", "--manifest", m, "--run", "r", "-o",
                           tmp_path / "x", "--follow", "5"], capture_output=True, text=True)
