@@ -4,7 +4,8 @@ Builds a manifest of `--records` records and a run's spool of `--rows` rows (8 h
 100,000-row files, keys uniform random over the records: every round touches records all
 over the key space, the shape that defeats caching per key bucket), starts a live reconcile
 (tally.audit.reconcile.follow) over it (its first round is the full pass), then `--rounds`
-times publishes one more step of every host (800k rows) and times the round that folds it in.
+times publishes one more step of every host (800k rows at the default `--per-file`) and
+times the round that folds it in.
 The reference, measured in the same run over the same final spool: `tally reconcile --spool`
 (multi_processing, 2 workers), what the live service re-ran every round before. The final
 reports are asserted to agree. Prints the ratio job / mean round.
@@ -30,22 +31,30 @@ from tally.audit.reconcile.follow import Follower
 from tally.audit.reconcile.job import reconcile
 from tally.pipeline.runners import RunnerSpec
 
-HOSTS, PER_FILE = 8, 100_000
+HOSTS = 8
 
 
 def write_steps(spool: Path, steps: range, manifest: tuple[np.ndarray, np.ndarray],
-                seed: int) -> None:
+                seed: int, per_file: int) -> None:
     hashes, lengths = manifest
     rng = np.random.default_rng(seed)
     for h in range(HOSTS):
         with LedgerWriter(spool, "bench", host=h, host_count=HOSTS, flush_every=1,
                           fsync=False) as w:
             for step in steps:
-                keys = rng.integers(0, len(hashes), PER_FILE)
+                keys = rng.integers(0, len(hashes), per_file)
                 w.write_segments(step, Segments.build(
-                    row=np.arange(PER_FILE) % 1024, record_key=keys,
+                    row=np.arange(per_file) % 1024, record_key=keys,
                     n_tokens=lengths[keys], content_hash=hashes[keys],
-                    epoch=np.zeros(PER_FILE)))
+                    epoch=np.zeros(per_file)))
+
+
+def _anon() -> int:
+    """This process' anonymous resident memory (not the page cache of mapped files)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _cpu() -> float:
@@ -58,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=10_000_000)
     ap.add_argument("--records", type=int, default=2_000_000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--per-file", type=int, default=100_000, help="rows a spool file")
     ap.add_argument("--dir", type=Path, default=Path("bench/out/follow"))
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
@@ -67,25 +77,30 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         man = make_manifest(root / "m.parquet", args.records)
         spool = root / "spool"
-        first = args.rows // (HOSTS * PER_FILE)
-        write_steps(spool, range(first), man, 1)
+        per_file = args.per_file
+        first = args.rows // (HOSTS * per_file)
+        write_steps(spool, range(first), man, 1, per_file)
+        anon0 = _anon()
         f = Follower(spool, root / "m.parquet", "bench", root / "live")
         t0 = time.monotonic()
         f.round()
         full_pass = time.monotonic() - t0
-        print(f"backlog: {first * HOSTS * PER_FILE:,} rows over {args.records:,} records; "
+        print(f"backlog: {first * HOSTS * per_file:,} rows over {args.records:,} records; "
               f"the first round (a full pass) {full_pass:.1f} s")
         rounds = []
         for r in range(args.rounds):
-            write_steps(spool, range(first + r, first + r + 1), man, 100 + r)
+            write_steps(spool, range(first + r, first + r + 1), man, 100 + r, per_file)
             t0, c0 = time.monotonic(), _cpu()
             rep = f.round()
             took, cpu = time.monotonic() - t0, _cpu() - c0
             rounds.append((took, cpu))
-            print(f"round {r + 1}: {HOSTS * PER_FILE:,} new rows over "
+            print(f"round {r + 1}: {HOSTS * per_file:,} new rows over "
                   f"{f.store.rows:,} kept: {took:.2f} s, {cpu:.2f} CPU s "
-                  f"({HOSTS * PER_FILE / took / 1e6:.2f} M new rows/s)")
+                  f"({HOSTS * per_file / took / 1e6:.2f} M new rows/s)")
         assert f.full_passes == 1, f.full_passes
+        anon = _anon() - anon0
+        print(f"the follower's anonymous memory: {anon / 2**20:,.0f} MiB = "
+              f"{anon / args.records:.1f} bytes a record ({f.store.rows:,} rows kept)")
         t0 = time.monotonic()
         job = reconcile(run_id="bench", manifest=root / "m.parquet", out=root / "job",
                         spool=spool, runner=RunnerSpec(mode="multi_processing"))
@@ -99,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"ratio job / mean round: {job_s / mean:.1f}x (mean round {mean:.2f} s; "
               f"reports agree)")
         return {"full_pass_s": full_pass, "rounds": rounds, "job_s": job_s,
-                "ratio": job_s / mean}
+                "ratio": job_s / mean, "anon_bytes": anon}
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

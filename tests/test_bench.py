@@ -176,6 +176,15 @@ def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path
     assert not (tmp_path / "s").exists()  # the data is removed
 
 
+def test_follow_benchmark_runs(tmp_path):
+    from bench import follow_rate
+
+    res = follow_rate.main(["--rows", "32000", "--records", "5000", "--per-file", "2000",
+                            "--rounds", "2", "--dir", str(tmp_path / "f")])
+    assert len(res["rounds"]) == 2 and res["job_s"] > 0 and res["ratio"] > 0  # reports agreed
+    assert not (tmp_path / "f").exists()
+
+
 def test_state_size_benchmark_runs():
     from bench import state_size
 
