@@ -280,3 +280,42 @@ def test_a_killed_service_takes_its_live_reconcile_with_it(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_row_store_fetches_every_row_of_the_keys_asked(tmp_path, monkeypatch):
+    """The store under the live reconcile, with runs small enough to go to disk and to stop
+    merging: every row of the keys asked, whatever run holds it; merged runs' files gone."""
+    from tally.audit.reconcile import row_store
+
+    monkeypatch.setattr(row_store, "MEMORY_ROWS", 500)
+    monkeypatch.setattr(row_store, "RUN_ROWS", 3000)
+    store = row_store.RowStore(tmp_path / "rows")
+    rng = np.random.default_rng(0)
+    every = []
+    for batch in range(40):
+        n = int(rng.integers(50, 400))
+        rows = {c: np.zeros(n, t) for c, t in row_store.COLUMNS.items()}
+        rows["key"] = rng.integers(0, 2000, n)
+        rows["step"] = np.full(n, batch)
+        rows["host"] = rng.integers(0, 9, n).astype(np.uint16)
+        store.add(rows)
+        every.append(rows)
+    total = sum(len(r["key"]) for r in every)
+    assert store.rows == total
+    sizes = [len(r["key"]) for r in store.runs]
+    assert max(sizes) <= 3000 and any(s >= 500 for s in sizes)  # some on disk, none too big
+    on_disk = {p.name for p in (tmp_path / "rows").iterdir()}
+    assert on_disk == {r["_folder"].name for r in store.runs if "_folder" in r}
+    allk = np.concatenate([r["key"] for r in every])
+    alls = np.concatenate([r["step"] for r in every])
+    allh = np.concatenate([r["host"] for r in every])
+    keys = np.unique(rng.integers(0, 2100, 300))
+    got = store.fetch(keys)
+    want = np.isin(allk, keys)
+    def triples(k, s, h):
+        return sorted(zip(k.tolist(), s.tolist(), h.tolist(), strict=True))
+
+    assert triples(got["key"], got["step"], got["host"]) == \
+        triples(allk[want], alls[want], allh[want])
+    part = store.key_range(100, 700)
+    assert len(part["key"]) == int(((allk >= 100) & (allk < 700)).sum())

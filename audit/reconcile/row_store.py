@@ -29,6 +29,10 @@ COLUMNS = {"key": np.int64, "step": np.int64, "host": np.uint16, "start": np.boo
 ROW_BYTES = sum(np.dtype(t).itemsize for t in COLUMNS.values())  # 39
 FAN_IN = 4
 MEMORY_ROWS = 2**20  # runs of fewer rows stay in memory (~40 MB at most a run)
+# Runs stop merging at this size: a merge holds the keys and their order (16 bytes a row) and
+# one column at a time (two copies of at most 8 bytes a row), ~1.1 GB at most; a fetch then
+# searches ~15 such runs at 500M rows.
+RUN_ROWS = 2**25
 
 Rows = dict[str, np.ndarray]
 
@@ -72,7 +76,8 @@ class RowStore:
             return
         self.runs.append(self._run([rows]))
         while len(self.runs) >= FAN_IN and \
-                _tier(len(self.runs[-FAN_IN]["key"])) <= _tier(len(self.runs[-1]["key"])):
+                _tier(len(self.runs[-FAN_IN]["key"])) <= _tier(len(self.runs[-1]["key"])) and \
+                sum(len(r["key"]) for r in self.runs[-FAN_IN:]) <= RUN_ROWS:
             merged = self._run(self.runs[-FAN_IN:])
             old = self.runs[-FAN_IN:]
             self.runs[-FAN_IN:] = [merged]
@@ -106,17 +111,23 @@ class RowStore:
         return concat(parts)
 
     def _run(self, parts: list[Rows]) -> Rows:
-        rows = concat([{c: np.asarray(p[c]) for c in COLUMNS} for p in parts])
-        order = np.argsort(rows["key"], kind="stable")
-        run = {c: rows[c][order] for c in COLUMNS}
+        """`parts` as one run sorted by key: in memory when small, else written column by
+        column (the keys' order first; then each column gathered into its file)."""
+        keys = np.concatenate([np.asarray(p["key"]) for p in parts])
+        order = np.argsort(keys, kind="stable")  # runs already sorted: timsort merges them
+        del keys
         if len(order) < MEMORY_ROWS:
-            return run
+            return {c: np.concatenate([np.asarray(p[c]) for p in parts])[order]
+                    for c in COLUMNS}
         self._made += 1
         where = self.folder / f"run-{self._made:08d}"
         where.mkdir()
         out = {}
-        for c, a in run.items():
-            np.save(where / f"{c}.npy", a)
+        for c, t in COLUMNS.items():
+            col = np.lib.format.open_memmap(where / f"{c}.npy", "w+", t, (len(order),))
+            np.take(np.concatenate([np.asarray(p[c]) for p in parts]), order, out=col)
+            col.flush()
+            del col
             out[c] = np.load(where / f"{c}.npy", mmap_mode="r")
         out["_folder"] = where  # type: ignore[assignment]
         return out
