@@ -4,11 +4,12 @@ the per-bucket statistics (bucket_stats) and the report it writes (report, html,
 evidence, loss).
 
 What the rest of Tally may use: `reconcile` (the job, loaded on use), `report` (its `summary`),
-`html` (`served`: report.html as the service serves it) and `load` (a report read back)."""
+`html` (`served`: report.html as the service serves it), `load` (a report read back) and
+`follow` (the live reconcile, `tally reconcile --follow`)."""
 
 from typing import Any
 
-__all__ = ["html", "load", "reconcile", "report"]
+__all__ = ["follow", "html", "load", "reconcile", "report"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: the report and bucket maths load without Beam
