@@ -70,6 +70,7 @@ from tally.pipeline.manifest_file import ROW_GROUP_RECORDS, check_key_order, man
 # New rows folded in at a time, and records a full pass computes at a time: the rows of a
 # fold's records (before and after) and their manifest columns stay within a few hundred MB.
 FOLD_ROWS = 2_000_000
+FOLD_KEYS = 500_000  # records a rollback folds out at a time (their rows before and after)
 PASS_RECORDS = 2_000_000
 FILE_BLOCK = 4096  # steps a block of per-file partials covers (by the file's first step)
 # The evidence lists: their order, and how many entries the report shows. The follower keeps
@@ -311,9 +312,10 @@ class Follower:
         cut = min(changed.values())
         removed = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
         for part in (removed[removed < self.man.records], removed[removed >= self.man.records]):
-            if len(part):
-                before = self.store.fetch(part)
-                if not self._delta(plan, part, before, before, old.cutoffs, cut):
+            for i in range(0, len(part), FOLD_KEYS):  # a long rollback, a few records at a time
+                keys = part[i:i + FOLD_KEYS]
+                before = self.store.fetch(keys)
+                if not self._delta(plan, keys, before, before, old.cutoffs, cut):
                     return False
         for block in {(self.files[p][0], by_path[p].spool_file.first_step // FILE_BLOCK)
                       for p in hit}:
