@@ -60,7 +60,7 @@ class Service:
                                 max_round_seconds=settings.max_round_seconds,
                                 integrity=self.integrity)
                      if spool is not None else None)
-        # Live findings: reconcile re-run over the spool, with the manifest (tally.api.findings).
+        # Live findings: a live reconcile of each run over the spool (tally.api.findings).
         self.findings = None
         if settings.findings_every and spool is not None and manifest is not None:
             self.findings = LiveFindings(spool, manifest.path,

@@ -31,7 +31,7 @@ class ServeSettings:
     checkpoints: tuple[str, ...] = ()  # where the pre-flight endpoint may read checkpoints
     preflight_seconds: float = 120.0  # time box of one pre-flight request
     max_round_seconds: float = 60.0  # an ingest round longer turns /healthz degraded
-    findings_every: float | None = None  # live reconcile at most this often (None, 0: never)
+    findings_every: float | None = None  # a live reconcile round this often (None, 0: never)
     metrics_hosts: int | None = None  # per-host /metrics series for this many hosts (None: all)
     domains: ManifestDomains | None = field(init=False, default=None, repr=False,
                                             compare=False)

@@ -49,7 +49,7 @@ MAX_RUN_STEPS = 2**31
 # peak memory over a 2-step run at steps 0 and 10^6 against one at 0 and 10^3: reconcile 190,
 # diff 435 (both runs). The span is bounded by --memory-gb with this margin, so that a file
 # whose step jumps far ahead gets one line instead of exhausting the machine (a live service
-# re-runs reconcile on each finding round).
+# runs a live reconcile, which plans each round).
 STEP_BYTES = {"reconcile": 256, "diff": 512}
 
 
