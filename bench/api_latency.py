@@ -396,13 +396,23 @@ class FindingsAge:
         return got.get("as_of_step")
 
     def wait_live(self, timeout: float) -> None:
-        """Until the findings are as of a step the live writer wrote (the backlog's full pass
-        done and a round over the new files)."""
+        """Until the findings are as of the step the live writer had reached when this wait
+        began: the backlog's full pass done, and the rounds that fold in what the writer
+        published meanwhile (the steady state the window then measures)."""
         t0 = time.time()
+        goal = max(self.live.get("step_at", {}), default=self.first)
+        first_round = None
         while time.time() - t0 < timeout:
+            st = self._status()
+            if first_round is None and st["round"] >= 1:
+                first_round = st
+                print(f"live reconcile: first round (the full pass over the backlog) "
+                      f"{st['seconds']:.1f} s, {st['rows']:,} rows kept")
             at = self._as_of()
-            if at is not None and at >= self.first:
-                print(f"live findings as of a written step after {time.time() - t0:.0f} s")
+            if at is not None and at >= goal:
+                print(f"live findings as of step {at} (the writer's step {goal} when the wait "
+                      f"began) after {time.time() - t0:.0f} s, round {st['round']}")
+                self.first_round = first_round
                 return
             time.sleep(1.0)
         raise RuntimeError("the live findings never caught up with the writer")
@@ -449,7 +459,9 @@ class FindingsAge:
         rounds = self._status()["round"] - self.round0
         span = time.time() - self.t0
         a = np.array(self.ages or [float("nan")])
+        first = getattr(self, "first_round", None) or {}
         return {"age_p50_s": float(np.percentile(a, 50)), "age_max_s": float(a.max()),
+                "full_pass_s": first.get("seconds"),
                 "samples": len(self.ages), "rounds": rounds, "seconds": span,
                 "round_s_mean": float(np.mean(list(self.round_s.values()) or [np.nan])),
                 "round_s_max": float(max(self.round_s.values(), default=np.nan)),

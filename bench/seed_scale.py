@@ -433,7 +433,8 @@ def _serve(args, st: Stages, res: dict, loader: PackedLoader, spool: Path, ledge
         st.add("live findings beside the writer and the clients",
                f"age p50 {f['age_p50_s']:.1f} s, max {f['age_max_s']:.1f} s; "
                f"{f['rounds']} rounds over {f['seconds']:.0f} s, {f['round_s_mean']:.2f} s "
-               f"(max {f['round_s_max']:.2f}) and {f['cpu_per_round_s']:.2f} CPU s a round",
+               f"(max {f['round_s_max']:.2f}) and {f['cpu_per_round_s']:.2f} CPU s a round; "
+               f"its first round, the full pass over the backlog, {f['full_pass_s']} s",
                f"a round every {args.findings_every:g} s")
     scan = {"summary": "coverage", "coverage": "coverage", "steps_full_range": "steps",
             "hosts": "hosts"}
