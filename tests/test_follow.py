@@ -310,7 +310,8 @@ def test_row_store_fetches_every_row_of_the_keys_asked(tmp_path, monkeypatch):
     alls = np.concatenate([r["step"] for r in every])
     allh = np.concatenate([r["host"] for r in every])
     keys = np.unique(rng.integers(0, 2100, 300))
-    got = store.fetch(keys)
+    got, at = store.fetch(keys)
+    assert np.array_equal(keys[at], got["key"])  # each row's key by its position in `keys`
     want = np.isin(allk, keys)
     def triples(k, s, h):
         return sorted(zip(k.tolist(), s.tolist(), h.tolist(), strict=True))

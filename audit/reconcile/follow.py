@@ -331,14 +331,15 @@ class Follower:
 
     # ---- the per-record statistics ------------------------------------------------------
 
-    def _rows(self, rows: Rows, keys: np.ndarray | None,
+    def _rows(self, rows: Rows, pos: np.ndarray | None,
               cutoffs: dict[int, int | None]) -> dict[str, np.ndarray]:
         """Stored rows as a bucket's columns for `compute`: those effective under `cutoffs`,
-        keys as positions in `keys` (None: whole keys, the overflow)."""
+        each key as `pos`, its record's position in the records computed (None: whole keys,
+        the overflow)."""
         kept = effective(rows["step"], rows["attempt"], cutoffs)
         c = {k: v[kept] for k, v in rows.items() if k != "attempt"}
-        if keys is not None:
-            c["key"] = np.searchsorted(keys, c["key"])
+        if pos is not None:
+            c["key"] = pos[kept]
         return c
 
     def _compute(self, plan: Plan, man: dict | None, c: dict) -> tuple[Partial, Any]:
@@ -351,23 +352,28 @@ class Follower:
         for part in (known, ~known):
             if part.any():
                 rows = {k: v[part] for k, v in new.items()}
-                keys = np.unique(rows["key"])
-                before = self.store.fetch(keys)
-                self._delta(plan, keys, before, concat([before, rows]), plan.cutoffs, None)
+                keys, at = np.unique(rows["key"], return_inverse=True)
+                before, was = self.store.fetch(keys)
+                self._delta(plan, keys, (before, was),
+                            (concat([before, rows]), np.concatenate([was, at])),
+                            plan.cutoffs, None)
         self.store.add(new)
         self.acc.never_seen_examples = self._never_seen()
 
-    def _delta(self, plan: Plan, keys: np.ndarray, before: Rows, after: Rows,
-               was: dict[int, int | None], cut: int | None) -> bool:
+    def _delta(self, plan: Plan, keys: np.ndarray, before: tuple[Rows, np.ndarray],
+               after: tuple[Rows, np.ndarray], was: dict[int, int | None],
+               cut: int | None) -> bool:
         """The contribution of `keys`' records (all in the manifest, or all beyond it) over
         `before` (effective under the cutoffs `was`) replaced by theirs over `after` (under the
-        plan's). `cut`: rows were removed, at this step and later only (a rollback), rather
-        than added. False when an evidence list cannot be made exact without a full pass."""
+        plan's); each with its rows' positions in `keys`. `cut`: rows were removed, at this
+        step and later only (a rollback), rather than added. False when an evidence list
+        cannot be made exact without a full pass."""
         whole = keys[0] >= self.man.records
         man = None if whole else self.man.columns(keys)
-        at = None if whole else keys
-        old, _ = self._compute(plan, man, self._rows(before, at, was))
-        now, records = self._compute(plan, man, self._rows(after, at, plan.cutoffs))
+        old, _ = self._compute(plan, man, self._rows(before[0], None if whole else before[1],
+                                                     was))
+        now, records = self._compute(plan, man, self._rows(after[0], None if whole else after[1],
+                                                           plan.cutoffs))
         if not self._replace(old, now, keys, cut):
             return False
         if records is not None:
@@ -461,9 +467,9 @@ class Follower:
         for lo in range(0, self.man.records, PASS_RECORDS):
             hi = min(lo + PASS_RECORDS, self.man.records)
             keys = np.arange(lo, hi, dtype=np.int64)
+            rows = self.store.key_range(lo, hi)
             p, records = self._compute(plan, self.man.columns(keys),
-                                       self._rows(self.store.key_range(lo, hi), keys,
-                                                  plan.cutoffs))
+                                       self._rows(rows, rows["key"] - lo, plan.cutoffs))
             t = min(hi, self.man.train)
             if t > lo:
                 self.seen[lo:t] = records.column("exposures").to_numpy()[:t - lo] > 0

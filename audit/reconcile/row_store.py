@@ -83,9 +83,10 @@ class RowStore:
             self.runs[-FAN_IN:] = [merged]
             self._drop(old)
 
-    def fetch(self, keys: np.ndarray) -> Rows:
-        """Every row whose key is one of `keys` (sorted, distinct)."""
-        parts = []
+    def fetch(self, keys: np.ndarray) -> tuple[Rows, np.ndarray]:
+        """Every row whose key is one of `keys` (sorted, distinct), and each row's key as its
+        position in `keys`."""
+        parts, where = [], []
         for run in self.runs:
             k = run["key"]
             lo = np.searchsorted(k, keys, "left")
@@ -97,7 +98,8 @@ class RowStore:
             lo, n = lo[some], n[some]
             at = np.arange(int(n.sum()), dtype=np.int64) + np.repeat(lo - (np.cumsum(n) - n), n)
             parts.append({c: np.asarray(run[c][at]) for c in COLUMNS})
-        return concat(parts)
+            where.append(np.repeat(np.flatnonzero(some), n))
+        return concat(parts), (np.concatenate(where) if where else np.zeros(0, np.int64))
 
     def key_range(self, lo: int, hi: int | None) -> Rows:
         """Every row with lo <= key < hi (None: no upper bound)."""
