@@ -23,6 +23,12 @@ from pathlib import Path
 from typing import IO, Any
 
 log = logging.getLogger("tally.api")
+# Live reconciles at once: each reads its run's whole spool when it starts (a ledger of many
+# finished runs must not start a full pass for every one of them together).
+FOLLOWING = 2
+# A live reconcile whose run has not changed for this long (and this many of its rounds) after
+# its last round stops; its report stays, and a change to the run starts it again.
+IDLE_S, IDLE_ROUNDS = 60.0, 6
 
 
 class LiveFindings:
@@ -35,6 +41,12 @@ class LiveFindings:
         self._started: dict[str, float] = {}
         self._rounds: dict[str, int] = {}  # run -> the last round logged
         self._exits: dict[str, int] = {}  # run -> its live reconcile's exits since a round
+        self._version: dict[str, int] = {}  # run -> its ledger version, as last seen
+        self._changed: dict[str, float] = {}  # run -> when its version last moved
+        # run -> when its last logged round began (wall clock), and when its version moved
+        self._round_began: dict[str, float] = {}
+        self._changed_wall: dict[str, float] = {}
+        self._settled: dict[str, int] = {}  # run -> the version its stopped reconcile covers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-findings", daemon=True)
         self.failures = 0
@@ -78,23 +90,50 @@ class LiveFindings:
                 log.exception("live findings round failed")
 
     def _round(self) -> None:
-        for run_id in self.versions():
+        now = time.monotonic()
+        versions = self.versions()
+        for run_id, v in versions.items():
+            if self._version.get(run_id) != v:
+                self._version[run_id], self._changed[run_id] = v, now
+                self._changed_wall[run_id] = time.time()
+        for run_id, (child, err) in list(self._children.items()):
+            self._logged(run_id)
+            if child.poll() is not None:
+                self._failed(run_id, child, err)
+            elif now - self._changed[run_id] > max(IDLE_S, IDLE_ROUNDS * self.every) and \
+                    self._round_began.get(run_id, -1e18) > self._changed_wall[run_id]:
+                # A round that began after the run's last change has read all of it.
+                self._idle(run_id, child, err)
+        # Started for a run that changed since its last reconcile, the latest change first, a
+        # few at a time; again after an exit only after `every`, doubling with each exit in a
+        # row (up to 64x): one that keeps failing does not read its spool every round.
+        todo = sorted((r for r in versions if r not in self._children
+                       and self._settled.get(r) != versions[r]
+                       and now - self._started.get(r, -1e18)
+                       >= self.every * 2 ** min(self._exits.get(r, 0), 6)),
+                      key=lambda r: -self._changed[r])
+        for run_id in todo[:max(0, FOLLOWING - len(self._children))]:
             if self._stop.is_set():
                 return
-            running = self._children.get(run_id)
-            if running is not None and running[0].poll() is not None:
-                self._failed(run_id, *running)
-                running = None
-            # Started again after `every`, doubling with each exit in a row (up to 64x): a
-            # live reconcile that keeps failing does not make a full pass every round.
-            wait = self.every * 2 ** min(self._exits.get(run_id, 0), 6)
-            if running is None and time.monotonic() - self._started.get(run_id, -1e18) >= wait:
-                self._follow(run_id)
-            self._logged(run_id)
+            self._follow(run_id)
+
+    def _idle(self, run_id: str, child: subprocess.Popen, err: IO[str]) -> None:
+        """A live reconcile whose run stopped changing: stopped, its report kept."""
+        child.kill()
+        child.wait()
+        err.close()
+        del self._children[run_id]
+        self._settled[run_id] = self._version[run_id]
+        log.info("run %s: no change for %.0f s, its live reconcile stops (report as of step "
+                 "%s)", run_id, time.monotonic() - self._changed[run_id],
+                 self.summary(run_id)["as_of_step"])
 
     def _follow(self, run_id: str) -> None:
         out = self.work / run_id
         out.mkdir(parents=True, exist_ok=True)
+        (out / "follow.json").unlink(missing_ok=True)  # a round of an earlier child's
+        self._rounds.pop(run_id, None)
+        self._round_began.pop(run_id, None)
         self._started[run_id] = time.monotonic()
         # Not supervised (the command itself runs here, so that killing it kills it), and
         # told this process' id, so that it ends when the service goes, even killed.
@@ -131,9 +170,13 @@ class LiveFindings:
             st = json.loads((self.work / run_id / "follow.json").read_text())
         except (OSError, ValueError):
             return
+        if not st["round"]:  # waiting for the run's files: idle, if the run stays as it is
+            self._round_began[run_id] = st["began_at"]
+            return
         if st["round"] == self._rounds.get(run_id):
             return
         self._rounds[run_id] = st["round"]
+        self._round_began[run_id] = st["began_at"]
         self._exits.pop(run_id, None)
         rep = self.summary(run_id)
         log.info("run %s: live reconcile finished: %s as of step %s (%s) in %.1f s", run_id,

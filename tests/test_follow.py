@@ -320,3 +320,39 @@ def test_row_store_fetches_every_row_of_the_keys_asked(tmp_path, monkeypatch):
         triples(allk[want], alls[want], allh[want])
     part = store.key_range(100, 700)
     assert len(part["key"]) == int(((allk >= 100) & (allk < 700)).sum())
+
+
+def test_the_service_stops_an_idle_live_reconcile_and_starts_it_on_a_change(tmp_path,
+                                                                            monkeypatch):
+    """A run that stops changing: its live reconcile stops once a round has read all of it,
+    its report stays served; new files of the run start one again, which reads them."""
+    import psutil
+
+    from tally.api import findings
+    from tally.api.app import create_app
+    from tally.audit.ledger.database import Ledger
+    from tests.support.api import Server, poll, write_steps
+    from tests.support.manifest import uniform_manifest
+
+    monkeypatch.setattr(findings, "IDLE_S", 1.0)
+    monkeypatch.setattr(findings, "IDLE_ROUNDS", 1)
+    spool = tmp_path / "spool"
+    write_steps(spool, "r", host=0, hosts=1, steps=range(4), n=100, seed=1, flush_every=2)
+    m = uniform_manifest(tmp_path / "m.parquet", 100)
+
+    def following() -> list:
+        return [p for p in psutil.Process().children(recursive=True)
+                if "--follow" in " ".join(p.cmdline())]
+
+    with Ledger(tmp_path / "l.duckdb") as ledger, \
+            Server(create_app(ledger, spool=spool, manifest=m, interval=0.05,
+                              findings_every=0.3)) as srv:
+        def as_of():
+            return (srv.get("/v1/runs/r").json().get("findings") or {}).get("as_of_step")
+
+        assert poll(lambda: as_of() == 3, timeout=60)
+        assert poll(lambda: not following(), timeout=60)  # idle: stopped
+        assert as_of() == 3  # its report still served
+        write_steps(spool, "r", host=0, hosts=1, steps=range(4, 8), n=100, seed=2,
+                    flush_every=2)
+        assert poll(lambda: as_of() == 7, timeout=60)  # started again, and read them

@@ -45,6 +45,7 @@ def _cmd_follow(args: argparse.Namespace) -> int:
             report = follower.round()
         except TallyError as exc:  # no segment file yet: the run has not published one
             report = None
+            follower.waiting(str(exc))
             if follower.rounds == 0 and not args.quiet:
                 print(f"waiting: {exc}", flush=True)
         if report is not None and not args.quiet:

@@ -165,7 +165,8 @@ def _rehost(p: Partial, pos: np.ndarray, n: int) -> None:
 class Follower:
     """One run's live reconcile (the module's doc). `round()` brings the report in `out` up to
     date with the spool and returns it (None when the spool has nothing new); `out/follow.json`
-    says what the last round did (its number, seconds, full passes so far, rows stored)."""
+    says what the last round did (its number, when it began, seconds, full passes so far, rows
+    stored)."""
 
     def __init__(self, spool: Path, manifest: str | Path, run_id: str, out: Path,
                  memory_gb: float = 3.0, api_url: str | None = None) -> None:
@@ -199,7 +200,7 @@ class Follower:
     # ---- a round -----------------------------------------------------------------------
 
     def round(self) -> dict | None:
-        t0 = time.monotonic()
+        t0, began = time.monotonic(), time.time()
         inputs = spool_inputs(self.spool, self.run_id, self._footers)
         plan = make_plan(self.run_id, self.manifest, inputs,
                          PlanOptions(memory_gb=self.memory_gb))
@@ -235,14 +236,23 @@ class Follower:
         self.plan = plan
         self.rounds += 1
         report = self._report(plan)
-        status = {"round": self.rounds, "seconds": round(time.monotonic() - t0, 3),
+        status = {"round": self.rounds, "began_at": began,
+                  "seconds": round(time.monotonic() - t0, 3),
                   "full_passes": self.full_passes, "rows": self.store.rows,
                   "files": len(self.files), "as_of_step": report["consumption"]["last_step"],
                   "verdict": report["verdict"]}
+        self._status(status)
+        return report
+
+    def waiting(self, why: str) -> None:
+        """Said in follow.json when a round found nothing to read yet (no segment file)."""
+        if not self.rounds:
+            self._status({"round": 0, "began_at": time.time(), "waiting": why})
+
+    def _status(self, status: dict) -> None:
         tmp = self.out / ".follow.json.tmp"
         tmp.write_text(json.dumps(status))
-        os.replace(tmp, self.out / "follow.json")  # what a round did, for `tally serve`'s log
-        return report
+        os.replace(tmp, self.out / "follow.json")  # what a round did, for `tally serve`
 
     # ---- files --------------------------------------------------------------------------
 
