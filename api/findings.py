@@ -47,6 +47,7 @@ class LiveFindings:
         self._round_began: dict[str, float] = {}
         self._changed_wall: dict[str, float] = {}
         self._settled: dict[str, int] = {}  # run -> the version its stopped reconcile covers
+        self._waits: dict[str, str] = {}  # run -> why its live reconcile waits, as last said
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-findings", daemon=True)
         self.failures = 0
@@ -170,9 +171,14 @@ class LiveFindings:
             st = json.loads((self.work / run_id / "follow.json").read_text())
         except (OSError, ValueError):
             return
-        if not st["round"]:  # waiting for the run's files: idle, if the run stays as it is
+        if "waiting" in st:  # no round made (idle, if the run stays as it is)
             self._round_began[run_id] = st["began_at"]
+            if st["round"] and self._waits.get(run_id) != st["waiting"]:
+                log.warning("run %s: live reconcile waits, its report as of step %s stands: "
+                            "%s", run_id, self.summary(run_id)["as_of_step"], st["waiting"])
+            self._waits[run_id] = st["waiting"]
             return
+        self._waits.pop(run_id, None)
         if st["round"] == self._rounds.get(run_id):
             return
         self._rounds[run_id] = st["round"]

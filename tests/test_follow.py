@@ -238,6 +238,15 @@ def test_a_long_run_on_many_hosts_agrees(tmp_path):
     assert len(rep["hosts"]["per_host"]) == hosts
 
 
+def _cmdline(p) -> list[str]:
+    import psutil
+
+    try:
+        return p.cmdline()
+    except psutil.Error:  # gone, or a zombie not reaped yet
+        return []
+
+
 def test_a_killed_service_takes_its_live_reconcile_with_it(tmp_path):
     """`tally serve` runs a live reconcile child per run; kill -9 the service and the child
     ends too (it would otherwise fold in a spool nobody reads, for ever)."""
@@ -272,7 +281,8 @@ def test_a_killed_service_takes_its_live_reconcile_with_it(tmp_path):
 
         assert poll(verdict, timeout=90)
         service = psutil.Process(proc.pid)
-        (child,) = [p for p in service.children(recursive=True) if "--follow" in p.cmdline()]
+        (child,) = poll(lambda: [p for p in service.children(recursive=True)
+                                 if _cmdline(p) and "--follow" in _cmdline(p)], timeout=30)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         assert poll(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
@@ -342,7 +352,7 @@ def test_the_service_stops_an_idle_live_reconcile_and_starts_it_on_a_change(tmp_
 
     def following() -> list:
         return [p for p in psutil.Process().children(recursive=True)
-                if "--follow" in " ".join(p.cmdline())]
+                if "--follow" in _cmdline(p)]
 
     with Ledger(tmp_path / "l.duckdb") as ledger, \
             Server(create_app(ledger, spool=spool, manifest=m, interval=0.05,
@@ -356,3 +366,38 @@ def test_the_service_stops_an_idle_live_reconcile_and_starts_it_on_a_change(tmp_
         write_steps(spool, "r", host=0, hosts=1, steps=range(4, 8), n=100, seed=2,
                     flush_every=2)
         assert poll(lambda: as_of() == 7, timeout=60)  # started again, and read them
+
+
+def test_follow_waits_for_the_runs_first_file_and_says_why(tmp_path):
+    """Started before the run publishes: one line on stderr saying why it waits (once),
+    follow.json saying so, then rounds as files come."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.manifest import uniform_manifest
+
+    m = uniform_manifest(tmp_path / "m.parquet", 100)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    out = tmp_path / "live"
+    proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "reconcile", "--spool",
+                             spool, "--manifest", m, "--run", "r", "-o", out, "--follow", "0.2",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**__import__("os").environ,
+                                            "TALLY_SUPERVISED": "1"})
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("tally: live reconcile waits: no segment files for run 'r'")
+        assert "waiting" in json.loads((out / "follow.json").read_text())
+        with LedgerWriter(spool, "r", host=0, fsync=False) as w:
+            w.write_segments(0, Segments.build(row=np.arange(3), record_key=np.arange(3),
+                                               n_tokens=np.full(3, 10),
+                                               content_hash=np.arange(3, dtype=np.uint64)))
+        got = json.loads(proc.stdout.readline())
+        assert got["round"] == 1 and got["as_of_step"] == 0
+        assert "waiting" not in json.loads((out / "follow.json").read_text())
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert "waits" not in err  # said once, not every round

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -39,15 +40,18 @@ def _cmd_follow(args: argparse.Namespace) -> int:
                         memory_gb=args.memory_gb, api_url=args.api_url)
     # Started by `tally serve` (api/findings.py): it goes when the service does, even killed.
     parent = int(os.environ.get(FOLLOW_PARENT, "0") or 0)
+    said = None
     while not parent or os.getppid() == parent:
         t0 = time.monotonic()
         try:
             report = follower.round()
-        except TallyError as exc:  # no segment file yet: the run has not published one
+            said = None
+        except TallyError as exc:  # no segment file yet, or a spool the job refuses
             report = None
             follower.waiting(str(exc))
-            if follower.rounds == 0 and not args.quiet:
-                print(f"waiting: {exc}", flush=True)
+            if str(exc) != said:  # once a reason, the last report standing meanwhile
+                print(f"tally: live reconcile waits: {exc}", file=sys.stderr, flush=True)
+                said = str(exc)
         if report is not None and not args.quiet:
             line = {k: report.get(k) for k in ("run_id", "verdict", "first_bad_step")} | {
                 "as_of_step": report["consumption"]["last_step"], "round": follower.rounds,

@@ -245,9 +245,9 @@ class Follower:
         return report
 
     def waiting(self, why: str) -> None:
-        """Said in follow.json when a round found nothing to read yet (no segment file)."""
-        if not self.rounds:
-            self._status({"round": 0, "began_at": time.time(), "waiting": why})
+        """Said in follow.json when a round could not be made (no segment file yet, or a
+        spool the job refuses): the last report stands meanwhile."""
+        self._status({"round": self.rounds, "began_at": time.time(), "waiting": why})
 
     def _status(self, status: dict) -> None:
         tmp = self.out / ".follow.json.tmp"
