@@ -134,7 +134,11 @@ def _negated(v: Any) -> Any:
 
 
 def _trimmed(a: np.ndarray) -> np.ndarray:
-    nz = np.flatnonzero(a)
+    """`a` without its trailing all-zero entries (along its first axis): the job's arrays
+    end at their last count, and a total that fell to zero there must too."""
+    if not a.size:
+        return a[:0]
+    nz = np.flatnonzero(a.reshape(len(a), -1).any(axis=1))
     return a[: nz[-1] + 1] if nz.size else a[:0]
 
 
@@ -227,12 +231,11 @@ class Follower:
                 self._full(plan)  # the evidence lists lost entries only a full pass finds
             else:
                 self._fold_files(plan, new)
-                if plan.cutoffs != old.cutoffs or new_metrics:
-                    # Metric facts count effective steps: a rollback makes them again.
-                    self.metrics = metric_partial(plan, plan.metric_files) \
-                        if plan.cutoffs != old.cutoffs else \
-                        self.metrics.merge(metric_partial(plan, new_metrics))
-                    self.metric_done = {str(f.path) for f in plan.metric_files}
+                if plan.cutoffs != old.cutoffs:  # metric facts count effective steps only
+                    self.metrics = metric_partial(plan, plan.metric_files)
+                elif new_metrics:
+                    self.metrics = self.metrics.merge(metric_partial(plan, new_metrics))
+                self.metric_done = {str(f.path) for f in plan.metric_files}
         self.plan = plan
         self.rounds += 1
         report = self._report(plan)
@@ -453,7 +456,7 @@ class Follower:
         k = now // was
         pad = -len(a) % k
         a = np.concatenate([a, np.zeros((pad, *a.shape[1:]))]) if pad else a
-        self.acc.loss_by_rank = _trimmed_windows(a.reshape(-1, k, *a.shape[1:]).sum(axis=1))
+        self.acc.loss_by_rank = _trimmed(a.reshape(-1, k, *a.shape[1:]).sum(axis=1))
 
     # ---- a full pass: a change that is not folded in --------------------------------------
 
@@ -548,8 +551,3 @@ def _repeat_rank(e: dict) -> tuple:
 _LISTS = {**{name: (_row_rank, EXAMPLES) for name in
              ("unknown_examples", "hash_mismatch_examples", "heldout_examples")},
           "most_repeated": (_repeat_rank, EVIDENCE)}
-
-
-def _trimmed_windows(a: np.ndarray) -> np.ndarray:
-    nz = np.flatnonzero(a.reshape(len(a), -1).any(axis=1))
-    return a[: nz[-1] + 1] if nz.size else a[:0]
