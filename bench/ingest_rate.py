@@ -38,6 +38,7 @@ import duckdb
 import numpy as np
 import pyarrow.parquet as pq
 
+from tally.audit.core import allocator
 from tally.audit.hook import spool as sp
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-scaling", type=float, default=0.8,
                     help="with --scale: the least rate over SCALE x records / rate over records")
     args = ap.parse_args(argv)
+    allocator.tune()  # as `tally ingest` runs (its command line tunes glibc's malloc first)
     res = _measure(args, args.records)
     if not args.scale:
         return res

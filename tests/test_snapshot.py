@@ -307,3 +307,38 @@ def _up(base: str) -> bool:
     except httpx.TransportError:
         time.sleep(0.1)
         return False
+
+
+@pytest.mark.parametrize("how", ["direct", "no O_DIRECT here", "refused at the first write"])
+def test_a_file_written_past_the_page_cache_is_byte_for_byte_what_was_written(
+        tmp_path, monkeypatch, how):
+    """`Uncached` (the snapshot's writer): writes of every size, across its buffer's edge and
+    ending mid-block, give the same bytes as a plain file; where O_DIRECT does not exist, or
+    the kernel refuses the first direct write (here: a buffer of 1000 bytes, not whole
+    blocks, EINVAL for real), the same writes go through the cache."""
+    from tally.audit.core import paths
+    from tally.audit.core.paths import Uncached, atomic_write
+
+    if how == "no O_DIRECT here":
+        monkeypatch.delattr(paths.os, "O_DIRECT", raising=False)
+    elif how == "refused at the first write":
+        monkeypatch.setattr(paths, "DIRECT_BUFFER", 1000)
+    rng = np.random.default_rng(7)
+    block, buffer = paths.DIRECT_BLOCK, paths.DIRECT_BUFFER
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in
+             (10, block - 10, buffer - 1, 3, buffer * 2 + 5, 0, 777)]
+    final = tmp_path / "out.bin"
+    with atomic_write(final, tmp_path / ".out.tmp", page_cache=False) as f:
+        assert isinstance(f, Uncached)
+        for p in parts:
+            f.write(p)
+        assert (f.buf is not None) == (how == "direct")  # past the cache only where allowed
+    assert final.read_bytes() == np.concatenate(parts).tobytes()
+    assert not (tmp_path / ".out.tmp").exists()
+    with Uncached(tmp_path / "again.bin") as f:
+        f.write(b"x" * 5)
+        f.flush()
+        if how == "direct":
+            with pytest.raises(ValueError, match="after its last block"):
+                f.write(b"y")  # its padded last block is on disk: it would land after it
+    assert (tmp_path / "again.bin").read_bytes() == b"xxxxx"

@@ -379,7 +379,11 @@ def _recoded(runs: list[Run] | tuple[Run, ...], lo: int, hi: int) -> np.ndarray:
             part <<= np.uint64(width)
             part |= (file_ids(r, np.asarray(r.codes)) - lo - 1).astype(np.uint64)
         at += r.pairs
-    code.sort()
+    # Runs one after another, each sorted or nearly (a widened field reorders only pairs that
+    # now share their value bits): a stable sort (timsort) merges them. numpy's default sort
+    # does not look for runs, and on this box's AMD EPYC (no SIMD sort) it took 2,356 ms for 4
+    # runs of 4M codes, the stable one 198 ms.
+    code.sort(kind="stable")
     # The runs hold other files: a repeat is two values sharing what the wider field kept.
     if len(code) > 1 and (code[1:] == code[:-1]).any():
         code = code[np.r_[True, code[1:] != code[:-1]]]

@@ -15,8 +15,9 @@ count and a digest of their ids and paths), the restart lineage (each attempt's
 `rolled_back_from_step`), the size of the maps, the xxh3_128 of rows and maps and the
 header's own xxh3_64.
 
-Written crash-safely: a temporary name, the rows streamed from the live array in 64 MiB slices
-(no copy of the state), the header filled in, fsync, rename, fsync of the directory. A kill at
+Written crash-safely: a temporary name, the header (its checksum taken first), then the rows
+streamed from the live array in 64 MiB slices (no copy of the state) past the page cache
+(tally.audit.core.paths.Uncached), fsync, rename, fsync of the directory. A kill at
 any moment leaves the previous snapshot or none, and a leftover temporary is ignored and
 removed by the next write.
 
@@ -164,23 +165,23 @@ def write_snapshot(directory: Path, run: int, run_id: str, ledger_id: str, data:
     fields["data_offset"] = offset
     pause = bool(os.environ.get("TALLY_SNAPSHOT_TEST_PAUSE_S"))
     step = max(1, len(raw) // 4) if pause else SLICE
-    with atomic_write(final, tmp, on=_pause) as f:
-        f.write(b"\0" * offset)
+    h = xxhash.xxh3_128()  # first, so that the file is written front to back in one pass
+    for i in range(0, len(raw), SLICE):
+        h.update(raw[i: i + SLICE])
+    h.update(tail)
+    fields["checksum"] = h.hexdigest()
+    fields["header_digest"] = _header_digest(fields)
+    header = json.dumps(fields).encode()
+    head = MAGIC + struct.pack("<Q", len(header)) + header
+    assert len(head) <= offset
+    # Past the page cache: read only at a restart, and 0.8 GB at 100M records (Uncached).
+    with atomic_write(final, tmp, on=_pause, page_cache=False) as f:
+        f.write(head + bytes(offset - len(head)))
         _pause("begun")
-        h = xxhash.xxh3_128()
         for i in range(0, len(raw), step):
-            part = raw[i: i + step]
-            h.update(part)
-            f.write(part)
-            _pause(f"rows to {i + len(part)} of {len(raw)} bytes")
-        h.update(tail)
+            f.write(raw[i: i + step])
+            _pause(f"rows to {min(i + step, len(raw))} of {len(raw)} bytes")
         f.write(tail)
-        fields["checksum"] = h.hexdigest()
-        fields["header_digest"] = _header_digest(fields)
-        head = json.dumps(fields).encode()
-        assert 16 + len(head) <= offset
-        f.seek(0)
-        f.write(MAGIC + struct.pack("<Q", len(head)) + head)
     return offset + len(raw) + len(tail)
 
 
