@@ -435,3 +435,21 @@ def test_bucket_files_give_back_every_row_with_int64_steps_and_losses_where_logg
         assert got["step"].dtype == np.int64
         for k, v in want.items():
             assert np.array_equal(got[k], np.concatenate(v), equal_nan=k == "loss"), (b, k)
+
+
+def test_the_run_aware_sort_sorts_whatever_order_it_is_given():
+    """`sort_in_place` picks timsort for values in sorted runs and introsort otherwise; either
+    way the values come out as np.sort gives them (ties, negatives, the int64 extremes)."""
+    from tally.audit.core.arrays import sort_in_place
+
+    rng = np.random.default_rng(3)
+    rand = rng.integers(-2**63, 2**63 - 1, 50_000, dtype=np.int64, endpoint=True)
+    runs = np.concatenate([np.sort(p) for p in np.array_split(rand, 5)])
+    cases = [rand, runs, runs[::-1].copy(), np.sort(rand), rng.integers(0, 3, 10_000),
+             np.zeros(0, np.int64), np.array([7]), np.array([2, 1])]
+    for a in cases:
+        want = np.sort(a)
+        assert (sort_in_place(a) == want).all() and (a == want).all()
+    u = np.sort(rng.integers(0, 2**64 - 1, 1000, dtype=np.uint64, endpoint=True))
+    both = np.concatenate([u[500:], u[:500]])
+    assert (sort_in_place(both) == u).all()

@@ -20,6 +20,22 @@ def distinct(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def sort_in_place(a: np.ndarray) -> np.ndarray:
+    """Sort `a` (1-d) in place with whichever of numpy's sorts suits its order; returns `a`.
+
+    numpy's default sort (introsort) does not look for runs, and this box's numpy (AMD EPYC:
+    no SIMD sort) took 371 ms for 4M int64 in 8 sorted runs, slower than random (270 ms); its
+    stable sort (timsort) merged them in 51 ms, and 4M nearly sorted values in 5 ms, but is
+    8% slower on random values (292 ms). Concatenated sorted runs are common here (a row
+    store's runs, a record's rows in step order), so the descents are counted first (2-4 ms
+    for 4M) and timsort is used when fewer than one value in 8 is one."""
+    if len(a) > 1 and 8 * np.count_nonzero(a[1:] < a[:-1]) < len(a):
+        a.sort(kind="stable")
+    else:
+        a.sort()
+    return a
+
+
 def bincount(idx: np.ndarray, weights: np.ndarray | None = None, n: int = 0) -> np.ndarray:
     """`np.bincount` of `idx` with at least `n` bins, as int64 unless the weights are floats
     (an empty `idx` gives `n` zeros)."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tally.audit.core.arrays import sort_in_place
+
 KEY_BITS = 32  # keys are dense codes below 2**32 (a bucket's key offsets, or ranks)
 GROUP_LIMIT = 1 << 31  # groups (steps, epochs, windows) are int32 values
 # Count (group, key) cells in place when there are at most this many per element compared
@@ -56,7 +58,7 @@ def compare_groups(group_a: np.ndarray, key_a: np.ndarray, group_b: np.ndarray,
         | key_a.astype(np.uint64) << np.uint64(1),
         group_b.astype(np.uint64) << np.uint64(KEY_BITS + 1)
         | key_b.astype(np.uint64) << np.uint64(1) | np.uint64(1)])
-    code.sort()
+    sort_in_place(code)  # each run's elements often come in group order: two sorted runs
     if not code.size:
         zero = np.zeros(n, np.int64)
         return GroupComparison(zero, zero.copy(), zero.copy(), zero.copy(), zero.copy(),

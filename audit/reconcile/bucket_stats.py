@@ -21,7 +21,7 @@ from tally.audit.buckets.partials import (
     Partial,
     Spans,
 )
-from tally.audit.core.arrays import bincount, distinct, host_overlap, ranks
+from tally.audit.core.arrays import bincount, distinct, host_overlap, ranks, sort_in_place
 from tally.audit.core.exposure import hash_checks
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
@@ -126,7 +126,7 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
             order = np.lexsort((losses, c["host"][ev], packed))
             key, losses = packed[order], losses[order]
         else:
-            key = np.sort(packed)
+            key = sort_in_place(packed)  # (a live reconcile's rows come in sorted runs)
         js, ss = key >> 32, key & 0xFFFFFFFF
     head = _groups(js)
     first_step = np.full(n, -1, dtype=np.int64)
@@ -305,7 +305,7 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
         for c, w in zip(cols, widths, strict=True):
             code <<= w
             code |= c
-        code.sort()
+        sort_in_place(code)
         out = []
         for w in reversed(widths):
             out.append(code & ((1 << w) - 1))
