@@ -113,6 +113,12 @@ def test_rounds_agree_with_the_job(tmp_path, monkeypatch, deep):
     from tally.audit.reconcile import follow
 
     monkeypatch.setattr(follow, "DEEP", deep)
+    if deep == 21:  # full passes by many key ranges, spilled to disk, runs on disk
+        from tally.audit.reconcile import row_store
+
+        monkeypatch.setattr(follow, "PASS_RECORDS", 64)
+        monkeypatch.setattr(row_store, "SPILL_ROWS", 100)
+        monkeypatch.setattr(row_store, "MEMORY_ROWS", 100)
     m = keyed_manifest(tmp_path / "m.parquet", TRAIN, HELDOUT, domains=("code", "web", "web"),
                        sources=("s1", "s2"))
     spool = tmp_path / "spool"
@@ -328,8 +334,35 @@ def test_row_store_fetches_every_row_of_the_keys_asked(tmp_path, monkeypatch):
 
     assert triples(got["key"], got["step"], got["host"]) == \
         triples(allk[want], alls[want], allh[want])
-    part = store.key_range(100, 700)
-    assert len(part["key"]) == int(((allk >= 100) & (allk < 700)).sum())
+
+    # A bulk load by key range (the full pass): rows spilled to disk, a range with none, keys
+    # beyond the last bound; then runs added as rounds add them, and fetches across both.
+    monkeypatch.setattr(row_store, "SPILL_ROWS", 700)
+    bulk = row_store.RowStore(tmp_path / "bulk")
+    chunks = [{c: v[i:i + 300] for c, v in row_store.concat(every).items()}
+              for i in range(0, total, 300)]
+    for ch in chunks:  # nothing in [500, 1000)
+        ch["key"] = np.where((ch["key"] >= 500) & (ch["key"] < 1000), ch["key"] + 1500,
+                             ch["key"])
+    keyed = np.concatenate([ch["key"] for ch in chunks])
+    bounds = np.array([0, 500, 1000, 1500, 2000])
+    seen = []
+    for i, rows in bulk.load(iter(chunks), bounds):
+        seen.append(i)
+        k = rows["key"]
+        hi = bounds[i + 1] if i + 1 < len(bounds) else keyed.max() + 1
+        assert (np.diff(k) >= 0).all() and ((k >= bounds[i]) & (k < hi)).all()
+        assert len(k) == int(((keyed >= bounds[i]) & (keyed < hi)).sum())
+    assert seen == [0, 1, 2, 3, 4] and bulk.rows == total
+    assert not (tmp_path / "bulk" / "load").exists()  # the spilled ranges' files gone
+    extra = {c: np.zeros(100, t) for c, t in row_store.COLUMNS.items()}
+    extra["key"] = rng.integers(0, 3600, 100)
+    bulk.add(extra)
+    keyed = np.r_[keyed, extra["key"]]
+    keys = np.unique(rng.integers(0, 3600, 400))
+    got, at = bulk.fetch(keys)
+    assert np.array_equal(keys[at], got["key"])
+    assert np.array_equal(np.sort(got["key"]), np.sort(keyed[np.isin(keyed, keys)]))
 
 
 def test_the_service_stops_an_idle_live_reconcile_and_starts_it_on_a_change(tmp_path,

@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -466,30 +467,25 @@ class Follower:
         self.full_passes += 1
         self._reset()
         steps: set[int] = set()
-        pending: list[Rows] = []
-        for f in plan.files:
-            rows, replay = self._read(plan, f)
-            steps.update(s for s, _ in replay)
-            if rows is not None:
-                pending.append(rows)
-            if sum(len(r["key"]) for r in pending) >= FOLD_ROWS:
-                self.store.add(concat(pending))
-                pending = []
-        self.store.add(concat(pending))
+
+        def chunks() -> Iterator[Rows]:
+            pending: list[Rows] = []
+            for f in plan.files:
+                rows, replay = self._read(plan, f)
+                steps.update(s for s, _ in replay)
+                if rows is not None:
+                    pending.append(rows)
+                if sum(len(r["key"]) for r in pending) >= FOLD_ROWS:
+                    yield concat(pending)
+                    pending = []
+            yield concat(pending)
+
+        # One key range of PASS_RECORDS records at a time, and the keys beyond the manifest.
+        bounds = np.r_[np.arange(0, self.man.records, PASS_RECORDS), self.man.records]
         parts = []
-        for lo in range(0, self.man.records, PASS_RECORDS):
-            hi = min(lo + PASS_RECORDS, self.man.records)
-            keys = np.arange(lo, hi, dtype=np.int64)
-            rows = self.store.key_range(lo, hi)
-            p, records = self._compute(plan, self.man.columns(keys),
-                                       self._rows(rows, rows["key"] - lo, plan.cutoffs))
-            t = min(hi, self.man.train)
-            if t > lo:
-                self.seen[lo:t] = records.column("exposures").to_numpy()[:t - lo] > 0
-            parts.append(p)
-        over = self.store.key_range(self.man.records, None)
-        if len(over["key"]):
-            parts.append(self._compute(plan, None, self._rows(over, None, plan.cutoffs))[0])
+        for i, rows in self.store.load(chunks(), bounds):
+            parts.append(self._range(plan, int(bounds[i]), rows))
+        parts = [p for p in parts if p is not None]
         self.acc = merge_all(parts)
         for name, (rank, _) in _LISTS.items():  # kept DEEP long, not as the report's merge cuts
             lists = [getattr(p, name) for p in parts]
@@ -501,6 +497,22 @@ class Follower:
         self.metric_done = {str(f.path) for f in plan.metric_files}
         if steps:
             self._compare(plan, steps)
+
+    def _range(self, plan: Plan, lo: int, rows: Rows) -> Partial | None:
+        """The partial of the records lo .. lo + PASS_RECORDS - 1 over `rows` (all of theirs),
+        or of the keys beyond the manifest (lo = records; None: none)."""
+        if lo >= self.man.records:
+            if not len(rows["key"]):
+                return None
+            return self._compute(plan, None, self._rows(rows, None, plan.cutoffs))[0]
+        hi = min(lo + PASS_RECORDS, self.man.records)
+        keys = np.arange(lo, hi, dtype=np.int64)
+        p, records = self._compute(plan, self.man.columns(keys),
+                                   self._rows(rows, rows["key"] - lo, plan.cutoffs))
+        t = min(hi, self.man.train)
+        if t > lo:
+            self.seen[lo:t] = records.column("exposures").to_numpy()[:t - lo] > 0
+        return p
 
     # ---- replay comparisons --------------------------------------------------------------
 
