@@ -208,8 +208,8 @@ class RowStore:
         for c, t in COLUMNS.items():
             col = np.lib.format.open_memmap(where / f"{c}.npy", "w+", t, (n,))
             fill(c, col)
-            col.flush()
-            del col
+            del col  # unmapped, not flushed: the mapping below reads the same page cache, and
+            # the store is wiped at the next start (msync made every run wait for the disk)
             out[c] = np.load(where / f"{c}.npy", mmap_mode="r")
         out["_folder"] = where  # type: ignore[assignment]
         return out
