@@ -31,7 +31,7 @@ import numpy as np
 COLUMNS = {"key": np.int64, "step": np.int64, "host": np.uint16, "start": np.bool_,
            "n_tokens": np.int32, "content_hash": np.uint64, "epoch": np.int32,
            "loss": np.float32, "attempt": np.int32}
-ROW_BYTES = sum(np.dtype(t).itemsize for t in COLUMNS.values())  # 39
+ROW_BYTES = sum(np.dtype(t).itemsize for t in COLUMNS.values())  # 43
 FAN_IN = 4
 MEMORY_ROWS = 2**20  # runs of fewer rows stay in memory (~40 MB at most a run)
 # Runs stop merging at this size: a merge holds the keys and their order (16 bytes a row) and
