@@ -238,3 +238,14 @@ def test_text_manifest_benchmark_runs(tmp_path):
     assert res["extrapolation"]["the bare tokenizer"]["core_hours"] > 0
     # The tokenizer stays cached; the corpus and the manifests are removed.
     assert [p.name for p in (tmp_path / "d").iterdir()] == [Path(res["tokenizer"]).name]
+
+
+def test_serve_memory_benchmark_runs_and_cleans_up(tmp_path):
+    from bench import serve_memory
+
+    out = tmp_path / "b"
+    res = serve_memory.main(["--records", "1000000", "--rows", "4000", "--hosts", "4",
+                             "--settle", "0.5", "--dir", str(out)])
+    # 1M records of state (8 MB of rows at least) beyond the empty service
+    assert res["full"] > res["empty"] and res["per_record"] > 0 and res["ratio"] > 0
+    assert not out.exists()
