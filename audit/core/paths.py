@@ -84,6 +84,7 @@ def atomic_write(final: Path, tmp: Path, *, fsync: bool = True, overwrite: bool 
 DIRECT_BLOCK = 4096  # O_DIRECT's unit: file offsets, lengths and buffer addresses (a logical
 # block is 512 or 4096 bytes; 4096 suits both)
 DIRECT_BUFFER = 8 << 20
+_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # direct I/O not for this file
 
 
 class Uncached:
@@ -95,8 +96,8 @@ class Uncached:
     cost more than the write itself: 800 MB of snapshot (100M records) took 5.5 s, 4.9 s of it
     system time, against 0.8 s past the cache (this 2-core VM, bench/RESULTS.md), and the
     pages it takes evict those the service reads (the ledger's, the lookup index's). Where the
-    file system refuses O_DIRECT (tmpfs, some network file systems: EINVAL at the open or at
-    the first write), the same writes go through the cache."""
+    file system refuses O_DIRECT (older tmpfs and overlayfs, some network file systems: EINVAL
+    or EOPNOTSUPP at the open or at the first write), the same writes go through the cache."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -109,10 +110,8 @@ class Uncached:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
             self.fd = os.open(path, flags | direct, 0o666) if direct else -1
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self.fd = -1
+        except OSError:  # refused with the flag (EINVAL, EOPNOTSUPP): a real fault (a
+            self.fd = -1  # missing directory, no permission) is raised by the open below
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o666)
         else:
@@ -170,7 +169,7 @@ class Uncached:
             _write_all(self.fd, memoryview(self.buf)[:n])
             refused = False
         except OSError as exc:
-            if exc.errno != errno.EINVAL or self.drained:
+            if exc.errno not in _REFUSED or self.drained:
                 raise
             refused = True  # the file system takes the flag but not the I/O
         if refused:  # (out of the handler: its traceback held views of the buffer)
