@@ -342,3 +342,5 @@ def test_a_file_written_past_the_page_cache_is_byte_for_byte_what_was_written(
             with pytest.raises(ValueError, match="after its last block"):
                 f.write(b"y")  # its padded last block is on disk: it would land after it
     assert (tmp_path / "again.bin").read_bytes() == b"xxxxx"
+    with pytest.raises(FileNotFoundError):  # a real fault is not taken for a refusal
+        Uncached(tmp_path / "no such directory" / "x.bin")
