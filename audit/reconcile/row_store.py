@@ -7,7 +7,7 @@ Runs are sorted by record key; a new round's rows make a run of their own, and r
 FAN_IN at a time once the newest FAN_IN are of one size tier (tiers a factor of FAN_IN apart):
 a row is sorted again once a tier, and a fetch searches at most FAN_IN - 1 runs a tier. A
 whole spool read at once (the live reconcile's full pass) is loaded instead by key range:
-each row goes to its range (in memory, or appended to the range's file on disk), and each
+each row goes to its range (in memory, or appended to the range's files on disk), and each
 range is sorted once into a run of its own, the runs disjoint; a fetch searches a run only for
 the keys within its first and last. Runs
 beyond MEMORY_ROWS rows are written to disk as one `.npy` a column and memory-mapped (their
@@ -119,8 +119,8 @@ class RowStore:
         [bounds[i], bounds[i + 1]) and a last one from bounds[-1] up; yields (i, the range's
         rows sorted by key) for every range in order, empty ones too, once all chunks are in
         (the caller computes over each while it is in memory). Each row is sorted once, where
-        adding the chunks as runs sorted it again at each tier of merges (a third of a full
-        pass: 9.6M rows over 5M records)."""
+        adding the chunks as runs sorted and wrote it again at each tier of merges: a full
+        pass over 40M rows took 44.8 s this way, 51.2 s that way (bench/RESULTS.md)."""
         assert not self.runs, "a bulk load fills an empty store"
         ranges = len(bounds)
         held: list[list[Rows]] = [[] for _ in range(ranges)]
