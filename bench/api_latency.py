@@ -388,6 +388,7 @@ class FindingsAge:
         self.first = first_live_step
         self.ages: list[float] = []
         self.round_s: dict[int, float] = {}  # round -> its seconds, of the rounds sampled
+        self.first_round: dict = {}  # the first round's follow.json (the full pass)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -412,7 +413,7 @@ class FindingsAge:
             if at is not None and at >= goal:
                 print(f"live findings as of step {at} (the writer's step {goal} when the wait "
                       f"began) after {time.time() - t0:.0f} s, round {st['round']}")
-                self.first_round = first_round
+                self.first_round = first_round or {}
                 return
             time.sleep(1.0)
         raise RuntimeError("the live findings never caught up with the writer")
@@ -459,13 +460,14 @@ class FindingsAge:
         rounds = self._status()["round"] - self.round0
         span = time.time() - self.t0
         a = np.array(self.ages or [float("nan")])
-        first = getattr(self, "first_round", None) or {}
+        first = self.first_round
         return {"age_p50_s": float(np.percentile(a, 50)), "age_max_s": float(a.max()),
                 "full_pass_s": first.get("seconds"),
                 "samples": len(self.ages), "rounds": rounds, "seconds": span,
                 "round_s_mean": float(np.mean(list(self.round_s.values()) or [np.nan])),
                 "round_s_max": float(max(self.round_s.values(), default=np.nan)),
-                "cpu_per_round_s": (self._cpu() - self.cpu0) / max(rounds, 1)}
+                # (no round finished in the window: no CPU a round to say)
+                "cpu_per_round_s": (self._cpu() - self.cpu0) / rounds if rounds else np.nan}
 
 
 def _client(base: str, endpoints: dict[str, str], requests: int, record: str,

@@ -482,10 +482,8 @@ class Follower:
 
         # One key range of PASS_RECORDS records at a time, and the keys beyond the manifest.
         bounds = np.r_[np.arange(0, self.man.records, PASS_RECORDS), self.man.records]
-        parts = []
-        for i, rows in self.store.load(chunks(), bounds):
-            parts.append(self._range(plan, int(bounds[i]), rows))
-        parts = [p for p in parts if p is not None]
+        parts = [p for i, rows in self.store.load(chunks(), bounds)
+                 if (p := self._range(plan, int(bounds[i]), rows)) is not None]
         self.acc = merge_all(parts)
         for name, (rank, _) in _LISTS.items():  # kept DEEP long, not as the report's merge cuts
             lists = [getattr(p, name) for p in parts]
