@@ -6,13 +6,14 @@ then times (a) the reference: by default the issue's, one DuckDB query over the 
 manifest computing the exposure histogram, never-seen records, hash mismatches and records on
 2+ hosts (`spool_query`); with `--reference sql` (or `both`) also the SQL oracle of every number
 over a ledger the spool is ingested into (bench/reference/reconcile_sql.py, one query each,
-much slower); and (b) `tally reconcile --spool` on FnApiRunner (multi_processing by default),
-sampling the peak resident memory and the CPU seconds of the whole process tree (on a shared
-machine CPU seconds vary less than wall time). The ratio is the reference's time over
-reconcile's; the report's numbers are asserted equal to the reference's.
+much slower); and (b) `tally reconcile --spool` on FnApiRunner (in memory, the command line's
+default, unless `--mode` says otherwise), sampling the peak resident memory and the CPU seconds
+of the whole process tree (on a shared machine CPU seconds vary less than wall time). The ratio
+is the reference's time over reconcile's; the report's numbers are asserted equal to the
+reference's. The process tunes glibc's malloc as the command line does.
 
     python -m bench.reconcile_rate [--rows 50000000] [--records 10000000]
-        [--mode multi_processing[,in_memory]] [--repeats 1] [--reuse]
+        [--mode in_memory[,multi_processing]] [--repeats 1] [--reuse]
         [--reference query|sql|both] [--dir bench/out/reconcile]
 """
 
@@ -31,6 +32,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tally.audit.core import allocator
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.ledger.database import Ledger
@@ -165,8 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--records", type=int, default=10_000_000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--file-rows", type=int, default=100_000, help="rows per spool file")
-    ap.add_argument("--mode", default="multi_processing",
-                    help="FnApiRunner mode(s), comma-separated: multi_processing, in_memory")
+    ap.add_argument("--mode", default="in_memory",
+                    help="FnApiRunner mode(s), comma-separated: in_memory (the command line's "
+                         "default: --workers threads in one process), multi_processing")
     ap.add_argument("--repeats", type=int, default=1, help="Beam runs after the reference")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the manifest, spool and ledger of an earlier run in --dir")
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "ledger oracle of every number (ingests the spool first)")
     ap.add_argument("--keep", action="store_true", help="keep --dir afterwards")
     args = ap.parse_args(argv)
+    allocator.tune()  # as the command line runs (before this process starts a thread)
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench.reference.reconcile_sql import reference

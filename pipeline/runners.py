@@ -6,16 +6,23 @@
   cannot be reached, or workers lost beyond what Dask reschedules, is a TallyError.
 - anything else (`DataflowRunner`, `FlinkRunner`, `SparkRunner`, ...): passed to Beam by name,
   configured through the standard pipeline options in `beam_args`.
+
+In memory, FnApiRunner runs a stage's bundle in one thread; the jobs' heavy stages are wrapped
+in `threaded`, which works on up to `workers` of a bundle's elements at once in threads (their
+work is numpy and Arrow, which release the GIL), so the default runner uses the cores without
+starting worker processes.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import apache_beam as beam
@@ -32,6 +39,72 @@ class RunnerSpec:
     mode: str = "in_memory"  # FnApiRunner: in_memory | multi_processing
     dask_address: str | None = None
     beam_args: Sequence[str] = field(default_factory=list)
+
+    @property
+    def threads(self) -> int:
+        """Elements a `threaded` stage works on at once in each worker: `workers` in memory
+        (one process), else 1 (the workers are processes, or the runner's own)."""
+        return max(1, self.workers) if (self.name, self.mode) == ("direct", "in_memory") else 1
+
+    @property
+    def parallel(self) -> int | None:
+        """Elements worked on at once in the whole job where this spec says (the direct runner,
+        a local Dask cluster); None where the runner's cluster decides."""
+        if self.name == "direct" or (self.name == "dask" and not self.dask_address):
+            return max(1, self.workers)
+        return None
+
+
+def threaded(spec: RunnerSpec, fn: beam.DoFn) -> beam.DoFn:
+    """`fn`, working on up to `spec.threads` elements of a bundle at once (itself when 1)."""
+    return _Threaded(fn, spec.threads) if spec.threads > 1 else fn
+
+
+class _Threaded(beam.DoFn):
+    """A DoFn whose elements are processed by `threads` threads, each element's outputs kept
+    together. Each element goes to the pool as it comes; past `threads` elements in flight the
+    oldest one's outputs are emitted (so at most `threads` elements' work is held at once), and
+    the rest at the bundle's end. Outputs keep the global window (the jobs' only one).
+
+    Measured on 2 cores (the in-memory runner, reconcile of 9.6M rows): 4.0 -> 2.7 s; at 49.6M
+    rows 26.9 -> 13.0 s, where 2 worker processes took 16.6-17.6 s (bench/RESULTS.md)."""
+
+    def __init__(self, fn: beam.DoFn, threads: int) -> None:
+        self.fn, self.threads = fn, threads
+
+    def setup(self) -> None:
+        self.fn.setup()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tally-stage")
+        self._pending: collections.deque[Future] = collections.deque()
+
+    def start_bundle(self) -> None:
+        self._pending.clear()
+
+    def _outputs(self, element: object) -> list:
+        return list(self.fn.process(element))
+
+    def process(self, element: object):
+        self._pending.append(self._pool.submit(self._outputs, element))
+        while len(self._pending) > self.threads:
+            yield from self._pending.popleft().result()
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindow
+        from apache_beam.utils.timestamp import MIN_TIMESTAMP
+        from apache_beam.utils.windowed_value import WindowedValue
+
+        try:
+            while self._pending:
+                for value in self._pending.popleft().result():
+                    yield WindowedValue(value, MIN_TIMESTAMP, (GlobalWindow(),))
+        finally:  # a failed element: the others are not waited for
+            for future in self._pending:
+                future.cancel()
+            self._pending.clear()
+
+    def teardown(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+        self.fn.teardown()
 
 
 @contextlib.contextmanager

@@ -31,7 +31,9 @@ COLUMNS = ("attempt", *names(SEGMENT_COLUMNS_ALL))
 # Memory a bucket takes in its worker: per consumption row (its columns, sort keys, masks) and
 # per manifest record (its columns, per-record results, one byte per host).
 BYTES_PER_ROW, BYTES_PER_RECORD = 120, 160
-# Buckets in memory at once, with room to spare: one per worker process plus the runner's.
+# Buckets in memory at once, with room to spare: one per worker (process, or thread of the
+# in-memory runner: tally.pipeline.runners.threaded) plus the runner's; more where the runner
+# says it works on more at once (`in_flight`).
 BUCKETS_IN_FLIGHT = 4
 # Rows per bucket at most: keeps each int64 temporary under glibc's largest mmap threshold
 # (32 MiB), so that the allocator reuses heap memory instead of mapping, faulting in and
@@ -439,12 +441,19 @@ def check_span(what: str, first: int, last: int, memory_gb: float, job: str) -> 
             f"{memory_gb:g} allows; raise --memory-gb, or cut the span with --at-step")
 
 
-def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float) -> int:
-    """Records per bucket: the most that keep BUCKETS_IN_FLIGHT buckets of `rows` consumption
+def in_flight(parallel: int | None) -> int:
+    """Buckets in memory at once when the runner works on `parallel` elements at once (None:
+    its cluster decides)."""
+    return max(BUCKETS_IN_FLIGHT, (parallel or 0) + 1)
+
+
+def bucket_records_for(records: int, rows: int, hosts: int, memory_gb: float,
+                       buckets_in_flight: int = BUCKETS_IN_FLIGHT) -> int:
+    """Records per bucket: the most that keep `buckets_in_flight` buckets of `rows` consumption
     rows spread over `records` records within `memory_gb`, and each bucket under BUCKET_ROWS.
     A job over two runs (tally.audit.posthoc.diff) passes both runs' rows: a bucket holds both."""
     per_record = rows / max(records, 1) * BYTES_PER_ROW + BYTES_PER_RECORD + hosts
-    out = min(int(memory_gb * 2**30 / BUCKETS_IN_FLIGHT / per_record),
+    out = min(int(memory_gb * 2**30 / buckets_in_flight / per_record),
               int(BUCKET_ROWS * records / max(rows, 1)))
     return min(max(out, 10_000), 4_000_000)
 
@@ -454,10 +463,10 @@ class PlanOptions:
     """What a job asks of its plan beyond its inputs."""
 
     at_step: int | None = None  # the audit as of this step (None: every step consumed)
-    # Records per key bucket (None: the most that keep BUCKETS_IN_FLIGHT buckets within
-    # `memory_gb`).
+    # Records per key bucket (None: the most that keep `in_flight` buckets within `memory_gb`).
     bucket_records: int | None = None
     memory_gb: float = 3.0  # the memory the buckets in flight, and the per-step series, may take
+    in_flight: int = BUCKETS_IN_FLIGHT  # buckets in memory at once (`in_flight(...)`)
     job: str = "reconcile"  # reconcile | diff: the bytes of its per-step series (STEP_BYTES)
 
 
@@ -480,7 +489,8 @@ def make_plan(run_id: str, manifest: str | Path, inputs: Inputs,
     rows = sum(a.get("rows", 0) for a in attempts.values())
     bucket_records = options.bucket_records
     if bucket_records is None:
-        bucket_records = bucket_records_for(records, rows, max(len(ids), 1), memory_gb)
+        bucket_records = bucket_records_for(records, rows, max(len(ids), 1), memory_gb,
+                                            options.in_flight)
     bucket_records = min(bucket_records, 2**31)  # bucket files keep key offsets in uint32
     buckets = max(1, -(-records // bucket_records))
     bucket_size = -(-records // buckets)  # equal buckets

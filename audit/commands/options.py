@@ -18,8 +18,9 @@ def runner_args(p: argparse.ArgumentParser) -> None:
                         "DataflowRunner, FlinkRunner, SparkRunner")
     g.add_argument("--mode", default="in_memory", choices=["in_memory", "multi_processing"],
                    help="FnApiRunner mode (direct runner only)")
-    g.add_argument("--workers", type=int, default=2,
-                   help="worker processes (multi_processing, or a local Dask cluster)")
+    g.add_argument("--workers", type=positive_int, default=2,
+                   help="threads of the stages in memory, worker processes with "
+                        "multi_processing or of a local Dask cluster")
     g.add_argument("--dask-address", help="scheduler of a running dask.distributed cluster "
                                           "(default: start a local one)")
     # Beam's own options come after `--`; `parse` splits them off before argparse, which
@@ -55,6 +56,7 @@ def number(convert: type, ok: Any, what: str) -> Any:
 positive_float = number(float, lambda v: v > 0, "a number > 0")
 non_negative_float = number(float, lambda v: v >= 0, "a number >= 0")
 non_negative_int = number(int, lambda v: v >= 0, "an integer >= 0")
+positive_int = number(int, lambda v: v > 0, "an integer > 0")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 

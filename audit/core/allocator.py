@@ -13,6 +13,16 @@ system time, 8 % less wall time; a 10M-row reconcile 13 % (bench/RESULTS.md). Th
 Set by `tune()`: `mallopt` for this process, and the environment variables glibc reads at the
 start of a process for the processes it starts (Beam and Dask workers, the supervised child).
 A setting the environment already has is left as it is. Elsewhere than glibc, nothing.
+
+One malloc arena for all of this process's threads (`ARENAS`): glibc gives each thread that
+allocates an arena of its own, whose heaps (64 MiB at most) it maps, faults in and gives back
+as the thread's temporaries come and go, where the main arena reuses what another thread freed.
+A reconcile whose stages work in 2 threads (tally.pipeline.runners.threaded) took 3.0-5.1 s of
+system time for 9.6M rows with an arena a thread, 0.8-1.3 s with one, and 2.5-2.8 s instead of
+3.5-4.9 s in all (bench/RESULTS.md); an ingest (2 threads of numpy beside DuckDB's, which
+allocate through their own jemalloc) ran the same either way. Set in this process only, not
+through the environment: the processes Tally starts are single-threaded workers, the
+supervised child (which tunes itself) and training hosts, whose allocator is their own affair.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ import sys
 
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
 TRIM_THRESHOLD = 256 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+ARENAS = 1
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt's numbers (malloc.h)
 _ENV = {"MALLOC_MMAP_THRESHOLD_": (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
         "MALLOC_TRIM_THRESHOLD_": (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)}
 
@@ -40,6 +51,10 @@ def tune() -> None:
         if name not in os.environ:
             os.environ[name] = str(value)
             mallopt(param, value)
+    if "MALLOC_ARENA_MAX" not in os.environ:  # the user's own setting wins
+        # Takes effect for threads that have not allocated yet: the command line tunes before
+        # its work starts a thread.
+        mallopt(_M_ARENA_MAX, ARENAS)
 
 
 def release() -> None:

@@ -22,12 +22,14 @@ import apache_beam as beam
 from tally.audit.buckets import exchange
 from tally.audit.buckets.partials import Partial, merge_all
 from tally.audit.buckets.plan import (
+    BUCKETS_IN_FLIGHT,
     MAX_RUN_STEPS,
     Plan,
     PlanOptions,
     bucket_records_for,
     check_span,
     chunks,
+    in_flight,
     make_plan,
 )
 from tally.audit.buckets.stages import (
@@ -43,7 +45,7 @@ from tally.audit.core.errors import TallyError
 from tally.audit.posthoc import diff_bucket
 from tally.audit.posthoc.diff_bucket import RUNS, DiffPartial
 from tally.audit.posthoc.sources import RunSource, inputs
-from tally.pipeline.runners import RunnerSpec, pipeline
+from tally.pipeline.runners import RunnerSpec, pipeline, threaded
 
 WINDOWS = 20  # windows of steps when --window is not given: about this many over the runs
 
@@ -80,7 +82,8 @@ class DiffPlan:
 
 def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Path, *,
                    at_step: int | None = None, window: int | None = None,
-                   bucket_records: int | None = None, memory_gb: float = 3.0) -> DiffPlan:
+                   bucket_records: int | None = None, memory_gb: float = 3.0,
+                   buckets_in_flight: int = BUCKETS_IN_FLIGHT) -> DiffPlan:
     from tally.pipeline.manifest_file import manifest_info
 
     info = manifest_info(manifest)
@@ -90,7 +93,8 @@ def make_diff_plan(sources: dict[str, RunSource], manifest: str | Path, work: Pa
                    for a in got.attempts.values())
         hosts = max([a["host_count"] for got in found.values()
                      for a in got.attempts.values()] + [1])
-        bucket_records = bucket_records_for(int(info["records"]), rows, hosts, memory_gb)
+        bucket_records = bucket_records_for(int(info["records"]), rows, hosts, memory_gb,
+                                            buckets_in_flight)
     options = PlanOptions(at_step=at_step, bucket_records=bucket_records, memory_gb=memory_gb,
                           job="diff")
     runs = {}
@@ -144,12 +148,13 @@ def run_diff(plan: DiffPlan, work: Path, runner: RunnerSpec | None = None) -> Di
     (work / "records").mkdir(parents=True)
     tasks = {r: chunks(plan.runs[r].files) for r in RUNS}
     slim = plan.for_workers()
-    with pipeline(runner or RunnerSpec(), partitions=max(2, sum(map(len, tasks.values())))) as p:
+    runner = runner or RunnerSpec()
+    with pipeline(runner, partitions=max(2, sum(map(len, tasks.values())))) as p:
         refs, tagged = {}, []
         for r in RUNS:
             read = (p | f"files {r}" >> beam.Create(tasks[r])
-                    | f"read {r}" >> beam.ParDo(ReadConsumption(slim.runs[r],
-                                                                str(work / f"buckets-{r}"))))
+                    | f"read {r}" >> beam.ParDo(threaded(runner, ReadConsumption(
+                        slim.runs[r], str(work / f"buckets-{r}")))))
             refs[r] = read | f"by_bucket {r}" >> beam.FlatMap(of_kind, "by_bucket")
             tagged.append(read | f"partials {r}" >> beam.FlatMap(of_kind, "partials")
                           | f"tag {r}" >> beam.Map(_tag, r))
@@ -158,7 +163,8 @@ def run_diff(plan: DiffPlan, work: Path, runner: RunnerSpec | None = None) -> Di
             [(b, b) for b in range(plan.layout.buckets + 1)], reshuffle=False)
         joined = ({"a": refs["a"], "b": refs["b"], "manifest": every}
                   | "join" >> beam.CoGroupByKey())
-        stats = joined | "compare" >> beam.ParDo(CompareBucket(slim, str(work / "records")))
+        stats = joined | "compare" >> beam.ParDo(threaded(runner, CompareBucket(
+            slim, str(work / "records"))))
         save_partials((stats, *tagged), work)
     merged = merge_all(load_partials(work / "partials", finished=work / "saved"), DiffPartial())
     for r in RUNS:
@@ -188,7 +194,8 @@ def diff(*, a: RunSource, b: RunSource, manifest: str | Path, out: str | Path,
     work.mkdir(parents=True)
     try:
         plan = make_diff_plan({"a": a, "b": b}, manifest, work, at_step=at_step, window=window,
-                              bucket_records=bucket_records, memory_gb=memory_gb)
+                              bucket_records=bucket_records, memory_gb=memory_gb,
+                              buckets_in_flight=in_flight((runner or RunnerSpec()).parallel))
         merged = run_diff(plan, work, runner)
         report, tables = diff_report.build(plan, merged)
         diff_report.write(report, tables, out)

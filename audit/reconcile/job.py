@@ -31,6 +31,7 @@ from tally.audit.buckets.plan import (
     Plan,
     PlanOptions,
     chunks,
+    in_flight,
     ledger_inputs,
     make_plan,
     metric_facts,
@@ -53,7 +54,7 @@ from tally.audit.buckets.stages import (
 from tally.audit.core.errors import TallyError
 from tally.audit.reconcile import bucket_stats
 from tally.pipeline.progress import Progress
-from tally.pipeline.runners import RunnerSpec, pipeline
+from tally.pipeline.runners import RunnerSpec, pipeline, threaded
 
 # ---- stage 1: the run's metric files (its consumption: tally.audit.buckets.stages) ----------
 
@@ -150,10 +151,12 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
     metric_tasks = [tuple(plan.metric_files[i: i + METRIC_FILES_A_TASK])
                     for i in range(0, len(plan.metric_files), METRIC_FILES_A_TASK)]
     slim = plan.for_workers()
-    with pipeline(runner or RunnerSpec(), partitions=max(2, len(tasks))) as p:
+    runner = runner or RunnerSpec()
+    with pipeline(runner, partitions=max(2, len(tasks))) as p:
         # Create spreads its elements over the workers itself (a Reshuffle inside).
         read = (p | "files" >> beam.Create(tasks)
-                  | "read" >> beam.ParDo(ReadConsumption(slim, str(work / "buckets"))))
+                  | "read" >> beam.ParDo(threaded(runner, ReadConsumption(
+                      slim, str(work / "buckets")))))
         # Outputs are (kind, value) pairs split by FlatMaps, not tagged outputs: the Dask
         # runner sends every tagged output to the main one.
         out = {kind: read | kind >> beam.FlatMap(of_kind, kind)
@@ -163,7 +166,8 @@ def run_reconcile(plan: Plan, work: Path, runner: RunnerSpec | None = None) -> P
                                               reshuffle=False)  # the join shuffles them
         joined = ({"consumption": out["by_bucket"], "manifest": every}
                   | "join" >> beam.CoGroupByKey())
-        stats = joined | "stats" >> beam.ParDo(BucketStats(slim, str(work / "records")))
+        stats = joined | "stats" >> beam.ParDo(threaded(runner, BucketStats(
+            slim, str(work / "records"))))
         replay = (out["replay"] | "by step" >> beam.GroupByKey()
                   | "compare" >> beam.ParDo(CompareReplay(
                       {a: int(info["host_count"]) for a, info in plan.attempts.items()})))
@@ -241,7 +245,8 @@ def reconcile(*, run_id: str, manifest: str | Path, out: str | Path,
     work.mkdir(parents=True)
     job = ReconcileJob(run_id, manifest, out, spool, ledger, runner, api_url,
                        PlanOptions(at_step=at_step, bucket_records=bucket_records,
-                                   memory_gb=memory_gb))
+                                   memory_gb=memory_gb,
+                                   in_flight=in_flight((runner or RunnerSpec()).parallel)))
     with Progress(f"reconcile {run_id}", progress) as bar:
         return _reconcile(job, work, made, bar)
 
