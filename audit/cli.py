@@ -90,8 +90,9 @@ def _restore_logging(kept: list[tuple[logging.Logger, int, list[logging.Handler]
 
 def _main(argv: list[str]) -> int:
     from tally.audit import extras
-    from tally.audit.core import allocator
+    from tally.audit.core import allocator, cpu
 
+    cpu.tune()  # before anything loads numpy, and inherited by the processes it starts
     allocator.tune()  # before the work's first allocations, and inherited by its workers
     args = parse(argv)
     # Beam logs optional-dependency warnings at import; they are noise on a terminal.

@@ -9,10 +9,11 @@
 - `paths`: output paths checked before work starts, and the one way a file is published.
 - `logs`: Tally's log lines on stderr, in their two formats.
 - `allocator`: the C allocator's settings for Tally's own processes.
+- `cpu`: numpy's CPU dispatch for Tally's own processes (no AVX-512 sort on AMD Zen 4).
 - `words`: how Tally's lines say a count (the noun and the verb agreeing with it).
 
 The public face (`__all__`): every module; the siblings import from them.
 """
 
-__all__ = ["allocator", "arrays", "errors", "exposure", "hashing", "logs", "paths", "schema",
+__all__ = ["allocator", "arrays", "cpu", "errors", "exposure", "hashing", "logs", "paths", "schema",
            "words"]
