@@ -255,7 +255,7 @@ def _run_on_dask(p: beam.Pipeline, address: str) -> None:
         raise TallyError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
     done = False
     try:
-        result.wait_until_finish()
+        _wait_for(result.futures)
         done = True
     except KilledWorker as exc:
         raise TallyError(
@@ -275,3 +275,23 @@ def _run_on_dask(p: beam.Pipeline, address: str) -> None:
                 result.cancel()
         # The runner's client would otherwise retry the closed scheduler for 30 s.
         result.client.close()
+
+
+def _wait_for(futures: Sequence) -> None:
+    """Until every future of the job has finished; a failed one's error raised.
+
+    Not Beam's `DaskRunnerResult.wait_until_finish`, which gathers every result to the client
+    through `as_completed(..., with_results=True)`: in a run of the suite on 2 busy cores it
+    waited forever after the cluster had finished the job (the scheduler held the last result
+    in memory, both workers and the scheduler idle, the client in `as_completed`; that call is
+    known to loop, dask/distributed#7331). The job's outputs are files it wrote, so no result
+    is gathered: each future's state is waited for, and an erred one's `result()` raises the
+    worker's error (KilledWorker, NoValidWorkerError, the task's own)."""
+    from distributed import CancelledError, wait
+
+    wait(futures)
+    for future in futures:
+        if future.status == "error":
+            future.result()
+        elif future.status != "finished":
+            raise CancelledError(future.key)
