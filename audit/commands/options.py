@@ -19,8 +19,8 @@ def runner_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", default="in_memory", choices=["in_memory", "multi_processing"],
                    help="FnApiRunner mode (direct runner only)")
     g.add_argument("--workers", type=positive_int, default=2,
-                   help="threads of the stages in memory, worker processes with "
-                        "multi_processing or of a local Dask cluster")
+                   help="worker processes with multi_processing or of a local Dask "
+                        "cluster; in memory, the threads of reconcile's and diff's stages")
     g.add_argument("--dask-address", help="scheduler of a running dask.distributed cluster "
                                           "(default: start a local one)")
     # Beam's own options come after `--`; `parse` splits them off before argparse, which
