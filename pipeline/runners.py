@@ -86,21 +86,27 @@ class _Threaded(beam.DoFn):
     def process(self, element: object):
         self._pending.append(self._pool.submit(self._outputs, element))
         while len(self._pending) > self.threads:
-            yield from self._pending.popleft().result()
+            yield from self._oldest()
 
     def finish_bundle(self):
         from apache_beam.transforms.window import GlobalWindow
         from apache_beam.utils.timestamp import MIN_TIMESTAMP
         from apache_beam.utils.windowed_value import WindowedValue
 
+        while self._pending:
+            for value in self._oldest():
+                yield WindowedValue(value, MIN_TIMESTAMP, (GlobalWindow(),))
+
+    def _oldest(self) -> list:
+        """The outputs of the oldest element in flight; its error fails the bundle, and the
+        elements not started yet are dropped (the job fails with it)."""
         try:
-            while self._pending:
-                for value in self._pending.popleft().result():
-                    yield WindowedValue(value, MIN_TIMESTAMP, (GlobalWindow(),))
-        finally:  # a failed element: the others are not waited for
+            return self._pending.popleft().result()
+        except BaseException:
             for future in self._pending:
                 future.cancel()
             self._pending.clear()
+            raise
 
     def teardown(self) -> None:
         self._pool.shutdown(cancel_futures=True)
