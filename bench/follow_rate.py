@@ -25,6 +25,7 @@ import numpy as np
 import psutil
 
 from bench.reconcile_rate import make_manifest
+from tally.audit.core import allocator
 from tally.audit.hook.segments import Segments
 from tally.audit.hook.writer import LedgerWriter
 from tally.audit.reconcile.follow import Follower
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dir", type=Path, default=Path("bench/out/follow"))
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
+    allocator.tune()  # as `tally reconcile --follow` runs (before this process starts a thread)
     root = args.dir
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
