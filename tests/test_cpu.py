@@ -47,7 +47,8 @@ import numpy as np
 a = np.random.default_rng(0).integers(0, 2**62, 100_000)
 assert (np.sort(a) == sorted(a.tolist())).all()
 print(os.environ.get("NPY_DISABLE_CPU_FEATURES", "-"))
-print(np._core._multiarray_umath.__cpu_features__.get("AVX512F"))
+core = getattr(np, "_core", None) or np.core  # numpy 2 / 1.26
+print(core._multiarray_umath.__cpu_features__.get("AVX512F"))
 """
 
 
