@@ -13,9 +13,9 @@ scalar one. Measured on this project's 2-core AMD EPYC (Zen 4), numpy 2.1.3, 10M
 | add, compare, shift, bincount, gather of int64 | the same within 10% | |
 
 Sorting is much of what the ingest's per-record state, the lookup index and a bucket's
-statistics cost (bench/RESULTS.md: the ingest of 20M rows 15.0-16.3 -> 12.6 s, a reconcile of
-9.6M rows 2.7-3.3 -> 2.1-2.9 s). Zen 4 runs 512-bit operations as two 256-bit halves, so the
-other kernels lose nothing on the AVX2 path.
+statistics cost (bench/RESULTS.md: the ingest of 20M rows 13.9-15.0 -> 12.1-13.3 s, a
+reconcile of 9.6M rows 2.7-3.3 -> 2.1-2.9 s). Zen 4 runs 512-bit operations as two 256-bit
+halves, so the other kernels lose nothing on the AVX2 path.
 
 Set through `NPY_DISABLE_CPU_FEATURES`, which numpy reads once, as it loads: `tune()` must run
 before anything imports numpy (the command line calls it first), and the processes it starts
