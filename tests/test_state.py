@@ -14,7 +14,7 @@ from tally.audit.ledger.state import COMPACT, PENDING, Once, Records, RunState, 
 
 def _general_only(agg: Aggregates, run: int) -> None:
     st = agg._state(run)
-    st.once = lambda inc, w, exclude=None: (np.zeros(len(inc.keys), bool), Once.empty())
+    st.once = lambda g, w, exclude=None: (np.zeros(len(g), bool), Once.empty())
 
 
 def _canonical(d: Deltas) -> tuple:

@@ -51,7 +51,7 @@ from tally.audit.ledger.state import (
     RunState,
     Starts,
     csr,
-    group,
+    grouped,
 )
 
 log = logging.getLogger("tally.state")
@@ -497,12 +497,11 @@ def _increment(parts: list[Starts], watermark: int, get: Callable[[np.ndarray], 
                state: RunState | None = None, exclude: np.ndarray | None = None) -> Increment:
     """What `parts` change, given the state before them (`get`; `state`'s rows for the
     records that take the short way, RunState.once, but those in `exclude`)."""
-    inc = group(parts)
+    g = grouped(parts)
     once = Once.empty()
     if state is not None:
-        mine, once = state.once(inc, watermark, exclude)
-        if len(once):
-            inc = inc.take(np.flatnonzero(~mine))
+        mine, once = state.once(g, watermark, exclude)
+    inc = g.records(np.flatnonzero(~mine) if len(once) else None)
     old = get(inc.keys)
     new = old.merged(inc)
     late = inc.steps[:, 0] < watermark

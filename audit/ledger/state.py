@@ -303,11 +303,57 @@ class Starts:
                       self.attempt, self.last_step, self.host_count)
 
 
-def group(parts: list[Starts]) -> Records:
-    """The starts of several files as the records they touch (absolute, as if alone)."""
+@dataclass
+class Grouped:
+    """A batch's starts sorted by record key, steps ascending within a record (`grouped`):
+    record i's starts are `first[i]` .. `first[i] + counts[i] - 1`. A record started once needs
+    no CSR of hosts or epochs (RunState.once reads its one start): `records` builds them for
+    the records that take the general way only. Building them for every record of a 1M-row
+    batch was about a third of the ingesting thread's state work (20M rows over 10M records,
+    where ~85% of a batch's records are started once)."""
+
+    keys: np.ndarray  # int64, per start
+    steps: np.ndarray  # int64
+    hosts: np.ndarray  # int64 (-1: untracked)
+    epochs: np.ndarray  # int64 (-1: unknown)
+    first: np.ndarray  # int64, per record
+    counts: np.ndarray  # int64, per record
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def records(self, idx: np.ndarray | None = None) -> Records:
+        """Records `idx` (positions, ascending; all: None), absolute, as if alone."""
+        keys, steps, hosts, epochs = self.keys, self.steps, self.hosts, self.epochs
+        first, counts = self.first, self.counts
+        if idx is not None and len(idx) < len(first):
+            counts = counts[idx]
+            at = spans(first[idx], counts)
+            keys, steps, hosts, epochs = keys[at], steps[at], hosts[at], epochs[at]
+            first = np.zeros(len(counts), np.int64)
+            np.cumsum(counts[:-1], out=first[1:])
+        n = len(first)
+        out = Records.empty(keys[first])
+        out.exposures[:] = counts
+        for j in range(3):
+            ok = np.flatnonzero(counts > j) if j else slice(None)
+            out.steps[ok, j] = steps[first[ok] + j]
+        row = np.repeat(np.arange(n), counts)
+        tracked = hosts >= 0
+        out.host_ptr, out.hosts = csr(row[tracked], hosts[tracked], n)
+        known = epochs >= 0
+        out.epoch_ptr, out.epochs = csr(row[known], epochs[known], n)
+        out.epoch_dups = np.bincount(row[known], minlength=n) - out.epoch_counts
+        out.dup = out.epoch_dups > 0
+        return out
+
+
+def grouped(parts: list[Starts]) -> Grouped:
+    """The starts of several files, sorted by record (key, then step)."""
     parts = [p for p in parts if len(p.keys)]
     if not parts:
-        return Records.empty(np.zeros(0, np.int64))
+        z = np.zeros(0, np.int64)
+        return Grouped(z, z, z, z, z, z)
     keys = np.concatenate([p.keys for p in parts]).astype(np.int64, copy=False)
     steps = np.concatenate([p.steps for p in parts]).astype(np.int64, copy=False)
     epochs = np.concatenate([p.epochs for p in parts]).astype(np.int64, copy=False)
@@ -321,29 +367,23 @@ def group(parts: list[Starts]) -> Records:
             and int(epochs.min()) >= -1):
         # One int64 per start, (key, step, host, epoch) in that order of significance: a
         # plain sort of it (SIMD, no argsort and no gathers) groups by key, steps ascending.
-        code = keys << (sbits + low) | (steps - base) << low | (hosts + 1) << ebits | (epochs + 1)
+        code = keys << (sbits + low)
+        code |= (steps - base) << low
+        code |= (hosts + 1) << ebits
+        code |= epochs + 1
         code.sort()
         keys, steps = code >> (sbits + low), (code >> low & ((1 << sbits) - 1)) + base
         hosts, epochs = (code >> ebits & ((1 << hbits) - 1)) - 1, (code & ((1 << ebits) - 1)) - 1
     else:  # keys or a step range too wide to pack
         order = np.lexsort((steps, keys))
         keys, steps, epochs, hosts = keys[order], steps[order], epochs[order], hosts[order]
-    n = len(keys)
     first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-    out = Records.empty(keys[first])
-    counts = np.diff(np.r_[first, n])
-    out.exposures[:] = counts
-    for j in range(3):
-        ok = np.flatnonzero(counts > j) if j else slice(None)
-        out.steps[ok, j] = steps[first[ok] + j]
-    row = np.repeat(np.arange(len(first)), counts)
-    tracked = hosts >= 0
-    out.host_ptr, out.hosts = csr(row[tracked], hosts[tracked], len(first))
-    known = epochs >= 0
-    out.epoch_ptr, out.epochs = csr(row[known], epochs[known], len(first))
-    out.epoch_dups = np.bincount(row[known], minlength=len(first)) - out.epoch_counts
-    out.dup = out.epoch_dups > 0
-    return out
+    return Grouped(keys, steps, hosts, epochs, first, np.diff(np.r_[first, len(keys)]))
+
+
+def group(parts: list[Starts]) -> Records:
+    """The starts of several files as the records they touch (absolute, as if alone)."""
+    return grouped(parts).records()
 
 
 def _settled(steps: np.ndarray, watermark: int) -> np.ndarray:
@@ -380,7 +420,6 @@ class Once:
 
     keys: np.ndarray  # int64, sorted
     rows: np.ndarray  # COMPACT: the new rows (PENDING is set when they are put)
-    steps: np.ndarray  # int64 [m, 3]: the new three earliest steps (SETTLED, NO_STEP)
     level: np.ndarray  # int64: exposures before
     step: np.ndarray  # int64: the start's step
     host: np.ndarray  # int64: the start's host
@@ -395,8 +434,28 @@ class Once:
     def empty(cls) -> Once:
         z = np.zeros(0, np.int64)
         b = np.zeros(0, bool)
-        return cls(z, np.zeros(0, COMPACT), np.zeros((0, 3), np.int64), z, z, z, b,
-                   np.zeros(1, np.int64), z, b, b, LAYOUTS[0])
+        return cls(z, np.zeros(0, COMPACT), z, z, z, b, np.zeros(1, np.int64), z, b, b,
+                   LAYOUTS[0])
+
+    @property
+    def steps(self) -> np.ndarray:
+        """int64 [m, 3]: the new three earliest steps (SETTLED, NO_STEP)."""
+        return self.triples(slice(None))
+
+    def triples(self, idx: np.ndarray | slice) -> np.ndarray:
+        """The new three earliest steps of records `idx`, built on demand (for the pending
+        table's few, not the batch's all): the start is the record's (level + 1)-th exposure,
+        the earlier ones settled (its row was not pending)."""
+        level, step = self.level[idx], self.step[idx]
+        out = np.empty((len(level), 3), np.int64)
+        for j in range(3):
+            out[:, j] = np.where(level > j, SETTLED, np.where(level == j, step, NO_STEP))
+        return out
+
+    def live(self, watermark: int) -> np.ndarray:
+        """Which records' start is one of their first three and at or after `watermark` (their
+        triples go to the pending table)."""
+        return (self.level < 3) & (self.step >= watermark)
 
     def records(self) -> Records:
         """These records as Records (an overlay of a change staged in a transaction)."""
@@ -626,29 +685,29 @@ class RunState:
         out.hosts[spans(at[~many], counts[~many])] = slot[filled] - 1
         out.hosts[spans(at[many], counts[many])] = spilled
 
-    def once(self, inc: Records, watermark: int, exclude: np.ndarray | None = None
+    def once(self, g: Grouped, watermark: int, exclude: np.ndarray | None = None
              ) -> tuple[np.ndarray, Once]:
-        """Which records of `inc` (a batch's starts, grouped) go the short way, and their new
-        state: started once in the batch, at or after the watermark, on one host, their row
-        neither in a map nor pending nor near the level cap, the start's epoch unknown or in
+        """Which records of `g` (a batch's starts, grouped) go the short way, and their new
+        state: started once in the batch, at or after the watermark, on a tracked host, their
+        row neither in a map nor pending nor near the level cap, the start's epoch unknown or in
         the row's window and its host in the row's layout with room for it. Their rows alone
         then say everything: no CSR of hosts or epochs is built, no pending table searched. A
         healthy loader's batch is nearly all of them (a 1M-row batch of 128 hosts: the
         general way cost ~0.3 s of state work); the others, and `exclude` (records with a
         change staged in the transaction), take the general way (Records.merged)."""
         layout = self.hosts_in_rows
-        if len(inc.hosts) and int(inc.hosts.max()) > layout.cap:  # the rows change layout
-            return np.zeros(len(inc.keys), bool), Once.empty()
-        ok = (inc.exposures == 1) & (inc.host_counts == 1) & (inc.steps[:, 0] >= watermark)
+        if len(g.hosts) and int(g.hosts.max()) > layout.cap:  # the rows change layout
+            return np.zeros(len(g), bool), Once.empty()
+        idx = np.flatnonzero(g.counts == 1)
+        start = g.first[idx]
+        host, step = g.hosts[start], g.steps[start]
+        ok = (host >= 0) & (step >= watermark)
+        keys = g.keys[start]
         if exclude is not None and len(exclude):
-            ok &= ~np.isin(inc.keys, exclude)
-        idx = np.flatnonzero(ok)
-        host = inc.hosts[inc.host_ptr[:-1][idx]]
-        ecount = inc.epoch_counts[idx]
-        epoch = np.full(len(idx), -1, np.int64)
-        known = ecount > 0
-        epoch[known] = inc.epochs[inc.epoch_ptr[:-1][idx][known]]
-        keys = inc.keys[idx]
+            ok &= ~np.isin(keys, exclude)
+        if not ok.all():
+            idx, start, host, step, keys = idx[ok], start[ok], host[ok], step[ok], keys[ok]
+        epoch = g.epochs[start]  # below 0: unknown
         # Each row as one little-endian 64-bit word (COMPACT's fields: level, flags, epochs,
         # then the four host bytes), its fields taken and put back by shifts: structured field
         # access is strided, and cost more than the work.
@@ -671,7 +730,7 @@ class RunState:
                 count += c > 0
             fits &= present | (count < layout.slots)
         sel = np.flatnonzero(fits)
-        mine = np.zeros(len(inc.keys), bool)
+        mine = np.zeros(len(g), bool)
         mine[idx[sel]] = True
         if not len(sel):
             return mine, Once.empty()
@@ -704,11 +763,7 @@ class RunState:
         was_dup = (flags & DUP) != 0
         out = ((level + 1) | np.where(was_dup | repeat, DUP, 0) << 8 | (emask | ebit) << 16
                | hword << 32).astype("<u8").view(COMPACT)
-        step = inc.steps[idx[sel], 0]
-        steps = np.empty((len(sel), 3), np.int64)
-        for j in range(3):
-            steps[:, j] = np.where(level > j, SETTLED, np.where(level == j, step, NO_STEP))
-        return mine, Once(keys, out, steps, level, step, host, ~present, before_ptr, before,
+        return mine, Once(keys, out, level, step[sel], host, ~present, before_ptr, before,
                           repeat, was_dup, layout)
 
     # ---- writing ---------------------------------------------------------------------------
@@ -721,13 +776,14 @@ class RunState:
             return
         self.reserve(int(q.keys[-1]) + 1)
         self.top = max(self.top, int(q.keys[-1]))
-        steps = _settled(q.steps, self.watermark)
-        live = _live(steps)
-        rows = q.rows.copy()
-        rows["flags"][live] |= PENDING
+        live = q.live(self.watermark)
+        words = q.rows.view(np.uint64).copy()
+        words[live] |= np.uint64(PENDING << 8 * COMPACT.fields["flags"][1])
         was = (self.data["flags"][q.keys] & PENDING) != 0
-        np.put(self.data.view(np.uint64), q.keys, rows.view(np.uint64))
-        self._pend(q.keys, steps, live, was)
+        np.put(self.data.view(np.uint64), q.keys, words)
+        # Only the live records' triples are built: the others' are settled or past their
+        # third exposure (in a batch of 1M random starts over 10M records, a few in ten).
+        self._pend(q.keys, q.triples(np.flatnonzero(live)), live, was)
 
     def put(self, r: Records) -> None:
         """The records' new state (their steps below the watermark become SETTLED)."""
@@ -780,7 +836,7 @@ class RunState:
         flags[live] |= PENDING
         rows["flags"] = flags
         np.put(self.data.view(np.uint64), r.keys, rows.view(np.uint64))
-        self._pend(r.keys, steps, live, (old & PENDING) != 0)
+        self._pend(r.keys, steps[live], live, (old & PENDING) != 0)
 
     RELAYOUT_ROWS = 1 << 24  # rows moved to a new host layout at a time (bounded temporaries)
 
@@ -816,11 +872,12 @@ class RunState:
     # a few batches (16 hosts x 500k rows: 0.7 s a batch).
     PENDING_RUNS = 32
 
-    def _pend(self, keys: np.ndarray, steps: np.ndarray, live: np.ndarray,
+    def _pend(self, keys: np.ndarray, live_steps: np.ndarray, live: np.ndarray,
               was: np.ndarray) -> None:
-        """The pending table takes these records' triples (settled below the watermark: `live`
-        those with a step at or after it, flagged PENDING in their rows; `was`: those flagged
-        PENDING before, the only ones an older run can hold)."""
+        """The pending table takes the triples of these records with a step at or after the
+        watermark (`live`, flagged PENDING in their rows; `live_steps` their triples, settled
+        below the watermark); `was`: those flagged PENDING before, the only ones an older run
+        can hold."""
         gone = keys[was]
         runs = []
         for run in self.pending:
@@ -828,7 +885,7 @@ class RunState:
             if kept is not None:  # a run that lost records keeps its bounds (bounds still)
                 runs.append(kept)
         if live.any():
-            runs.append(PendingRun.of(keys[live], steps[live]))
+            runs.append(PendingRun.of(keys[live], live_steps))
         if len(runs) > self.PENDING_RUNS:  # the smaller half merged: each entry merges
             runs.sort(key=lambda r: r.count)  # O(log) times over its life, as in an LSM tree
             small, runs = runs[: len(runs) // 2 + 1], runs[len(runs) // 2 + 1:]
