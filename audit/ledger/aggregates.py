@@ -378,7 +378,10 @@ class Aggregates:
     def reserve(self) -> None:
         """Grow the state for the pending changes (before the COMMIT: what can fail, such as
         an allocation, fails while the transaction can still roll back). Room to grow into
-        stops at the bound (StateBudget let the keys in)."""
+        stops at the bound (StateBudget let the keys in). Each run's `top` is raised here
+        too, before the COMMIT that adds its keys: a reader that checks it without the lock
+        (tally.audit.ledger.live) never misses keys its snapshot holds (it was raised by the
+        state's update after the COMMIT, a window in which such a reader left them out)."""
         total = process_state_bytes()
         for s in self._pending:
             top = max([int(k[-1]) for k in (s.new.keys, None if s.once is None else s.once.keys)
@@ -388,6 +391,7 @@ class Aggregates:
                 before = st.data.nbytes
                 st.reserve(top + 1, most=(self.max_state_bytes - total + before)
                            // COMPACT.itemsize)
+                st.top = max(st.top, top)
                 total += st.data.nbytes - before
 
     def commit(self) -> None:

@@ -527,7 +527,12 @@ class PendingRun(NamedTuple):
     def of(cls, keys: np.ndarray, steps: np.ndarray) -> PendingRun:
         if not len(keys):
             return cls(keys, steps, NO_STEP, SETTLED, None, 0)
-        first = np.where(steps == SETTLED, NO_STEP, steps).min(axis=1)
+        # Each triple's first real step: triples ascend (SETTLED first, NO_STEP last), so it is
+        # the first column not SETTLED. Column by column: numpy's min along rows of three
+        # cost 0.4 of 7.8 s of a 20M-row ingest's state work.
+        c0, c1, c2 = steps[:, 0], steps[:, 1], steps[:, 2]
+        first = np.where(c0 != SETTLED, c0, np.where(c1 != SETTLED, c1,
+                                                     np.where(c2 != SETTLED, c2, NO_STEP)))
         return cls(keys, steps, int(first.min()), int(first.max()), None, len(keys))
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
