@@ -3,8 +3,8 @@ tables.
 
 Writes a spool of `--files` segment files of `--rows` rows each through the real writer, then
 times (a) ingest of the spool into a fresh ledger (footer, schema, metadata and value checks;
-batches of about a million rows per transaction with their `segments` rows, `host_steps` and the
-live API's aggregates over random keys of 10M records) and (b) the
+batches of about two million rows per transaction with their `segments` rows, `host_steps`
+and the live API's aggregates over random keys of 10M records) and (b) the
 reference: the same Arrow tables, already in memory, inserted into a fresh DuckDB file with one
 `INSERT ... SELECT` each. Prints both rates and their ratio.
 
@@ -141,7 +141,7 @@ def _measure(args: argparse.Namespace, records: int) -> dict:
     ref_rate, ours_rate = total / ref_s, total / ours_s
     print(f"reference INSERT ... SELECT of in-memory Arrow tables: {total:,} rows in "
           f"{ref_s:.2f} s = {ref_rate / 1e6:.2f} M rows/s")
-    print(f"tally ingest from Parquet files (checked, aggregates, ~1M rows per transaction): "
+    print(f"tally ingest from Parquet files (checked, aggregates, ~2M rows per transaction): "
           f"{total:,} rows "
           f"in {ours_s:.2f} s = {ours_rate / 1e6:.2f} M rows/s")
     print(f"ratio ingest / reference: {ours_rate / ref_rate:.2f} (target >= 0.5)")

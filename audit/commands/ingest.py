@@ -86,8 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("spool", help="spool directory the training hosts write to")
     s.add_argument("--ledger", required=True, help="DuckDB ledger file (created if missing)")
     quiet_json(s, quiet="no progress bar")
-    s.add_argument("--batch-rows", type=int, default=1_000_000,
-                   help="rows per transaction (files are never split; default 1,000,000)")
+    s.add_argument("--batch-rows", type=int, default=2_000_000,  # ledger.ingest.BATCH_ROWS
+                   help="rows per transaction (files are never split; default 2,000,000)")
     s.add_argument("--manifest", help="manifest Parquet file: check each file's rows against it "
                    "as they are ingested (hash mismatches, unknown keys, held-out records)")
     log_format(s)
