@@ -31,15 +31,18 @@ def test_records_started_once_change_what_the_general_way_changes(hosts):
     per_host = 2 * 2000 // hosts  # ~2,000 starts a batch: most records once in it
     ways = [Aggregates(), Aggregates()]
     _general_only(ways[1], 1)
-    once_seen = 0
+    once_seen = pending_seen = 0
     for b in range(batches):
         # Each host sends one file a batch, steps in order; keys with replacement over a small
         # corpus (records gain hosts batch after batch, some beyond the row's slots, a few
-        # reach the level cap), epochs that advance and repeat, some unknown.
+        # reach the level cap), epochs that advance and repeat, some unknown. Host 0 runs two
+        # batches behind: the watermark trails it, so records seen since stay pending (their
+        # triples in the pending table) and the others' starts land among their steps.
         parts = []
         for h in range(hosts):
             n = int(rng.integers(1, per_host))
-            steps = np.sort(rng.integers(b * 10, b * 10 + 10, n))
+            at = max(b - 2, 0) if h == 0 else b
+            steps = np.sort(rng.integers(at * 10, at * 10 + 10, n))
             keys = rng.integers(0, records, n)
             keys[: n // 10] = rng.integers(0, 4, n // 10)  # a few hot records: level cap
             epochs = (steps // 40 + rng.integers(-1, 2, n)).astype(np.int32)
@@ -52,6 +55,7 @@ def test_records_started_once_change_what_the_general_way_changes(hosts):
             inc = agg.increments(1, parts)
             got.append(_canonical(inc.deltas))
             short.append(len(inc.once))
+            pending_seen += len(inc.once.pend)
             agg._pending.append(_Staged(1, inc.new, inc.seen, once=inc.once))
             agg.reserve()
             agg.commit()
@@ -68,6 +72,7 @@ def test_records_started_once_change_what_the_general_way_changes(hosts):
     assert a.levels and len(a.far_epochs)  # the maps were reached
     assert len(a.many_hosts) or hosts <= 32  # (a mask holds any number of hosts)
     assert once_seen > batches * 2000 // 4  # many records went the short way
+    assert pending_seen > batches * 10  # among them records whose triples were pending
     ka, sa = a._pending_table()
     kg, sg = g._pending_table()
     assert np.array_equal(ka, kg) and np.array_equal(sa, sg)

@@ -816,12 +816,16 @@ def once_deltas(q: Once) -> Deltas:
     """The agg-table changes of records started once (RunState.once), from what their rows
     said: the same quantities as `deltas`, without the records' host and epoch sets."""
     first3 = q.level < 3
+    first3[q.pend] = False  # their triples held real steps: ranks from both triples
     rank, step, rec = [], [], []
     for j in range(3):
         s, d = _tally(q.step[first3 & (q.level == j)])
         rank.append(np.full(len(s), j + 1, np.int8))
         step.append(s)
         rec.append(d)
+    ranks = (np.concatenate(rank), np.concatenate(step), np.concatenate(rec))
+    if len(q.pend):
+        ranks = _cat_ranks(ranks, _rank_deltas(q.pend_old, q.pend_new))
     levels = _net(q.level + 1, q.level[q.level > 0])
     # A host added: pairs with each host the record was on, both ways, and itself (the
     # diagonal: records the host saw); the record becomes shared when it was on one host.
@@ -837,7 +841,7 @@ def once_deltas(q: Once) -> Deltas:
     new_dups = q.repeat & ~q.was_dup
     totals = [int((q.level == 0).sum()), len(q), int(q.repeat.sum()), int(new_dups.sum()),
               int(one.sum())]
-    return Deltas((np.concatenate(rank), np.concatenate(step), np.concatenate(rec)), levels,
+    return Deltas(ranks, levels,
                   ((code // hosts).astype(np.int32), (code % hosts).astype(np.int32), count),
                   (shared[0].astype(np.int32), shared[1]), totals)
 
