@@ -406,3 +406,44 @@ def test_a_run_that_grows_to_more_hosts_keeps_its_host_sets(tmp_path):
         assert state.hosts_in_rows == HostLayout(2) and hosts_in_row(state).max() == 2
         check(srv, ledger, "r")
         assert_same_state(state, Aggregates.load(ledger, use_snapshots=False).runs[1])
+
+
+def test_a_state_update_that_fails_after_its_commit_is_rebuilt_from_the_ledger(tmp_path,
+                                                                                monkeypatch):
+    """The per-record state is updated after the batch's COMMIT, under the readers' lock.
+    When that update fails (half done), the ingest says so, the batch stays in the ledger, the
+    lock is free, and the next user of the state rebuilds it from the ledger: the same as a
+    state that never failed."""
+    spool, path = tmp_path / "spool", tmp_path / "ledger.duckdb"
+    for h in (0, 1):
+        write_steps(spool, "r", host=h, hosts=2, steps=range(0, 40), seed=h, n=N,
+                    flush_every=4)
+    real = RunState.put_once
+    calls = []
+
+    def failing(self, q):
+        calls.append(len(q))
+        if len(calls) == 2:  # the second batch's update, after its COMMIT
+            raise MemoryError("no memory for the state")
+        return real(self, q)
+
+    monkeypatch.setattr(RunState, "put_once", failing)
+    with Ledger(path) as ledger:
+        agg = Aggregates.load(ledger)
+        ledger._aggregates = agg
+        with pytest.raises(MemoryError, match="no memory for the state"):
+            ingest(spool, ledger, batch_rows=100)  # ~8 batches of 736 rows
+        assert agg.dropped and ledger._aggregates is None  # rebuilt by its next user
+        assert agg.lock.acquire(timeout=5)
+        agg.lock.release()
+        done = ledger.query("SELECT count(*) AS n FROM segments")[0]["n"]
+        assert 0 < done < 42  # the failed batch's files and those before it, not the rest
+        monkeypatch.setattr(RunState, "put_once", real)
+        ingest(spool, ledger)
+        assert ledger.query("SELECT count(*) AS n FROM segments")[0]["n"] == 42
+        state = ledger._aggregates.runs[1]
+        tables = _agg_tables(ledger)
+    with Ledger(path) as ledger:
+        again = Aggregates.load(ledger, use_snapshots=False).runs[1]
+        assert_same_state(state, again)
+        assert _agg_tables(ledger) == tables
