@@ -81,8 +81,9 @@ import tally.audit.ledger.lookup
 tally.audit.ledger.lookup.MEMORY_ROWS = 0  # each batch's run to disk at once: kills land among them
 write = tally.audit.ledger.ingest._write_batch
 def announced(*args):
-    write(*args)
+    committed = write(*args)
     print("batch", flush=True)
+    return committed
 tally.audit.ledger.ingest._write_batch = announced
 from tally.audit.cli import main
 sys.exit(main(["ingest", sys.argv[1], "--ledger", sys.argv[2], "-q", "--batch-rows", "60000"]))

@@ -120,6 +120,38 @@ def test_index_answers_as_a_scan_does_as_it_grows_and_when_behind(tmp_path):
         assert lookup.for_ledger(ledger).coverage.upto == top
 
 
+def test_runs_built_from_the_ingests_columns_equal_runs_read_back_from_the_ledger(
+        tmp_path, monkeypatch):
+    """The ingest hands the index the columns of the files it just committed (no read back):
+    each run holds the codes of the ledger's own rows of its files, exactly, through restarts
+    (rows of rolled-back attempts), metric files between segment files and keys beyond the
+    manifest."""
+    spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
+    held = []
+    real_held = lookup._held
+    monkeypatch.setattr(lookup, "_held", lambda *a: _note(held, real_held(*a)))
+    _spool(spool)
+    with Ledger(path) as ledger:
+        ingest(spool, ledger, batch_rows=200)
+        assert sum(g is not None for g in held) > 5  # the columns were used, chunk by chunk
+        cur = ledger.cursor()
+        try:
+            for kind, runs in lookup.for_ledger(ledger).coverage.runs.items():
+                assert runs[-1].hi == ledger.query("SELECT max(file_id) m FROM segments")[0]["m"]
+                for r in runs:
+                    got = lookup._pairs(cur, r.lo, r.hi)
+                    want = lookup._codes(kind, np.asarray(got[lookup.KINDS[kind][0]]),
+                                         np.asarray(got["file_id"], np.int64), r.lo, r.hi)
+                    assert np.array_equal(np.asarray(r.codes), want), (kind, r.lo, r.hi)
+        finally:
+            cur.close()
+
+
+def _note(seen: list, value):
+    seen.append(value)
+    return value
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign", "temporary"])
 @pytest.mark.slow
 def test_a_damaged_or_foreign_index_is_dropped_never_believed(tmp_path, damage):

@@ -184,11 +184,10 @@ def _ingest(spool: Path, ledger: Ledger, agg: Aggregates, progress: bool, batch_
                 batch.append(_File(item, st, *read, held=item.rel in held))
                 rows += read[0].num_rows
                 if rows >= batch_rows or len(batch) >= BATCH_FILES:
-                    _ingest_batch(ledger, cur, agg, pool, batch, result, integrity)
-                    index.kick()
+                    index.kick(_ingest_batch(ledger, cur, agg, pool, batch, result, integrity))
                     batch, rows = [], 0
             if batch:
-                _ingest_batch(ledger, cur, agg, pool, batch, result, integrity)
+                index.kick(_ingest_batch(ledger, cur, agg, pool, batch, result, integrity))
         bar.close()
     finally:
         cur.close()
@@ -209,16 +208,32 @@ class _Indexer:
     index only speeds lookups up (files it does not cover are scanned), so a failure here is
     logged, never raised."""
 
+    # Rows whose columns wait for the index at most (16 bytes a row: 64 MiB). The index is a
+    # batch or two behind; one that lags further reads the rest back from the ledger.
+    HELD_ROWS = 1 << 22
+
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tally-ingest-index")
         self.running: Future | None = None
+        # File id -> (record keys, content hashes) of segment files committed and not yet
+        # indexed: the index takes them from here rather than from the ledger.
+        self.columns: dict[int, tuple] = {}
+        self.lock = threading.Lock()
 
     def __enter__(self) -> _Indexer:
         return self
 
-    def kick(self) -> None:
-        """Start a catch-up unless one is running (the next one takes what this one missed)."""
+    def kick(self, committed: list[tuple[int, pa.Table]] = ()) -> None:
+        """Start a catch-up unless one is running (the next one takes what this one missed);
+        `committed`: the segment files just committed, by file id."""
+        with self.lock:
+            held = sum(len(k) for k, _ in self.columns.values())
+            for fid, table in committed:
+                if held >= self.HELD_ROWS:
+                    break
+                self.columns[fid] = (table["record_key"], table["content_hash"])
+                held += table.num_rows
         if self.running is None or self.running.done():
             self.running = self.pool.submit(self._catch_up)
 
@@ -235,10 +250,20 @@ class _Indexer:
         cur = self.ledger.cursor()
         try:
             index = lookup.for_ledger(self.ledger)
-            while index.catch_up(cur):
-                pass
+            while True:
+                with self.lock:
+                    held = dict(self.columns)
+                done = index.catch_up(cur, columns=held)
+                with self.lock:  # indexed (or passed over): not wanted again
+                    upto = index.coverage.upto
+                    for fid in [f for f in self.columns if f <= upto]:
+                        del self.columns[fid]
+                if not done:
+                    break
         except Exception as exc:  # noqa: BLE001 (a disk full, a damaged run: lookups scan)
             log.warning("lookup index not updated: %s: %s", type(exc).__name__, exc)
+            with self.lock:
+                self.columns.clear()
         finally:
             cur.close()
 
@@ -377,27 +402,30 @@ def _quarantine(cur, result: IngestResult, rel: str, st, reason: str) -> None:
 
 def _ingest_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
                   batch: list[_File], result: IngestResult,
-                  integrity: IngestIntegrity | None) -> None:
+                  integrity: IngestIntegrity | None) -> list[tuple[int, pa.Table]]:
     """The batch in one transaction. A file that repeats steps already ingested from another
     file, whose keys the live state cannot hold, or whose run or attempt metadata contradicts
-    the ledger is quarantined, and the rest go in without it."""
+    the ledger is quarantined, and the rest go in without it. Returns the segment files that
+    went in, by file id."""
     for f, reason in _refused(cur, agg, batch):
         _quarantine(cur, result, f.item.rel, f.stat, reason)
         batch = [g for g in batch if g is not f]
     while batch:
         try:
-            _write_batch(ledger, cur, agg, pool, batch, integrity)
+            committed = _write_batch(ledger, cur, agg, pool, batch, integrity)
         except _Rejected as r:
             _quarantine(cur, result, r.file.item.rel, r.file.stat, str(r))
             batch = [f for f in batch if f is not r.file]
             continue
         result.files += len(batch)
         result.rows += sum(f.table.num_rows for f in batch)
-        return
+        return committed
+    return []
 
 
 def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
-                 batch: list[_File], integrity: IngestIntegrity | None) -> None:
+                 batch: list[_File], integrity: IngestIntegrity | None
+                 ) -> list[tuple[int, pa.Table]]:
     cur.execute("BEGIN TRANSACTION")
     committed = False
     try:
@@ -485,6 +513,7 @@ def _write_batch(ledger: Ledger, cur, agg: Aggregates, pool: ThreadPoolExecutor,
             agg.discard()
             cur.execute("ROLLBACK")
         raise
+    return [(fid, f.table) for f, fid in segs]
 
 
 def _refused(cur, agg: Aggregates, batch: list[_File]) -> list[tuple[_File, str]]:

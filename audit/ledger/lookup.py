@@ -30,11 +30,13 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 import xxhash
 
 from tally.audit.core.paths import atomic_write
@@ -223,9 +225,13 @@ class LookupIndex:
         return ids.tolist(), cov.upto
 
     # ---- writing (the ingesting thread) ----------------------------------------------------
-    def catch_up(self, cur: duckdb.DuckDBPyConnection, budget_rows: int = CHUNK_ROWS) -> int:
+    def catch_up(self, cur: duckdb.DuckDBPyConnection, budget_rows: int = CHUNK_ROWS,
+                 columns: Mapping[int, tuple] | None = None) -> int:
         """Index committed segment files beyond the watermark, about `budget_rows` rows at most
-        (at least one file); returns the rows indexed."""
+        (at least one file); returns the rows indexed. `columns`: file id -> (record keys,
+        content hashes) of files the caller has just committed, as it inserted them: a chunk
+        whose files are all there is indexed from them rather than read back from the
+        ledger."""
         with self._write:
             done = 0
             while done < budget_rows:
@@ -249,7 +255,9 @@ class LookupIndex:
                     last = max(int(np.searchsorted(rows, budget_rows - done, "right")), 1)
                     hi = int(ids[last - 1]) if last < len(ids) else int(listed[-1][0])
                     want = int(rows[last - 1])
-                    got = _pairs(cur, cov.upto, hi)
+                    got = _held(columns, ids[:last]) if columns else None
+                    if got is None:
+                        got = _pairs(cur, cov.upto, hi)
                 except BaseException:
                     ended = True
                     cur.execute("ROLLBACK")  # a read: nothing to keep, whatever failed
@@ -327,6 +335,19 @@ def _pairs(cur: duckdb.DuckDBPyConnection, lo: int, hi: int) -> dict[str, np.nda
     """The indexed columns of the segment rows of files (lo, hi]."""
     return cur.execute("""SELECT record_key, content_hash, file_id FROM consumption
         WHERE file_id > ? AND file_id <= ?""", [lo, hi]).fetchnumpy()
+
+
+def _held(columns: Mapping[int, tuple], ids: np.ndarray) -> dict[str, np.ndarray] | None:
+    """`_pairs` of the files `ids` from the columns their ingest held (None unless it holds
+    every one of them): read back from the ledger, they cost ~0.65 CPU s for 20M rows on this
+    2-core box, in DuckDB's threads beside the next batch's INSERT."""
+    held = [columns.get(int(f)) for f in ids]
+    if any(h is None for h in held):
+        return None
+    keys = pa.chunked_array([c for k, _ in held for c in k.chunks], pa.int64())
+    hashes = pa.chunked_array([c for _, h in held for c in h.chunks], pa.uint64())
+    return {"record_key": keys.to_numpy(), "content_hash": hashes.to_numpy(),
+            "file_id": np.repeat(ids, [len(k) for k, _ in held])}
 
 
 def _rebuild(cur: duckdb.DuckDBPyConnection, directory: Path, run: Run, owner: int) -> Run:
