@@ -714,12 +714,12 @@ class RunState:
              ) -> tuple[np.ndarray, Once]:
         """Which records of `g` (a batch's starts, grouped) go the short way, and their new
         state: started once in the batch, at or after the watermark, on a tracked host, their
-        row neither in a map nor pending nor near the level cap, the start's epoch unknown or in
-        the row's window and its host in the row's layout with room for it. Their rows alone
-        then say everything: no CSR of hosts or epochs is built, no pending table searched. A
-        healthy loader's batch is nearly all of them (a 1M-row batch of 128 hosts: the
-        general way cost ~0.3 s of state work); the others, and `exclude` (records with a
-        change staged in the transaction), take the general way (Records.merged)."""
+        row neither in a map nor near the level cap, the start's epoch unknown or in the row's
+        window and its host in the row's layout with room for it. Their rows (and, for those
+        pending, their triples in the pending table) then say everything: no CSR of hosts or
+        epochs is built. A healthy loader's batch is nearly all of them (a 1M-row batch of 128
+        hosts: the general way cost ~0.3 s of state work); the others, and `exclude` (records
+        with a change staged in the transaction), take the general way (Records.merged)."""
         layout = self.hosts_in_rows
         if len(g.hosts) and int(g.hosts.max()) > layout.cap:  # the rows change layout
             return np.zeros(len(g), bool), Once.empty()
@@ -794,7 +794,8 @@ class RunState:
         # steps (hosts' steps interleave). A batch of 8 hosts' files finds ~10% of its
         # records there, seen in the step before; they took the general way.
         pend = np.flatnonzero(flags & PENDING)
-        old = self._pending_steps(keys[pend], np.full((len(pend), 3), NO_STEP, np.int64))
+        old = self._pending_steps(keys[pend], np.where(
+            np.arange(3) < np.minimum(level[pend], 3)[:, None], SETTLED, NO_STEP))  # as get
         new = np.empty_like(old)
         s = step[pend]
         np.minimum(old[:, 0], s, out=new[:, 0])
@@ -819,7 +820,7 @@ class RunState:
         was = (self.data["flags"][q.keys] & PENDING) != 0
         np.put(self.data.view(np.uint64), q.keys, words)
         # Only the live records' triples are built: the others' are settled or past their
-        # third exposure (in a batch of 1M random starts over 10M records, a few in ten).
+        # third exposure (random starts over 10M records: those of about a batch's last step).
         self._pend(q.keys, _settled(q.triples(np.flatnonzero(live)), self.watermark), live, was)
 
     def put(self, r: Records) -> None:
