@@ -23,7 +23,7 @@ from tally.audit.ledger.state import (
     Starts,
     _host_word,
     _slots,
-    group,
+    grouped,
 )
 from tests.support.api import Server, write_steps
 
@@ -236,7 +236,7 @@ def test_grouping_packed_and_wide_keys_agree():
         parts = [Starts(base_key + rng.integers(0, 40, 300), rng.integers(0, step_span, 300),
                         rng.integers(-1, 70, 300).astype(np.int32), host)
                  for host in (0, 3, 63, 64, 70)]
-        got = group(parts)
+        got = grouped(parts).records()
         want: dict[int, list] = {}
         for p in parts:
             for k, s, e in zip(p.keys, p.steps, p.epochs, strict=True):
