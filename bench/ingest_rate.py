@@ -19,6 +19,12 @@ with the number of records: 16 hosts x 13 steps x 500k rows over 100M records in
                                 [--keys random|perm] [--dir bench/out/ingest]
                                 [--scale 4 [--min-scaling 0.8]]
 
+Where the CPU went: the ingest's user and system seconds and minor page faults, the process's
+and each thread's (Linux; threads by their Python names, read from /proc every 0.2 s), beside
+the reference's. System time is the clue to allocation churn: on this VM a page the process has
+not touched before (or gave back) costs ~25 us, so memory freed and faulted in again each batch
+shows there, and not in the rows' count (issue 35).
+
 `--scale K` is the regression guard for that growth: the same rows are ingested twice, over
 `--records` and over K times as many records, each beside its own reference, and the command
 exits non-zero when the ingest's ratio to its reference over K times the records falls below
@@ -29,8 +35,11 @@ the box's load between the two runs cancels).
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +74,78 @@ def make_spool(spool: Path, files: int, rows: int, hosts: int = 8, records: int 
                     offset=np.zeros(rows), n_tokens=rng.integers(1, 8192, rows),
                     content_hash=rng.integers(0, 2**63, rows, dtype=np.int64).view(np.uint64),
                     epoch=np.zeros(rows)))
+
+
+class ThreadCPU:
+    """User and system seconds and minor faults of this process and of each of its threads over
+    a `with` block, from getrusage and /proc/self/task (Linux; elsewhere the process's only).
+    Threads are sampled every `every` seconds and at the end: a thread that ends between
+    samples loses at most that much of its account."""
+
+    def __init__(self, every: float = 0.2) -> None:
+        self.every = every
+        self.threads: dict[int, tuple[str, float, float, int]] = {}
+        self._stop = threading.Event()
+
+    def __enter__(self) -> ThreadCPU:
+        self._base = self._sample()
+        self._r0 = resource.getrusage(resource.RUSAGE_SELF)
+        self._watch = threading.Thread(target=self._run, daemon=True, name="bench-cpu")
+        self._watch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        self._stop.set()
+        self._watch.join()
+        self._keep(self._sample())
+        self.user = r1.ru_utime - self._r0.ru_utime
+        self.sys = r1.ru_stime - self._r0.ru_stime
+        self.faults = r1.ru_minflt - self._r0.ru_minflt
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._keep(self._sample())
+
+    def _keep(self, now: dict[int, tuple[str, float, float, int]]) -> None:
+        for tid, (name, user, sys_s, flt) in now.items():
+            _, u0, s0, f0 = self._base.get(tid, (name, 0.0, 0.0, 0))
+            self.threads[tid] = (name, user - u0, sys_s - s0, flt - f0)
+
+    @staticmethod
+    def _sample() -> dict[int, tuple[str, float, float, int]]:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:  # not Linux: the process's figures only
+            return out
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            # After the name: state is field 3 of stat(5); minflt 10, utime 14, stime 15.
+            out[int(tid)] = (names.get(int(tid), "(native)"), int(fields[11]) / tick,
+                             int(fields[12]) / tick, int(fields[7]))
+        return out
+
+    def report(self, title: str) -> str:
+        lines = [f"{title}: {self.user:.1f} user + {self.sys:.1f} system CPU s, "
+                 f"{self.faults:,} minor faults"]
+        busy = sorted(self.threads.values(), key=lambda t: -(t[1] + t[2]))
+        native = [t for t in busy if t[0] in ("(native)", "bench-cpu")]
+        for name, user, sys_s, flt in [t for t in busy if t not in native][:6]:
+            if user + sys_s >= 0.05:
+                lines.append(f"  {name:<24} {user:6.1f} user {sys_s:6.1f} system "
+                             f"{flt:>10,} faults")
+        if native:  # DuckDB's and Arrow's own threads (and this sampler), together
+            lines.append(f"  {'other (native) threads':<24} {sum(t[1] for t in native):6.1f} "
+                         f"user {sum(t[2] for t in native):6.1f} system "
+                         f"{sum(t[3] for t in native):>10,} faults")
+        return "\n".join(lines)
 
 
 def reference(tables: list, path: Path) -> float:
@@ -130,9 +211,10 @@ def _measure(args: argparse.Namespace, records: int) -> dict:
     tables = [pq.read_table(p) for p in paths]
     total = sum(t.num_rows for t in tables)
 
-    ref_s = reference(tables, out / "reference.duckdb")
+    with ThreadCPU() as ref_cpu:
+        ref_s = reference(tables, out / "reference.duckdb")
     del tables
-    with Ledger(out / "ledger.duckdb") as ledger:
+    with Ledger(out / "ledger.duckdb") as ledger, ThreadCPU() as ours_cpu:
         t0 = time.perf_counter()
         res = ingest(spool, ledger)
         ledger.con.execute("CHECKPOINT")
@@ -145,9 +227,14 @@ def _measure(args: argparse.Namespace, records: int) -> dict:
           f"{total:,} rows "
           f"in {ours_s:.2f} s = {ours_rate / 1e6:.2f} M rows/s")
     print(f"ratio ingest / reference: {ours_rate / ref_rate:.2f} (target >= 0.5)")
+    print(ref_cpu.report("the reference's CPU"))
+    print(ours_cpu.report("the ingest's CPU"))
     shutil.rmtree(out, ignore_errors=True)  # a large run's spool and ledgers: GBs
     return {"rows": total, "ref_rate": ref_rate, "ours_rate": ours_rate,
-            "ratio": ours_rate / ref_rate}
+            "ratio": ours_rate / ref_rate, "ref_sys_s": ref_cpu.sys, "sys_s": ours_cpu.sys,
+            "threads": {name: (user, sys_s, flt)
+                        for name, user, sys_s, flt in ours_cpu.threads.values()
+                        if name not in ("(native)", "bench-cpu")}}
 
 
 if __name__ == "__main__":

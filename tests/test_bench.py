@@ -16,6 +16,10 @@ def test_ingest_benchmark_runs(tmp_path):
     res = ingest_rate.main(["--files", "8", "--rows", "1000", "--keys", "perm", "--records",
                             "5000", "--dir", str(tmp_path / "b")])
     assert res["rows"] == 8000 and res["ratio"] > 0
+    # Where the CPU went, thread by thread: the ingest's own thread is always among them.
+    user, system, faults = res["threads"]["MainThread"]
+    # (/proc counts in clock ticks, getrusage in microseconds: a tick's slack each side)
+    assert user + system > 0 and faults >= 0 and res["sys_s"] + 0.05 >= system
 
 
 def test_ingest_benchmark_guard_compares_two_sizes(tmp_path):
