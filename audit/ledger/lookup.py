@@ -421,18 +421,25 @@ def _write_run(directory: Path, kind: str, lo: int, hi: int, files: int, codes: 
     header[0] = (_MAGIC, lo, hi, len(codes) if rows is None else rows, files, owner,
                  len(codes), _width(lo, hi), 0)
     header["digest"] = _digest(header, codes)
-    with atomic_write(path, tmp) as f:
+    # Past the page cache (O_DIRECT where the file system allows it): a run is read back whole
+    # at most once (the merge into the next tier; the last tier only by lookups, a few pages
+    # each), and its cache pages cost more than the write on this VM (~25 us a new page).
+    codes = np.ascontiguousarray(codes, np.uint64)
+    with atomic_write(path, tmp, page_cache=False) as f:
         f.write(header.tobytes())
-        # The array's own buffer: a tobytes() copy cost as much as the write.
-        f.write(np.ascontiguousarray(codes, np.uint64).data)
-    run = _read_run(path, owner, verify=False)  # its digest was just taken from these codes
+        f.write(codes.data)  # the array's own buffer: a tobytes() copy cost as much as the write
+    # Its digest was just taken from these codes, and its fence is theirs: the file is not
+    # read back here (a fence of every 4096th code would read most of its pages from disk).
+    run = _read_run(path, owner, verify=False, fence=np.array(codes[::FENCE]))
     assert run is not None
     return run
 
 
-def _read_run(path: Path, owner: int = 0, *, verify: bool = True) -> Run | None:
+def _read_run(path: Path, owner: int = 0, *, verify: bool = True,
+              fence: np.ndarray | None = None) -> Run | None:
     """The run in `path`, or None when its name, header, owner or size disagree; `intact`
-    false when its checksum does not (`verify`)."""
+    false when its checksum does not (`verify`). `fence`: its codes' every FENCE-th, when the
+    caller has them (else read from the file)."""
     m = _NAME.match(path.name)
     if m is None:
         return None
@@ -453,7 +460,8 @@ def _read_run(path: Path, owner: int = 0, *, verify: bool = True) -> Run | None:
             np.memmap(path, np.uint64, "r", offset=_HEADER.itemsize, shape=(n,))
         intact = not verify or _digest(head, codes) == int(header["digest"])
         return Run(kind, lo, hi, int(header["files"]), int(header["rows"]), _width(lo, hi),
-                   codes, np.array(codes[::FENCE]), intact=intact)
+                   codes, np.array(codes[::FENCE]) if fence is None else fence,
+                   intact=intact)
     except (OSError, ValueError):
         return None
 
