@@ -132,6 +132,16 @@ class ThreadCPU:
                              int(fields[12]) / tick, int(fields[7]))
         return out
 
+    def by_name(self) -> dict[str, tuple[float, float, int]]:
+        """User s, system s and faults of the Python threads, summed by name (a pool's thread
+        of the same name may have come and gone more than once)."""
+        out: dict[str, tuple[float, float, int]] = {}
+        for name, user, sys_s, flt in self.threads.values():
+            if name not in ("(native)", "bench-cpu"):
+                u, s, f = out.get(name, (0.0, 0.0, 0))
+                out[name] = (u + user, s + sys_s, f + flt)
+        return out
+
     def report(self, title: str) -> str:
         lines = [f"{title}: {self.user:.1f} user + {self.sys:.1f} system CPU s, "
                  f"{self.faults:,} minor faults"]
@@ -232,9 +242,7 @@ def _measure(args: argparse.Namespace, records: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a large run's spool and ledgers: GBs
     return {"rows": total, "ref_rate": ref_rate, "ours_rate": ours_rate,
             "ratio": ours_rate / ref_rate, "ref_sys_s": ref_cpu.sys, "sys_s": ours_cpu.sys,
-            "threads": {name: (user, sys_s, flt)
-                        for name, user, sys_s, flt in ours_cpu.threads.values()
-                        if name not in ("(native)", "bench-cpu")}}
+            "threads": ours_cpu.by_name()}
 
 
 if __name__ == "__main__":
