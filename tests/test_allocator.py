@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,45 @@ def test_tuned_threads_share_one_arena_and_reuse_what_the_other_freed():
     # The user's own setting wins.
     env["MALLOC_ARENA_MAX"] = "8"
     assert faults("tuned") > 2 * one
+
+
+HUGE_PROBE = """
+import sys
+if sys.argv[1] == "before":
+    from tally.audit.core import allocator
+    allocator.tune()
+import numpy as np
+if sys.argv[1] == "after":  # a library caller, or a bench, that loaded numpy first
+    from tally.audit.core import allocator
+    allocator.tune()
+a = np.ones(8 << 20, np.int64)  # 64 MiB, written: numpy madvises 4 MiB and more
+rollup = {x.split(":")[0]: x.split()[1] for x in open("/proc/self/smaps_rollup")}
+print(int(rollup.get("AnonHugePages", 0)))
+"""
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's huge pages")
+def test_tuned_processes_keep_numpy_off_huge_pages_unless_the_user_asks():
+    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+
+    def huge_kib(mode: str, **extra: str) -> int:
+        out = subprocess.run([sys.executable, "-c", HUGE_PROBE, mode], env={**env, **extra},
+                             check=True, capture_output=True, text=True).stdout
+        return int(out.split()[-1])
+
+    assert huge_kib("before") == huge_kib("after") == 0 or _thp() == "always"
+    if _thp() != "madvise":
+        pytest.skip(f"transparent huge pages are {_thp()!r} here: numpy's advice changes nothing")
+    # Where THP is left to madvise (this box), numpy's own choice backs the array with them,
+    # and the user's setting wins over tune's.
+    assert huge_kib("plain") > 32 * 1024
+    assert huge_kib("before", NUMPY_MADVISE_HUGEPAGE="1") > 32 * 1024
+
+
+def _thp() -> str:
+    try:
+        text = Path(THP).read_text()
+    except OSError:
+        return "unknown"
+    return text[text.index("[") + 1: text.index("]")] if "[" in text else "unknown"

@@ -11,8 +11,10 @@ system time, 8 % less wall time; a 10M-row reconcile 13 % (bench/RESULTS.md). Th
 256 MiB of freed memory kept by each malloc arena rather than returned.
 
 Set by `tune()`: `mallopt` for this process, and the environment variables glibc reads at the
-start of a process for the processes it starts (Beam and Dask workers, the supervised child).
-A setting the environment already has is left as it is. Elsewhere than glibc, nothing.
+start of a process for the processes it starts (Beam and Dask workers, the supervised child);
+numpy's huge pages off (`NUMPY_HUGE_PAGES`), in this process and those it starts. A setting the
+environment already has is left as it is. Elsewhere than Linux, nothing; elsewhere than glibc,
+numpy's huge pages only.
 
 One malloc arena for all of this process's threads (`ARENAS`): glibc gives each thread that
 allocates an arena of its own, whose heaps (64 MiB at most) it maps, faults in and gives back
@@ -39,10 +41,27 @@ _ENV = {"MALLOC_MMAP_THRESHOLD_": (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
         "MALLOC_TRIM_THRESHOLD_": (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)}
 
 
+# numpy asks Linux for transparent huge pages for each array of 4 MiB or more it allocates
+# (madvise), unless this is "0" as it loads. Where THP is "madvise" (this box, and the default
+# of many distributions) those faults compact and zero 2 MiB at a time, and a batch's
+# temporaries come and go: a 40M-row ingest of 16 hosts' files over 100M records took 10.9-11.4
+# system CPU s with them and 5.2-7.6 without (more faults, 4 KiB each), 25.0-25.3 s against
+# 21.8-22.5 s (alternated, two runs each; bench/RESULTS.md); a 10M-row reconcile was no slower.
+# Read by numpy as it loads: tune() runs first where it can, and switches it off after if not.
+NUMPY_HUGE_PAGES = "NUMPY_MADVISE_HUGEPAGE"
+
+
 def tune() -> None:
     """Apply the settings to this process and to the processes it starts (glibc only)."""
     if not sys.platform.startswith("linux"):
         return
+    if NUMPY_HUGE_PAGES not in os.environ:  # the user's own setting wins
+        os.environ[NUMPY_HUGE_PAGES] = "0"
+        numpy = sys.modules.get("numpy")  # already loaded (a library caller, the benches)
+        switch = getattr(getattr(getattr(numpy, "_core", None), "multiarray", None),
+                         "_set_madvise_hugepage", None)
+        if switch is not None:
+            switch(False)
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
