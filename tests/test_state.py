@@ -147,3 +147,31 @@ def test_the_rows_grow_geometrically_but_never_far_beyond_the_need():
     small.reserve(4000)
     small.reserve(4001)
     assert small.size == 4500  # below the bound: 1/8 more, so few reallocations
+
+
+def test_lowering_the_watermark_settles_exactly_the_steps_below_it():
+    """A pending run whose steps straddle the watermark keeps the records with a step at or
+    after it pending, with that step, and settles the rest (their rows unflagged); a run whose
+    steps are all below settles whole. Checked against the triples put, record by record."""
+    rng = np.random.default_rng(7)
+    st = RunState()
+    keys = np.arange(0, 60_000, 3, dtype=np.int64)  # sorted, spread over the rows
+    put: dict[int, list[int]] = {}
+    for step in (10, 20, 30):  # three batches of one host: three pending runs
+        batch = np.sort(rng.choice(keys, 8_000, replace=False))
+        st.put(_batch(batch, step, 0, st))
+        for k in batch.tolist():
+            put.setdefault(k, []).append(step)
+    assert len(st.pending) == 3 and st.watermark < 10
+    for watermark in (15, 25, 31):
+        st.lower(watermark)
+        got = st.get(keys)
+        flags = st.data["flags"][keys]
+        for i, k in enumerate(keys.tolist()):
+            steps = put.get(k, [])[:3]
+            want = [s if s >= watermark else np.iinfo(np.int64).min for s in steps]
+            want += [np.iinfo(np.int64).max] * (3 - len(want))
+            assert got.steps[i].tolist() == want, (watermark, k)
+            live = any(s >= watermark for s in steps)
+            assert bool(flags[i] & PENDING) == live, (watermark, k)
+    assert not st.pending
