@@ -455,8 +455,9 @@ class Once:
 
     def triples(self, idx: np.ndarray | slice) -> np.ndarray:
         """The new three earliest steps of records `idx` (positions, ascending), built on
-        demand (for the pending table's few, not the batch's all): the start is the record's
-        (level + 1)-th exposure, the earlier ones settled, unless it was pending."""
+        demand (for the records that enter the pending table, not the batch's all): the start
+        is the record's (level + 1)-th exposure, the earlier ones settled, unless it was
+        pending."""
         return self._triples(idx)[0]
 
     def _triples(self, idx: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray]:
