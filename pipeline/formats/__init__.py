@@ -3,10 +3,8 @@
 A reader turns one file (or one shard of a dataset directory) into batches of `Documents`:
 each document's text or token ids, its own id (`doc_id`, as the corpus names it) and its
 domain, in file order. The manifest job (tally.pipeline.manifest) hashes them under the run's
-content
-basis (tally.pipeline.text) and numbers them in the corpus' global order: files sorted by name
-within
-each split (train first), records in file order.
+content basis (tally.pipeline.text) and numbers them in the corpus' global order: files sorted
+by name within each split (train first), records in file order.
 
 Formats (module: what it reads):
 - jsonl: Dolma-style JSON lines, plain or compressed (.jsonl, .json, .jsonl.gz, .json.gz,
