@@ -44,10 +44,11 @@ _ENV = {"MALLOC_MMAP_THRESHOLD_": (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
 # numpy asks Linux for transparent huge pages for each array of 4 MiB or more it allocates
 # (madvise), unless this is "0" as it loads. Where THP is "madvise" (this box, and the default
 # of many distributions) those faults compact and zero 2 MiB at a time, and a batch's
-# temporaries come and go: a 40M-row ingest of 16 hosts' files over 100M records took 10.9-11.4
-# system CPU s with them and 5.2-7.6 without (more faults, 4 KiB each), 25.0-25.3 s against
-# 21.8-22.5 s (alternated, two runs each; bench/RESULTS.md); a 10M-row reconcile was no slower.
-# Read by numpy as it loads: tune() runs first where it can, and switches it off after if not.
+# temporaries come and go: a 40M-row ingest of 16 hosts' files over 100M records
+# (bench/ingest_rate.py, alternated, two runs each) took 24.3-24.5 s and 8.6-10.5 system CPU s
+# with them, 21.0-21.1 s and 4.9 without (more faults, 4 KiB each); a 10M-row reconcile was no
+# slower (bench/RESULTS.md). Read by numpy as it loads: tune() runs first where it can, and
+# switches it off after if not.
 NUMPY_HUGE_PAGES = "NUMPY_MADVISE_HUGEPAGE"
 
 
@@ -57,9 +58,9 @@ def tune() -> None:
         return
     if NUMPY_HUGE_PAGES not in os.environ:  # the user's own setting wins
         os.environ[NUMPY_HUGE_PAGES] = "0"
-        numpy = sys.modules.get("numpy")  # already loaded (a library caller, the benches)
-        switch = getattr(getattr(getattr(numpy, "_core", None), "multiarray", None),
-                         "_set_madvise_hugepage", None)
+        # numpy already loaded (a library caller, the benches): its run-time switch
+        switch = getattr(sys.modules.get("numpy._core.multiarray"), "_set_madvise_hugepage",
+                         None)
         if switch is not None:
             switch(False)
     try:

@@ -477,20 +477,23 @@ class Once:
             out[hit] = self.pend_new[place[hit]]
         return out, hit
 
-    def pending(self, watermark: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def pending(self, watermark: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """For the pending table: which records are live (`live`), their triples with the
-        steps below `watermark` settled, and each one's first real step. A record not pending
-        before has one real step, its start, at or after the watermark (it is live): only the
-        few pending before are settled and searched for their first step (settling and
-        searching the batch's all cost 0.85 s of a 40M-row ingest at the issue's shape)."""
+        steps below `watermark` settled, each one's first real step, and a bound of all
+        their real steps (PendingRun.of's `first` and `top`). A record not pending before has
+        one real step, its start, at or after the watermark (it is live): only the few pending
+        before are settled and searched for their steps (settling and searching the batch's
+        all cost 0.85 s of a 40M-row ingest at the issue's shape)."""
         live = self.live(watermark)
         idx = np.flatnonzero(live)
         out, hit = self._triples(idx)
         first = self.step[idx]
+        top = int(first.max(initial=SETTLED))
         if len(hit):
             out[hit] = _settled(out[hit], watermark)
             first[hit] = _first_real(out[hit])
-        return live, out, first
+            top = max(top, *(int(c[c != NO_STEP].max(initial=SETTLED)) for c in out[hit].T))
+        return live, out, first, top
 
     def live(self, watermark: int) -> np.ndarray:
         """Which records keep a step at or after `watermark` among their three earliest (their
@@ -576,11 +579,10 @@ class PendingRun(NamedTuple):
         here)."""
         if not len(keys):
             return cls(keys, steps, NO_STEP, SETTLED, None, 0)
-        c0, c1, c2 = steps[:, 0], steps[:, 1], steps[:, 2]
         if first is None:
             first = _first_real(steps)
         if top is None:  # column by column: a masked max over all three cost 14.6 ms for 2M
-            top = max(int(np.where(c != NO_STEP, c, SETTLED).max()) for c in (c0, c1, c2))
+            top = max(int(np.where(c != NO_STEP, c, SETTLED).max()) for c in steps.T)
         return cls(keys, steps, int(first.min()), int(first.max()), None, len(keys), top)
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
@@ -857,7 +859,7 @@ class RunState:
             return
         self.reserve(int(q.keys[-1]) + 1)
         self.top = max(self.top, int(q.keys[-1]))
-        live, steps, first = q.pending(self.watermark)
+        live, steps, first, top = q.pending(self.watermark)
         words = q.rows.view(np.uint64).copy()
         words[live] |= np.uint64(PENDING << 8 * COMPACT.fields["flags"][1])
         # Those flagged PENDING when `q` was made (`once`): the flags of its records are not
@@ -869,10 +871,6 @@ class RunState:
         np.put(self.data.view(np.uint64), q.keys, words)
         # Only the live records' triples are built: the others' are settled or past their
         # third exposure (random starts over 10M records: those of about a batch's last step).
-        # A bound of their real steps without reading the triples: each record's start, or
-        # for those pending before, the new triple's steps (few).
-        top = max(int(q.step.max()), max((int(c[c != NO_STEP].max(initial=SETTLED))
-                                          for c in q.pend_new.T), default=SETTLED))
         self._pend(q.keys, steps, live, was, top, first)
 
     def put(self, r: Records) -> None:
