@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import IO, Any
 
 log = logging.getLogger("tally.api")
-# Live reconciles at once: each reads its run's whole spool when it starts (a ledger of many
-# finished runs must not start a full pass for every one of them together).
+# Live reconciles at once: one without a checkpoint reads its run's whole spool when it starts
+# (a ledger of many finished runs must not start a full pass for every one of them together).
 FOLLOWING = 2
 # A live reconcile whose run has not changed for this long (and this many of its rounds) after
 # its last round stops; its report stays, and a change to the run starts it again.

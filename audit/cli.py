@@ -228,8 +228,8 @@ def _half_made(args: argparse.Namespace) -> list[Path]:
     creates (the whole of it), or the work files inside one that exists already."""
     if args.command in ("reconcile", "diff", "exposure"):
         out = Path(args.output)
-        if getattr(args, "follow", None) is not None:  # its last report stands; its rows go
-            return [out / ".follow"]
+        if getattr(args, "follow", None) is not None:  # its report and checkpoint stand
+            return []
         return [out / ".work"] if out.exists() else [out]
     if args.command == "replay":
         from tally.pipeline.replay import ReplaySpec, work_dir

@@ -407,8 +407,10 @@ class FindingsAge:
             st = self._status()
             if first_round is None and st["round"] >= 1:
                 first_round = st
-                print(f"live reconcile: first round (the full pass over the backlog) "
-                      f"{st['seconds']:.1f} s, {st['rows']:,} rows kept")
+                how = "resumed from its checkpoint" if st.get("resumed_from_round") else \
+                    "the full pass over the backlog"
+                print(f"live reconcile: first round ({how}) {st['seconds']:.1f} s, "
+                      f"{st['rows']:,} rows kept")
             at = self._as_of()
             if at is not None and at >= goal:
                 print(f"live findings as of step {at} (the writer's step {goal} when the wait "
@@ -463,6 +465,7 @@ class FindingsAge:
         first = self.first_round
         return {"age_p50_s": float(np.percentile(a, 50)), "age_max_s": float(a.max()),
                 "full_pass_s": first.get("seconds"),
+                "resumed_from_round": first.get("resumed_from_round"),
                 "samples": len(self.ages), "rounds": rounds, "seconds": span,
                 "round_s_mean": float(np.mean(list(self.round_s.values()) or [np.nan])),
                 "round_s_max": float(max(self.round_s.values(), default=np.nan)),

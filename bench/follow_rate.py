@@ -5,7 +5,8 @@ Builds a manifest of `--records` records and a run's spool of `--rows` rows (8 h
 over the key space, the shape that defeats caching per key bucket), starts a live reconcile
 (tally.audit.reconcile.follow) over it (its first round is the full pass), then `--rounds`
 times publishes one more step of every host (800k rows at the default `--per-file`) and
-times the round that folds it in.
+times the round that folds it in; then a restart: the checkpoint, a new follower resuming
+from it, and its round over one more step, against the full pass.
 The reference, measured in the same run over the same final spool: `tally reconcile --spool`
 (multi_processing, 2 workers), what the live service re-ran every round before. The final
 reports are asserted to agree. Prints the ratio job / mean round.
@@ -103,6 +104,29 @@ def main(argv: list[str] | None = None) -> dict:
         anon = _anon() - anon0
         print(f"the follower's anonymous memory: {anon / 2**20:,.0f} MiB = "
               f"{anon / args.records:.1f} bytes a record ({f.store.rows:,} rows kept)")
+        # A restart (the service's, or its idle live reconcile's): the checkpoint a stopping
+        # follower leaves, the start that resumes from it, and the round after, against the
+        # full pass that a restart made before checkpoints.
+        t0 = time.monotonic()
+        f.checkpoint()
+        save_s, saved_at = time.monotonic() - t0, f.rounds
+        del f
+        t0 = time.monotonic()
+        f = Follower(spool, root / "m.parquet", "bench", root / "live")
+        resume_s = time.monotonic() - t0
+        assert f.resumed_from == saved_at, (f.resumed_from, f.set_aside)
+        last = first + args.rounds
+        write_steps(spool, range(last, last + 1), man, 99, per_file)
+        t0 = time.monotonic()
+        rep = f.round()
+        after_s = time.monotonic() - t0
+        assert f.full_passes == 1, f.full_passes
+        restart_s = resume_s + after_s
+        size = (root / "live" / ".follow" / "checkpoint.pickle").stat().st_size
+        print(f"a restart: the checkpoint {save_s:.2f} s ({size / 2**20:.1f} MiB besides the "
+              f"rows), resumed in {resume_s:.2f} s, its "
+              f"first round ({HOSTS * per_file:,} new rows) {after_s:.2f} s; against the full "
+              f"pass {full_pass:.1f} s: {full_pass / restart_s:.0f}x")
         t0 = time.monotonic()
         job = reconcile(run_id="bench", manifest=root / "m.parquet", out=root / "job",
                         spool=spool, runner=RunnerSpec(mode="multi_processing"))
@@ -116,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"ratio job / mean round: {job_s / mean:.1f}x (mean round {mean:.2f} s; "
               f"reports agree)")
         return {"full_pass_s": full_pass, "rounds": rounds, "job_s": job_s,
-                "ratio": job_s / mean, "anon_bytes": anon}
+                "ratio": job_s / mean, "anon_bytes": anon, "checkpoint_s": save_s,
+                "resume_s": resume_s, "restart_round_s": after_s}
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

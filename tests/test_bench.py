@@ -170,11 +170,15 @@ def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path
     # The live findings followed the writer: sampled through the window, a round or more.
     found = res["live"]["findings"]
     assert found["samples"] >= 2 and found["rounds"] >= 1 and 0 < found["age_max_s"] < 60
+    # ... resumed from the checkpoint of the backlog's full pass, made before the service
+    assert found["resumed_from_round"] == 1 and res["findings_full_pass_s"] > 0
     assert (tmp_path / "s" / "ledger.duckdb").exists()  # kept
     # The first run's live writer publishes its last files after the service stopped: the
     # rerun ingests them before it places the loader (else its writer repeats their steps).
-    again = seed_scale.main([*common, "--reuse", "--stages", "serve,reconcile"])
+    again = seed_scale.main([*common, "--reuse", "--stages", "serve,reconcile",
+                             "--findings-start", "afresh"])
     assert again["rows"] >= res["rows"] + res["live"]["live_rows"]
+    assert again["live"]["findings"]["resumed_from_round"] is None  # the service's full pass
     assert again["verdict"] == "PASS"  # the run went on where it stopped
     assert again["live"]["live_rows"] > 0
     assert not (tmp_path / "s").exists()  # the data is removed
@@ -186,6 +190,7 @@ def test_follow_benchmark_runs(tmp_path):
     res = follow_rate.main(["--rows", "32000", "--records", "5000", "--per-file", "2000",
                             "--rounds", "2", "--dir", str(tmp_path / "f")])
     assert len(res["rounds"]) == 2 and res["job_s"] > 0 and res["ratio"] > 0  # reports agreed
+    assert res["checkpoint_s"] > 0 and res["resume_s"] > 0  # resumed: no second full pass
     assert not (tmp_path / "f").exists()
 
 

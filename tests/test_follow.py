@@ -109,10 +109,14 @@ def _round(follower: Follower, tmp: Path, manifest: Path, k: int) -> dict:
 @pytest.mark.parametrize("deep", [256, 21])
 def test_rounds_agree_with_the_job(tmp_path, monkeypatch, deep):
     """`deep` 21: the follower's evidence lists barely longer than the report's, so that the
-    resume's rollback takes out entries only a full pass can replace (it makes one)."""
+    resume's rollback takes out entries only a full pass can replace (it makes one). The
+    follower is started again now and then, as a restarted service starts it: from a
+    checkpoint rounds old (only full passes and quiet moments make one here), or one just
+    made; it resumes (no full pass) and its rounds still agree."""
     from tally.audit.reconcile import follow
 
     monkeypatch.setattr(follow, "DEEP", deep)
+    monkeypatch.setattr(follow, "CHECKPOINT_S", 1e9)
     if deep == 21:  # full passes by many key ranges, spilled to disk, runs on disk
         from tally.audit.reconcile import row_store
 
@@ -125,6 +129,12 @@ def test_rounds_agree_with_the_job(tmp_path, monkeypatch, deep):
     run = Run(spool, seed=3)
     f = None
     k = 0
+
+    def restart(saved_at: int) -> Follower:
+        again = Follower(spool, m, "r", tmp_path / "live")
+        assert again.resumed_from == saved_at and again.set_aside is None
+        return again
+
     # Attempt 0: host 0 alone for two rounds, then host 1 joins, a round behind host 0.
     run.open(0, [0, 1], 2)
     step = 0
@@ -135,13 +145,19 @@ def test_rounds_agree_with_the_job(tmp_path, monkeypatch, deep):
         run.publish([0] if rnd < 2 or rnd % 2 else [0, 1])
         if f is None:
             f = Follower(spool, m, "r", tmp_path / "live")
+            assert f.resumed_from is None
         _round(f, tmp_path, m, k)
         k += 1
+        if rnd == 2:  # killed: back to the first round's checkpoint (its full pass)
+            f = restart(1)
+        elif rnd == 4:  # stopped as the service stops it: a checkpoint first
+            f.checkpoint()
+            f = restart(f.rounds)
     run.publish([0, 1])
     _round(f, tmp_path, m, k)
     k += 1
     passes = f.full_passes
-    assert passes == 1  # the first round; every later one folded in
+    assert passes == 1  # the first round; every later one folded in, restarts too
     # Attempt 1 resumes from step 20 on 3 hosts: steps 20.. of attempt 0 roll back.
     run.open(1, [0, 1, 2], 3, resumed=20)
     step = 20
@@ -152,6 +168,9 @@ def test_rounds_agree_with_the_job(tmp_path, monkeypatch, deep):
         run.publish([0, 1, 2] if rnd != 1 else [0, 2])
         rep = _round(f, tmp_path, m, k)
         k += 1
+        if rnd == 1:  # the rollback's state, checkpointed and resumed
+            f.checkpoint()
+            f = restart(f.rounds)
     if deep == 21:
         assert f.full_passes == passes + 1  # the rollback emptied a list: one full pass
     else:
@@ -162,54 +181,187 @@ def test_rounds_agree_with_the_job(tmp_path, monkeypatch, deep):
     rep = _round(f, tmp_path, m, k)
     assert rep["verdict"] == "FAIL" and rep["findings"]
     assert f.round() is None  # nothing new: nothing done
+    saved = f.rounds
+    f = restart(saved)  # the quiet round made a checkpoint
+    assert f.round() is None
 
 
 def test_follow_command_keeps_the_report_current(tmp_path):
     """`tally reconcile --follow` as a user runs it: a report once the run publishes, a new
-    round for each file published later, one line a round; a wrong combination is one line."""
+    round for each file published later, one line a round; Ctrl-C keeps the report and the
+    checkpoint, and the command started again resumes (no full pass) and goes on; a wrong
+    combination is one line."""
     import json
     import signal
     import subprocess
     import sys
+    import time
 
     from tests.support.manifest import uniform_manifest
 
     m = uniform_manifest(tmp_path / "m.parquet", 100)
     spool = tmp_path / "spool"
-    with LedgerWriter(spool, "r", host=0, flush_every=10**6, fsync=False) as w:
-        w.write_segments(0, Segments.build(row=np.arange(4), record_key=np.arange(4),
-                                           n_tokens=np.full(4, 10),
-                                           content_hash=np.arange(4, dtype=np.uint64)))
-        w.flush()
-        out = tmp_path / "live"
-        proc = subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "reconcile",
+    out = tmp_path / "live"
+
+    def follow() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "tally.audit.cli", "reconcile",
                                  "--spool", spool, "--manifest", m, "--run", "r", "-o", out,
                                  "--follow", "0.2", "--json"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def step(w: LedgerWriter, s: int) -> None:
+        w.write_segments(s, Segments.build(row=np.arange(4), record_key=np.arange(4),
+                                           n_tokens=np.full(4, 10),
+                                           content_hash=np.arange(4, dtype=np.uint64)))
+        w.flush()
+
+    def stop(proc: subprocess.Popen) -> str:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the last report and the checkpoint stay
+        assert proc.wait(30) == 130
+        err = proc.stderr.read()
+        assert err.strip().splitlines()[-1] == "tally: interrupted"
+        return err
+
+    checkpoint = out / ".follow" / "checkpoint.pickle"
+    with LedgerWriter(spool, "r", host=0, flush_every=10**6, fsync=False) as w:
+        step(w, 0)
+        proc = follow()
         try:
             first = json.loads(proc.stdout.readline())
             assert first["round"] == 1 and first["as_of_step"] == 0
             assert json.loads((out / "report.json").read_text())["coverage"]["seen"] == 4
-            w.write_segments(1, Segments.build(row=np.arange(4), record_key=np.arange(4),
-                                               n_tokens=np.full(4, 10),
-                                               content_hash=np.arange(4, dtype=np.uint64)))
-            w.flush()
+            step(w, 1)
             second = json.loads(proc.stdout.readline())
             assert second["round"] == 2 and second["as_of_step"] == 1
             assert json.loads((out / "report.json").read_text())["coverage"]["exposures"] == 8
             status = json.loads((out / "follow.json").read_text())
             assert status["round"] == 2 and status["full_passes"] == 1 and status["rows"] == 8
+            assert status["resumed_from_round"] is None
+            # The next round finds nothing new: a checkpoint as of round 2.
+            after = time.time_ns()
+            deadline = time.monotonic() + 30
+            while not (checkpoint.exists() and checkpoint.stat().st_mtime_ns >= after):
+                assert time.monotonic() < deadline, "no checkpoint at a quiet moment"
+                time.sleep(0.05)
         finally:
-            proc.send_signal(signal.SIGINT)  # Ctrl-C: the last report stays, the kept rows go
-            assert proc.wait(30) == 130
-        assert proc.stderr.read().strip().splitlines()[-1] == "tally: interrupted"
+            stop(proc)
         assert json.loads((out / "report.json").read_text())["coverage"]["exposures"] == 8
-        assert not (out / ".follow").exists()
+        proc = follow()
+        try:
+            step(w, 2)
+            third = json.loads(proc.stdout.readline())
+            assert third["round"] == 3 and third["as_of_step"] == 2
+            status = json.loads((out / "follow.json").read_text())
+            assert status["resumed_from_round"] == 2 and status["full_passes"] == 1
+            assert status["rows"] == 12
+            assert json.loads((out / "report.json").read_text())["coverage"]["exposures"] == 12
+        finally:
+            err = stop(proc)
+        assert "set aside" not in err
     bad = subprocess.run([sys.executable, "-m", "tally.audit.cli", "reconcile", "--ledger",
                           tmp_path / "l.duckdb", "--manifest", m, "--run", "r", "-o",
                           tmp_path / "x", "--follow", "5"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "tally: error: --follow reads a spool as it grows: give --spool, without --at-step"]
+
+
+def test_a_live_reconcile_killed_again_and_again_resumes_and_agrees(tmp_path):
+    """kill -9 of `tally reconcile --follow` at seeded random moments (within a round, a
+    checkpoint, a quiet wait) while the run goes on: each start resumes from the last whole
+    checkpoint or, before the first, starts afresh (never a checkpoint set aside), and the
+    report after the last start is the job's over the same files."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    from tests.support.cli import command, environment
+
+    m = keyed_manifest(tmp_path / "m.parquet", TRAIN, HELDOUT)
+    spool, out = tmp_path / "spool", tmp_path / "live"
+    run = Run(spool, seed=11)
+    run.open(0, [0, 1], 2)
+    rng = np.random.default_rng(11)
+    resumed: list[int | None] = []
+    step = 0
+    for _ in range(6):
+        for _ in range(3):
+            run.step(step, [0, 1])
+            step += 1
+        run.publish([0, 1])
+        (out / "follow.json").unlink(missing_ok=True)  # the last process'
+        proc = subprocess.Popen(command("reconcile", "--spool", spool, "--manifest", m, "--run",
+                                        "r", "-o", out, "--follow", "0.05", "-q"),
+                                env=environment({"TALLY_SUPERVISED": "1"}),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while True:  # this process' first round
+            try:
+                st = json.loads((out / "follow.json").read_text())
+            except (OSError, ValueError):
+                st = {}
+            if st.get("as_of_step") == step - 1:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(proc.communicate()[1])
+            time.sleep(0.02)
+        resumed.append(st["resumed_from_round"])
+        time.sleep(float(rng.uniform(0, 0.4)))
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        assert "set aside" not in err
+    assert [r for r in resumed[1:] if r is not None], resumed  # at least one resumed
+    f = Follower(spool, m, "r", out)
+    assert f.set_aside is None
+    if f.round() is None:  # its last checkpoint had every file
+        f.checkpoint()
+    full = reconcile(run_id="r", manifest=m, out=tmp_path / "full", spool=spool,
+                     runner=RunnerSpec())
+    _same(_comparable(json.loads((out / "report.json").read_text())), _comparable(full))
+
+
+def test_a_checkpoint_that_does_not_fit_is_set_aside(tmp_path):
+    """A live reconcile started over a checkpoint of another manifest, an unreadable one, or
+    one naming a run of rows that is gone: set aside (saying why), a full pass, the job's
+    report; the same start over a good checkpoint resumes without one."""
+    from tests.support.manifest import uniform_manifest
+
+    m = uniform_manifest(tmp_path / "m.parquet", TRAIN)
+    spool, out = tmp_path / "spool", tmp_path / "live"
+    run = Run(spool, seed=5)
+    run.open(0, [0, 1], 2)
+    for s in range(6):
+        run.step(s, [0, 1])
+    run.publish([0, 1])
+    f = Follower(spool, m, "r", out)
+    _round(f, tmp_path, m, 0)
+    f.checkpoint()
+    checkpoint = out / ".follow" / "checkpoint.pickle"
+    good = checkpoint.read_bytes()
+
+    def again(k: int, why: str | None) -> Follower:
+        g = Follower(spool, m, "r", out)
+        if why is None:
+            assert g.resumed_from == 1 and g.set_aside is None
+            assert g.round() is None  # nothing new
+        else:
+            assert g.resumed_from is None and why in g.set_aside
+            _round(g, tmp_path, m, k)
+            assert g.full_passes == 1 and g.rounds == 1
+        return g
+
+    again(1, None)
+    checkpoint.write_bytes(good[: len(good) // 2])
+    again(2, "unreadable")  # its full pass made a new checkpoint
+    runs = [d for d in (out / ".follow" / "rows").iterdir() if d.is_dir()]
+    assert runs  # a checkpoint writes the runs in memory to disk
+    for c in runs[0].iterdir():
+        c.unlink()
+    again(3, "unreadable")
+    keyed_manifest(tmp_path / "m.parquet", TRAIN, HELDOUT)  # another manifest in its place
+    again(4, "another run's, spool's or manifest's")
+    again(5, None)
 
 
 @pytest.mark.slow
@@ -255,7 +407,8 @@ def _cmdline(p) -> list[str]:
 
 def test_a_killed_service_takes_its_live_reconcile_with_it(tmp_path):
     """`tally serve` runs a live reconcile child per run; kill -9 the service and the child
-    ends too (it would otherwise fold in a spool nobody reads, for ever)."""
+    ends too (it would otherwise fold in a spool nobody reads, for ever), its checkpoint left
+    for the next service to resume from."""
     import signal
     import subprocess
     import sys
@@ -296,6 +449,10 @@ def test_a_killed_service_takes_its_live_reconcile_with_it(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    # It left a checkpoint as it went: the next service's live reconcile resumes there.
+    again = Follower(spool, m, "r", tmp_path / "l.duckdb.findings" / "r")
+    assert again.resumed_from is not None and again.set_aside is None
+    assert again.round() is None  # all of the run read already
 
 
 def test_row_store_fetches_every_row_of_the_keys_asked(tmp_path, monkeypatch):
@@ -368,7 +525,10 @@ def test_row_store_fetches_every_row_of_the_keys_asked(tmp_path, monkeypatch):
 def test_the_service_stops_an_idle_live_reconcile_and_starts_it_on_a_change(tmp_path,
                                                                             monkeypatch):
     """A run that stops changing: its live reconcile stops once a round has read all of it,
-    its report stays served; new files of the run start one again, which reads them."""
+    its report stays served; new files of the run start one again, which resumes from its
+    checkpoint and reads them."""
+    import json
+
     import psutil
 
     from tally.api import findings
@@ -399,6 +559,9 @@ def test_the_service_stops_an_idle_live_reconcile_and_starts_it_on_a_change(tmp_
         write_steps(spool, "r", host=0, hosts=1, steps=range(4, 8), n=100, seed=2,
                     flush_every=2)
         assert poll(lambda: as_of() == 7, timeout=60)  # started again, and read them
+        # ... from the checkpoint its quiet rounds left: no full pass over the run again
+        status = json.loads((tmp_path / "l.duckdb.findings" / "r" / "follow.json").read_text())
+        assert status["resumed_from_round"] >= 1 and status["full_passes"] == 1
 
 
 def test_follow_waits_for_the_runs_first_file_and_says_why(tmp_path):

@@ -38,6 +38,9 @@ def _cmd_follow(args: argparse.Namespace) -> int:
         raise TallyError(f"no manifest at {args.manifest}")
     follower = Follower(Path(args.spool), args.manifest, args.run, Path(args.output),
                         memory_gb=args.memory_gb, api_url=args.api_url)
+    if follower.set_aside:
+        print(f"tally: live reconcile: the checkpoint in {follower.work} was set aside, "
+              f"{follower.set_aside}; a full pass follows", file=sys.stderr, flush=True)
     # Started by `tally serve` (api/findings.py): it goes when the service does, even killed.
     parent = int(os.environ.get(FOLLOW_PARENT, "0") or 0)
     said = None
@@ -60,6 +63,7 @@ def _cmd_follow(args: argparse.Namespace) -> int:
                   f"round {line['round']}: {line['verdict']} as of step {line['as_of_step']}"
                   f" ({', '.join(line['findings']) or 'no findings'})", flush=True)
         time.sleep(max(0.0, args.follow - (time.monotonic() - t0)))
+    follower.checkpoint()  # the service that started it is gone: the next one resumes here
     return 0
 
 
@@ -98,7 +102,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--follow", type=positive_float, metavar="SECONDS",
                    help="keep the report current as the spool grows: a round every SECONDS "
                         "folds in only the files published since (the live service's "
-                        "findings), until interrupted; --spool only, no records/ table")
+                        "findings), until interrupted; --spool only, no records/ table; "
+                        "started again over the same output, it resumes from its checkpoint "
+                        "in OUT/.follow/")
     s.add_argument("--memory-gb", type=positive_float, default=3.0,
                    help="memory budget: sizes the record-key buckets so that the buckets "
                         "in memory at once stay within it (default 3)")

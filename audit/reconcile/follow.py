@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Iterator
@@ -61,6 +62,7 @@ from tally.audit.buckets.plan import Plan, PlanOptions, make_plan, spool_inputs
 from tally.audit.buckets.stages import effective_rows, file_partial, replay_rows
 from tally.audit.core.errors import TallyError
 from tally.audit.core.exposure import effective
+from tally.audit.core.paths import atomic_write
 from tally.audit.hook.spool import BadFile
 from tally.audit.reconcile import bucket_stats
 from tally.audit.reconcile import report as rp
@@ -77,6 +79,14 @@ FILE_BLOCK = 4096  # steps a block of per-file partials covers (by the file's fi
 # The evidence lists: their order, and how many entries the report shows. The follower keeps
 # DEEP of each, so that a rollback taking entries out of one still leaves the report's.
 DEEP = 256
+# The checkpoint: its file in OUT/.follow/, and at most how old it gets while rounds go on.
+CHECKPOINT = "checkpoint.pickle"
+CHECKPOINT_S = 60.0
+_FORMAT = 1  # of the checkpoint: one of another format is not read
+# The follower's state a checkpoint keeps as it is (besides the store, the manifest cache and
+# the seen bits).
+_SAVED = ("_footers", "plan", "rounds", "full_passes", "files", "file_parts", "blocks",
+          "metric_done", "metrics", "replay", "acc", "complete")
 _PER_HOST = ("host_segments", "host_exposures", "host_tokens", "host_unique",
              "host_overlap_with_others", "epoch_repeats_by_host", "epoch_duplicated_by_host")
 
@@ -110,9 +120,22 @@ class _Manifest:
                                 for v in enc.dictionary.to_pylist()] or [0], np.int32)
                 part[col] = lut[enc.indices.fill_null(0).to_numpy()]
             done += len(keys)
-        table.flush()
+        table.flush()  # msync: on disk before any checkpoint names it
         self.table = np.load(work / "manifest.npy", mmap_mode="r")
         self.names = {k: list(v) for k, v in names.items()}
+
+    def saved(self) -> dict[str, Any]:
+        return {"records": self.records, "train": self.train, "names": self.names}
+
+    @classmethod
+    def reopen(cls, work: Path, saved: dict[str, Any]) -> _Manifest:
+        """The cache a checkpoint's `saved()` describes, mapped again (ValueError: not it)."""
+        man = cls.__new__(cls)
+        man.records, man.train, man.names = saved["records"], saved["train"], saved["names"]
+        man.table = np.load(work / "manifest.npy", mmap_mode="r")
+        if man.table.dtype != cls.DTYPE or man.table.shape != (man.records,):
+            raise ValueError("the manifest cache is not the manifest's")
+        return man
 
     def columns(self, keys: np.ndarray) -> dict[str, Any]:
         """The manifest columns of `keys` (sorted, in the manifest) as
@@ -175,17 +198,32 @@ class Follower:
 
     def __init__(self, spool: Path, manifest: str | Path, run_id: str, out: Path,
                  memory_gb: float = 3.0, api_url: str | None = None) -> None:
+        """Resumed from the checkpoint in `out/.follow/` when it is this run's over the same
+        spool and manifest (`resumed_from`: its round; `set_aside`: why one found was not
+        used), else started afresh there."""
         self.spool, self.run_id = Path(spool).absolute(), run_id
         self.manifest = str(Path(manifest).absolute())
         self.out, self.memory_gb, self.api_url = Path(out).absolute(), memory_gb, api_url
         self.work = self.out / ".follow"
-        shutil.rmtree(self.work, ignore_errors=True)
-        self.work.mkdir(parents=True)
-        self.man = _Manifest(self.manifest, self.work)
         self._footers: dict[str, dict[str, str]] = {}
         self.plan: Plan | None = None
         self.rounds = self.full_passes = 0
-        self._reset()
+        info, st = manifest_info(self.manifest), os.stat(self.manifest)
+        # The manifest cache is made from the file: the same file, unchanged, or none of it.
+        self._identity = {"format": _FORMAT, "spool": str(self.spool), "run_id": run_id,
+                          "manifest": self.manifest,
+                          "fingerprint": info["manifest_fingerprint"],
+                          "records": int(info["records"]),
+                          "manifest_file": (st.st_size, st.st_mtime_ns)}
+        self.resumed_from: int | None = None
+        self.set_aside = self._resume()
+        if self.resumed_from is None:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work.mkdir(parents=True)
+            self.man = _Manifest(self.manifest, self.work)
+            self._reset()
+        self._saved_at, self._unsaved = time.monotonic(), False
+        self.last_save_s: float | None = None
 
     def _reset(self) -> None:
         self.store = RowStore(self.work / "rows")
@@ -202,6 +240,45 @@ class Follower:
         self.complete = dict.fromkeys(_LISTS, True)
         self.seen = np.zeros(self.man.train, bool)  # train records with an exposure
 
+    # ---- the checkpoint ------------------------------------------------------------------
+
+    def _resume(self) -> str | None:
+        """The state of the checkpoint in `work`, when it is this run's over this spool and
+        manifest (sets `resumed_from`); else why it was set aside (None: there was none)."""
+        path = self.work / CHECKPOINT
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:
+                saved = pickle.load(f)
+            if not isinstance(saved, dict) or saved.get("identity") != self._identity:
+                return "it is another run's, spool's or manifest's (or of another version)"
+            man = _Manifest.reopen(self.work, saved["manifest"])
+            store = RowStore.reopen(self.work / "rows", saved["store"])
+            seen = np.unpackbits(saved["seen"], count=man.train).astype(bool)
+        except Exception as exc:  # derived data: whatever is wrong with it, a full pass mends
+            return f"unreadable ({type(exc).__name__}: {exc})"
+        self.man, self.store, self.seen = man, store, seen
+        for name in _SAVED:
+            setattr(self, name, saved[name])
+        self.resumed_from = self.rounds
+        return None
+
+    def checkpoint(self) -> None:
+        """The state down on disk as the next start resumes from it, when a round changed it
+        since the last checkpoint."""
+        if not self._unsaved:
+            return
+        t0 = time.monotonic()
+        state = {"identity": self._identity, "manifest": self.man.saved(),
+                 "store": self.store.save(), "seen": np.packbits(self.seen),
+                 **{name: getattr(self, name) for name in _SAVED}}
+        with atomic_write(self.work / CHECKPOINT, self.work / f"{CHECKPOINT}.tmp") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.store.committed()  # the runs it no longer names go only now
+        self._saved_at, self._unsaved = time.monotonic(), False
+        self.last_save_s = round(self._saved_at - t0, 3)
+
     # ---- a round -----------------------------------------------------------------------
 
     def round(self) -> dict | None:
@@ -214,7 +291,9 @@ class Follower:
         old = self.plan
         if old is not None and not new and not new_metrics and \
                 plan.left_out == old.left_out and plan.attempts == old.attempts:
+            self.checkpoint()  # nothing new: a quiet moment
             return None
+        passes = self.full_passes
         paths = {f.path for f in plan.files}
         if old is None or plan.first_step != old.first_step or plan.records != old.records \
                 or any(p not in paths for p in self.files):
@@ -240,11 +319,15 @@ class Follower:
         self.plan = plan
         self.rounds += 1
         report = self._report(plan)
+        self._unsaved = True
+        if self.full_passes != passes or time.monotonic() - self._saved_at >= CHECKPOINT_S:
+            self.checkpoint()
         status = {"round": self.rounds, "began_at": began,
                   "seconds": round(time.monotonic() - t0, 3),
                   "full_passes": self.full_passes, "rows": self.store.rows,
                   "files": len(self.files), "as_of_step": report["consumption"]["last_step"],
-                  "verdict": report["verdict"]}
+                  "verdict": report["verdict"], "resumed_from_round": self.resumed_from,
+                  "checkpoint_s": self.last_save_s}
         self._status(status)
         return report
 
@@ -465,6 +548,7 @@ class Follower:
         """Everything again from the spool: the stored rows are read once more (a new attempt
         rolls rows back, or the run's first step moved)."""
         self.full_passes += 1
+        (self.work / CHECKPOINT).unlink(missing_ok=True)  # it names runs the reset removes
         self._reset()
         steps: set[int] = set()
 

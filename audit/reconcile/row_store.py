@@ -13,18 +13,25 @@ the keys within its first and last. Runs
 beyond MEMORY_ROWS rows are written to disk as one `.npy` a column and memory-mapped (their
 pages live in the page cache, not in the process' anonymous memory).
 
-The store is derived data, private to one process: it is made empty when the process starts
-(its folder wiped) and filled from the spool again. A record's rows are in no particular order
-within it (the reconcile's per-record statistics do not depend on the order of rows).
+The store is derived data, private to one process. It is made empty (its folder wiped) and
+filled from the spool, or reopened as a checkpoint of the live reconcile names it (`save`,
+`reopen`): `save` writes the runs still in memory to disk and syncs every run not synced yet,
+and a run that a merge replaces after a checkpoint is kept until the next checkpoint is down
+(`committed`), so that the last checkpoint always names runs that exist whole. Runs are never
+changed once made. A record's rows are in no particular order within the store (the
+reconcile's per-record statistics do not depend on the order of rows).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+from tally.audit.core.paths import fsync_dir
 
 # What a per-record statistic needs of a row (tally.audit.reconcile.bucket_stats.compute: the
 # bucket file's columns, keys whole) and its attempt (whether a rollback removed it).
@@ -68,11 +75,67 @@ def _tier(rows: int) -> int:
 
 class RowStore:
     def __init__(self, folder: Path) -> None:
+        """An empty store in `folder` (wiped)."""
         self.folder = folder
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         self.runs: list[Rows] = []
         self._made = 0
+        self._pinned: set[Path] = set()  # run folders the last checkpoint names
+        self._doomed: list[Path] = []  # of those, merged away since: removed at the next
+        self._synced: set[Path] = set()
+
+    @classmethod
+    def reopen(cls, folder: Path, saved: list[tuple[str, int]]) -> RowStore:
+        """The store as `save` described it, its runs memory-mapped again; whatever else the
+        folder holds (runs made after that checkpoint, a bulk load's spill) is removed.
+        ValueError when a run named is missing or short."""
+        store = cls.__new__(cls)
+        store.folder, store.runs, store._doomed = folder, [], []
+        names = {name for name, _ in saved}
+        for entry in folder.iterdir():
+            if entry.name not in names:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        for name, n in saved:
+            where = folder / name
+            try:
+                run = {c: np.load(where / f"{c}.npy", mmap_mode="r") for c in COLUMNS}
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"run {name}: {exc}") from exc
+            if any(len(v) != n or v.dtype != COLUMNS[c] for c, v in run.items()):
+                raise ValueError(f"run {name}: not the {n:,} rows the checkpoint names")
+            run["_folder"] = where  # type: ignore[assignment]
+            store.runs.append(run)
+        store._made = max((int(name.rsplit("-", 1)[1]) for name in names), default=0)
+        store._pinned = {folder / name for name in names}
+        store._synced = set(store._pinned)
+        return store
+
+    def save(self) -> list[tuple[str, int]]:
+        """The store as a checkpoint names it (each run's folder and rows): the runs still in
+        memory written to disk, every run synced to it. Until `committed`, the runs it names
+        stay on disk even when a merge replaces them."""
+        for i, run in enumerate(self.runs):
+            if "_folder" not in run:
+                self.runs[i] = self._on_disk(len(run["key"]),
+                                             lambda c, out, run=run: out.__setitem__(
+                                                 slice(None), run[c]))
+        for run in self.runs:
+            where = run["_folder"]
+            if where not in self._synced:  # type: ignore[operator]
+                _sync(where)  # type: ignore[arg-type]
+                self._synced.add(where)  # type: ignore[arg-type]
+        fsync_dir(self.folder)
+        return [(run["_folder"].name, len(run["key"])) for run in self.runs]  # type: ignore
+
+    def committed(self) -> None:
+        """The checkpoint naming the last `save`'s runs is down: the runs merged away since the
+        one before go now."""
+        for where in self._doomed:
+            shutil.rmtree(where, ignore_errors=True)
+        self._doomed = []
+        self._pinned = {run["_folder"] for run in self.runs}  # type: ignore[misc]
+        self._synced &= self._pinned
 
     @property
     def rows(self) -> int:
@@ -208,17 +271,18 @@ class RowStore:
         for c, t in COLUMNS.items():
             col = np.lib.format.open_memmap(where / f"{c}.npy", "w+", t, (n,))
             fill(c, col)
-            del col  # unmapped, not flushed: the mapping below reads the same page cache, and
-            # the store is wiped at the next start (msync made every run wait for the disk)
+            del col  # unmapped, not flushed: the mapping below reads the same page cache;
+            # a checkpoint syncs the runs it names (msync made every run wait for the disk)
             out[c] = np.load(where / f"{c}.npy", mmap_mode="r")
         out["_folder"] = where  # type: ignore[assignment]
         return out
 
-    @staticmethod
-    def _drop(runs: list[Rows]) -> None:
+    def _drop(self, runs: list[Rows]) -> None:
         for r in runs:
             where = r.get("_folder")
-            if where is not None:
+            if where in self._pinned:
+                self._doomed.append(where)  # type: ignore[arg-type]
+            elif where is not None:
                 shutil.rmtree(where, ignore_errors=True)  # type: ignore[arg-type]
 
 
@@ -227,3 +291,14 @@ def _append(folder: Path, i: int, rows: Rows) -> None:
     for c in COLUMNS:
         with open(folder / f"{i:06d}.{c}", "ab") as f:
             f.write(np.ascontiguousarray(rows[c], COLUMNS[c]).data)
+
+
+def _sync(folder: Path) -> None:
+    """A run's files and their folder down on disk."""
+    for f in folder.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(folder)
