@@ -364,6 +364,45 @@ def test_a_checkpoint_that_does_not_fit_is_set_aside(tmp_path):
     again(5, None)
 
 
+def test_a_round_that_fails_half_way_is_never_checkpointed(tmp_path, monkeypatch):
+    """A round that raises after it changed the state (here the per-record statistics, once):
+    that state is never checkpointed (a restart resumes from the one before), and the next
+    round makes a full pass that agrees with the job."""
+    from tally.audit.reconcile import bucket_stats
+
+    m = keyed_manifest(tmp_path / "m.parquet", TRAIN, HELDOUT)
+    spool, out = tmp_path / "spool", tmp_path / "live"
+    run = Run(spool, seed=7)
+    run.open(0, [0, 1], 2)
+    for s in range(4):
+        run.step(s, [0, 1])
+    run.publish([0, 1])
+    f = Follower(spool, m, "r", out)
+    _round(f, tmp_path, m, 0)  # a full pass: a checkpoint as of round 1
+    for s in range(4, 8):
+        run.step(s, [0, 1])
+    run.publish([0, 1])
+    compute = bucket_stats.compute
+    calls = []
+
+    def fails_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the fold's second computation: the state already changed
+            raise OSError("disk gone")
+        return compute(*a, **k)
+
+    monkeypatch.setattr(bucket_stats, "compute", fails_once)
+    with pytest.raises(OSError):
+        f.round()
+    f.checkpoint()  # as the command does when its service goes: nothing whole to write
+    g = Follower(spool, m, "r", out)  # a restart: from the checkpoint before the failure
+    assert g.resumed_from == 1
+    _round(g, tmp_path, m, 1)
+    assert g.full_passes == 1  # folded in
+    _round(f, tmp_path, m, 2)  # the failed follower goes on: a full pass mends
+    assert f.full_passes == 2
+
+
 @pytest.mark.slow
 def test_a_long_run_on_many_hosts_agrees(tmp_path):
     """Beyond 16 hosts (the host overlap by pairs) and beyond 256 steps (the loss windows

@@ -294,6 +294,30 @@ class Follower:
             self.checkpoint()  # nothing new: a quiet moment
             return None
         passes = self.full_passes
+        try:
+            self._update(plan, old, new, new_metrics)
+            self.plan = plan
+            self.rounds += 1
+            report = self._report(plan)
+        except BaseException:
+            # A round that failed half way left the state half made: it is never checkpointed,
+            # and the next round makes a full pass.
+            self.plan, self._unsaved = None, False
+            raise
+        self._unsaved = True
+        if self.full_passes != passes or time.monotonic() - self._saved_at >= CHECKPOINT_S:
+            self.checkpoint()
+        status = {"round": self.rounds, "began_at": began,
+                  "seconds": round(time.monotonic() - t0, 3),
+                  "full_passes": self.full_passes, "rows": self.store.rows,
+                  "files": len(self.files), "as_of_step": report["consumption"]["last_step"],
+                  "verdict": report["verdict"], "resumed_from_round": self.resumed_from,
+                  "checkpoint_s": self.last_save_s}
+        self._status(status)
+        return report
+
+    def _update(self, plan: Plan, old: Plan | None, new: list, new_metrics: list) -> None:
+        """The state brought up to `plan`: folded in, folded out, or a full pass."""
         paths = {f.path for f in plan.files}
         if old is None or plan.first_step != old.first_step or plan.records != old.records \
                 or any(p not in paths for p in self.files):
@@ -316,20 +340,6 @@ class Follower:
                 elif new_metrics:
                     self.metrics = self.metrics.merge(metric_partial(plan, new_metrics))
                 self.metric_done = {str(f.path) for f in plan.metric_files}
-        self.plan = plan
-        self.rounds += 1
-        report = self._report(plan)
-        self._unsaved = True
-        if self.full_passes != passes or time.monotonic() - self._saved_at >= CHECKPOINT_S:
-            self.checkpoint()
-        status = {"round": self.rounds, "began_at": began,
-                  "seconds": round(time.monotonic() - t0, 3),
-                  "full_passes": self.full_passes, "rows": self.store.rows,
-                  "files": len(self.files), "as_of_step": report["consumption"]["last_step"],
-                  "verdict": report["verdict"], "resumed_from_round": self.resumed_from,
-                  "checkpoint_s": self.last_save_s}
-        self._status(status)
-        return report
 
     def waiting(self, why: str) -> None:
         """Said in follow.json when a round could not be made (no segment file yet, or a
