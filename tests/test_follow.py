@@ -96,6 +96,16 @@ class Run:
             self.writers[h].flush()
 
 
+def _two_hosts(spool: Path, seed: int, steps: int) -> Run:
+    """A run of two hosts that published `steps` steps."""
+    run = Run(spool, seed=seed)
+    run.open(0, [0, 1], 2)
+    for s in range(steps):
+        run.step(s, [0, 1])
+    run.publish([0, 1])
+    return run
+
+
 def _round(follower: Follower, tmp: Path, manifest: Path, k: int) -> dict:
     rep = follower.round()
     assert rep is not None
@@ -329,11 +339,7 @@ def test_a_checkpoint_that_does_not_fit_is_set_aside(tmp_path):
 
     m = uniform_manifest(tmp_path / "m.parquet", TRAIN)
     spool, out = tmp_path / "spool", tmp_path / "live"
-    run = Run(spool, seed=5)
-    run.open(0, [0, 1], 2)
-    for s in range(6):
-        run.step(s, [0, 1])
-    run.publish([0, 1])
+    _two_hosts(spool, seed=5, steps=6)
     f = Follower(spool, m, "r", out)
     _round(f, tmp_path, m, 0)
     f.checkpoint()
@@ -372,11 +378,7 @@ def test_a_round_that_fails_half_way_is_never_checkpointed(tmp_path, monkeypatch
 
     m = keyed_manifest(tmp_path / "m.parquet", TRAIN, HELDOUT)
     spool, out = tmp_path / "spool", tmp_path / "live"
-    run = Run(spool, seed=7)
-    run.open(0, [0, 1], 2)
-    for s in range(4):
-        run.step(s, [0, 1])
-    run.publish([0, 1])
+    run = _two_hosts(spool, seed=7, steps=4)
     f = Follower(spool, m, "r", out)
     _round(f, tmp_path, m, 0)  # a full pass: a checkpoint as of round 1
     for s in range(4, 8):
