@@ -223,6 +223,34 @@ def test_served_integrity_alert_fires_within_a_round_of_the_file(tmp_path):
         assert srv.get("/healthz").json()["ingest"]["integrity_error"] is None
 
 
+def test_the_service_ingests_new_files_while_it_checks_the_old_ones(tmp_path, monkeypatch):
+    """A ledger ingested without the manifest, then served with it: the files ingested before
+    are checked a slice a round, and new files go in meanwhile (one unbounded catch-up held
+    the ingest of a 500M-row ledger for minutes), the new file's fault firing before the old
+    files are all checked; then every file is checked, counted once."""
+    from tally.audit.ledger import ingest_loop, integrity
+
+    monkeypatch.setattr(integrity, "CATCH_UP_ROWS", 16)  # two files a transaction
+    monkeypatch.setattr(ingest_loop, "CATCH_UP_SECONDS", 0.0)  # one transaction a round
+    m, fp = manifest(tmp_path)
+    spool = tmp_path / "spool"
+    write(spool, fp, steps=range(240), flush_every=1, hosts=1)  # 240 files, checked later
+    ingest_json(spool, tmp_path / "l.duckdb")
+    with Ledger(tmp_path / "l.duckdb") as ledger, \
+            Server(create_app(ledger, spool=spool, manifest=m, interval=0.05)) as srv:
+        assert poll(lambda: (summary(srv).get("integrity_at_ingest") or {}).get(
+            "files_checked", 0) > 0, timeout=30)
+        write(spool, fp, steps=range(240, 241), faults={(240, 0): "mismatch"}, hosts=1)
+        s = poll(lambda: "hash_mismatch" in firing(x := summary(srv)) and x, timeout=30)
+        assert s, summary(srv)
+        integ = s["integrity_at_ingest"]
+        assert integ["files"] == 241 and integ["files_checked"] < 241  # the old ones still going
+        s = poll(lambda: (x := summary(srv))["integrity_at_ingest"]["files_checked"] == 241
+                 and x, timeout=60)
+        assert s, summary(srv)
+        assert s["integrity_at_ingest"]["hash_mismatches"] == 1
+
+
 def test_a_failing_check_is_said_in_healthz_and_ingest_goes_on(tmp_path):
     m, fp = manifest(tmp_path)
     spool, ledger_path = tmp_path / "spool", tmp_path / "l.duckdb"

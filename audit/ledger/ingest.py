@@ -100,7 +100,8 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
            batch_rows: int = BATCH_ROWS,
            listing: list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]] | None = None,
            final: bool = False, stop: threading.Event | None = None,
-           integrity: IngestIntegrity | None = None) -> IngestResult:
+           integrity: IngestIntegrity | None = None,
+           catch_up_seconds: float | None = None) -> IngestResult:
     """Ingest every new published file under `spool` into `ledger`, exactly once, then write
     the state snapshots that are due (tally.audit.ledger.snapshot).
 
@@ -112,7 +113,9 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
     transaction); the files after it wait for the next ingest. The live service's stop: a
     round through a backlog of 100M rows from 128 hosts outlasted a minute's grace.
     `integrity`: each segment file's rows checked against its manifest in the file's
-    transaction (tally.audit.ledger.integrity); files ingested before are checked afterwards."""
+    transaction (tally.audit.ledger.integrity); files ingested before are checked afterwards,
+    all of them, or for about `catch_up_seconds` (the live service: the rest in its next
+    rounds)."""
     t0 = time.perf_counter()
     result = IngestResult()
     if integrity is not None:
@@ -125,7 +128,7 @@ def ingest(spool: str | Path, ledger: Ledger, *, progress: bool = False,
     if integrity is not None:
         cur = ledger.cursor()
         try:
-            integrity.catch_up(cur, stop=stop)
+            integrity.catch_up(cur, stop=stop, seconds=catch_up_seconds)
         finally:
             cur.close()
     allocator.release()  # the batches' freed temporaries, kept for speed, back between rounds

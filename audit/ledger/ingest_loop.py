@@ -21,6 +21,11 @@ from tally.audit.ledger.integrity import IngestIntegrity
 log = logging.getLogger("tally.ingest")
 SETTLE_S = 2.0  # longer than the coarsest file-system timestamp tick
 FULL_LISTING_S = 60.0  # every directory listed at least this often, settled or not
+# The integrity check of files ingested before the service had the manifest, at most about
+# this long a round (then the next round's new files): unbounded, its first round over a
+# 500M-row ledger checked every row before any new file, and the service ingested nothing for
+# the whole of seed_scale's 4-minute serve stage (bench/RESULTS.md, seventh session).
+CATCH_UP_SECONDS = 1.0
 
 
 class IngestLoop:
@@ -184,7 +189,7 @@ class IngestLoop:
             listed = [f.rel for f, _ in pending]
             self._oldest_pending = min(self._visible.setdefault(rel, now) for rel in listed)
             res = ingest(self.spool, self.ledger, listing=pending, stop=self._stop,
-                         integrity=self.integrity)
+                         integrity=self.integrity, catch_up_seconds=CATCH_UP_SECONDS)
             self.files += res.files
             self.rows += res.rows
             self.quarantined += len(res.quarantined)
@@ -199,7 +204,7 @@ class IngestLoop:
             if self.integrity is not None:  # files ingested before, checked (ingest does it
                 cur = self.ledger.cursor()  # after its files otherwise)
                 try:
-                    self.integrity.catch_up(cur, stop=self._stop)
+                    self.integrity.catch_up(cur, stop=self._stop, seconds=CATCH_UP_SECONDS)
                 finally:
                     cur.close()
         self._oldest_pending = None

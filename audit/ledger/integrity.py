@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -122,6 +123,7 @@ class IngestIntegrity:
         # Set once a catch-up finds every file checked: the files ingested after it are
         # checked in their own transaction, so the ledger is not asked again each round.
         self.caught_up = False
+        self.checked_late = 0  # files checked by catch_up, so far
         self.generation = 0
 
     def ready(self) -> KeyIndex | None:
@@ -247,16 +249,20 @@ class IngestIntegrity:
         finally:
             cur.unregister("incoming_integrity_keys")
 
-    def catch_up(self, cur: duckdb.DuckDBPyConnection, *, max_rows: int = CATCH_UP_ROWS,
-                 stop: threading.Event | None = None) -> int:
+    def catch_up(self, cur: duckdb.DuckDBPyConnection, *, max_rows: int | None = None,
+                 stop: threading.Event | None = None, seconds: float | None = None) -> int:
         """Check the ledger's segment files this manifest has not checked yet (ingested before
         the service had it), from their rows in the ledger, a transaction of up to `max_rows`
-        rows at a time. Returns the files checked."""
+        rows (CATCH_UP_ROWS) at a time; with `seconds`, no new transaction once that long has
+        passed (the caller comes back for the rest: the live service's ingest goes on between
+        slices). Returns the files checked."""
         index = self.ready()
         if index is None or self.caught_up:
             return 0
-        done = 0
-        while stop is None or not stop.is_set():
+        max_rows = max_rows or CATCH_UP_ROWS
+        done, t0 = 0, time.monotonic()
+        while (stop is None or not stop.is_set()) and \
+                (seconds is None or done == 0 or time.monotonic() - t0 < seconds):
             todo = cur.execute("""
                 SELECT g.file_id, g.run, g.n_rows, r.manifest_fingerprint, r.content_basis
                 FROM segments g JOIN runs r USING (run)
@@ -265,6 +271,10 @@ class IngestIntegrity:
                 ORDER BY g.file_id LIMIT 4096""", [index.fingerprint]).fetchall()
             if not todo:
                 self.caught_up = True
+                if self.checked_late:
+                    log.info("integrity at ingest: the %d files ingested before the manifest "
+                             "came are checked", self.checked_late,
+                             extra={"files": self.checked_late})
                 return done
             take, rows = [], 0
             for t in todo:
@@ -291,6 +301,7 @@ class IngestIntegrity:
                 raise
             self.generation += 1
             done += len(take)
+            self.checked_late += len(take)
         return done
 
 
