@@ -464,7 +464,7 @@ class FindingsAge:
         a = np.array(self.ages or [float("nan")])
         first = self.first_round
         return {"age_p50_s": float(np.percentile(a, 50)), "age_max_s": float(a.max()),
-                "full_pass_s": first.get("seconds"),
+                "first_round_s": first.get("seconds"),  # the full pass, unless resumed
                 "resumed_from_round": first.get("resumed_from_round"),
                 "samples": len(self.ages), "rounds": rounds, "seconds": span,
                 "round_s_mean": float(np.mean(list(self.round_s.values()) or [np.nan])),

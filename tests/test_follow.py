@@ -276,7 +276,7 @@ def test_follow_command_keeps_the_report_current(tmp_path):
 
 
 def test_a_live_reconcile_killed_again_and_again_resumes_and_agrees(tmp_path):
-    """kill -9 of `tally reconcile --follow` at seeded random moments (within a round, a
+    """kill -9 of `tally reconcile --follow` at 4 seeded random moments (within a round, a
     checkpoint, a quiet wait) while the run goes on: each start resumes from the last whole
     checkpoint or, before the first, starts afresh (never a checkpoint set aside), and the
     report after the last start is the job's over the same files."""
@@ -294,7 +294,7 @@ def test_a_live_reconcile_killed_again_and_again_resumes_and_agrees(tmp_path):
     rng = np.random.default_rng(11)
     resumed: list[int | None] = []
     step = 0
-    for _ in range(6):
+    for _ in range(4):
         for _ in range(3):
             run.step(step, [0, 1])
             step += 1
