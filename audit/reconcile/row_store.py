@@ -94,8 +94,12 @@ class RowStore:
         store.folder, store.runs, store._doomed = folder, [], []
         names = {name for name, _ in saved}
         for entry in folder.iterdir():
-            if entry.name not in names:
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            if entry.name in names:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
         for name, n in saved:
             where = folder / name
             try:
