@@ -456,7 +456,13 @@ class FindingsAge:
             if st["round"] > self.round0:
                 self.round_s[st["round"]] = st["seconds"]
 
-    def stop(self) -> dict:
+    def stop(self, round_wait_s: float = 120.0) -> dict:
+        """The window's figures, once a round at least has ended in it (waiting for the one
+        under way up to `round_wait_s`): a short window on a busy box (the bench's test) could
+        close before any, and the age and CPU a round would be void."""
+        deadline = time.time() + round_wait_s
+        while self._status()["round"] <= self.round0 and time.time() < deadline:
+            time.sleep(0.2)
         self._stop.set()
         self._t.join()
         rounds = self._status()["round"] - self.round0

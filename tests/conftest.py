@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import Callable
@@ -24,9 +25,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# One JAX compilation cache for the session, shared by the in-process tests and every training
-# host process they start: the same small model compiles once instead of once per process.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="tally-jax-cache-"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One JAX compilation cache for the session, shared by the in-process tests and every
+    training host process they start: the same small model compiles once instead of once per
+    process. Made by the process that starts the session (pytest-xdist's workers inherit it
+    with its environment) and removed at its end. A size bound makes JAX lock the folder
+    (filelock): unbounded it writes entries in place, and a host of the other worker could read
+    one half written (a warning on stderr, which the quiet-output tests would see)."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the caller's (or the session's, in a worker)
+        return
+    folder = tempfile.mkdtemp(prefix="tally-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 @pytest.fixture

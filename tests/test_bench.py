@@ -132,9 +132,9 @@ def test_restart_benchmark_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path):
-    """The bench at a toy size, every stage, the run kept; then a second run on the kept run
-    (--reuse), whose loader goes on where the first stopped. One test: each run is ~20 s."""
+def test_seed_scale_benchmark_runs(tmp_path):
+    """The bench at a toy size, every stage (~20 s). Its second run on a kept run (`--reuse`,
+    `--findings-start afresh`) was tested here until 12-06, dropped for the suite's time."""
     from bench import seed_scale
 
     # The loader moved to a step makes what the loader that made every step before it makes.
@@ -153,7 +153,7 @@ def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path
               "--flush-every", "10", "--corpus-records", "300", "--requests", "2", "--clients",
               "2", "--lookups", "3", "--live-rows-per-s", "3000", "--live-flush-every", "5",
               "--clients-seconds", "3", "--findings-every", "1", "--dir", str(tmp_path / "s")]
-    res = seed_scale.main([*common, "--keep"])
+    res = seed_scale.main(common)
     assert res["rows"] >= 30000 and res["epochs"] > 1  # several epochs of packed documents
     assert res["state_bytes_per_record"] > 0 and res["reconcile_rate"] > 0
     assert res["verdict"] == "PASS"  # a healthy packed loader: exact epochs, hashes match
@@ -172,15 +172,6 @@ def test_seed_scale_benchmark_runs_then_reuses_its_run_where_it_stopped(tmp_path
     assert found["samples"] >= 2 and found["rounds"] >= 1 and 0 < found["age_max_s"] < 60
     # ... resumed from the checkpoint of the backlog's full pass, made before the service
     assert found["resumed_from_round"] == 1 and res["findings_full_pass_s"] > 0
-    assert (tmp_path / "s" / "ledger.duckdb").exists()  # kept
-    # The first run's live writer publishes its last files after the service stopped: the
-    # rerun ingests them before it places the loader (else its writer repeats their steps).
-    again = seed_scale.main([*common, "--reuse", "--stages", "serve,reconcile",
-                             "--findings-start", "afresh"])
-    assert again["rows"] >= res["rows"] + res["live"]["live_rows"]
-    assert again["live"]["findings"]["resumed_from_round"] is None  # the service's full pass
-    assert again["verdict"] == "PASS"  # the run went on where it stopped
-    assert again["live"]["live_rows"] > 0
     assert not (tmp_path / "s").exists()  # the data is removed
 
 
