@@ -26,11 +26,12 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-
 def pytest_configure(config: pytest.Config) -> None:
     """One JAX compilation cache for the session, shared by the in-process tests and every
     training host process they start: the same small model compiles once instead of once per
-    process. Made by the process that starts the session (pytest-xdist's workers inherit it
+    run. For process 0 of a multi-host run only: JAX keys the other processes' entries apart
+    and writes from process 0 alone, so hosts 1..N compile every time (~5-6 CPU s each here).
+    Made by the process that starts the session (pytest-xdist's workers inherit it
     with its environment) and removed at its end. A size bound makes JAX lock the folder
     (filelock): unbounded it writes entries in place, and a host of the other worker could read
     one half written (a warning on stderr, which the quiet-output tests would see)."""

@@ -170,3 +170,20 @@ def test_the_installed_namespace_lists_every_package_and_nothing_imports_around_
     manual = [ROOT / "README.md", ROOT / "docker-compose.yml", *(ROOT / "docs").rglob("*.md")]
     offenders += [str(p.relative_to(ROOT)) for p in manual if bare.search(p.read_text())]
     assert offenders == []
+
+
+def test_the_schema_and_the_training_hosts_writer_load_without_pandas():
+    """pyarrow's conversions (`to_numpy`, `to_pandas_dtype`) load pandas, 0.26 s here: the
+    schema's dtypes must not, since every training host and every command's child imports
+    them; and the dtypes are what Arrow's types say."""
+    import pyarrow as pa
+
+    from tally.audit.core.schema import SEGMENT_COLUMNS_ALL, SEGMENT_DTYPES
+
+    probe = ("import sys; import tally.audit.core.schema, tally.audit.hook.writer; "
+             "print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]
+    for c in SEGMENT_COLUMNS_ALL:
+        assert SEGMENT_DTYPES[c.name] == pa.array([], c.arrow).to_numpy().dtype, c.name

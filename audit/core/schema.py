@@ -31,6 +31,8 @@ class Column:
         t = self.arrow
         if pa.types.is_floating(t):
             return np.dtype(f"f{t.bit_width // 8}")
+        if pa.types.is_boolean(t):
+            return np.dtype(bool)
         if pa.types.is_integer(t):
             return np.dtype(f"{'u' if pa.types.is_unsigned_integer(t) else 'i'}{t.bit_width // 8}")
         return np.dtype(object)
