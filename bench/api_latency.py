@@ -411,6 +411,8 @@ class FindingsAge:
                     "the full pass over the backlog"
                 print(f"live reconcile: first round ({how}) {st['seconds']:.1f} s, "
                       f"{st['rows']:,} rows kept")
+                with contextlib.suppress(OSError):  # why a checkpoint was set aside, if one was
+                    first_round["log"] = (self.work / "follow.log").read_text()[-2000:]
             at = self._as_of()
             if at is not None and at >= goal:
                 print(f"live findings as of step {at} (the writer's step {goal} when the wait "
@@ -472,6 +474,7 @@ class FindingsAge:
         return {"age_p50_s": float(np.percentile(a, 50)), "age_max_s": float(a.max()),
                 "first_round_s": first.get("seconds"),  # the full pass, unless resumed
                 "resumed_from_round": first.get("resumed_from_round"),
+                "follow_log": first.get("log"),  # the live reconcile's stderr, first round
                 "samples": len(self.ages), "rounds": rounds, "seconds": span,
                 "round_s_mean": float(np.mean(list(self.round_s.values()) or [np.nan])),
                 "round_s_max": float(max(self.round_s.values(), default=np.nan)),

@@ -29,10 +29,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 def pytest_configure(config: pytest.Config) -> None:
     """One JAX compilation cache for the session, shared by the in-process tests and every
     training host process they start: the same small model compiles once instead of once per
-    run. For process 0 of a multi-host run only: JAX keys the other processes' entries apart
-    and writes from process 0 alone, so hosts 1..N compile every time (~5-6 CPU s each here).
-    Made by the process that starts the session (pytest-xdist's workers inherit it
-    with its environment) and removed at its end. A size bound makes JAX lock the folder
+    run, every host of a multi-host run reading the entry its process 0 wrote
+    (trainer/distributed.py: ~5 CPU s a host and start saved). Made by the process that
+    starts the session (pytest-xdist's workers inherit it with its environment) and removed
+    at its end. A size bound makes JAX lock the folder
     (filelock): unbounded it writes entries in place, and a host of the other worker could read
     one half written (a warning on stderr, which the quiet-output tests would see)."""
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the caller's (or the session's, in a worker)

@@ -171,7 +171,7 @@ def test_seed_scale_benchmark_runs(tmp_path):
     found = res["live"]["findings"]
     assert found["samples"] >= 2 and found["rounds"] >= 1 and 0 < found["age_max_s"] < 60
     # ... resumed from the checkpoint of the backlog's full pass, made before the service
-    assert found["resumed_from_round"] == 1 and res["findings_full_pass_s"] > 0
+    assert found["resumed_from_round"] == 1 and res["findings_full_pass_s"] > 0, found
     assert not (tmp_path / "s").exists()  # the data is removed
 
 

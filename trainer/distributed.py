@@ -32,6 +32,38 @@ def initialize(host: int, host_count: int, coordinator: str | None) -> None:
     # ran until the launcher's SIGKILL after its grace period. SIGTERM goes back to what it
     # was: the host ends at once, as its launcher asks (what it published stays published).
     signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+    _one_compile_cache_entry_for_every_cpu_host()
+
+
+def _one_compile_cache_entry_for_every_cpu_host() -> None:
+    """With a JAX compilation cache (`JAX_COMPILATION_CACHE_DIR`), every host of a CPU job
+    finds the train step process 0 compiled, instead of compiling its own each start.
+
+    The hosts compile one SPMD program over the global mesh (same HLO, compile options and
+    device assignment), yet JAX keys a CPU entry by the process' own view of the topology
+    (its fingerprint differs by process) and writes entries from process 0 only: hosts 1..N
+    missed every time and compiled afresh (~4-6 CPU s each, per start, for the small model;
+    2 hosts x 3 steps, warm cache: 19.2 -> 15.0 CPU s in all). Keyed by the devices' kind
+    instead (JAX's own key for backends without a topology), they share process 0's entry;
+    the losses are the same to the bit (checked: 2 and 4 hosts). Another JAX that moved these
+    private names: nothing changes, each host compiles its own as before."""
+    try:
+        from jax._src import cache_key
+        by_topology = cache_key._hash_accelerator_config
+        by_device_kind = cache_key._hash_devices
+    except (ImportError, AttributeError):
+        return
+    if getattr(by_topology, "tally_shared", False):
+        return
+
+    def accelerator_config(hash_obj: Any, devices: np.ndarray) -> None:
+        if all(d.platform == "cpu" for d in devices.flat):
+            by_device_kind(hash_obj, devices)
+        else:
+            by_topology(hash_obj, devices)
+
+    accelerator_config.tally_shared = True  # type: ignore[attr-defined]
+    cache_key._hash_accelerator_config = accelerator_config
 
 
 @dataclass(frozen=True)
