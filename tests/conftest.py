@@ -32,9 +32,9 @@ def pytest_configure(config: pytest.Config) -> None:
     run, every host of a multi-host run reading the entry its process 0 wrote
     (trainer/distributed.py: ~5 CPU s a host and start saved). Made by the process that
     starts the session (pytest-xdist's workers inherit it with its environment) and removed
-    at its end. A size bound makes JAX lock the folder
-    (filelock): unbounded it writes entries in place, and a host of the other worker could read
-    one half written (a warning on stderr, which the quiet-output tests would see)."""
+    at its end. A size bound makes JAX lock the folder (filelock): unbounded it writes entries
+    in place, and a host of the other worker could read one half written (a warning on
+    stderr, which the quiet-output tests would see)."""
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the caller's (or the session's, in a worker)
         return
     folder = tempfile.mkdtemp(prefix="tally-jax-cache-")
