@@ -53,8 +53,6 @@ def _one_compile_cache_entry_for_every_cpu_host() -> None:
         by_device_kind = cache_key._hash_devices
     except (ImportError, AttributeError):
         return
-    if getattr(by_topology, "tally_shared", False):
-        return
 
     def accelerator_config(hash_obj: Any, devices: np.ndarray) -> None:
         if all(d.platform == "cpu" for d in devices.flat):
@@ -62,7 +60,6 @@ def _one_compile_cache_entry_for_every_cpu_host() -> None:
         else:
             by_topology(hash_obj, devices)
 
-    accelerator_config.tally_shared = True  # type: ignore[attr-defined]
     cache_key._hash_accelerator_config = accelerator_config
 
 
