@@ -18,7 +18,7 @@ from pydantic.dataclasses import dataclass
 
 from tally.audit.core.errors import TallyError
 from tally.audit.core.schema import RUN_ID_PATTERN
-from tally.pipeline.loader import FAULTS, PACKINGS
+from tally.pipeline.loader_config import FAULTS, PACKINGS
 
 Positive = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[int, Field(ge=0)]
@@ -49,7 +49,7 @@ class TrainConfig:
     packing: Packing = "first_fit"
     seed: NonNegative = 0
     elastic: bool = False  # Grain's elastic iterator (resumes on any host count; packing none)
-    fault: Fault = ""  # a loader fault to reproduce (pipeline/loader.py FAULTS); demos only
+    fault: Fault = ""  # a loader fault to reproduce (pipeline/loader_config.py FAULTS); demos only
     # audit
     flush_every: Positive = 10
     ledger: str = ""  # the ledger file, for the pre-flight check when resuming on a new topology
