@@ -91,6 +91,7 @@ def _restore_logging(kept: list[tuple[logging.Logger, int, list[logging.Handler]
 def _main(argv: list[str]) -> int:
     from tally.audit import extras
     from tally.audit.core import allocator, cpu
+    from tally.pipeline import beam_filesystems
 
     cpu.tune()  # before anything loads numpy, and inherited by the processes it starts
     allocator.tune()  # before the work's first allocations, and inherited by its workers
@@ -104,6 +105,8 @@ def _main(argv: list[str]) -> int:
         return 2
     if args.command in SUPERVISED and not os.environ.get(_CHILD):
         return _supervise(argv, args)
+    if getattr(args, "runner", None) in beam_filesystems.LOCAL_RUNNERS:
+        beam_filesystems.local_only()  # before the job imports Beam (its workers do the same)
     try:
         # A supervised child keeps the default SIGTERM: its supervisor stops it and says so.
         with SIGNALS.installed(args.command not in SUPERVISED), \

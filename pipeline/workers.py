@@ -10,13 +10,17 @@ logs still reaches the runner through Beam's logging service, and its errors sti
   multi_processing), quiet first.
 - a local Dask cluster's workers preload this module (tally.pipeline.runners._dask_cluster).
 
-Light on purpose: imported before apache_beam, whose import is what logs.
+Light on purpose: imported before apache_beam, whose import is what logs. Beam's cloud
+filesystems are left out here as in the command (tally.pipeline.beam_filesystems): these
+workers run its direct runner's and local Dask cluster's work.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+
+from tally.pipeline import beam_filesystems
 
 
 def quiet() -> None:
@@ -38,6 +42,7 @@ def dask_setup(worker: object) -> None:
 
 
 quiet()
+beam_filesystems.local_only()
 
 if __name__ == "__main__":
     from apache_beam.runners.worker import sdk_worker_main
