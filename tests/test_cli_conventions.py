@@ -172,18 +172,54 @@ def test_the_installed_namespace_lists_every_package_and_nothing_imports_around_
     assert offenders == []
 
 
-def test_the_schema_and_the_training_hosts_writer_load_without_pandas():
-    """pyarrow's conversions (`to_numpy`, `to_pandas_dtype`) load pandas, 0.26 s here: the
-    schema's dtypes must not, since every training host and every command's child imports
-    them; and the dtypes are what Arrow's types say."""
+def test_the_schema_and_the_training_hosts_writer_load_without_pandas(tmp_path):
+    """pyarrow's conversions (`pa.array`, `from_pydict`, `to_numpy`, `to_pandas_dtype`) load
+    pandas, 0.26-0.4 s here: the schema's dtypes must not, since every training host and every
+    command's child imports them, nor the writer's publishing (a host's writer thread took
+    that time at its first file, holding the GIL); and the dtypes and tables are what Arrow's
+    own conversions give."""
+    import numpy as np
     import pyarrow as pa
 
-    from tally.audit.core.schema import SEGMENT_COLUMNS_ALL, SEGMENT_DTYPES
+    from tally.audit.core.schema import (
+        METRIC_SCHEMA,
+        SEGMENT_COLUMNS_ALL,
+        SEGMENT_DTYPES,
+        SEGMENT_SCHEMA_WITH_LOSS,
+        arrow_table,
+    )
 
-    probe = ("import sys; import tally.audit.core.schema, tally.audit.hook.writer; "
-             "print('pandas' in sys.modules)")
+    probe = f"""if True:
+        import sys
+        import numpy as np
+        import tally.audit.core.schema
+        from tally.audit.hook.writer import LedgerWriter
+        batch = {{"tokens": np.arange(64, dtype=np.int32).reshape(2, 32),
+                  "tokens_segment_ids": np.ones((2, 32), np.int32),
+                  "key": np.repeat([[3], [5]], 32, axis=1), "pos": np.tile(np.arange(32), (2, 1))}}
+        with LedgerWriter({str(tmp_path / "spool")!r}, "r", flush_every=1) as w:
+            w.write_batch(0, batch, loss=np.full((2, 31), 0.5, np.float32))
+            w.log_metrics([(0, "train_loss", 0.5)])
+        print('pandas' in sys.modules)"""
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.stdout.split() == ["False"], out.stderr[-2000:]
+    assert {p.name[:3] for p in (tmp_path / "spool").rglob("*.parquet")} == {"seg", "met"}
     for c in SEGMENT_COLUMNS_ALL:
         assert SEGMENT_DTYPES[c.name] == pa.array([], c.arrow).to_numpy().dtype, c.name
+    rng = np.random.default_rng(0)
+    cols = {c.name: rng.integers(0, 100, 5).astype(c.dtype) for c in SEGMENT_COLUMNS_ALL}
+    cols["loss"][1] = np.nan
+    cols["content_hash"][0] = np.uint64(2**64 - 1)
+    metrics = {"step": (0, 1), "host": [2, 2], "name": ("train_loss", "ppl/wéb"),
+               "value": (0.5, float("nan"))}
+    for schema, values, floats in ((SEGMENT_SCHEMA_WITH_LOSS, cols, "loss"),
+                                   (METRIC_SCHEMA, metrics, "value")):
+        ours, theirs = arrow_table(schema, values), pa.Table.from_pydict(values, schema=schema)
+        ours.validate(full=True)
+        assert ours.schema == theirs.schema and ours[floats].null_count == 0
+        assert ours.drop_columns([floats]).equals(theirs.drop_columns([floats]))
+        assert np.array_equal(ours[floats].to_numpy(), theirs[floats].to_numpy(),
+                              equal_nan=True)  # Arrow's equals holds NaN unequal to itself
+    with pytest.raises(ValueError, match="row: values do not fit int32"):
+        arrow_table(SEGMENT_SCHEMA_WITH_LOSS, {**cols, "row": np.array([2**31] * 5)})

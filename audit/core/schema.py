@@ -1,15 +1,20 @@
 """The columns of a consumed segment and of a metric, defined once.
 
 Every other form is derived from these tuples: the spool's Arrow schemas (tally.audit.hook.spool),
-the
-ledger's DuckDB tables (tally.audit.ledger.database), the columns reconcile reads
-(tally.audit.reconcile)
-and the numpy dtypes the writer builds its tables from. A new column is added here and nowhere
-else; docs/DESIGN.md ("Spool segment files") describes the same contract in words.
+the ledger's DuckDB tables (tally.audit.ledger.database), the columns reconcile reads
+(tally.audit.reconcile) and the numpy dtypes and Arrow tables the writer builds. A new column is
+added here and nowhere else; docs/DESIGN.md ("Spool segment files") describes the same contract
+in words.
+
+pyarrow's own conversions (`pa.array`, `Table.from_pydict`, `to_numpy`, `to_pandas_dtype`) load
+pandas at their first call: 0.26-0.4 s here, in every process, and on a training host in the
+writer's thread at its first publish, holding the GIL while the training thread waits. So the
+dtypes come from Arrow's kind and bit width, and the writer's tables from buffers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,21 +31,55 @@ class Column:
 
     @property
     def dtype(self) -> np.dtype:
-        """The column's numpy dtype, from Arrow's kind and bit width: pyarrow's own conversions
-        (`to_numpy`, `to_pandas_dtype`) load pandas, 0.26 s of every process's start here."""
-        t = self.arrow
-        if pa.types.is_floating(t):
-            return np.dtype(f"f{t.bit_width // 8}")
-        if pa.types.is_boolean(t):
-            return np.dtype(bool)
-        if pa.types.is_integer(t):
-            return np.dtype(f"{'u' if pa.types.is_unsigned_integer(t) else 'i'}{t.bit_width // 8}")
-        return np.dtype(object)
+        """The column's numpy dtype (without pandas: the module's docstring)."""
+        return numpy_dtype(self.arrow)
 
     @property
     def quoted(self) -> str:
         """The name as SQL reads it ("row" and "offset" are keywords in DuckDB)."""
         return f'"{self.name}"'
+
+
+def numpy_dtype(t: pa.DataType) -> np.dtype:
+    """The numpy dtype of an Arrow type, from its kind and bit width (object: not numeric)."""
+    if pa.types.is_floating(t):
+        return np.dtype(f"f{t.bit_width // 8}")
+    if pa.types.is_boolean(t):
+        return np.dtype(bool)
+    if pa.types.is_integer(t):
+        return np.dtype(f"{'u' if pa.types.is_unsigned_integer(t) else 'i'}{t.bit_width // 8}")
+    return np.dtype(object)
+
+
+def arrow_table(schema: pa.Schema, columns: Mapping[str, np.ndarray | Sequence[str]]
+                ) -> pa.Table:
+    """`pa.Table.from_pydict(columns, schema=schema)` for numeric and string columns without
+    nulls, built from buffers (without pandas: the module's docstring). Numeric values are cast
+    to the column's type (integers must fit); NaN stays a value, as from_pydict keeps it."""
+    arrays = []
+    for field in schema:
+        values = columns[field.name]
+        if pa.types.is_string(field.type):
+            data = [v.encode() for v in values]
+            offsets = np.zeros(len(data) + 1, np.int32)
+            np.cumsum([len(d) for d in data], out=offsets[1:])
+            buffers = [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))]
+        elif pa.types.is_boolean(field.type):
+            bits = np.packbits(np.asarray(values, dtype=bool), bitorder="little")
+            buffers = [None, pa.py_buffer(bits)]
+        else:
+            want = numpy_dtype(field.type)
+            if want.kind == "O":
+                raise TypeError(f"column {field.name}: {field.type} is not built from buffers")
+            a = np.asarray(values)
+            if a.dtype != want:  # integers must fit, as pyarrow's own conversion checks
+                cast = a.astype(want)
+                if want.kind in "iu" and not np.array_equal(cast, a):
+                    raise ValueError(f"column {field.name}: values do not fit {field.type}")
+                a = cast
+            buffers = [None, pa.py_buffer(np.ascontiguousarray(a))]
+        arrays.append(pa.Array.from_buffers(field.type, len(values), buffers))
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 SEGMENT_COLUMNS: tuple[Column, ...] = (

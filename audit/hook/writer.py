@@ -41,6 +41,7 @@ from tally.audit.core.schema import (
     METRIC_SCHEMA,
     SEGMENT_SCHEMA,
     SEGMENT_SCHEMA_WITH_LOSS,
+    arrow_table,
 )
 from tally.audit.hook import spool as sp
 from tally.audit.hook.segments import FIELDS, Segments, segments_from_batch
@@ -369,15 +370,12 @@ class LedgerWriter:
             cols["loss"] = np.concatenate([np.full(len(s), np.nan, np.float32)
                                            if s.loss is None else s.loss for s in segs])
             schema = SEGMENT_SCHEMA_WITH_LOSS
-        table = pa.Table.from_pydict(cols, schema=schema)
-        return "seg", table, min(steps_of), max(steps_of)
+        return "seg", arrow_table(schema, cols), min(steps_of), max(steps_of)
 
     def _metric_table(self) -> tuple[str, pa.Table, int, int]:
         steps, names, values = zip(*self._metrics, strict=True)
-        table = pa.Table.from_pydict(
-            {"step": steps, "host": [self.host] * len(steps), "name": names, "value": values},
-            schema=METRIC_SCHEMA,
-        )
+        table = arrow_table(METRIC_SCHEMA, {"step": steps, "host": [self.host] * len(steps),
+                                            "name": names, "value": values})
         return "met", table, min(steps), max(steps)
 
     def _write(self, kind: str, table: pa.Table, first: int, last: int) -> None:
