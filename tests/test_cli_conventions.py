@@ -263,3 +263,5 @@ def test_the_schema_and_the_training_hosts_writer_load_without_pandas(tmp_path):
                               equal_nan=True)  # Arrow's equals holds NaN unequal to itself
     with pytest.raises(ValueError, match="row: values do not fit int32"):
         arrow_table(SEGMENT_SCHEMA_WITH_LOSS, {**cols, "row": np.array([2**31] * 5)})
+    with pytest.raises(TypeError, match="flag: bool is not built from buffers"):
+        arrow_table(pa.schema([("flag", pa.bool_())]), {"flag": [True]})  # Arrow packs bits

@@ -53,9 +53,10 @@ def numpy_dtype(t: pa.DataType) -> np.dtype:
 
 def arrow_table(schema: pa.Schema, columns: Mapping[str, np.ndarray | Sequence[str]]
                 ) -> pa.Table:
-    """`pa.Table.from_pydict(columns, schema=schema)` for numeric and string columns without
-    nulls, built from buffers (without pandas: the module's docstring). Numeric values are cast
-    to the column's type (integers must fit); NaN stays a value, as from_pydict keeps it."""
+    """`pa.Table.from_pydict(columns, schema=schema)` for integer, floating and string columns
+    (the schema's kinds) without nulls, built from buffers (without pandas: the module's
+    docstring). Numbers are cast to the column's type (integers must fit); NaN stays a value,
+    as from_pydict keeps it."""
     arrays = []
     for field in schema:
         values = columns[field.name]
@@ -64,13 +65,10 @@ def arrow_table(schema: pa.Schema, columns: Mapping[str, np.ndarray | Sequence[s
             offsets = np.zeros(len(data) + 1, np.int32)
             np.cumsum([len(d) for d in data], out=offsets[1:])
             buffers = [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))]
-        elif pa.types.is_boolean(field.type):
-            bits = np.packbits(np.asarray(values, dtype=bool), bitorder="little")
-            buffers = [None, pa.py_buffer(bits)]
         else:
-            want = numpy_dtype(field.type)
-            if want.kind == "O":
+            if not (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)):
                 raise TypeError(f"column {field.name}: {field.type} is not built from buffers")
+            want = numpy_dtype(field.type)
             a = np.asarray(values)
             if a.dtype != want:  # integers must fit, as pyarrow's own conversion checks
                 cast = a.astype(want)
