@@ -57,11 +57,18 @@ class IngestLoop:
         # The backlog found at start is caught up with by the first round that ends without a
         # stop; until then ingest_lag is not an alert (tally.api.alerts) and the summary says so.
         self._caught_up = False
-        # Ingested paths -> their (bytes, mtime_ns) in the ledger (None: ingested before stats
-        # were kept): skipped by the listing, but stat-ed on each full one, so that another
-        # file put at an ingested path (a run id reused after its spool was removed, whose new
-        # training writes the old names) reaches ingest, which quarantines it.
-        self._done: dict[str, tuple[int | None, int | None]] = {}
+        # Ingested files, by directory: name -> (bytes, mtime_ns) in the ledger (None:
+        # ingested before stats were kept). The listing skips them by name; a sweep stats
+        # them a slice a round (`_sweep`), so that another file put at an ingested path (a run
+        # id reused after its spool was removed, whose new training writes the old names)
+        # reaches ingest, which quarantines it.
+        self._done: dict[str, dict[str, tuple[int | None, int | None]]] = {}
+        self._done_files = 0
+        self._sweep_at = time.monotonic()
+        self._sweep_dirs: list[str] = []  # directories the sweep has still to visit
+        self._sweep_names: list[str] = []  # names of its current directory still to stat
+        self._sweep_dir = ""
+        self.swept = 0  # ingested files stat-ed by the sweep so far
         self._seen_id = -1
         # Listing every file every round cost ~1.5 s a round at 72,000 files. A host directory
         # is skipped once settled (see _settle) until its mtime moves: publishing a file by
@@ -116,16 +123,19 @@ class IngestLoop:
             for fid, path, size, mtime in cur.execute(
                     "SELECT file_id, path, bytes, mtime_ns FROM segments WHERE file_id > ?",
                     [self._seen_id]).fetchall():
-                self._done[path] = (size, mtime)
+                folder, _, name = path.rpartition("/")
+                names = self._done.setdefault(folder, {})
+                self._done_files += name not in names
+                names[name] = (size, mtime)
                 self._seen_id = max(self._seen_id, fid)
             self._stats = {}
             self._full = time.monotonic() - self._full_at >= FULL_LISTING_S
             if self._full:
                 self._full_at = time.monotonic()
-                new = [(f, st) for f, st in sp.scan(self.spool, self._settled)
-                       if self._changed(f.rel, st)]
-            else:
-                new = list(sp.scan(self.spool, self._settled, self._done))
+            # Ingested names are left out by name, even in a full listing (which lists the
+            # settled directories too): a stat and a parse of each was ~15 us, 8 s a listing
+            # at 512,000 files (the seed run writes ~3.6M); the sweep stats them instead.
+            new = list(sp.scan(self.spool, self._settled, self._done)) + self._sweep()
             # Before quarantined files are set aside: a directory holding one stays listed,
             # so that the file rewritten in place (same name, no mtime change) is seen.
             self._settle(new)
@@ -136,17 +146,48 @@ class IngestLoop:
             cur.close()
         return [(f, st) for f, st in new if held.get(f.rel) != (st.st_size, st.st_mtime_ns)]
 
-    def _changed(self, rel: str, st: os.stat_result) -> bool:
-        """Whether a listed entry is new or, at an ingested path, another file than the one
-        ingested from it (its size or mtime moved; ingest compares the footers). It is sent
-        once: remembered with its new stat."""
-        was = self._done.get(rel)
-        if was is None:
-            return True
-        if was[1] is None or was == (st.st_size, st.st_mtime_ns):
-            return False
-        self._done[rel] = (st.st_size, st.st_mtime_ns)
-        return True
+    # Ingested files stat-ed a round at most by the sweep (~3 us each: 60 ms), paced so that
+    # each is stat-ed about once every FULL_LISTING_S while there are fewer than
+    # SWEEP_FILES x rounds in that time; beyond that a pass takes longer (at 3.6M files and a
+    # round a second, ~3 minutes) and costs a round no more.
+    SWEEP_FILES = 20_000
+
+    def _sweep(self) -> list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]]:
+        """The next slice of ingested files, stat-ed: those now another file than the one
+        ingested from their path (size or mtime moved; ingest compares the footers). Each is
+        sent once: remembered with its new stat."""
+        now = time.monotonic()
+        share = 1.0 if FULL_LISTING_S <= 0 else (now - self._sweep_at) / FULL_LISTING_S
+        self._sweep_at = now
+        budget = min(self.SWEEP_FILES, math.ceil(self._done_files * min(share, 1.0)))
+        out = []
+        while budget > 0:
+            if not self._sweep_names:
+                if not self._sweep_dirs:
+                    self._sweep_dirs = list(self._done)
+                    if not self._sweep_dirs:
+                        break
+                self._sweep_dir = self._sweep_dirs.pop()
+                self._sweep_names = list(self._done.get(self._sweep_dir, ()))
+                continue
+            take = self._sweep_names[-budget:]
+            del self._sweep_names[-budget:]
+            budget -= len(take)
+            self.swept += len(take)
+            names = self._done[self._sweep_dir]
+            for name in take:
+                was = names[name]
+                if was[1] is None:
+                    continue  # ingested before stats were kept: nothing to compare with
+                rel = f"{self._sweep_dir}/{name}"
+                found = sp.entry(self.spool, rel)
+                if found is None:
+                    continue  # gone (a removed run): nothing to ingest
+                st = found[1]  # a file no longer regular goes too: ingest says why
+                if was != (st.st_size, st.st_mtime_ns):
+                    names[name] = (st.st_size, st.st_mtime_ns)
+                    out.append(found)
+        return out
 
     def _settled(self, rel_dir: str, mtime_ns: int) -> bool:
         self._stats[rel_dir] = (mtime_ns, time.monotonic())  # before the directory is read
