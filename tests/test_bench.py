@@ -250,3 +250,17 @@ def test_serve_memory_benchmark_runs_and_cleans_up(tmp_path):
     # at random over 1,954 pages), at least
     assert res["per_record"] > 4 and res["ratio"] == pytest.approx(res["per_record"] / 8)
     assert not out.exists()
+
+
+def test_listing_benchmark_runs_and_cleans_up(tmp_path, monkeypatch):
+    from bench import listing_rate
+
+    monkeypatch.setattr("tally.audit.ledger.ingest_loop.SETTLE_S", 0.0)  # rounds ms apart
+    out = tmp_path / "listing"
+    res = listing_rate.main(["--hosts", "3", "--files", "40", "--dir", str(out)])
+    # Every file listed as ingested (the bench asserts none was read again nor set aside),
+    # and one sweep round stat-ed them all.
+    assert res["files"] == 240 and res["sweep_rounds"] == 1
+    assert set(res["cpu"]) >= {"full listing round", "round after every directory changed",
+                               "reference: os.listdir of every directory"}
+    assert not out.exists()
