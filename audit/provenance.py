@@ -41,8 +41,9 @@ def plan_fingerprint(files: Iterable[Any]) -> str:
     file names relative to the spool with their sizes, a ledger export's with its rows."""
     out = []
     for f in files:
-        try:
-            size = os.stat(f.path).st_size
+        size = getattr(f, "bytes", None)  # as listed: a stat a file was 0.11 s a round at
+        try:                              # 13,000 files in the live reconcile
+            size = os.stat(f.path).st_size if size is None else size
         except OSError:
             size = f.rows
         # A spool file by its path in the spool (run/attempt=A/host=H/name: every host has

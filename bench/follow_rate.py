@@ -1,6 +1,6 @@
 """The live reconcile's round against the full reconcile job it replaces (issue 35, point 2).
 
-Builds a manifest of `--records` records and a run's spool of `--rows` rows (8 hosts,
+Builds a manifest of `--records` records and a run's spool of `--rows` rows (`--hosts`, 8,
 100,000-row files, keys uniform random over the records: every round touches records all
 over the key space, the shape that defeats caching per key bucket), starts a live reconcile
 (tally.audit.reconcile.follow) over it (its first round is the full pass), then `--rounds`
@@ -12,7 +12,7 @@ The reference, measured in the same run over the same final spool: `tally reconc
 reports are asserted to agree. Prints the ratio job / mean round.
 
     python -m bench.follow_rate [--rows 10000000] [--records 2000000] [--rounds 5]
-        [--dir bench/out/follow] [--keep]
+        [--per-file 100000] [--hosts 8] [--dir bench/out/follow] [--keep]
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ HOSTS = 8
 
 
 def write_steps(spool: Path, steps: range, manifest: tuple[np.ndarray, np.ndarray],
-                seed: int, per_file: int) -> None:
+                seed: int, per_file: int, hosts: int = HOSTS) -> None:
     hashes, lengths = manifest
     rng = np.random.default_rng(seed)
-    for h in range(HOSTS):
-        with LedgerWriter(spool, "bench", host=h, host_count=HOSTS, flush_every=1,
+    for h in range(hosts):
+        with LedgerWriter(spool, "bench", host=h, host_count=hosts, flush_every=1,
                           fsync=False) as w:
             for step in steps:
                 keys = rng.integers(0, len(hashes), per_file)
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--records", type=int, default=2_000_000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per-file", type=int, default=100_000, help="rows a spool file")
+    ap.add_argument("--hosts", type=int, default=HOSTS,
+                    help="a file a host a step: many hosts and few rows a file is the seed "
+                    "run's shape (~2,800 rows a file, ~1.8M segment files)")
     ap.add_argument("--dir", type=Path, default=Path("bench/out/follow"))
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
@@ -81,25 +84,25 @@ def main(argv: list[str] | None = None) -> dict:
         man = make_manifest(root / "m.parquet", args.records)
         spool = root / "spool"
         per_file = args.per_file
-        first = args.rows // (HOSTS * per_file)
-        write_steps(spool, range(first), man, 1, per_file)
+        first = args.rows // (args.hosts * per_file)
+        write_steps(spool, range(first), man, 1, per_file, args.hosts)
         anon0 = _anon()
         f = Follower(spool, root / "m.parquet", "bench", root / "live")
         t0 = time.monotonic()
         f.round()
         full_pass = time.monotonic() - t0
-        print(f"backlog: {first * HOSTS * per_file:,} rows over {args.records:,} records; "
+        print(f"backlog: {first * args.hosts * per_file:,} rows over {args.records:,} records; "
               f"the first round (a full pass) {full_pass:.1f} s")
         rounds = []
         for r in range(args.rounds):
-            write_steps(spool, range(first + r, first + r + 1), man, 100 + r, per_file)
+            write_steps(spool, range(first + r, first + r + 1), man, 100 + r, per_file, args.hosts)
             t0, c0 = time.monotonic(), _cpu()
             rep = f.round()
             took, cpu = time.monotonic() - t0, _cpu() - c0
             rounds.append((took, cpu))
-            print(f"round {r + 1}: {HOSTS * per_file:,} new rows over "
+            print(f"round {r + 1}: {args.hosts * per_file:,} new rows over "
                   f"{f.store.rows:,} kept: {took:.2f} s, {cpu:.2f} CPU s "
-                  f"({HOSTS * per_file / took / 1e6:.2f} M new rows/s)")
+                  f"({args.hosts * per_file / took / 1e6:.2f} M new rows/s)")
         assert f.full_passes == 1, f.full_passes
         anon = _anon() - anon0
         print(f"the follower's anonymous memory: {anon / 2**20:,.0f} MiB = "
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         resume_s = time.monotonic() - t0
         assert f.resumed_from == saved_at, (f.resumed_from, f.set_aside)
         last = first + args.rounds
-        write_steps(spool, range(last, last + 1), man, 99, per_file)
+        write_steps(spool, range(last, last + 1), man, 99, per_file, args.hosts)
         t0 = time.monotonic()
         rep = f.round()
         after_s = time.monotonic() - t0
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         size = (root / "live" / ".follow" / "checkpoint.pickle").stat().st_size
         print(f"a restart: the checkpoint {save_s:.2f} s ({size / 2**20:.1f} MiB besides the "
               f"rows), resumed in {resume_s:.2f} s, its "
-              f"first round ({HOSTS * per_file:,} new rows) {after_s:.2f} s; against the full "
+              f"first round ({args.hosts * per_file:,} new rows) {after_s:.2f} s; against the full "
               f"pass {full_pass:.1f} s: {full_pass / restart_s:.0f}x")
         t0 = time.monotonic()
         job = reconcile(run_id="bench", manifest=root / "m.parquet", out=root / "job",

@@ -186,3 +186,38 @@ def test_the_writer_refuses_values_outside_the_contract(spool, bad, match):
     with pytest.raises(WriterError, match=match):
         LedgerWriter(spool, "bounds", **bad)
     assert not (spool / "bounds").exists()
+
+
+def test_a_listing_kept_between_rounds_lists_what_a_fresh_scan_lists(spool):
+    """`Listing` (the live reconcile's, round after round) reuses what it stat-ed and parsed
+    before, yet gives what `scan` gives: new files, files gone, strays looked at again."""
+    def both():
+        fresh = [(f, st.st_size) for f, st in sp.scan(spool)]
+        kept = [(f, st.st_size) for f, st in listing.scan()]
+        assert kept == fresh
+        return [f.rel for f, _ in fresh]
+
+    listing = sp.Listing(spool)
+    assert both() == []
+    with LedgerWriter(spool, "ls", host=0, host_count=2, flush_every=2) as w:
+        for step in range(6):
+            w.write_batch(step, unpacked_batch(step, host=0, hosts=2))
+    first = both()
+    assert len(first) == 3 and all("/host=0/seg-" in r for r in first)
+    with LedgerWriter(spool, "ls", host=1, host_count=2, flush_every=3) as w:
+        for step in range(6):
+            w.write_batch(step, unpacked_batch(step, host=1, hosts=2))
+    host0 = spool / "ls" / "attempt=0" / "host=0"
+    gone = sorted(host0.iterdir())[1]
+    gone.unlink()
+    odd = host0 / "seg-000000000099-000000.parquet"
+    odd.symlink_to(host0 / "nowhere")  # a dangling link: a stray, looked at every time
+    second = both()
+    assert gone.relative_to(spool).as_posix() not in second and len(second) == 5
+    assert [type(f).__name__ for f, _ in listing.scan()].count("Stray") == 1
+    odd.unlink()
+    odd.symlink_to(sorted(host0.iterdir())[0])  # now a link to a file: a spool file
+    assert [type(f).__name__ for f, _ in listing.scan()].count("Stray") == 0
+    assert len(both()) == 5
+    shutil.rmtree(spool / "ls")
+    assert both() == []

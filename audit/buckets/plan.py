@@ -60,6 +60,7 @@ class InputFile:
     path: str
     spool_file: sp.SpoolFile | None = None  # None: a ledger export with an `attempt` column
     rows: int = 0  # as its metadata says (chunks are cut by it)
+    bytes: int | None = None  # a spool file's size when listed (None: stat it)
 
 
 # Input files are read CHUNK_ROWS rows at a time (whole files): a worker's task, one bucket
@@ -171,28 +172,35 @@ class Inputs:
     content_bases: list[str] = field(default_factory=list)
 
 
-def _footer(f: sp.SpoolFile) -> dict[str, str]:
-    """A spool file's key-value metadata; empty when unreadable (the worker says why)."""
+def _footer(f: sp.SpoolFile) -> dict[str, str] | None:
+    """A spool file's Tally metadata (`tally.*` keys; not Arrow's schema, ~2 KB a file that
+    the live reconcile kept and checkpointed for every file); None when unreadable (the
+    worker says why)."""
+    prefix = sp.META_PREFIX.encode()
     try:
         return {k.decode(): v.decode() for k, v in
-                (pq.read_metadata(f.path).metadata or {}).items()}
+                (pq.read_metadata(f.path).metadata or {}).items() if k.startswith(prefix)}
     except Exception:
-        return {}
+        return None
 
 
-def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | None = None
-                 ) -> Inputs:
+def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | None = None,
+                 listing: sp.Listing | None = None) -> Inputs:
     """The run's published segment files. Entries under the run's directory that are not
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
     step) of a file before it, the rule ingest applies (each host-step counts once).
     `footers`: the files' metadata already read, by path (published files never change),
-    kept up to date here (the live reconcile lists the spool every round)."""
+    kept up to date here, and `listing`, the spool's listing from round to round (the live
+    reconcile lists the spool every round)."""
     files, attempts, fingerprint, left_out, metric_files = [], {}, None, [], []
     bases: dict[str, None] = {}  # the run's content bases, distinct, in file order
     replayed: set[str] = set()  # paths of replayed files
     # (attempt, host) -> the (first, last step, path, furthest last step so far) of its files
     kept: dict[tuple[int, int], list[tuple[int, int, str, int]]] = {}
-    listed = [f for f, _ in sp.scan(spool)]
+    listed, sizes = [], {}
+    for f, st in (sp.scan(spool) if listing is None else listing.scan()):
+        listed.append(f)
+        sizes[id(f)] = st.st_size
     segs = [f for f in listed if not isinstance(f, sp.Stray) and f.kind == "seg"
             and f.run_id == run_id]
     # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
@@ -201,7 +209,7 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | 
     todo = [f for f in segs if str(f.path) not in known]
     with ThreadPoolExecutor(4) as pool:
         for f, md in zip(todo, pool.map(_footer, todo), strict=True):
-            if md:  # an unreadable footer is read again next time
+            if md is not None:  # an unreadable footer is read again next time
                 known[str(f.path)] = md
     footers = {id(f): known.get(str(f.path), {}) for f in segs}
     for f in listed:
@@ -242,7 +250,7 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | 
                 continue
             ranges.append((first, last, str(f.path), max(last, ranges[-1][3] if ranges
                                                          else last)))
-        files.append(InputFile(str(f.path), f, rows))
+        files.append(InputFile(str(f.path), f, rows, sizes[id(f)]))
     if not files:
         here = sorted(p.name for p in Path(spool).iterdir()
                       if p.is_dir() and not p.name.startswith(".")) if Path(spool).is_dir() else []

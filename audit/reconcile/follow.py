@@ -63,7 +63,7 @@ from tally.audit.buckets.stages import effective_rows, file_partial, replay_rows
 from tally.audit.core.errors import TallyError
 from tally.audit.core.exposure import effective
 from tally.audit.core.paths import atomic_write
-from tally.audit.hook.spool import BadFile
+from tally.audit.hook.spool import BadFile, Listing
 from tally.audit.reconcile import bucket_stats
 from tally.audit.reconcile import report as rp
 from tally.audit.reconcile.job import CompareReplay, metric_partial, with_metric_facts
@@ -82,7 +82,7 @@ DEEP = 256
 # The checkpoint: its file in OUT/.follow/, and at most how old it gets while rounds go on.
 CHECKPOINT = "checkpoint.pickle"
 CHECKPOINT_S = 60.0
-_FORMAT = 1  # of the checkpoint: one of another format is not read
+_FORMAT = 2  # of the checkpoint: one of another format is not read (2: InputFile.bytes)
 # The follower's state a checkpoint keeps as it is (besides the store, the manifest cache and
 # the seen bits).
 _SAVED = ("_footers", "plan", "rounds", "full_passes", "files", "file_parts", "blocks",
@@ -206,6 +206,7 @@ class Follower:
         self.out, self.memory_gb, self.api_url = Path(out).absolute(), memory_gb, api_url
         self.work = self.out / ".follow"
         self._footers: dict[str, dict[str, str]] = {}
+        self._listing = Listing(self.spool)  # not checkpointed: the first round lists anew
         self.plan: Plan | None = None
         self.rounds = self.full_passes = 0
         info, st = manifest_info(self.manifest), os.stat(self.manifest)
@@ -283,7 +284,7 @@ class Follower:
 
     def round(self) -> dict | None:
         t0, began = time.monotonic(), time.time()
-        inputs = spool_inputs(self.spool, self.run_id, self._footers)
+        inputs = spool_inputs(self.spool, self.run_id, self._footers, self._listing)
         plan = make_plan(self.run_id, self.manifest, inputs,
                          PlanOptions(memory_gb=self.memory_gb))
         new = [f for f in plan.files if f.path not in self.files]
