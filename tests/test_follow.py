@@ -638,3 +638,58 @@ def test_follow_waits_for_the_runs_first_file_and_says_why(tmp_path):
         proc.kill()
         _, err = proc.communicate(timeout=30)
     assert "waits" not in err  # said once, not every round
+
+
+def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
+    """The live reconcile's rounds gather only the files listed since (`SpoolMemo`): after
+    each kind of change, what they give equals one pass over the spool as it is."""
+    import shutil
+
+    from tally.audit.buckets.plan import SpoolMemo, spool_inputs
+    from tally.audit.hook.spool import Listing
+    from tests.support.api import write_steps
+
+    spool = tmp_path / "spool"
+    listing, memo, footers = Listing(spool), SpoolMemo(), {}
+
+    def agree(on_top: bool) -> None:
+        was = memo.gathered
+        kept = spool_inputs(spool, "r", footers, listing, memo)
+        assert kept == spool_inputs(spool, "r")
+        assert (memo.gathered is was) == on_top  # new files taken on top, or all again
+
+    def host(h: int, steps: range, attempt: int = 0, resumed: int | None = None,
+             hosts: int = 3) -> Path:
+        write_steps(spool, "r", host=h, hosts=hosts, steps=steps, n=500, seed=h + 10 * attempt,
+                    attempt=attempt, resumed=resumed, flush_every=2)
+        return spool / "r" / f"attempt={attempt}" / f"host={h}"
+
+    for h in (1, 2):  # host 0 comes later: its files are listed before the others'
+        host(h, range(6))
+    agree(on_top=False)  # the first call
+    for h in (1, 2):
+        host(h, range(6, 8))
+    agree(on_top=True)
+    # A host whose files sort first in the listing, saying another host count: the attempt's
+    # facts are its first file's, in listing order.
+    late = host(0, range(8), hosts=4)
+    agree(on_top=True)
+    hidden = sorted(late.glob("seg-*"))[1]
+    aside = tmp_path / hidden.name
+    shutil.move(hidden, aside)  # a file gone
+    agree(on_top=False)
+    shutil.move(aside, hidden)  # back: published late, below its host's newest
+    agree(on_top=False)
+    twin = sorted(late.glob("seg-*"))[-1]  # a copy of the newest, listed after it
+    shutil.copy(twin, late / f"{twin.name.rsplit('-', 1)[0]}-000099.parquet")
+    (late / "notes.txt").write_text("left here")  # a stray
+    agree(on_top=True)
+    host(1, range(4, 10), attempt=1, resumed=4)  # a new attempt
+    agree(on_top=True)
+    (late / "seg-000000000050-000000.parquet").write_bytes(b"not parquet")  # no footer yet
+    agree(on_top=True)
+    host(2, range(8, 10))
+    agree(on_top=False)  # a footer still to read: gathered again until it is
+    kept = spool_inputs(spool, "r", footers, listing, memo)
+    assert [why[:9] for _, why in kept.left_out] == ["not a spo", "duplicate"]
+    assert (kept.attempts[0]["host_count"], kept.attempts[1]["resumed_from_step"]) == (4, 4)

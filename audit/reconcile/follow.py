@@ -58,7 +58,7 @@ from tally.audit.buckets.partials import (
     merge_all,
     total,
 )
-from tally.audit.buckets.plan import Plan, PlanOptions, make_plan, spool_inputs
+from tally.audit.buckets.plan import Plan, PlanOptions, SpoolMemo, make_plan, spool_inputs
 from tally.audit.buckets.stages import effective_rows, file_partial, replay_rows
 from tally.audit.core.errors import TallyError
 from tally.audit.core.exposure import effective
@@ -206,7 +206,8 @@ class Follower:
         self.out, self.memory_gb, self.api_url = Path(out).absolute(), memory_gb, api_url
         self.work = self.out / ".follow"
         self._footers: dict[str, dict[str, str]] = {}
-        self._listing = Listing(self.spool)  # not checkpointed: the first round lists anew
+        # Not checkpointed: the first round after a start lists and gathers anew.
+        self._listing, self._memo = Listing(self.spool), SpoolMemo()
         self.plan: Plan | None = None
         self.rounds = self.full_passes = 0
         info, st = manifest_info(self.manifest), os.stat(self.manifest)
@@ -284,7 +285,8 @@ class Follower:
 
     def round(self) -> dict | None:
         t0, began = time.monotonic(), time.time()
-        inputs = spool_inputs(self.spool, self.run_id, self._footers, self._listing)
+        inputs = spool_inputs(self.spool, self.run_id, self._footers, self._listing,
+                              self._memo)
         plan = make_plan(self.run_id, self.manifest, inputs,
                          PlanOptions(memory_gb=self.memory_gb))
         new = [f for f in plan.files if f.path not in self.files]
