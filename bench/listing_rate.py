@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from bench.serve_memory import rss_anon
+from tally.audit.core import allocator
 from tally.audit.hook import spool as sp
 from tally.audit.ledger import ingest_loop
 from tally.audit.ledger.database import Ledger
@@ -88,7 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
                 mtime_ns FROM new""", [run])
             cur.close()
             loop = IngestLoop(ledger, spool)
+            allocator.release()
+            before = rss_anon(os.getpid())
             res["first round (the ingested names from the ledger)"] = timed(loop.run_once)[1]
+            allocator.release()
+            per_file = (rss_anon(os.getpid()) - before) / n
             for _ in range(3):  # directories settle (SETTLE_S after their first listing)
                 time.sleep(ingest_loop.SETTLE_S)
                 loop.run_once()
@@ -99,10 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
             loop._full_at = float("-inf")
             res["full listing round"] = timed(loop.run_once)[1]
             swept, rounds, cpu = loop.swept, 0, 0.0
+            loop._sweep_id = -1  # a pass from the first file (the rounds above began one)
+            cur = ledger.cursor()
             while loop.swept - swept < n:
                 loop._sweep_at -= ingest_loop.FULL_LISTING_S  # a pass's budget, unpaced
-                cpu += timed(loop._sweep)[1]
+                cpu += timed(lambda: loop._sweep(cur))[1]
                 rounds += 1
+            cur.close()
             res["sweep, a round"] = cpu / rounds
             assert loop.quarantined == 0 and loop.rows == 0
         res["reference: os.listdir of every directory"] = timed(
@@ -117,7 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
                 if what.startswith("sweep") else f"{cpu / n * 1e6:.2f} us a file")
         print(f"{what}: {cpu:.3f} CPU s, {each}, {cpu / ref:.2f}x the reference")
     print(f"sweep: {rounds} rounds of at most {IngestLoop.SWEEP_FILES:,} stats for a pass")
-    return {"files": n, "cpu": res, "sweep_rounds": rounds}
+    print(f"the ingested names and stats the loop keeps: {per_file:.0f} bytes a file "
+          "(anonymous memory after its first round)")
+    return {"files": n, "cpu": res, "sweep_rounds": rounds, "bytes_a_file": per_file}
 
 
 if __name__ == "__main__":

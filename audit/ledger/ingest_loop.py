@@ -57,17 +57,16 @@ class IngestLoop:
         # The backlog found at start is caught up with by the first round that ends without a
         # stop; until then ingest_lag is not an alert (tally.api.alerts) and the summary says so.
         self._caught_up = False
-        # Ingested files, by directory: name -> (bytes, mtime_ns) in the ledger (None:
-        # ingested before stats were kept). The listing skips them by name; a sweep stats
-        # them a slice a round (`_sweep`), so that another file put at an ingested path (a run
-        # id reused after its spool was removed, whose new training writes the old names)
-        # reaches ingest, which quarantines it.
-        self._done: dict[str, dict[str, tuple[int | None, int | None]]] = {}
+        # Ingested files' names, by directory: the listing leaves them out by name. Their
+        # stats stay in the ledger, which a sweep reads a slice a round (`_sweep`, by file id)
+        # to stat them, so that another file put at an ingested path (a run id reused after its
+        # spool was removed, whose new training writes the old names) reaches ingest, which
+        # quarantines it. Names and their stats kept here were 365 bytes a file (512,000
+        # files, bench/listing_rate.py; the seed run writes ~3.6M).
+        self._done: dict[str, set[str]] = {}
         self._done_files = 0
         self._sweep_at = time.monotonic()
-        self._sweep_dirs: list[str] = []  # directories the sweep has still to visit
-        self._sweep_names: list[str] = []  # names of its current directory still to stat
-        self._sweep_dir = ""
+        self._sweep_id = -1  # the sweep's place: the last file id it stat-ed
         self.swept = 0  # ingested files stat-ed by the sweep so far
         self._seen_id = -1
         # Listing every file every round cost ~1.5 s a round at 72,000 files. A host directory
@@ -120,13 +119,12 @@ class IngestLoop:
         writer); ingest() checks them again in its own snapshot."""
         cur = self.ledger.cursor()
         try:
-            for fid, path, size, mtime in cur.execute(
-                    "SELECT file_id, path, bytes, mtime_ns FROM segments WHERE file_id > ?",
-                    [self._seen_id]).fetchall():
+            for fid, path in cur.execute("SELECT file_id, path FROM segments WHERE file_id > ?",
+                                         [self._seen_id]).fetchall():
                 folder, _, name = path.rpartition("/")
-                names = self._done.setdefault(folder, {})
+                names = self._done.setdefault(folder, set())
                 self._done_files += name not in names
-                names[name] = (size, mtime)
+                names.add(name)
                 self._seen_id = max(self._seen_id, fid)
             self._stats = {}
             self._full = time.monotonic() - self._full_at >= FULL_LISTING_S
@@ -135,7 +133,7 @@ class IngestLoop:
             # Ingested names are left out by name, even in a full listing (which lists the
             # settled directories too): a stat and a parse of each was ~15 us, 8 s a listing
             # at 512,000 files (the seed run writes ~3.6M); the sweep stats them instead.
-            new = list(sp.scan(self.spool, self._settled, self._done)) + self._sweep()
+            new = list(sp.scan(self.spool, self._settled, self._done)) + self._sweep(cur)
             # Before quarantined files are set aside: a directory holding one stays listed,
             # so that the file rewritten in place (same name, no mtime change) is seen.
             self._settle(new)
@@ -146,53 +144,42 @@ class IngestLoop:
             cur.close()
         return [(f, st) for f, st in new if held.get(f.rel) != (st.st_size, st.st_mtime_ns)]
 
-    # Ingested files stat-ed a round at most by the sweep (~5.5 us a stat on this VM: 55 ms),
-    # paced so that each is stat-ed about once every FULL_LISTING_S while there are fewer than
-    # SWEEP_FILES x rounds in that time; beyond that a pass takes longer (at the seed run's
-    # ~3.6M files and a round a second, ~6 minutes) and costs a round no more.
-    SWEEP_FILES = 10_000
+    # Ingested files stat-ed a round at most by the sweep (their stats read from the ledger,
+    # then a stat each: 63 ms for 10,000 on this VM), paced so that each is stat-ed about once
+    # every FULL_LISTING_S while there are fewer than SWEEP_FILES x rounds in that time;
+    # beyond that a pass takes longer (at the seed run's ~3.6M files and a round a second,
+    # ~12 minutes) and costs a round no more (~30 ms).
+    SWEEP_FILES = 5_000
 
-    def _sweep(self) -> list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]]:
-        """The next slice of ingested files, stat-ed: those now another file than the one
-        ingested from their path (size or mtime moved; ingest compares the footers). Each is
-        sent once: remembered with its new stat."""
+    def _sweep(self, cur) -> list[tuple[sp.SpoolFile | sp.Stray, os.stat_result]]:
+        """The next slice of ingested files (by file id), stat-ed: those now another file than
+        the one the ledger ingested from their path (size or mtime moved; ingest compares the
+        footers, and keeps the new stat or quarantines the file: either way, not sent again
+        for it)."""
         now = time.monotonic()
         share = 1.0 if FULL_LISTING_S <= 0 else (now - self._sweep_at) / FULL_LISTING_S
         self._sweep_at = now
         budget = min(self.SWEEP_FILES, math.ceil(self._done_files * min(share, 1.0)))
+        if budget <= 0:
+            return []
+        rows = cur.execute("SELECT file_id, path, bytes, mtime_ns FROM segments "
+                           "WHERE file_id > ? ORDER BY file_id LIMIT ?",
+                           [self._sweep_id, budget]).fetchall()
+        self._sweep_id = rows[-1][0] if len(rows) == budget else -1  # then from the start
+        self.swept += len(rows)
         out = []
-        while budget > 0:
-            if not self._sweep_names:
-                if not self._sweep_dirs:
-                    self._sweep_dirs = list(self._done)
-                    if not self._sweep_dirs:
-                        break
-                self._sweep_dir = self._sweep_dirs.pop()
-                self._sweep_names = list(self._done.get(self._sweep_dir, ()))
-                continue
-            take = self._sweep_names[-budget:]
-            del self._sweep_names[-budget:]
-            budget -= len(take)
-            self.swept += len(take)
-            names = self._done[self._sweep_dir]
-            folder = f"{self.spool}/{self._sweep_dir}/"
-            for name in take:
-                was = names[name]
-                if was[1] is None:
-                    continue  # ingested before stats were kept: nothing to compare with
-                try:  # the stat alone (~2 us; the listing's parse of each was ~25 us)
-                    st = os.stat(folder + name)
-                    if was == (st.st_size, st.st_mtime_ns):
-                        continue
-                except OSError:
-                    pass  # gone, or a link that leads nowhere: said below
-                found = sp.entry(self.spool, f"{self._sweep_dir}/{name}")
-                if found is None:
-                    continue  # gone (a removed run): nothing to ingest
-                st = found[1]  # a file no longer regular goes too: ingest says why
-                if was != (st.st_size, st.st_mtime_ns):
-                    names[name] = (st.st_size, st.st_mtime_ns)
-                    out.append(found)
+        for _, rel, size, mtime in rows:
+            if mtime is None:
+                continue  # ingested before stats were kept: nothing to compare with
+            try:  # the stat alone (~3.5 us; the listing's parse of each was ~15 us)
+                st = os.stat(f"{self.spool}/{rel}")
+                if (size, mtime) == (st.st_size, st.st_mtime_ns):
+                    continue
+            except OSError:
+                pass  # gone, or a link that leads nowhere: said below
+            found = sp.entry(self.spool, rel)
+            if found is not None and (size, mtime) != (found[1].st_size, found[1].st_mtime_ns):
+                out.append(found)  # a file no longer regular goes too: ingest says why
         return out
 
     def _settled(self, rel_dir: str, mtime_ns: int) -> bool:
