@@ -56,7 +56,7 @@ MAX_RUN_STEPS = 2**31
 STEP_BYTES = {"reconcile": 256, "diff": 512}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class InputFile:
     path: str
     spool_file: sp.SpoolFile | None = None  # None: a ledger export with an `attempt` column
@@ -173,33 +173,41 @@ class Inputs:
     content_bases: list[str] = field(default_factory=list)
 
 
-# The footer keys `spool_inputs` reads. Kept as these very strings (and the values that repeat
-# from file to file interned), so that a checkpoint's pickle holds each once: the live
-# reconcile keeps a footer for every file (Arrow's schema and every key: ~2.7 KB a file in its
-# checkpoint; all `tally.*` keys: 499 B).
+# The footer keys `spool_inputs` reads, whose values a footer is kept as (a tuple, in this
+# order; None: absent), the values that repeat from file to file interned: the live reconcile
+# keeps a footer for every file, in memory and in its checkpoint (Arrow's schema and every key:
+# ~2.7 KB a file in its checkpoint; a dict of all `tally.*` keys: 499 B).
 _FOOTER_KEYS = tuple(f"{sp.META_PREFIX}{k}" for k in (
     "rows", "first_step", "last_step", "resumed_from_step", "host_count",
     "manifest_fingerprint", "content_basis", "replayed", "writer_version"))
 _REPEATED = frozenset(_FOOTER_KEYS[3:])
+Footer = tuple[str | None, ...]
 
 
-def _footer(f: sp.SpoolFile) -> dict[str, str] | None:
+def _footer(f: sp.SpoolFile) -> Footer | None:
     """The Tally metadata `spool_inputs` reads of a spool file; None when unreadable (the
     worker says why)."""
     try:
         raw = pq.read_metadata(f.path).metadata or {}
-        out = {}
+        out = []
         for key in _FOOTER_KEYS:
             value = raw.get(key.encode())
             if value is not None:
                 value = value.decode()
-                out[key] = sys.intern(value) if key in _REPEATED else value
-        return out
+                value = sys.intern(value) if key in _REPEATED else value
+            out.append(value)
+        return tuple(out)
     except Exception:
         return None
 
 
-def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | None = None,
+def _said(footer: Footer | None) -> dict[str, str]:
+    """A footer kept as `_footer` keeps it, as its key-value metadata ({}: none read)."""
+    return {} if footer is None else {
+        k: v for k, v in zip(_FOOTER_KEYS, footer, strict=True) if v is not None}
+
+
+def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = None,
                  listing: sp.Listing | None = None, memo: SpoolMemo | None = None) -> Inputs:
     """The run's published segment files. Entries under the run's directory that are not
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
@@ -208,11 +216,12 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | 
     kept up to date here; `listing`, the spool's listing from round to round; `memo`, what
     the last call gathered file by file (the live reconcile lists the spool every round: see
     SpoolMemo)."""
-    listed = list(sp.scan(spool) if listing is None else listing.scan())
-    mine = [(f, st) for f, st in listed if not isinstance(f, sp.Stray) and f.run_id == run_id
-            and f.kind in ("seg", "met")]
+    listed = ([(f, st.st_size) for f, st in sp.scan(spool)] if listing is None
+              else list(listing.scan()))  # (entry, size)
+    mine = [(f, size) for f, size in listed if not isinstance(f, sp.Stray)
+            and f.run_id == run_id and f.kind in ("seg", "met")]
     acc = memo.gathered if memo is not None else None
-    new = mine if acc is None else [(f, st) for f, st in mine if f.rel not in acc.seen]
+    new = mine if acc is None else [(f, size) for f, size in mine if f.rel not in acc.seen]
     if acc is None or not acc.takes(mine, new):
         acc, new = _Gathered(), mine
     if memo is not None:
@@ -226,8 +235,8 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, dict[str, str]] | 
         for f, md in zip(todo, pool.map(_footer, todo), strict=True):
             if md is not None:  # an unreadable footer is read again next time
                 known[str(f.path)] = md
-    for f, st in new:
-        acc.take(f, known.get(str(f.path), {}), st.st_size)
+    for f, size in new:
+        acc.take(f, _said(known.get(str(f.path))), size)
     files = acc.files()
     if not files:
         here = sorted(p.name for p in Path(spool).iterdir()

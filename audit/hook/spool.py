@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,9 +142,10 @@ def temp_name(final_name: str) -> str:
     return f".{final_name}.tmp"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SpoolFile:
-    """A published spool file, identified by its path relative to the spool root."""
+    """A published spool file, identified by its path relative to the spool root. Slotted:
+    the live reconcile holds one for each of a run's files (the seed run's ~3.6M)."""
 
     path: Path
     rel: str
@@ -193,19 +195,21 @@ class Listing:
     each directory's names are read every time, so a removed file goes, but a published file
     listed before is not stat-ed nor parsed again (a published file never changes; another put
     at its path is ingest's to find): ~0.5 against ~20 us a file (bench/listing_rate.py).
-    Stray entries are looked at every time."""
+    Stray entries are looked at every time. What it keeps of a file is its entry and size."""
 
     def __init__(self, spool: Path) -> None:
         self.spool = Path(spool)
-        self._files: dict[str, dict[str, tuple[SpoolFile, os.stat_result]]] = {}
+        self._files: dict[str, dict[str, tuple[SpoolFile, int]]] = {}
 
-    def scan(self) -> Iterator[tuple[SpoolFile | Stray, os.stat_result]]:
-        """`scan(spool)`'s entries, those listed before from memory."""
+    def scan(self) -> Iterator[tuple[SpoolFile | Stray, int]]:
+        """`scan(spool)`'s entries with their sizes (not their stats), those listed before
+        from memory."""
         if not self.spool.is_dir():
             self._files = {}
             return
-        listed: dict[str, dict[str, tuple[SpoolFile, os.stat_result]]] = {}
-        yield from _walk(self.spool, self.spool, (), None, {}, (self._files, listed))
+        listed: dict[str, dict[str, tuple[SpoolFile, int]]] = {}
+        for item, st in _walk(self.spool, self.spool, (), None, {}, (self._files, listed)):
+            yield item, st if isinstance(st, int) else st.st_size
         self._files = listed  # a walk left half way keeps the last whole one
 
 
@@ -213,8 +217,8 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
           skip: Callable[[str, int], bool] | None, known: Mapping[str, Container[str]],
           cache: tuple[dict, dict] | None = None,
           ) -> Iterator[tuple[SpoolFile | Stray, os.stat_result]]:
-    """`cache`: (the published files of the last walk, this walk's), by directory and name
-    (`Listing`)."""
+    """`cache`: (the published files of the last walk, this walk's), by directory and name,
+    with their sizes (`Listing`: a file found there is given with its size, not its stat)."""
     try:
         names = os.listdir(here)
     except OSError as exc:
@@ -255,7 +259,7 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
             yield Stray(path, rel, why), st
         else:
             if now is not None and isinstance(item, SpoolFile):
-                now[name] = (item, st)
+                now[name] = (item, st.st_size)
             yield item, st
 
 
@@ -316,7 +320,7 @@ def _location(parts: tuple[str, ...]) -> tuple[str, int, int] | None:
     am, hm = ATTEMPT_DIR.match(attempt_dir), _HOST_DIR.match(host_part)
     if not (_RUN_ID.match(run_id) and am and hm):
         return None
-    return run_id, int(am.group(1)), int(hm.group(1))
+    return sys.intern(run_id), int(am.group(1)), int(hm.group(1))
 
 
 def _classify(path: Path, rel: str, where: tuple[str, int, int] | None,
@@ -331,7 +335,8 @@ def _classify(path: Path, rel: str, where: tuple[str, int, int] | None,
         return Stray(path, rel, "directory names are not <run>/attempt=<a>/host=<h>")
     run_id, attempt, host = where
     return SpoolFile(path=path, rel=rel, run_id=run_id, attempt=attempt, host=host,
-                     kind=m.group(1), first_step=int(m.group(2)), seq=int(m.group(3)))
+                     kind=sys.intern(m.group(1)), first_step=int(m.group(2)),
+                     seq=int(m.group(3)))
 
 
 def published(name: str) -> bool:

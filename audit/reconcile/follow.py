@@ -58,7 +58,14 @@ from tally.audit.buckets.partials import (
     merge_all,
     total,
 )
-from tally.audit.buckets.plan import Plan, PlanOptions, SpoolMemo, make_plan, spool_inputs
+from tally.audit.buckets.plan import (
+    Footer,
+    Plan,
+    PlanOptions,
+    SpoolMemo,
+    make_plan,
+    spool_inputs,
+)
 from tally.audit.buckets.stages import effective_rows, file_partial, replay_rows
 from tally.audit.core.errors import TallyError
 from tally.audit.core.exposure import effective
@@ -82,7 +89,7 @@ DEEP = 256
 # The checkpoint: its file in OUT/.follow/, and at most how old it gets while rounds go on.
 CHECKPOINT = "checkpoint.pickle"
 CHECKPOINT_S = 60.0
-_FORMAT = 2  # of the checkpoint: one of another format is not read (2: InputFile.bytes)
+_FORMAT = 3  # of the checkpoint: one of another format is not read (3: footers as tuples)
 # The follower's state a checkpoint keeps as it is (besides the store, the manifest cache and
 # the seen bits).
 _SAVED = ("_footers", "plan", "rounds", "full_passes", "files", "file_parts", "blocks",
@@ -205,7 +212,7 @@ class Follower:
         self.manifest = str(Path(manifest).absolute())
         self.out, self.memory_gb, self.api_url = Path(out).absolute(), memory_gb, api_url
         self.work = self.out / ".follow"
-        self._footers: dict[str, dict[str, str]] = {}
+        self._footers: dict[str, Footer] = {}
         # Not checkpointed: the first round after a start lists and gathers anew.
         self._listing, self._memo = Listing(self.spool), SpoolMemo()
         self.plan: Plan | None = None
