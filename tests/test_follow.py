@@ -693,3 +693,33 @@ def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
     kept = spool_inputs(spool, "r", footers, listing, memo)
     assert [why[:9] for _, why in kept.left_out] == ["not a spo", "duplicate"]
     assert (kept.attempts[0]["host_count"], kept.attempts[1]["resumed_from_step"]) == (4, 4)
+
+
+def test_a_checkpoint_slow_to_write_is_written_less_often(tmp_path):
+    """Rounds checkpoint at least every CHECKPOINT_S, unless the last writing took more than
+    CHECKPOINT_SHARE of that: then every last-seconds / CHECKPOINT_SHARE (its pickle grows
+    with the run's files)."""
+    import time
+
+    from tally.audit.reconcile import follow
+    from tests.support.manifest import uniform_manifest
+
+    m = uniform_manifest(tmp_path / "m.parquet", TRAIN)
+    spool = tmp_path / "spool"
+    run = _two_hosts(spool, seed=3, steps=4)
+    f = Follower(spool, m, "r", tmp_path / "live")
+    assert f.round() is not None  # a full pass: checkpointed
+    checkpoint = tmp_path / "live" / ".follow" / "checkpoint.pickle"
+
+    def step_and_round(step: int, last_save_s: float) -> bool:
+        """Whether a round 61 s after the last checkpoint, which took `last_save_s`, wrote."""
+        run.step(step, [0, 1])
+        run.publish([0, 1])
+        before = checkpoint.stat().st_mtime_ns
+        f._saved_at, f.last_save_s = time.monotonic() - 61, last_save_s
+        assert f.round() is not None
+        return checkpoint.stat().st_mtime_ns != before
+
+    assert step_and_round(4, 1.0)  # 1 s of 61: within the share
+    assert not step_and_round(5, 0.05 * 61 + 1)  # every 81 s: not yet
+    assert f._unsaved and follow.CHECKPOINT_SHARE == 0.05

@@ -86,9 +86,13 @@ FILE_BLOCK = 4096  # steps a block of per-file partials covers (by the file's fi
 # The evidence lists: their order, and how many entries the report shows. The follower keeps
 # DEEP of each, so that a rollback taking entries out of one still leaves the report's.
 DEEP = 256
-# The checkpoint: its file in OUT/.follow/, and at most how old it gets while rounds go on.
+# The checkpoint: its file in OUT/.follow/, and at most how old it gets while rounds go on,
+# unless writing it takes more than CHECKPOINT_SHARE of that time: its pickle grows with the
+# run's files (~260 bytes a file: ~0.9 GB at the seed run's ~3.6M), and rewriting it every
+# minute would be most of the follower's work there.
 CHECKPOINT = "checkpoint.pickle"
 CHECKPOINT_S = 60.0
+CHECKPOINT_SHARE = 0.05
 _FORMAT = 3  # of the checkpoint: one of another format is not read (3: footers as tuples)
 # The follower's state a checkpoint keeps as it is (besides the store, the manifest cache and
 # the seen bits).
@@ -318,7 +322,8 @@ class Follower:
             self.plan, self._unsaved = None, False
             raise
         self._unsaved = True
-        if self.full_passes != passes or time.monotonic() - self._saved_at >= CHECKPOINT_S:
+        every = max(CHECKPOINT_S, (self.last_save_s or 0.0) / CHECKPOINT_SHARE)
+        if self.full_passes != passes or time.monotonic() - self._saved_at >= every:
             self.checkpoint()
         status = {"round": self.rounds, "began_at": began,
                   "seconds": round(time.monotonic() - t0, 3),
