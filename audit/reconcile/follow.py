@@ -88,7 +88,7 @@ FILE_BLOCK = 4096  # steps a block of per-file partials covers (by the file's fi
 DEEP = 256
 # The checkpoint: its file in OUT/.follow/, and at most how old it gets while rounds go on,
 # unless writing it takes more than CHECKPOINT_SHARE of that time: its pickle grows with the
-# run's files (~260 bytes a file: ~0.9 GB at the seed run's ~3.6M), and rewriting it every
+# run's files (~230 bytes a file: ~0.8 GB at the seed run's ~3.6M), and rewriting it every
 # minute would be most of the follower's work there.
 CHECKPOINT = "checkpoint.pickle"
 CHECKPOINT_S = 60.0
