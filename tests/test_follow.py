@@ -686,10 +686,16 @@ def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
     agree(on_top=True)
     host(1, range(4, 10), attempt=1, resumed=4)  # a new attempt
     agree(on_top=True)
-    (late / "seg-000000000050-000000.parquet").write_bytes(b"not parquet")  # no footer yet
+    broken = late / "seg-000000000050-000000.parquet"
+    broken.write_bytes(b"not parquet")  # no footer yet
     agree(on_top=True)
     host(2, range(8, 10))
-    agree(on_top=False)  # a footer still to read: gathered again until it is
+    agree(on_top=True)  # its footer tried again, still unreadable: new files taken on top
+    broken.unlink()  # the real file in its place (published at last): its footer read
+    write_steps(tmp_path / "late", "r", host=0, hosts=4, steps=range(50, 51), n=500, seed=7,
+                flush_every=2)
+    shutil.move(next((tmp_path / "late").rglob("seg-*")), broken)
+    agree(on_top=False)
     kept = spool_inputs(spool, "r", footers, listing, memo)
     assert [why[:9] for _, why in kept.left_out] == ["not a spo", "duplicate"]
     assert (kept.attempts[0]["host_count"], kept.attempts[1]["resumed_from_step"]) == (4, 4)

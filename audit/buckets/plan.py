@@ -220,23 +220,31 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = N
               else list(listing.scan()))  # (entry, size)
     mine = [(f, size) for f, size in listed if not isinstance(f, sp.Stray)
             and f.run_id == run_id and f.kind in ("seg", "met")]
+    # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
+    # footers took 1.57 s one after another and 0.97 s on 4 threads (36,352 at 500M rows).
+    known = {} if footers is None else footers
+    todo = [f for f, _ in mine if f.kind == "seg" and str(f.path) not in known]
+    with ThreadPoolExecutor(4) as pool:
+        for f, md in zip(todo, pool.map(_footer, todo), strict=True):
+            if md is not None:  # an unreadable footer is read again next time
+                known[str(f.path)] = md
     acc = memo.gathered if memo is not None else None
+    if acc is not None and any(str(f.path) in known for f in acc.unread):
+        # A file whose footer could not be read now can: another file than the one listed
+        # (its size too), so all again, from a listing that looks at it anew.
+        if listing is not None:
+            listing.forget(f.rel for f in acc.unread)
+            listed = list(listing.scan())
+            mine = [(f, size) for f, size in listed if not isinstance(f, sp.Stray)
+                    and f.run_id == run_id and f.kind in ("seg", "met")]
+        acc = None
     new = mine if acc is None else [(f, size) for f, size in mine if f.rel not in acc.seen]
     if acc is None or not acc.takes(mine, new):
         acc, new = _Gathered(), mine
     if memo is not None:
         memo.gathered = acc
-    segs = [f for f, _ in new if f.kind == "seg"]
-    # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
-    # footers took 1.57 s one after another and 0.97 s on 4 threads (36,352 at 500M rows).
-    known = {} if footers is None else footers
-    todo = [f for f in segs if str(f.path) not in known]
-    with ThreadPoolExecutor(4) as pool:
-        for f, md in zip(todo, pool.map(_footer, todo), strict=True):
-            if md is not None:  # an unreadable footer is read again next time
-                known[str(f.path)] = md
     for f, size in new:
-        acc.take(f, _said(known.get(str(f.path))), size)
+        acc.take(f, known.get(str(f.path)), size)
     files = acc.files()
     if not files:
         here = sorted(p.name for p in Path(spool).iterdir()
@@ -282,14 +290,13 @@ class _Gathered:
         # (attempt, host) -> the (first, last step, path, furthest last step so far) of its files
         self.kept: dict[tuple[int, int], list[tuple[int, int, str, int]]] = {}
         self.duplicates: list[tuple[tuple, str, str]] = []  # (place, path, why)
-        self.unread = False  # a file's footer was not read: it may be next time
+        self.unread: list[sp.SpoolFile] = []  # files whose footer could not be read, yet
 
     def takes(self, mine: list, new: list) -> bool:
         """Whether `new` (of the run's files listed now, `mine`) can be taken on top: nothing
-        taken has gone, no footer is still to read, and each new file comes after the files
-        of its host directory and kind taken before (not a file published late, below
-        them)."""
-        if self.unread or len(mine) - len(new) != len(self.seen):
+        taken has gone, and each new file comes after the files of its host directory and kind
+        taken before (not a file published late, below them)."""
+        if len(mine) - len(new) != len(self.seen):
             return False
         for f, _ in new:
             place = _order(f.rel)
@@ -298,7 +305,11 @@ class _Gathered:
                 return False
         return True
 
-    def take(self, f: sp.SpoolFile, md: dict[str, str], size: int) -> None:
+    def take(self, f: sp.SpoolFile, footer: Footer | None, size: int) -> None:
+        """One file, its footer as `_footer` keeps it (None: not read)."""
+        md = _said(footer)
+        if footer is None and f.kind == "seg":
+            self.unread.append(f)
         place = _order(f.rel)
         where = place[:3]
         self.seen.add(f.rel)
@@ -331,8 +342,7 @@ class _Gathered:
             if basis and (basis not in self.bases or place < self.bases[basis]):
                 self.bases[basis] = place
             replayed = sp.is_replayed(md, sp.META_PREFIX)
-        except Exception:
-            self.unread = True  # the worker re-checks the file and reports why it was skipped
+        except Exception:  # the worker re-checks the file and reports why it was skipped
             replayed = False
         if first is not None:
             ranges = self.kept.setdefault((f.attempt, f.host), [])

@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,8 +181,8 @@ def scan(spool: Path, skip_host_dir: Callable[[str, int], bool] | None = None,
     every name that `known` holds for its directory (directory path relative to the spool ->
     names in it ingested already: the live service lists its spool every round, and a stat
     and a parse of each old file was half its ingesting thread's time at 128 hosts). A known
-    name costs a set lookup, not a stat: 1.8 -> 0.2 us a name (512,000 files, bench/
-    listing_rate.py).
+    name costs a set lookup, not a stat: a listing 0.8 us a name, os.listdir's own 0.5 of it
+    (512,000 files, bench/listing_rate.py).
     """
     spool = Path(spool)
     if not spool.is_dir():
@@ -194,7 +194,8 @@ class Listing:
     """A spool listed round after round (the live reconcile lists its run's every round):
     each directory's names are read every time, so a removed file goes, but a published file
     listed before is not stat-ed nor parsed again (a published file never changes; another put
-    at its path is ingest's to find): ~0.5 against ~20 us a file (bench/listing_rate.py).
+    at its path is ingest's to find, and `forget` looks at one anew): ~2 against ~15-20 us a
+    file (13,312 files, bench/RESULTS.md).
     Stray entries are looked at every time. What it keeps of a file is its entry and size."""
 
     def __init__(self, spool: Path) -> None:
@@ -211,6 +212,12 @@ class Listing:
         for item, st in _walk(self.spool, self.spool, (), None, {}, (self._files, listed)):
             yield item, st if isinstance(st, int) else st.st_size
         self._files = listed  # a walk left half way keeps the last whole one
+
+    def forget(self, rels: Iterable[str]) -> None:
+        """These files looked at anew by the next `scan` (another file was found in place)."""
+        for rel in rels:
+            folder, _, name = rel.rpartition("/")
+            self._files.get(folder, {}).pop(name, None)
 
 
 def _walk(spool: Path, here: Path, parts: tuple[str, ...],
