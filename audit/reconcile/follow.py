@@ -287,7 +287,7 @@ class Follower:
                  "store": self.store.save(), "seen": np.packbits(self.seen),
                  **{name: getattr(self, name) for name in _SAVED}}
         if self.plan is not None:  # its lists of files are not read again (a start lists
-            # the spool anew): 228 of the checkpoint's 1,060 bytes a file
+            # the spool anew): 228 bytes a file
             state["plan"] = dataclasses.replace(self.plan, files=[], metric_files=[])
         with atomic_write(self.work / CHECKPOINT, self.work / f"{CHECKPOINT}.tmp") as f:
             pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
