@@ -31,7 +31,6 @@ import pyarrow as pa
 from bench.serve_memory import rss_anon
 from tally.audit.core import allocator
 from tally.audit.hook import spool as sp
-from tally.audit.ledger import ingest_loop
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest_loop import IngestLoop
 
@@ -96,19 +95,19 @@ def main(argv: list[str] | None = None) -> dict:
             allocator.release()
             per_file = (rss_anon(os.getpid()) - before) / n
             for _ in range(3):  # directories settle (SETTLE_S after their first listing)
-                time.sleep(ingest_loop.SETTLE_S)
+                time.sleep(sp.SETTLE_S)
                 loop.run_once()
             res["settled round"] = timed(loop.run_once)[1]
             for d in dirs:  # a publish of every host moves each directory's mtime
                 os.utime(d)
             res["round after every directory changed"] = timed(loop.run_once)[1]
-            loop._full_at = float("-inf")
+            loop._settling._full_at = float("-inf")
             res["full listing round"] = timed(loop.run_once)[1]
             swept, rounds, cpu = loop.swept, 0, 0.0
             loop._sweep_id = -1  # a pass from the first file (the rounds above began one)
             cur = ledger.cursor()
             while loop.swept - swept < n:
-                loop._sweep_at -= ingest_loop.FULL_LISTING_S  # a pass's budget, unpaced
+                loop._sweep_at -= sp.FULL_LISTING_S  # a pass's budget, unpaced
                 cpu += timed(lambda: loop._sweep(cur))[1]
                 rounds += 1
             cur.close()

@@ -255,7 +255,7 @@ def test_serve_memory_benchmark_runs_and_cleans_up(tmp_path):
 def test_listing_benchmark_runs_and_cleans_up(tmp_path, monkeypatch):
     from bench import listing_rate
 
-    monkeypatch.setattr("tally.audit.ledger.ingest_loop.SETTLE_S", 0.0)  # rounds ms apart
+    monkeypatch.setattr("tally.audit.hook.spool.SETTLE_S", 0.0)  # rounds ms apart
     out = tmp_path / "listing"
     res = listing_rate.main(["--hosts", "3", "--files", "40", "--dir", str(out)])
     # Every file listed as ingested (the bench asserts none was read again nor set aside),

@@ -11,7 +11,7 @@ from tests.support.api import write_steps
 
 
 def test_settled_directories_are_skipped_until_they_change(tmp_path, monkeypatch):
-    monkeypatch.setattr("tally.audit.ledger.ingest_loop.SETTLE_S", 0.0)  # rounds here are ms apart
+    monkeypatch.setattr("tally.audit.hook.spool.SETTLE_S", 0.0)  # rounds here are ms apart
     batches, rows = [], []
     stage = tmp_path / "stage" / "r" / "attempt=0" / "host=0"
     for i in range(4):  # four batches of published files, staged outside the spool
@@ -81,7 +81,7 @@ def test_listings_less_than_a_tick_apart_do_not_settle(tmp_path):
 
 
 def test_quarantined_files_and_full_listings_keep_late_files_in_view(tmp_path, monkeypatch):
-    monkeypatch.setattr("tally.audit.ledger.ingest_loop.SETTLE_S", 0.0)
+    monkeypatch.setattr("tally.audit.hook.spool.SETTLE_S", 0.0)
     stage = tmp_path / "stage"
     rows = write_steps(stage, "r", host=0, hosts=1, steps=range(5), n=100, seed=0,
                        flush_every=5)
@@ -117,7 +117,7 @@ def test_quarantined_files_and_full_listings_keep_late_files_in_view(tmp_path, m
         os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
         loop.run_once()
         assert ingested() == rows
-        monkeypatch.setattr("tally.audit.ledger.ingest_loop.FULL_LISTING_S", 0.0)
+        monkeypatch.setattr("tally.audit.hook.spool.FULL_LISTING_S", 0.0)
         loop.run_once()
         assert ingested() == rows + late
 
@@ -127,8 +127,8 @@ def test_ingested_files_are_stat_ed_a_slice_a_round_and_another_file_there_is_fo
     """Listings leave ingested names out by name (no stat: 8 s a full listing at 512,000
     files before); a sweep stats them at most SWEEP_FILES a round, every one in turn, so a file
     rewritten in place (its directory's mtime unmoved) still reaches ingest, once."""
-    monkeypatch.setattr("tally.audit.ledger.ingest_loop.SETTLE_S", 0.0)
-    monkeypatch.setattr("tally.audit.ledger.ingest_loop.FULL_LISTING_S", 0.0)  # no pacing
+    monkeypatch.setattr("tally.audit.hook.spool.SETTLE_S", 0.0)
+    monkeypatch.setattr("tally.audit.hook.spool.FULL_LISTING_S", 0.0)  # no pacing
     spool = tmp_path / "spool"
     rows = sum(write_steps(spool, "r", host=h, hosts=2, steps=range(8), n=50, seed=h,
                            flush_every=1) for h in range(2))

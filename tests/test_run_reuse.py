@@ -141,9 +141,9 @@ def test_the_live_service_quarantines_a_reused_run_id_at_the_old_names_only(tmp_
     already: its periodic full listing stats them (FULL_LISTING_S, shortened here), sees other
     files there, and ingest quarantines them. Before, the service never looked at them again:
     nothing mixed in, but nothing said so either."""
-    from tally.audit.ledger import ingest_loop
+    from tally.audit.hook import spool as sp
 
-    monkeypatch.setattr(ingest_loop, "FULL_LISTING_S", 0.5)
+    monkeypatch.setattr(sp, "FULL_LISTING_S", 0.5)
     spool, path = tmp_path / "spool", tmp_path / "l.duckdb"
     _train(spool, seed=0, steps=range(10))
     names = sorted(p.relative_to(spool).as_posix() for p in spool.rglob("*.parquet"))

@@ -221,3 +221,37 @@ def test_a_listing_kept_between_rounds_lists_what_a_fresh_scan_lists(spool):
     assert len(both()) == 5
     shutil.rmtree(spool / "ls")
     assert both() == []
+
+
+def test_a_listing_skips_a_settled_host_directory_until_its_mtime_moves(spool, monkeypatch):
+    """`Listing` does not list a host directory again once it settled (`Settling`, as the
+    service's ingest loop): a file renamed in without moving its mtime waits for the full
+    listing; a publish moves the mtime and is seen at once."""
+    import os
+
+    monkeypatch.setattr(sp, "SETTLE_S", 0.0)  # listings here are ms apart
+    listing = sp.Listing(spool)
+    with LedgerWriter(spool, "st", host=0, host_count=1, flush_every=2) as w:
+        for step in range(4):
+            w.write_batch(step, unpacked_batch(step, host=0, hosts=1))
+    host0 = spool / "st" / "attempt=0" / "host=0"
+
+    def names() -> list[str]:
+        return [f.rel.rsplit("/", 1)[1] for f, _ in listing.scan()]
+
+    first = names()
+    assert len(first) == 2 and names() == first and names() == first  # settled now
+    aside = spool.parent / "aside"
+    with LedgerWriter(aside, "st", host=0, host_count=1, flush_every=2) as w:
+        for step in range(4, 6):
+            w.write_batch(step, unpacked_batch(step, host=0, hosts=1))
+    late = next((aside / "st" / "attempt=0" / "host=0").glob("seg-*"))
+    before = host0.stat()
+    late.rename(host0 / late.name)
+    os.utime(host0, ns=(before.st_atime_ns, before.st_mtime_ns))  # as if within one tick
+    assert names() == first  # settled: not listed
+    monkeypatch.setattr(sp, "FULL_LISTING_S", 0.0)
+    assert names() == [*first, late.name]  # the full listing finds it
+    monkeypatch.setattr(sp, "FULL_LISTING_S", 60.0)
+    (host0 / late.name).unlink()  # moves the mtime: listed again, the file gone
+    assert names() == first

@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import sys
+import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,17 +191,72 @@ def scan(spool: Path, skip_host_dir: Callable[[str, int], bool] | None = None,
     yield from _walk(spool, spool, (), skip_host_dir, known or {})
 
 
+# A listing made round after round skips the host directories that settled (`Settling`).
+SETTLE_S = 2.0  # longer than the coarsest file-system timestamp tick
+FULL_LISTING_S = 60.0  # every directory listed at least this often, settled or not
+
+
+class Settling:
+    """Which host directories a listing made round after round may skip: a directory is
+    settled once nothing in it is still to do and it was stat-ed with the same mtime at least
+    SETTLE_S before a listing of it, and stays so until its mtime moves (publishing a file by
+    rename moves it). One listing is not enough: a file renamed in just after it, within the
+    same timestamp tick (a few ms on Linux's ext4 and xfs, up to 2 s on some file systems),
+    leaves the mtime as it was; a listing after the tick has ended sees the file, and any
+    rename after that moves the mtime. Every FULL_LISTING_S every directory is listed anyway,
+    for file systems whose directory mtimes do not move (some FUSE mounts of object stores) or
+    come back (copies that keep mtimes)."""
+
+    def __init__(self) -> None:
+        # Host directory -> (mtime_ns, settled, monotonic time of the stat that first saw it).
+        self._dirs: dict[str, tuple[int, bool, float]] = {}
+        self._stats: dict[str, tuple[int, float]] = {}  # this listing: (mtime_ns, stat time)
+        self._full_at = float("-inf")
+        self.full = True
+
+    def begin(self) -> None:
+        """A listing begins: a full one at least every FULL_LISTING_S."""
+        self._stats = {}
+        self.full = time.monotonic() - self._full_at >= FULL_LISTING_S
+        if self.full:
+            self._full_at = time.monotonic()
+
+    def skip(self, rel_dir: str, mtime_ns: int) -> bool:
+        """`scan`'s skip_host_dir: whether this directory, with this mtime, is settled."""
+        self._stats[rel_dir] = (mtime_ns, time.monotonic())  # before the directory is read
+        state = self._dirs.get(rel_dir)
+        return not self.full and state is not None and state[:2] == (mtime_ns, True)
+
+    def end(self, busy: Container[str]) -> None:
+        """The listing ended: each directory it stat-ed settles, or not; `busy`, those with
+        something in them still to do (a file not ingested, an entry to look at again)."""
+        for rel_dir, (mtime, at) in self._stats.items():
+            old = self._dirs.get(rel_dir)
+            if old is None or old[0] != mtime:
+                self._dirs[rel_dir] = (mtime, False, at)
+            elif not old[1] or rel_dir in busy:
+                self._dirs[rel_dir] = (mtime, rel_dir not in busy and at - old[2] >= SETTLE_S,
+                                       old[2])
+
+    def forget(self, rel_dir: str) -> None:
+        """This directory listed again by the next listing, settled or not."""
+        self._dirs.pop(rel_dir, None)
+
+
 class Listing:
     """A spool listed round after round (the live reconcile lists its run's every round):
     each directory's names are read every time, so a removed file goes, but a published file
     listed before is not stat-ed nor parsed again (a published file never changes; another put
     at its path is ingest's to find, and `forget` looks at one anew): ~2 against ~15-20 us a
     file (13,312 files, bench/RESULTS.md).
-    Stray entries are looked at every time. What it keeps of a file is its entry and size."""
+    Stray entries are looked at every time. A host directory that settled (`Settling`: its
+    mtime unmoved) is not even listed: its files are those of the last listing. What it keeps
+    of a file is its entry and size."""
 
     def __init__(self, spool: Path) -> None:
         self.spool = Path(spool)
         self._files: dict[str, dict[str, tuple[SpoolFile, int]]] = {}
+        self._settling = Settling()
 
     def scan(self) -> Iterator[tuple[SpoolFile | Stray, int]]:
         """`scan(spool)`'s entries with their sizes (not their stats), those listed before
@@ -209,15 +265,22 @@ class Listing:
             self._files = {}
             return
         listed: dict[str, dict[str, tuple[SpoolFile, int]]] = {}
-        for item, st in _walk(self.spool, self.spool, (), None, {}, (self._files, listed)):
+        busy = set()  # host directories holding a stray: looked at every time
+        self._settling.begin()
+        for item, st in _walk(self.spool, self.spool, (), self._settling.skip, {},
+                              (self._files, listed)):
+            if isinstance(item, Stray):
+                busy.add(item.rel.rpartition("/")[0])
             yield item, st if isinstance(st, int) else st.st_size
         self._files = listed  # a walk left half way keeps the last whole one
+        self._settling.end(busy)
 
     def forget(self, rels: Iterable[str]) -> None:
         """These files looked at anew by the next `scan` (another file was found in place)."""
         for rel in rels:
             folder, _, name = rel.rpartition("/")
             self._files.get(folder, {}).pop(name, None)
+            self._settling.forget(folder)
 
 
 def _walk(spool: Path, here: Path, parts: tuple[str, ...],
@@ -257,7 +320,13 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
             continue  # gone since the listing
         if stat.S_ISDIR(lst.st_mode):
             if len(parts) == 2 and skip is not None and skip(rel, lst.st_mtime_ns):
-                continue
+                kept = None if cache is None else cache[0].get(rel)
+                if cache is None:
+                    continue
+                if kept is not None:  # settled: its files are those the last walk found
+                    cache[1][rel] = kept
+                    yield from kept.values()
+                    continue
             yield from _walk(spool, path, (*parts, name), skip, known, cache)
             continue
         item = _classify(path, rel, where, name)

@@ -19,8 +19,6 @@ from tally.audit.ledger.ingest import ingest
 from tally.audit.ledger.integrity import IngestIntegrity
 
 log = logging.getLogger("tally.ingest")
-SETTLE_S = 2.0  # longer than the coarsest file-system timestamp tick
-FULL_LISTING_S = 60.0  # every directory listed at least this often, settled or not
 # The integrity check of files ingested before the service had the manifest, at most about
 # this long a round (then the next round's new files): unbounded, its first round over a
 # 500M-row ledger checked every row before any new file, and the service ingested nothing for
@@ -69,16 +67,9 @@ class IngestLoop:
         self._sweep_id = -1  # the sweep's place: the last file id it stat-ed
         self.swept = 0  # ingested files stat-ed by the sweep so far
         self._seen_id = -1
-        # Listing every file every round cost ~1.5 s a round at 72,000 files. A host directory
-        # is skipped once settled (see _settle) until its mtime moves: publishing a file by
-        # rename moves it. Every FULL_LISTING_S all are listed anyway, for file systems whose
-        # directory mtimes do not move (some FUSE mounts of object stores) or come back
-        # (copies that keep mtimes).
-        # Host directory -> (mtime_ns, settled, monotonic time of the stat that first saw it).
-        self._dirs: dict[str, tuple[int, bool, float]] = {}
-        self._stats: dict[str, tuple[int, float]] = {}  # this round: (mtime_ns, stat time)
-        self._full_at = float("-inf")
-        self._full = True
+        # Listing every file every round cost ~1.5 s a round at 72,000 files: a settled host
+        # directory is skipped until its mtime moves (`spool.Settling`).
+        self._settling = sp.Settling()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-api-ingest", daemon=True)
 
@@ -126,17 +117,14 @@ class IngestLoop:
                 self._done_files += name not in names
                 names.add(name)
                 self._seen_id = max(self._seen_id, fid)
-            self._stats = {}
-            self._full = time.monotonic() - self._full_at >= FULL_LISTING_S
-            if self._full:
-                self._full_at = time.monotonic()
+            self._settling.begin()
             # Ingested names are left out by name, even in a full listing (which lists the
             # settled directories too): a stat and a parse of each was ~15 us, 8 s a listing
             # at 512,000 files (the seed run writes ~3.6M); the sweep stats them instead.
-            new = list(sp.scan(self.spool, self._settled, self._done)) + self._sweep(cur)
+            new = list(sp.scan(self.spool, self._settling.skip, self._done)) + self._sweep(cur)
             # Before quarantined files are set aside: a directory holding one stays listed,
             # so that the file rewritten in place (same name, no mtime change) is seen.
-            self._settle(new)
+            self._settling.end({f.rel.rsplit("/", 1)[0] for f, _ in new})
             held = {path: (size, mtime) for path, size, mtime in (cur.execute(
                 "SELECT path, bytes, mtime_ns FROM quarantine WHERE path IN (SELECT unnest(?))",
                 [[f.rel for f, _ in new]]).fetchall() if new else [])}
@@ -146,7 +134,7 @@ class IngestLoop:
 
     # Ingested files stat-ed a round at most by the sweep (their stats read from the ledger,
     # then a stat each: 63 ms for 10,000 on this VM), paced so that each is stat-ed about once
-    # every FULL_LISTING_S while there are fewer than SWEEP_FILES x rounds in that time;
+    # every spool.FULL_LISTING_S while there are fewer than SWEEP_FILES x rounds in that time;
     # beyond that a pass takes longer (at the seed run's ~3.6M files and a round a second,
     # ~12 minutes) and costs a round no more (~30 ms).
     SWEEP_FILES = 5_000
@@ -157,7 +145,8 @@ class IngestLoop:
         footers, and keeps the new stat or quarantines the file: either way, not sent again
         for it)."""
         now = time.monotonic()
-        share = 1.0 if FULL_LISTING_S <= 0 else (now - self._sweep_at) / FULL_LISTING_S
+        every = sp.FULL_LISTING_S
+        share = 1.0 if every <= 0 else (now - self._sweep_at) / every
         self._sweep_at = now
         budget = min(self.SWEEP_FILES, math.ceil(self._done_files * min(share, 1.0)))
         if budget <= 0:
@@ -181,27 +170,6 @@ class IngestLoop:
             if found is not None and (size, mtime) != (found[1].st_size, found[1].st_mtime_ns):
                 out.append(found)  # a file no longer regular goes too: ingest says why
         return out
-
-    def _settled(self, rel_dir: str, mtime_ns: int) -> bool:
-        self._stats[rel_dir] = (mtime_ns, time.monotonic())  # before the directory is read
-        state = self._dirs.get(rel_dir)
-        return not self._full and state is not None and state[:2] == (mtime_ns, True)
-
-    def _settle(self, new: list) -> None:
-        """After a scan, for each directory listed: settled if nothing in it is pending and it
-        was stat-ed with the same mtime at least SETTLE_S before this listing. One listing is
-        not enough: a file renamed in just after it, within the same timestamp tick (a few
-        ms on Linux's ext4 and xfs, up to 2 s on some file systems), leaves the mtime as it
-        was; a listing after the tick has ended sees the file, and any rename after that
-        moves the mtime."""
-        busy = {f.rel.rsplit("/", 1)[0] for f, _ in new}
-        for rel_dir, (mtime, at) in self._stats.items():
-            old = self._dirs.get(rel_dir)
-            if old is None or old[0] != mtime:
-                self._dirs[rel_dir] = (mtime, False, at)
-            elif not old[1] or rel_dir in busy:
-                self._dirs[rel_dir] = (mtime, rel_dir not in busy and at - old[2] >= SETTLE_S,
-                                       old[2])
 
     def run_once(self) -> None:
         self._round_started = time.monotonic()
