@@ -329,14 +329,10 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
                     continue
             yield from _walk(spool, path, (*parts, name), skip, known, cache)
             continue
-        item = _classify(path, rel, where, name)
-        st, why = _regular(path, lst)
-        if why is not None:
-            yield Stray(path, rel, why), st
-        else:
-            if now is not None and isinstance(item, SpoolFile):
-                now[name] = (item, st.st_size)
-            yield item, st
+        item, st = _file(path, rel, where, name, lst)
+        if now is not None and isinstance(item, SpoolFile):
+            now[name] = (item, st.st_size)
+        yield item, st
 
 
 def entry(spool: Path, rel: str) -> tuple[SpoolFile | Stray, os.stat_result] | None:
@@ -350,7 +346,14 @@ def entry(spool: Path, rel: str) -> tuple[SpoolFile | Stray, os.stat_result] | N
     if stat.S_ISDIR(lst.st_mode):
         return None
     *parts, name = rel.split("/")
-    item = _classify(path, rel, _location(tuple(parts)) if len(parts) == 3 else None, name)
+    return _file(path, rel, _location(tuple(parts)) if len(parts) == 3 else None, name, lst)
+
+
+def _file(path: Path, rel: str, where: tuple[str, int, int] | None, name: str,
+          lst: os.stat_result) -> tuple[SpoolFile | Stray, os.stat_result]:
+    """A listed entry that is not a directory, given its lstat: a spool file with its stat, or
+    a stray (`_classify`, `_regular`)."""
+    item = _classify(path, rel, where, name)
     st, why = _regular(path, lst)
     return (Stray(path, rel, why), st) if why is not None else (item, st)
 
