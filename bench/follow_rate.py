@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         assert f.full_passes == 1, f.full_passes
         anon = _anon() - anon0
         print(f"the follower's anonymous memory: {anon / 2**20:,.0f} MiB = "
-              f"{anon / args.records:.1f} bytes a record ({f.store.rows:,} rows kept)")
+              f"{anon / args.records:.1f} bytes a record, {anon / len(f.files):,.0f} a file "
+              f"({f.store.rows:,} rows kept, {len(f.files):,} files)")
         # A restart (the service's, or its idle live reconcile's): the checkpoint a stopping
         # follower leaves, the start that resumes from it, and the round after, against the
         # full pass that a restart made before checkpoints.

@@ -373,6 +373,55 @@ def test_host_step_ranges_of_a_file_match_a_plain_set_of_steps():
     assert host_steps.per_file(empty, 10)["host_step_ranges"] == []
 
 
+def test_fused_edges_and_ranges_give_what_the_files_own_give_in_any_merge_order():
+    """A reconcile's per-file edges and covered ranges are fused as partials merge
+    (host_steps.fused_edges, fused_ranges): the repeated batches and gaps found from them, in
+    any merge order, are those found from every file's own, and what is kept shrinks to about
+    one a host's stretch of meeting files."""
+    from functools import reduce
+
+    from tally.audit.buckets import host_steps
+    from tally.audit.buckets.partials import Partial
+
+    rng = np.random.default_rng(11)
+    files = []  # (edges, ranges) of one file each
+    for attempt, hosts in ((0, 6), (1, 4)):
+        for h in range(hosts):
+            step = 1000 * attempt + int(rng.integers(0, 3))
+            last_sig = None
+            for _ in range(40):
+                n = int(rng.integers(1, 6))
+                first_sig = last_sig if rng.random() < 0.15 and last_sig else \
+                    (int(rng.integers(1 << 40)), int(rng.integers(0, 4)))
+                last_sig = (int(rng.integers(1 << 40)), int(rng.integers(0, 4)))
+                edge = host_steps.Edge(h, step, first_sig, step + n - 1, last_sig)
+                files.append(([edge], [(attempt, h, step, step + n - 1)]))
+                if n > 2 and rng.random() < 0.2:  # covered twice (ranges of a ledger export)
+                    files.append(([], [(attempt, h, step, step + n - 2)]))
+                step += n + (int(rng.integers(1, 4)) if rng.random() < 0.1 else 0)
+    want_edges = [e for es, _ in files for e in es]
+    want_ranges = [r for _, rs in files for r in rs]
+    want = (host_steps.repeated_batches([], want_edges, 3),
+            host_steps.gaps(want_ranges, {0: 7, 1: 4}, {0: True, 1: False}))
+    assert want[0] and want[1][0] and want[1][1]  # repeats, gaps and a silent host to find
+    for seed in range(5):
+        order = np.random.default_rng(seed).permutation(len(files))
+        parts = [Partial(host_step_edges=files[i][0], host_step_ranges=files[i][1])
+                 for i in order]
+        if seed % 2:  # a tree of merges, as workers and the driver make
+            while len(parts) > 1:
+                parts = [a.merge(b) for a, b in zip(parts[::2], parts[1::2], strict=False)] \
+                    + ([parts[-1]] if len(parts) % 2 else [])
+            merged = parts[0]
+        else:
+            merged = reduce(Partial.merge, parts)
+        got = (host_steps.repeated_batches([], merged.host_step_edges, 3),
+               host_steps.gaps(merged.host_step_ranges, {0: 7, 1: 4}, {0: True, 1: False}))
+        assert got == want
+        assert len(merged.host_step_edges) < len(files) / 4
+        assert len(merged.host_step_ranges) < len(files) / 4
+
+
 def test_input_files_are_cut_into_tasks_of_whole_files_in_order():
     """The job reads its inputs a chunk of files at a time (tally.audit.buckets.plan.chunks):
     every file once, in order, whole, about CHUNK_ROWS rows a chunk, or fewer rows where a

@@ -38,15 +38,57 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Edge:
-    """A file's first and last step of one host, with their batch signatures."""
+    """A file's first and last step of one host, with their batch signatures; or, once files
+    that meet are fused (`fused_edges`), those of a stretch of files."""
 
     host: int
     first: int
     first_sig: tuple[int, int]  # (signature, record starts)
     last: int
     last_sig: tuple[int, int]
+    # Inside a fused stretch, where two files met with the same batch signature: (step,
+    # record starts) of the later one's first step.
+    joins: tuple[tuple[int, int], ...] = ()
+
+
+def fused_edges(a: list[Edge], b: list[Edge]) -> list[Edge]:
+    """Both lists' edges, the edges of one host that meet (one's first step right after the
+    other's last) made one, with where they met when the batches there have the same
+    signature: what `repeated_batches` reads of them. Kept as they came, a reconcile's edges
+    were one a file (the seed run's ~1.8M segment files: ~0.5 KB each in the driver, and in the
+    live reconcile's checkpoint); fused, about one a host. A host's effective steps are
+    disjoint from file to file, so edges that meet are neighbours in step order, fused or not."""
+    if not a or not b:
+        return list(a or b)
+    out: list[Edge] = []
+    for e in sorted(a + b, key=lambda e: (e.host, e.first)):
+        p = out[-1] if out else None
+        if p is None or e.host != p.host or e.first != p.last + 1:
+            out.append(e)
+            continue
+        met = ((e.first, e.first_sig[1]),) if e.first_sig == p.last_sig else ()
+        out[-1] = Edge(p.host, p.first, p.first_sig, e.last, e.last_sig,
+                       p.joins + met + e.joins)
+    return out
+
+
+def fused_ranges(a: list[tuple[int, int, int, int]], b: list[tuple[int, int, int, int]]
+                 ) -> list[tuple[int, int, int, int]]:
+    """Both lists' (attempt, host, first, last step) ranges, those of one attempt and host
+    that overlap or meet made one: the steps each host covered, which is all `gaps` reads
+    (one range a file kept as they came: see `fused_edges`)."""
+    if not a or not b:
+        return list(a or b)
+    out: list[tuple[int, int, int, int]] = []
+    for r in sorted(a + b):
+        p = out[-1] if out else None
+        if p is not None and r[:2] == p[:2] and r[2] <= p[3] + 1:
+            out[-1] = (p[0], p[1], p[2], max(p[3], r[3]))
+        else:
+            out.append(r)
+    return out
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
@@ -150,6 +192,8 @@ def repeated_batches(ranges: list[tuple[int, int, int]], edges: list[Edge],
         by_host.setdefault(e.host, []).append(e)
     for host, es in by_host.items():
         es.sort(key=lambda e: e.first)
+        found += [(host, step, step) for e in es for step, count in e.joins
+                  if 0 < count < max(train_records, 1)]
         for a, b in zip(es, es[1:], strict=False):
             if b.first == a.last + 1 and b.first_sig == a.last_sig and \
                     0 < b.first_sig[1] < max(train_records, 1):

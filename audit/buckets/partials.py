@@ -15,6 +15,8 @@ from typing import Any, Self, TypeVar
 
 import numpy as np
 
+from tally.audit.buckets.host_steps import Edge, fused_edges, fused_ranges
+
 EXAMPLES = 20  # examples kept per finding (hash mismatches, unknown keys)
 EVIDENCE = 5  # records kept as a finding's evidence (the most repeated, never seen)
 SEEN = 8  # exposures listed per evidence record (step, host, epoch)
@@ -199,8 +201,8 @@ class Partial(Mergeable):
     skipped: int = summed()  # files skipped (all of them; skipped_files keeps examples)
     # What each host consumed step by step (tally.audit.buckets.host_steps).
     repeated_step_ranges: list[tuple[int, int, int]] = merged_by(joined, factory=list)
-    host_step_edges: list = merged_by(joined, factory=list)
-    host_step_ranges: list[tuple[int, int, int, int]] = merged_by(joined, factory=list)
+    host_step_edges: list[Edge] = merged_by(fused_edges, factory=list)
+    host_step_ranges: list[tuple[int, int, int, int]] = merged_by(fused_ranges, factory=list)
     epoch_steps: dict[int, tuple[int, int]] = merged_by(spans, factory=dict)
 
     # ---- per record-key bucket ----

@@ -174,14 +174,15 @@ class Inputs:
 
 
 # The footer keys `spool_inputs` reads, whose values a footer is kept as (a tuple, in this
-# order; None: absent), the values that repeat from file to file interned: the live reconcile
-# keeps a footer for every file, in memory and in its checkpoint (Arrow's schema and every key:
-# ~2.7 KB a file in its checkpoint; a dict of all `tally.*` keys: 499 B).
+# order; None: absent), the counts as ints and the values that repeat from file to file
+# interned: the live reconcile keeps a footer for every file, in memory and in its checkpoint
+# (Arrow's schema and every key: ~2.7 KB a file in its checkpoint; a dict of all `tally.*`
+# keys: 499 B).
 _FOOTER_KEYS = tuple(f"{sp.META_PREFIX}{k}" for k in (
     "rows", "first_step", "last_step", "resumed_from_step", "host_count",
     "manifest_fingerprint", "content_basis", "replayed", "writer_version"))
-_REPEATED = frozenset(_FOOTER_KEYS[3:])
-Footer = tuple[str | None, ...]
+_COUNTS, _REPEATED = frozenset(_FOOTER_KEYS[:3]), frozenset(_FOOTER_KEYS[3:])
+Footer = tuple[int | str | None, ...]
 
 
 def _footer(f: sp.SpoolFile) -> Footer | None:
@@ -194,15 +195,19 @@ def _footer(f: sp.SpoolFile) -> Footer | None:
             value = raw.get(key.encode())
             if value is not None:
                 value = value.decode()
-                value = sys.intern(value) if key in _REPEATED else value
+                if key in _REPEATED:
+                    value = sys.intern(value)
+                elif key in _COUNTS and value.isdigit():  # else kept: the worker says why
+                    value = int(value)
             out.append(value)
         return tuple(out)
     except Exception:
         return None
 
 
-def _said(footer: Footer | None) -> dict[str, str]:
-    """A footer kept as `_footer` keeps it, as its key-value metadata ({}: none read)."""
+def _said(footer: Footer | None) -> dict[str, int | str]:
+    """A footer kept as `_footer` keeps it, as its key-value metadata ({}: none read; the
+    counts as ints)."""
     return {} if footer is None else {
         k: v for k, v in zip(_FOOTER_KEYS, footer, strict=True) if v is not None}
 
@@ -212,7 +217,8 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = N
     """The run's published segment files. Entries under the run's directory that are not
     spool files are left out with their reason, and so is a file repeating a (attempt, host,
     step) of a file before it, the rule ingest applies (each host-step counts once).
-    `footers`: the files' metadata already read, by path (published files never change),
+    `footers`: the files' metadata already read, by path relative to the spool (published
+    files never change),
     kept up to date here; `listing`, the spool's listing from round to round; `memo`, what
     the last call gathered file by file (the live reconcile lists the spool every round: see
     SpoolMemo)."""
@@ -223,13 +229,13 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = N
     # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
     # footers took 1.57 s one after another and 0.97 s on 4 threads (36,352 at 500M rows).
     known = {} if footers is None else footers
-    todo = [f for f, _ in mine if f.kind == "seg" and str(f.path) not in known]
+    todo = [f for f, _ in mine if f.kind == "seg" and f.rel not in known]
     with ThreadPoolExecutor(4) as pool:
         for f, md in zip(todo, pool.map(_footer, todo), strict=True):
             if md is not None:  # an unreadable footer is read again next time
-                known[str(f.path)] = md
+                known[f.rel] = md
     acc = memo.gathered if memo is not None else None
-    if acc is not None and any(str(f.path) in known for f in acc.unread):
+    if acc is not None and any(f.rel in known for f in acc.unread):
         # A file whose footer could not be read now can: another file than the one listed
         # (its size too), so all again, from a listing that looks at it anew.
         if listing is not None:
@@ -244,7 +250,7 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = N
     if memo is not None:
         memo.gathered = acc
     for f, size in new:
-        acc.take(f, known.get(str(f.path)), size)
+        acc.take(f, known.get(f.rel), size)
     files = acc.files()
     if not files:
         here = sorted(p.name for p in Path(spool).iterdir()
@@ -344,18 +350,18 @@ class _Gathered:
             replayed = sp.is_replayed(md, sp.META_PREFIX)
         except Exception:  # the worker re-checks the file and reports why it was skipped
             replayed = False
+        path = str(f.path)  # one string for the kept range and the input file
         if first is not None:
             ranges = self.kept.setdefault((f.attempt, f.host), [])
             repeat = _repeats(f, first, last, ranges)
             if repeat is not None:
-                self.duplicates.append((place, str(f.path), repeat))
+                self.duplicates.append((place, path, repeat))
                 return
-            ranges.append((first, last, str(f.path), max(last, ranges[-1][3] if ranges
-                                                         else last)))
+            ranges.append((first, last, path, max(last, ranges[-1][3] if ranges else last)))
         # Replayed files counted among those read (a duplicate left out counts once, in its
         # twin).
         self.replayed += replayed
-        self.segs.setdefault(where, []).append(InputFile(str(f.path), f, rows, size))
+        self.segs.setdefault(where, []).append(InputFile(path, f, rows, size))
 
     def files(self) -> list[InputFile]:
         return [f for where in sorted(self.segs) for f in self.segs[where]]

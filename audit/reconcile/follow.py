@@ -93,7 +93,7 @@ DEEP = 256
 CHECKPOINT = "checkpoint.pickle"
 CHECKPOINT_S = 60.0
 CHECKPOINT_SHARE = 0.05
-_FORMAT = 3  # of the checkpoint: one of another format is not read (3: footers as tuples)
+_FORMAT = 4  # of the checkpoint: one of another format is not read (4: edges fused)
 # The follower's state a checkpoint keeps as it is (besides the store, the manifest cache and
 # the seen bits).
 _SAVED = ("_footers", "plan", "rounds", "full_passes", "files", "file_parts", "blocks",
