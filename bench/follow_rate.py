@@ -7,19 +7,24 @@ over the key space, the shape that defeats caching per key bucket), starts a liv
 times publishes one more step of every host (800k rows at the default `--per-file`) and
 times the round that folds it in; then a restart: the checkpoint, a new follower resuming
 from it, and its round over one more step, against the full pass.
+With `--trace-memory`, the follower's memory a file as Python and numpy count it
+(tracemalloc: what the follower keeps, without the libraries it loads), after the rounds and
+after the restart's round; its anonymous memory counts both.
 The reference, measured in the same run over the same final spool: `tally reconcile --spool`
 (multi_processing, 2 workers), what the live service re-ran every round before. The final
 reports are asserted to agree. Prints the ratio job / mean round.
 
     python -m bench.follow_rate [--rows 10000000] [--records 2000000] [--rounds 5]
-        [--per-file 100000] [--hosts 8] [--dir bench/out/follow] [--keep]
+        [--per-file 100000] [--hosts 8] [--trace-memory] [--dir bench/out/follow] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hosts", type=int, default=HOSTS,
                     help="a file a host a step: many hosts and few rows a file is the seed "
                     "run's shape (~2,800 rows a file, ~1.8M segment files)")
+    ap.add_argument("--trace-memory", action="store_true",
+                    help="the follower's memory a file by tracemalloc (slower)")
     ap.add_argument("--dir", type=Path, default=Path("bench/out/follow"))
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
@@ -87,6 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
         first = args.rows // (args.hosts * per_file)
         write_steps(spool, range(first), man, 1, per_file, args.hosts)
         anon0 = _anon()
+        traced = {}
+        if args.trace_memory:
+            tracemalloc.start()
         f = Follower(spool, root / "m.parquet", "bench", root / "live")
         t0 = time.monotonic()
         f.round()
@@ -105,6 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
                   f"({args.hosts * per_file / took / 1e6:.2f} M new rows/s)")
         assert f.full_passes == 1, f.full_passes
         anon = _anon() - anon0
+        if args.trace_memory:
+            gc.collect()
+            traced["after_rounds"] = tracemalloc.get_traced_memory()[0] / len(f.files)
         print(f"the follower's anonymous memory: {anon / 2**20:,.0f} MiB = "
               f"{anon / args.records:.1f} bytes a record, {anon / len(f.files):,.0f} a file "
               f"({f.store.rows:,} rows kept, {len(f.files):,} files)")
@@ -115,6 +128,10 @@ def main(argv: list[str] | None = None) -> dict:
         f.checkpoint()
         save_s, saved_at = time.monotonic() - t0, f.rounds
         del f
+        if args.trace_memory:
+            gc.collect()
+            tracemalloc.stop()
+            tracemalloc.start()
         t0 = time.monotonic()
         f = Follower(spool, root / "m.parquet", "bench", root / "live")
         resume_s = time.monotonic() - t0
@@ -126,6 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
         after_s = time.monotonic() - t0
         assert f.full_passes == 1, f.full_passes
         restart_s = resume_s + after_s
+        if args.trace_memory:
+            gc.collect()
+            traced["resumed"] = tracemalloc.get_traced_memory()[0] / len(f.files)
+            tracemalloc.stop()
+            print(f"the follower's memory a file (tracemalloc, {len(f.files):,} files): "
+                  f"{traced['after_rounds']:,.0f} bytes after the rounds, "
+                  f"{traced['resumed']:,.0f} resumed after its round")
         size = (root / "live" / ".follow" / "checkpoint.pickle").stat().st_size
         print(f"a restart: the checkpoint {save_s:.2f} s ({size / 2**20:.1f} MiB besides the "
               f"rows), resumed in {resume_s:.2f} s, its "
@@ -145,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"reports agree)")
         return {"full_pass_s": full_pass, "rounds": rounds, "job_s": job_s,
                 "ratio": job_s / mean, "anon_bytes": anon, "checkpoint_s": save_s,
-                "resume_s": resume_s, "restart_round_s": after_s}
+                "resume_s": resume_s, "restart_round_s": after_s, "traced_per_file": traced}
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -179,9 +179,11 @@ def test_follow_benchmark_runs(tmp_path):
     from bench import follow_rate
 
     res = follow_rate.main(["--rows", "32000", "--records", "5000", "--per-file", "2000",
-                            "--rounds", "2", "--dir", str(tmp_path / "f")])
+                            "--rounds", "2", "--trace-memory", "--dir", str(tmp_path / "f")])
     assert len(res["rounds"]) == 2 and res["job_s"] > 0 and res["ratio"] > 0  # reports agreed
     assert res["checkpoint_s"] > 0 and res["resume_s"] > 0  # resumed: no second full pass
+    traced = res["traced_per_file"]  # the follower's own, a file: its rows' partials and more
+    assert 1_000 < traced["after_rounds"] < 1e6 and 1_000 < traced["resumed"] < 1e6, traced
     assert not (tmp_path / "f").exists()
 
 
