@@ -670,6 +670,14 @@ def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
     for h in (1, 2):
         host(h, range(6, 8))
     agree(on_top=True)
+    agree(on_top=True)  # nothing new
+    two = spool / "r" / "attempt=0" / "host=2"
+    oldest = sorted(two.glob("seg-*"))[0]
+    oldest.rename(tmp_path / oldest.name)  # a file gone and one new, as many as before
+    host(2, range(8, 10))
+    agree(on_top=False)
+    (tmp_path / oldest.name).rename(oldest)
+    agree(on_top=False)
     # A host whose files sort first in the listing, saying another host count: the attempt's
     # facts are its first file's, in listing order.
     late = host(0, range(8), hosts=4)
@@ -689,7 +697,7 @@ def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
     broken = late / "seg-000000000050-000000.parquet"
     broken.write_bytes(b"not parquet")  # no footer yet
     agree(on_top=True)
-    host(2, range(8, 10))
+    host(2, range(10, 12))
     agree(on_top=True)  # its footer tried again, still unreadable: new files taken on top
     broken.unlink()  # the real file in its place (published at last): its footer read
     write_steps(tmp_path / "late", "r", host=0, hosts=4, steps=range(50, 51), n=500, seed=7,

@@ -190,14 +190,24 @@ def test_the_writer_refuses_values_outside_the_contract(spool, bad, match):
 
 def test_a_listing_kept_between_rounds_lists_what_a_fresh_scan_lists(spool):
     """`Listing` (the live reconcile's, round after round) reuses what it stat-ed and parsed
-    before, yet gives what `scan` gives: new files, files gone, strays looked at again."""
+    before, yet gives what `scan` gives: new files, files gone, strays looked at again; and
+    `update` gives what changed since its last listing (files new, every stray, files gone),
+    `entries` the files listed."""
     def both():
         fresh = [(f, st.st_size) for f, st in sp.scan(spool)]
         kept = list(listing.scan())
         assert kept == fresh
+        found, gone = changes.update()
+        now = {f.rel for f, _ in fresh if isinstance(f, sp.SpoolFile)}
+        assert {f.rel for f, _ in found if isinstance(f, sp.SpoolFile)} == now - last[0]
+        assert set(gone) == last[0] - now and len(gone) == len(set(gone))
+        assert [x for x in found if isinstance(x[0], sp.Stray)] == \
+            [x for x in fresh if isinstance(x[0], sp.Stray)]
+        assert list(changes.entries()) == [x for x in fresh if isinstance(x[0], sp.SpoolFile)]
+        last[0] = now
         return [f.rel for f, _ in fresh]
 
-    listing = sp.Listing(spool)
+    listing, changes, last = sp.Listing(spool), sp.Listing(spool), [set()]
     assert both() == []
     with LedgerWriter(spool, "ls", host=0, host_count=2, flush_every=2) as w:
         for step in range(6):
@@ -218,6 +228,11 @@ def test_a_listing_kept_between_rounds_lists_what_a_fresh_scan_lists(spool):
     odd.unlink()
     odd.symlink_to(sorted(host0.iterdir())[0])  # now a link to a file: a spool file
     assert [type(f).__name__ for f, _ in listing.scan()].count("Stray") == 0
+    assert len(both()) == 5
+    assert changes.update() == ([], [])  # nothing changed
+    host1 = spool / "ls" / "attempt=0" / "host=1"
+    first1 = sorted(host1.iterdir())[0]
+    first1.rename(host1 / "seg-000000000098-000000.parquet")  # as many names, one other
     assert len(both()) == 5
     shutil.rmtree(spool / "ls")
     assert both() == []

@@ -5,6 +5,7 @@ buckets sized to the memory budget. Decided once, before the pipeline starts (`P
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -222,35 +223,12 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = N
     kept up to date here; `listing`, the spool's listing from round to round; `memo`, what
     the last call gathered file by file (the live reconcile lists the spool every round: see
     SpoolMemo)."""
-    listed = ([(f, st.st_size) for f, st in sp.scan(spool)] if listing is None
-              else list(listing.scan()))  # (entry, size)
-    mine = [(f, size) for f, size in listed if not isinstance(f, sp.Stray)
-            and f.run_id == run_id and f.kind in ("seg", "met")]
-    # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
-    # footers took 1.57 s one after another and 0.97 s on 4 threads (36,352 at 500M rows).
-    known = {} if footers is None else footers
-    todo = [f for f, _ in mine if f.kind == "seg" and f.rel not in known]
-    with ThreadPoolExecutor(4) as pool:
-        for f, md in zip(todo, pool.map(_footer, todo), strict=True):
-            if md is not None:  # an unreadable footer is read again next time
-                known[f.rel] = md
-    acc = memo.gathered if memo is not None else None
-    if acc is not None and any(f.rel in known for f in acc.unread):
-        # A file whose footer could not be read now can: another file than the one listed
-        # (its size too), so all again, from a listing that looks at it anew.
-        if listing is not None:
-            listing.forget(f.rel for f in acc.unread)
-            listed = list(listing.scan())
-            mine = [(f, size) for f, size in listed if not isinstance(f, sp.Stray)
-                    and f.run_id == run_id and f.kind in ("seg", "met")]
-        acc = None
-    new = mine if acc is None else [(f, size) for f, size in mine if f.rel not in acc.seen]
-    if acc is None or not acc.takes(mine, new):
-        acc, new = _Gathered(), mine
-    if memo is not None:
-        memo.gathered = acc
-    for f, size in new:
-        acc.take(f, known.get(f.rel), size)
+    try:
+        acc, strays = _gather(spool, run_id, {} if footers is None else footers, listing, memo)
+    except BaseException:
+        if memo is not None:  # what it holds may be half made: all again next time
+            memo.gathered = None
+        raise
     files = acc.files()
     if not files:
         here = sorted(p.name for p in Path(spool).iterdir()
@@ -259,13 +237,58 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = N
                          + (f"runs here: {', '.join(here[:10])}" + (" ..." if len(here) > 10
                                                                      else "")
                             if here else "it holds no run"))
-    strays = [(_order(f.rel), str(f.path), f.reason) for f, _ in listed
-              if isinstance(f, sp.Stray) and f.rel.startswith(f"{run_id}/")]
     left_out = [(path, why) for _, path, why in sorted(strays + acc.duplicates)]
     return Inputs(files, acc.attempts_now(), acc.fingerprint[1] if acc.fingerprint else None,
                   left_out, metric_files=acc.metric_files(), replayed_files=acc.replayed,
                   segment_files=len(files),
                   content_bases=[b for b, _ in sorted(acc.bases.items(), key=lambda x: x[1])])
+
+
+def _gather(spool: Path, run_id: str, known: dict[str, Footer], listing: sp.Listing | None,
+            memo: SpoolMemo | None) -> tuple[_Gathered, list[tuple[tuple, str, str]]]:
+    """`spool_inputs`' files gathered, and its strays (place, path, why). With a listing and
+    a memo, only the files the listing found new since the last call are taken, on top of
+    what the memo holds, unless a file of the run is gone, one is published late (below its
+    host directory's newest) or a footer that could not be read reads at last: then all again,
+    from the listing's files."""
+    def mine(entries: Iterable[tuple[sp.SpoolFile | sp.Stray, int]]) -> list:
+        return [(f, size) for f, size in entries if not isinstance(f, sp.Stray)
+                and f.run_id == run_id and f.kind in ("seg", "met")]
+
+    acc = memo.gathered if memo is not None and listing is not None else None
+    if listing is None:
+        found = [(f, st.st_size) for f, st in sp.scan(spool)]
+        new = mine(found)
+    else:
+        found, gone = listing.update()
+        if acc is not None and any(rel.startswith(f"{run_id}/") for rel in gone):
+            acc = None
+        new = mine(found if acc is not None else listing.entries())
+    # Footers read by a few threads (Arrow releases the GIL): the driver's serial start; 7,296
+    # footers took 1.57 s one after another and 0.97 s on 4 threads (36,352 at 500M rows).
+    # Those that could not be read before are read again.
+    todo = [f for f, _ in new if f.kind == "seg" and f.rel not in known]
+    todo += [] if acc is None else [f for f in acc.unread if f.rel not in known]
+    with ThreadPoolExecutor(4) as pool:
+        for f, md in zip(todo, pool.map(_footer, todo), strict=True):
+            if md is not None:  # an unreadable footer is read again next time
+                known[f.rel] = md
+    if acc is not None and any(f.rel in known for f in acc.unread):
+        # A file whose footer could not be read now can: another file than the one listed
+        # (its size too), so all again, from a listing that looks at it anew.
+        listing.forget(f.rel for f in acc.unread)
+        found, _ = listing.update()
+        acc = None
+        new = mine(listing.entries())
+    if acc is None or acc.late(new):
+        acc, new = _Gathered(), (new if acc is None else mine(listing.entries()))
+    if memo is not None and listing is not None:
+        memo.gathered = acc
+    for f, size in new:
+        acc.take(f, known.get(f.rel), size)
+    strays = [(_order(f.rel), str(f.path), f.reason) for f, _ in found
+              if isinstance(f, sp.Stray) and f.rel.startswith(f"{run_id}/")]
+    return acc, strays
 
 
 def _order(rel: str) -> tuple:
@@ -279,11 +302,10 @@ class _Gathered:
     depends on the order (an attempt's facts from its first file, the fingerprint, the content
     bases in file order, what is left out) keeps each file's place, so that files taken later
     but listed earlier (another host's, of a new attempt) give what one pass in listing order
-    gives; a host's files (the duplicate rule) are taken in its order: `takes` says when the
-    new files can be taken on top."""
+    gives; a host's files (the duplicate rule) are taken in its order: `late` says when the
+    new files cannot be taken on top."""
 
     def __init__(self) -> None:
-        self.seen: set[str] = set()  # the run's segment and metric files taken (rel)
         # (host directory, kind) -> the place of its newest name taken
         self.newest: dict[tuple, tuple] = {}
         self.segs: dict[tuple, list[InputFile]] = {}  # host directory -> its files kept
@@ -298,18 +320,16 @@ class _Gathered:
         self.duplicates: list[tuple[tuple, str, str]] = []  # (place, path, why)
         self.unread: list[sp.SpoolFile] = []  # files whose footer could not be read, yet
 
-    def takes(self, mine: list, new: list) -> bool:
-        """Whether `new` (of the run's files listed now, `mine`) can be taken on top: nothing
-        taken has gone, and each new file comes after the files of its host directory and kind
-        taken before (not a file published late, below them)."""
-        if len(mine) - len(new) != len(self.seen):
-            return False
+    def late(self, new: list) -> bool:
+        """Whether a file of `new` (listed since the files taken) comes before the files of
+        its host directory and kind taken already (a file published late, below them): then
+        they cannot be taken on top."""
         for f, _ in new:
             place = _order(f.rel)
             top = self.newest.get((place[:3], f.kind))
             if top is not None and place[3] < top:
-                return False
-        return True
+                return True
+        return False
 
     def take(self, f: sp.SpoolFile, footer: Footer | None, size: int) -> None:
         """One file, its footer as `_footer` keeps it (None: not read)."""
@@ -318,7 +338,6 @@ class _Gathered:
             self.unread.append(f)
         place = _order(f.rel)
         where = place[:3]
-        self.seen.add(f.rel)
         self.newest[where, f.kind] = max(self.newest.get((where, f.kind), place[3]), place[3])
         if f.kind == "met":
             self.mets.setdefault(where, []).append(f)
@@ -378,9 +397,11 @@ class _Gathered:
 
 @dataclass
 class SpoolMemo:
-    """What `spool_inputs` gathered, kept for its next call over the same spool and run (the
-    live reconcile's rounds): then only the files listed since are looked at. At the seed run's
-    ~1.8M segment files a call was ~23 s, ~12 us a file, whatever was new."""
+    """What `spool_inputs` gathered, kept for its next call over the same spool, run and
+    `Listing` (the live reconcile's rounds): then only the files the listing found new are
+    looked at. At the seed run's ~1.8M segment files a call was ~23 s, ~12 us a file, whatever
+    was new; then ~2.3 us a file (13,440 files), a pass over every file listed; now what the
+    listing found changed."""
 
     gathered: _Gathered | None = None
 

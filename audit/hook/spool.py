@@ -256,8 +256,10 @@ class Listing:
     at its path is ingest's to find, and `forget` looks at one anew): ~2 against ~15-20 us a
     file (13,312 files, bench/RESULTS.md).
     Stray entries are looked at every time. A host directory that settled (`Settling`: its
-    mtime unmoved) is not even listed: its files are those of the last listing. What it keeps
-    of a file is its entry and size."""
+    mtime unmoved) is not even listed: its files are those of the last listing; nor is one
+    whose names are those of the last listing looked at name by name. What it keeps of a file
+    is its entry and size. `scan` gives every entry; `update` only what changed, and
+    `entries` the files listed."""
 
     def __init__(self, spool: Path) -> None:
         self.spool = Path(spool)
@@ -281,6 +283,34 @@ class Listing:
         self._files = listed  # a walk left half way keeps the last whole one
         self._settling.end(busy)
 
+    def update(self) -> tuple[list[tuple[SpoolFile | Stray, int]], list[str]]:
+        """The spool listed as `scan` lists it, giving only what changed since the last
+        listing: (the files new to it and every stray, in listing order, with their sizes;
+        the paths of the files gone). A round's work goes by what changed, not by the files
+        listed (the seed run's ~3.6M): a directory whose names are those of the last listing
+        is one set comparison."""
+        listed: dict[str, dict[str, tuple[SpoolFile, int]]] = {}
+        found: list[tuple[SpoolFile | Stray, int]] = []
+        if self.spool.is_dir():
+            busy = set()
+            self._settling.begin()
+            for item, st in _walk(self.spool, self.spool, (), self._settling.skip, {},
+                                  (self._files, listed), quiet=True):
+                if isinstance(item, Stray):
+                    busy.add(item.rel.rpartition("/")[0])
+                found.append((item, st if isinstance(st, int) else st.st_size))
+            self._settling.end(busy)
+        gone = [f"{folder}/{name}" for folder, names in self._files.items()
+                if listed.get(folder) is not names
+                for name in names.keys() - listed.get(folder, {}).keys()]
+        self._files = listed
+        return found, gone
+
+    def entries(self) -> Iterator[tuple[SpoolFile, int]]:
+        """The published files of the last listing, in listing order, with their sizes."""
+        for files in self._files.values():
+            yield from files.values()
+
     def forget(self, rels: Iterable[str]) -> None:
         """These files looked at anew by the next `scan` (another file was found in place)."""
         for rel in rels:
@@ -291,10 +321,12 @@ class Listing:
 
 def _walk(spool: Path, here: Path, parts: tuple[str, ...],
           skip: Callable[[str, int], bool] | None, known: Mapping[str, Container[str]],
-          cache: tuple[dict, dict] | None = None,
+          cache: tuple[dict, dict] | None = None, quiet: bool = False,
           ) -> Iterator[tuple[SpoolFile | Stray, os.stat_result]]:
     """`cache`: (the published files of the last walk, this walk's), by directory and name,
-    with their sizes (`Listing`: a file found there is given with its size, not its stat)."""
+    with their sizes (`Listing`: a file found there is given with its size, not its stat; a
+    host directory whose names are those of the last walk keeps its entries as they were).
+    `quiet` (with `cache`): the files the last walk found are not given again."""
     try:
         names = os.listdir(here)
     except OSError as exc:
@@ -306,17 +338,23 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
     prefix = "".join(f"{p}/" for p in parts)
     old = known.get(prefix[:-1], ())
     names = [n for n in names if n[:1] != "." and n not in old]
-    names.sort()
-    names.sort(key=len)  # in step order: a longer number is a larger one
     where = _location(parts) if len(parts) == 3 else None
     before, now = ({}, None) if cache is None else (cache[0].get(prefix[:-1], {}), {})
     if now is not None and where is not None:
+        if before and len(before) == len(names) and before.keys() == set(names):
+            cache[1][prefix[:-1]] = before  # the same published files (in listing order)
+            if not quiet:
+                yield from before.values()
+            return
         cache[1][prefix[:-1]] = now
+    names.sort()
+    names.sort(key=len)  # in step order: a longer number is a larger one
     for name in names:
         hit = before.get(name)
         if hit is not None:
             now[name] = hit
-            yield hit
+            if not quiet:
+                yield hit
             continue
         rel = prefix + name
         path = here / name
@@ -331,9 +369,10 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
                     continue
                 if kept is not None:  # settled: its files are those the last walk found
                     cache[1][rel] = kept
-                    yield from kept.values()
+                    if not quiet:
+                        yield from kept.values()
                     continue
-            yield from _walk(spool, path, (*parts, name), skip, known, cache)
+            yield from _walk(spool, path, (*parts, name), skip, known, cache, quiet)
             continue
         item, st = _file(path, rel, where, name, lst, here)
         if now is not None and isinstance(item, SpoolFile):
