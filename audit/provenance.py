@@ -4,12 +4,13 @@ can be traced and remade. One home for report.json's and diff.json's `provenance
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from tally.audit.extras import version
 
@@ -26,31 +27,44 @@ def command_line(argv: list[str] | None = None) -> list[str]:
     return argv
 
 
+def file_print(name: str, n: int) -> int:
+    """One input file's part of a files fingerprint: xxh3_128 of its name and row count (or
+    size). A fingerprint sums its files' parts, so that it is the same in any order and can be
+    made as files come: the live reconcile adds a round's new files instead of sorting and
+    hashing every file's name again (0.5 us a file a round, ~1.8 s at the seed's ~3.6M)."""
+    return xxhash.xxh3_128_intdigest(f"{name}\0{n}".encode())
+
+
+def fingerprint(printed: int) -> str:
+    """A files fingerprint from its files' parts summed (`file_print`)."""
+    return f"{printed % 2**128:032x}"[:16]
+
+
 def files_fingerprint(files: Iterable[tuple[str, int]]) -> str:
-    """A fingerprint of a set of input files: each file's name and row count (or size), in name
-    order. Two reports over the same spool files agree; a file added, removed or rewritten
-    with other rows changes it."""
-    h = hashlib.sha256()
-    for name, n in sorted(files):
-        h.update(f"{name}\0{n}\n".encode())
-    return h.hexdigest()[:16]
+    """A fingerprint of a set of input files: each file's name and row count (or size). Two
+    reports over the same spool files agree; a file added, removed or rewritten with other
+    rows changes it."""
+    return fingerprint(sum(file_print(name, n) for name, n in files))
 
 
-def plan_fingerprint(files: Iterable[Any]) -> str:
-    """`files_fingerprint` of a plan's input files (tally.audit.buckets.plan.InputFile): a spool's
-    file names relative to the spool with their sizes, a ledger export's with its rows."""
-    out = []
-    for f in files:
-        size = getattr(f, "bytes", None)  # as listed: a stat a file was 0.11 s a round at
-        try:                              # 13,000 files in the live reconcile
-            size = os.stat(f.path).st_size if size is None else size
-        except OSError:
-            size = f.rows
-        # A spool file by its path in the spool (run/attempt=A/host=H/name: every host has
-        # files of the same names), a ledger export's by its name.
-        name = f.spool_file.rel if f.spool_file is not None else os.path.basename(f.path)
-        out.append((name, int(size) if f.spool_file is not None else int(f.rows)))
-    return files_fingerprint(out)
+def input_print(f: Any) -> int:
+    """`file_print` of a plan's input file (tally.audit.buckets.plan.InputFile): a spool file
+    by its path in the spool (run/attempt=A/host=H/name: every host has files of the same
+    names) and its size, a ledger export's by its name and rows."""
+    if f.spool_file is None:
+        return file_print(os.path.basename(f.path), int(f.rows))
+    size = f.bytes  # as listed: a stat a file was 0.11 s a round at 13,000 files in the
+    try:            # live reconcile
+        size = os.stat(f.path).st_size if size is None else size
+    except OSError:
+        size = f.rows
+    return file_print(f.spool_file.rel, int(size))
+
+
+def plan_fingerprint(files: Iterable[Any], printed: int | None = None) -> str:
+    """`files_fingerprint` of a plan's input files, or of their parts summed already
+    (`printed`, as `spool_inputs` gathers them)."""
+    return fingerprint(sum(input_print(f) for f in files) if printed is None else printed)
 
 
 def provenance(inputs: list[dict[str, Any]], argv: list[str] | None = None) -> dict[str, Any]:

@@ -647,6 +647,7 @@ def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
 
     from tally.audit.buckets.plan import SpoolMemo, spool_inputs
     from tally.audit.hook.spool import Listing
+    from tally.audit.provenance import plan_fingerprint
     from tests.support.api import write_steps
 
     spool = tmp_path / "spool"
@@ -657,6 +658,8 @@ def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
         kept = spool_inputs(spool, "r", footers, listing, memo)
         assert kept == spool_inputs(spool, "r")
         assert (memo.gathered is was) == on_top  # new files taken on top, or all again
+        # The report's input fingerprint, summed as files were taken, is the files' own.
+        assert plan_fingerprint(kept.files, kept.files_print) == plan_fingerprint(kept.files)
 
     def host(h: int, steps: range, attempt: int = 0, resumed: int | None = None,
              hosts: int = 3) -> Path:

@@ -27,6 +27,7 @@ from tally.audit.ledger.queries import (
     quarantined_of,
     replayed_of,
 )
+from tally.audit.provenance import input_print
 
 # What the job reads of each row: the segment columns, with the row's attempt.
 COLUMNS = ("attempt", *names(SEGMENT_COLUMNS_ALL))
@@ -134,6 +135,7 @@ class Plan:
     # ("": token ids), and each the run's files said, distinct, in file order (none: unknown).
     content_basis: str = ""
     run_content_bases: list[str] = field(default_factory=list)
+    files_print: int | None = None  # see Inputs
 
     def host_index(self, host: np.ndarray) -> np.ndarray:
         """The positions of hosts (numbers of hosts in `host_ids`) in `host_ids`."""
@@ -172,6 +174,9 @@ class Inputs:
     host_ids: list[int] | None = None
     # The content bases (JSON) the run's files said, distinct, in file order; none: unknown.
     content_bases: list[str] = field(default_factory=list)
+    # `files`' fingerprint parts summed as they were gathered (tally.audit.provenance; None:
+    # made from `files` when asked).
+    files_print: int | None = None
 
 
 # The footer keys `spool_inputs` reads, whose values a footer is kept as (a tuple, in this
@@ -241,7 +246,8 @@ def spool_inputs(spool: Path, run_id: str, footers: dict[str, Footer] | None = N
     return Inputs(files, acc.attempts_now(), acc.fingerprint[1] if acc.fingerprint else None,
                   left_out, metric_files=acc.metric_files(), replayed_files=acc.replayed,
                   segment_files=len(files),
-                  content_bases=[b for b, _ in sorted(acc.bases.items(), key=lambda x: x[1])])
+                  content_bases=[b for b, _ in sorted(acc.bases.items(), key=lambda x: x[1])],
+                  files_print=acc.printed)
 
 
 def _gather(spool: Path, run_id: str, known: dict[str, Footer], listing: sp.Listing | None,
@@ -315,6 +321,7 @@ class _Gathered:
         self.fingerprint: tuple[tuple, str] | None = None  # (place, fingerprint)
         self.bases: dict[str, tuple] = {}  # content basis -> the place it was first said
         self.replayed = 0  # replayed files among those kept
+        self.printed = 0  # the kept files' fingerprint parts summed (provenance.input_print)
         # (attempt, host) -> the (first, last step, path, furthest last step so far) of its files
         self.kept: dict[tuple[int, int], list[tuple[int, int, str, int]]] = {}
         self.duplicates: list[tuple[tuple, str, str]] = []  # (place, path, why)
@@ -380,7 +387,9 @@ class _Gathered:
         # Replayed files counted among those read (a duplicate left out counts once, in its
         # twin).
         self.replayed += replayed
-        self.segs.setdefault(where, []).append(InputFile(path, f, rows, size))
+        kept = InputFile(path, f, rows, size)
+        self.printed += input_print(kept)
+        self.segs.setdefault(where, []).append(kept)
 
     def files(self) -> list[InputFile]:
         return [f for where in sorted(self.segs) for f in self.segs[where]]
@@ -656,6 +665,7 @@ def make_plan(run_id: str, manifest: str | Path, inputs: Inputs,
     plan.finished, plan.finished_step = run_finished(attempts, inputs.finished, at_step)
     plan.milestones = inputs.milestones
     plan.metric_files = inputs.metric_files
+    plan.files_print = inputs.files_print
     plan.replayed_files = inputs.replayed_files
     plan.segment_files = len(files) if inputs.segment_files is None else inputs.segment_files
     plan.host_ids = ids

@@ -129,7 +129,8 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
             [{"role": "manifest", "kind": "manifest", "path": plan.manifest,
               "fingerprint": plan.fingerprint}]
             + ([{"role": "consumption", "kind": source[0], "path": source[1],
-                 "fingerprint": plan_fingerprint(plan.files)}] if source else [])),
+                 "fingerprint": plan_fingerprint(plan.files, plan.files_print)}]
+               if source else [])),
         "run_id": plan.run_id,
         "at_step": plan.at_step,
         # Written by `tally replay` from the loader's contract: what the loader would have fed,
