@@ -106,9 +106,19 @@ def _two_hosts(spool: Path, seed: int, steps: int) -> Run:
     return run
 
 
+def _one_string_a_path(follower: Follower) -> None:
+    """Resumed or not, files gathered anew or not, the follower keeps one string a path: its
+    files' and footers' keys are the plan's and the listing's (`Follower._share_keys`)."""
+    paths = {f.path: f.path for f in follower.plan.files}
+    assert all(paths[p] is p for p in follower.files if p in paths)
+    rels = {f.rel: f.rel for f, _ in follower._listing.entries()}
+    assert all(rels[r] is r for r in follower._footers if r in rels)
+
+
 def _round(follower: Follower, tmp: Path, manifest: Path, k: int) -> dict:
     rep = follower.round()
     assert rep is not None
+    _one_string_a_path(follower)
     full = reconcile(run_id="r", manifest=manifest, out=tmp / f"full-{k}", spool=tmp / "spool",
                      runner=RunnerSpec())
     _same(_comparable(rep), _comparable(full), f"round {k}")
@@ -710,6 +720,32 @@ def test_spool_inputs_taken_on_top_equal_one_pass_whatever_changes(tmp_path):
     kept = spool_inputs(spool, "r", footers, listing, memo)
     assert [why[:9] for _, why in kept.left_out] == ["not a spo", "duplicate"]
     assert (kept.attempts[0]["host_count"], kept.attempts[1]["resumed_from_step"]) == (4, 4)
+
+
+def test_a_follower_keeps_one_string_a_path_when_its_files_are_gathered_anew(tmp_path):
+    """A file published late (below its host's newest) makes the round gather every file
+    anew, with new path strings: the follower's own keys are made those."""
+    import shutil
+
+    from tests.support.manifest import uniform_manifest
+
+    m = uniform_manifest(tmp_path / "m.parquet", TRAIN)
+    spool = tmp_path / "spool"
+    run = _two_hosts(spool, seed=5, steps=3)
+    host = spool / "r" / "attempt=0" / "host=0"
+    aside = sorted(host.glob("seg-*"))[0]
+    shutil.move(aside, tmp_path / aside.name)  # not published yet
+    f = Follower(spool, m, "r", tmp_path / "live")
+    assert f.round() is not None
+    gathered = f._memo.gathered
+    for s in range(3, 5):
+        run.step(s, [0, 1])
+    run.publish([0, 1])
+    assert f.round() is not None and f._memo.gathered is gathered  # taken on top
+    shutil.move(tmp_path / aside.name, aside)  # published late
+    assert f.round() is not None and f._memo.gathered is not gathered  # all again
+    assert aside.as_posix() in f.files
+    _one_string_a_path(f)
 
 
 def test_a_checkpoint_slow_to_write_is_written_less_often(tmp_path):
