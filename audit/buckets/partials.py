@@ -80,6 +80,8 @@ class MaxSpans(Spans):
 
 def padded_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Elementwise sum of two arrays of any shapes, each padded with zeros to the larger."""
+    if a.shape == b.shape:  # the usual case (the same hosts; both empty): one pass, where
+        return a + b        # padding was three (~14 us a call, 11 calls a file's merge)
     shape = tuple(max(x, y) for x, y in zip(a.shape, b.shape, strict=True))
     out = np.zeros(shape, dtype=np.result_type(a.dtype, b.dtype))
     out[tuple(slice(0, n) for n in a.shape)] += a
