@@ -17,6 +17,7 @@ merged; nothing is per row in Python.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -53,17 +54,35 @@ class Edge:
     joins: tuple[tuple[int, int], ...] = ()
 
 
+def _edge_key(e: Edge) -> tuple[int, int]:
+    return e.host, e.first
+
+
 def fused_edges(a: list[Edge], b: list[Edge]) -> list[Edge]:
     """Both lists' edges, the edges of one host that meet (one's first step right after the
     other's last) made one, with where they met when the batches there have the same
     signature: what `repeated_batches` reads of them. Kept as they came, a reconcile's edges
     were one a file (the seed run's ~1.8M segment files: ~0.5 KB each in the driver, and in the
     live reconcile's checkpoint); fused, about one a host. A host's effective steps are
-    disjoint from file to file, so edges that meet are neighbours in step order, fused or not."""
+    disjoint from file to file, so edges that meet are neighbours in step order, fused or not.
+    Each list is in (host, first step) order with no two neighbours meeting, as `per_file`
+    and this give them."""
     if not a or not b:
         return list(a or b)
+    if len(a) < len(b):
+        a, b = b, a
+    if len(b) == 1:  # one file's edge into what a block or a job holds: only its neighbours
+        # can meet it (edges that do not meet, as a host's files with gaps between them, or a
+        # ledger export's, would make sorting them all at every file quadratic)
+        i = bisect.bisect_right(a, _edge_key(b[0]), key=_edge_key)
+        lo = max(i - 1, 0)
+        return a[:lo] + _fuse_edges(a[lo:i + 1] + b) + a[i + 1:]
+    return _fuse_edges(a + b)
+
+
+def _fuse_edges(edges: list[Edge]) -> list[Edge]:
     out: list[Edge] = []
-    for e in sorted(a + b, key=lambda e: (e.host, e.first)):
+    for e in sorted(edges, key=_edge_key):
         p = out[-1] if out else None
         if p is None or e.host != p.host or e.first != p.last + 1:
             out.append(e)
@@ -78,11 +97,25 @@ def fused_ranges(a: list[tuple[int, int, int, int]], b: list[tuple[int, int, int
                  ) -> list[tuple[int, int, int, int]]:
     """Both lists' (attempt, host, first, last step) ranges, those of one attempt and host
     that overlap or meet made one: the steps each host covered, which is all `gaps` reads
-    (one range a file kept as they came: see `fused_edges`)."""
+    (one range a file kept as they came: see `fused_edges`). Each list is sorted, no two
+    neighbours overlapping or meeting."""
     if not a or not b:
         return list(a or b)
+    if len(a) < len(b):
+        a, b = b, a
+    if len(b) == 1:  # one file's range: only the ranges it reaches (see `fused_edges`)
+        r = b[0]
+        lo = max(bisect.bisect_right(a, r) - 1, 0)
+        hi = lo
+        while hi < len(a) and (a[hi] <= r or (a[hi][:2] == r[:2] and a[hi][2] <= r[3] + 1)):
+            hi += 1
+        return a[:lo] + _fuse_ranges(a[lo:hi] + b) + a[hi:]
+    return _fuse_ranges(a + b)
+
+
+def _fuse_ranges(ranges: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
     out: list[tuple[int, int, int, int]] = []
-    for r in sorted(a + b):
+    for r in sorted(ranges):
         p = out[-1] if out else None
         if p is not None and r[:2] == p[:2] and r[2] <= p[3] + 1:
             out[-1] = (p[0], p[1], p[2], max(p[3], r[3]))
