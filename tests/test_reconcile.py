@@ -378,6 +378,7 @@ def test_fused_edges_and_ranges_give_what_the_files_own_give_in_any_merge_order(
     (host_steps.fused_edges, fused_ranges): the repeated batches and gaps found from them, in
     any merge order, are those found from every file's own, and what is kept shrinks to about
     one a host's stretch of meeting files."""
+    import itertools
     from functools import reduce
 
     from tally.audit.buckets import host_steps
@@ -404,8 +405,9 @@ def test_fused_edges_and_ranges_give_what_the_files_own_give_in_any_merge_order(
     want = (host_steps.repeated_batches([], want_edges, 3),
             host_steps.gaps(want_ranges, {0: 7, 1: 4}, {0: True, 1: False}))
     assert want[0] and want[1][0] and want[1][1]  # repeats, gaps and a silent host to find
-    for seed in range(5):
-        order = np.random.default_rng(seed).permutation(len(files))
+    for seed in range(6):  # 0 and 1 in file order (host by host, as a job's chunks)
+        order = np.random.default_rng(seed).permutation(len(files)) if seed > 1 else \
+            np.arange(len(files))
         parts = [Partial(host_step_edges=files[i][0], host_step_ranges=files[i][1])
                  for i in order]
         if seed % 2:  # a tree of merges, as workers and the driver make
@@ -418,8 +420,13 @@ def test_fused_edges_and_ranges_give_what_the_files_own_give_in_any_merge_order(
         got = (host_steps.repeated_batches([], merged.host_step_edges, 3),
                host_steps.gaps(merged.host_step_ranges, {0: 7, 1: 4}, {0: True, 1: False}))
         assert got == want
-        assert len(merged.host_step_edges) < len(files) / 4
-        assert len(merged.host_step_ranges) < len(files) / 4
+        # Fused all the way: in order, no two neighbours meeting (what later merges rely on).
+        e, r = merged.host_step_edges, merged.host_step_ranges
+        assert e == sorted(e, key=lambda x: (x.host, x.first)) and r == sorted(r)
+        assert not any(x.host == y.host and y.first == x.last + 1
+                       for x, y in itertools.pairwise(e))
+        assert not any(x[:2] == y[:2] and y[2] <= x[3] + 1 for x, y in itertools.pairwise(r))
+        assert len(e) < len(files) / 4 and len(r) < len(files) / 4
 
 
 def test_input_files_are_cut_into_tasks_of_whole_files_in_order():

@@ -77,6 +77,8 @@ def fused_edges(a: list[Edge], b: list[Edge]) -> list[Edge]:
         i = bisect.bisect_right(a, _edge_key(b[0]), key=_edge_key)
         lo = max(i - 1, 0)
         return a[:lo] + _fuse_edges(a[lo:i + 1] + b) + a[i + 1:]
+    if _edge_key(b[0]) >= _edge_key(a[-1]):  # b after a (a job's chunks, host by host):
+        return a[:-1] + _fuse_edges([a[-1], b[0]]) + b[1:]  # they can meet only there
     return _fuse_edges(a + b)
 
 
@@ -110,6 +112,8 @@ def fused_ranges(a: list[tuple[int, int, int, int]], b: list[tuple[int, int, int
         while hi < len(a) and (a[hi] <= r or (a[hi][:2] == r[:2] and a[hi][2] <= r[3] + 1)):
             hi += 1
         return a[:lo] + _fuse_ranges(a[lo:hi] + b) + a[hi:]
+    if b[0][:2] > a[-1][:2] or (b[0][:2] == a[-1][:2] and b[0][2] > a[-1][3] + 1):
+        return a + b  # b wholly after a, apart (a job's chunks, host by host)
     return _fuse_ranges(a + b)
 
 
