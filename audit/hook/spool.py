@@ -258,30 +258,12 @@ class Listing:
     Stray entries are looked at every time. A host directory that settled (`Settling`: its
     mtime unmoved) is not even listed: its files are those of the last listing; nor is one
     whose names are those of the last listing looked at name by name. What it keeps of a file
-    is its entry and size. `scan` gives every entry; `update` only what changed, and
-    `entries` the files listed."""
+    is its entry and size. `update` gives what changed, `entries` the files listed."""
 
     def __init__(self, spool: Path) -> None:
         self.spool = Path(spool)
         self._files: dict[str, dict[str, tuple[SpoolFile, int]]] = {}
         self._settling = Settling()
-
-    def scan(self) -> Iterator[tuple[SpoolFile | Stray, int]]:
-        """`scan(spool)`'s entries with their sizes (not their stats), those listed before
-        from memory."""
-        if not self.spool.is_dir():
-            self._files = {}
-            return
-        listed: dict[str, dict[str, tuple[SpoolFile, int]]] = {}
-        busy = set()  # host directories holding a stray: looked at every time
-        self._settling.begin()
-        for item, st in _walk(self.spool, self.spool, (), self._settling.skip, {},
-                              (self._files, listed)):
-            if isinstance(item, Stray):
-                busy.add(item.rel.rpartition("/")[0])
-            yield item, st if isinstance(st, int) else st.st_size
-        self._files = listed  # a walk left half way keeps the last whole one
-        self._settling.end(busy)
 
     def update(self) -> tuple[list[tuple[SpoolFile | Stray, int]], list[str]]:
         """The spool listed as `scan` lists it, giving only what changed since the last
@@ -295,7 +277,7 @@ class Listing:
             busy = set()
             self._settling.begin()
             for item, st in _walk(self.spool, self.spool, (), self._settling.skip, {},
-                                  (self._files, listed), quiet=True):
+                                  (self._files, listed)):
                 if isinstance(item, Stray):
                     busy.add(item.rel.rpartition("/")[0])
                 found.append((item, st if isinstance(st, int) else st.st_size))
@@ -312,7 +294,8 @@ class Listing:
             yield from files.values()
 
     def forget(self, rels: Iterable[str]) -> None:
-        """These files looked at anew by the next `scan` (another file was found in place)."""
+        """These files looked at anew by the next `update` (another file was found in
+        place)."""
         for rel in rels:
             folder, _, name = rel.rpartition("/")
             self._files.get(folder, {}).pop(name, None)
@@ -321,12 +304,12 @@ class Listing:
 
 def _walk(spool: Path, here: Path, parts: tuple[str, ...],
           skip: Callable[[str, int], bool] | None, known: Mapping[str, Container[str]],
-          cache: tuple[dict, dict] | None = None, quiet: bool = False,
+          cache: tuple[dict, dict] | None = None,
           ) -> Iterator[tuple[SpoolFile | Stray, os.stat_result]]:
     """`cache`: (the published files of the last walk, this walk's), by directory and name,
-    with their sizes (`Listing`: a file found there is given with its size, not its stat; a
-    host directory whose names are those of the last walk keeps its entries as they were).
-    `quiet` (with `cache`): the files the last walk found are not given again."""
+    with their sizes (`Listing`: a file the last walk found is not given again, a new one is
+    given with its size, not its stat; a host directory whose names are those of the last
+    walk keeps its entries as they were)."""
     try:
         names = os.listdir(here)
     except OSError as exc:
@@ -343,8 +326,6 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
     if now is not None and where is not None:
         if before and len(before) == len(names) and before.keys() == set(names):
             cache[1][prefix[:-1]] = before  # the same published files (in listing order)
-            if not quiet:
-                yield from before.values()
             return
         cache[1][prefix[:-1]] = now
     names.sort()
@@ -353,8 +334,6 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
         hit = before.get(name)
         if hit is not None:
             now[name] = hit
-            if not quiet:
-                yield hit
             continue
         rel = prefix + name
         path = here / name
@@ -364,15 +343,13 @@ def _walk(spool: Path, here: Path, parts: tuple[str, ...],
             continue  # gone since the listing
         if stat.S_ISDIR(lst.st_mode):
             if len(parts) == 2 and skip is not None and skip(rel, lst.st_mtime_ns):
-                kept = None if cache is None else cache[0].get(rel)
                 if cache is None:
                     continue
+                kept = cache[0].get(rel)
                 if kept is not None:  # settled: its files are those the last walk found
                     cache[1][rel] = kept
-                    if not quiet:
-                        yield from kept.values()
                     continue
-            yield from _walk(spool, path, (*parts, name), skip, known, cache, quiet)
+            yield from _walk(spool, path, (*parts, name), skip, known, cache)
             continue
         item, st = _file(path, rel, where, name, lst, here)
         if now is not None and isinstance(item, SpoolFile):
