@@ -9,6 +9,7 @@ largest, elementwise largest, concatenated), so the rule never depends on a key'
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar
@@ -177,10 +178,17 @@ class Mergeable:
 
     def merge(self, other: Self) -> Self:
         out = {}
-        for f in dataclasses.fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            out[f.name] = a if b is None else b if a is None else f.metadata["merge"](a, b)
+        for name, rule in _rules(type(self)):
+            a, b = getattr(self, name), getattr(other, name)
+            out[name] = a if b is None else b if a is None else rule(a, b)
         return type(self)(**out)
+
+
+@functools.cache
+def _rules(kind: type) -> tuple[tuple[str, Callable[[Any, Any], Any]], ...]:
+    """A Mergeable's fields and their merge rules, read once a class: walking
+    `dataclasses.fields` was ~15 of a one-file merge's ~80 us."""
+    return tuple((f.name, f.metadata["merge"]) for f in dataclasses.fields(kind))
 
 
 @dataclass
