@@ -27,6 +27,28 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _suite_temp(config)
+    _jax_cache(config)
+
+
+def _suite_temp(config: pytest.Config) -> None:
+    """The session's temporary files in a folder of its own, removed at its end. What the
+    loaders and runners under test leave in the temporary directory by design (Streaming's
+    file locks, two a dataset; multiprocessing's pymp-* folders of killed workers; Beam's
+    pipeline temp; Dask's scratch space; torch's and OLMo's compile caches) went into /tmp,
+    ~170 entries a run. pytest's own folders (tmp_path, kept for the last 3 sessions) stay
+    where they were. Made by the process that starts the session; its workers and every
+    process they start inherit TMPDIR."""
+    if "TALLY_SUITE_TMP" in os.environ:  # the session's, in a worker (or the caller's)
+        return
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix="tally-suite-")
+    os.environ["TMPDIR"] = os.environ["TALLY_SUITE_TMP"] = folder
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def _jax_cache(config: pytest.Config) -> None:
     """One JAX compilation cache for the session, shared by the in-process tests and every
     training host process they start: the same small model compiles once instead of once per
     run, every host of a multi-host run reading the entry its process 0 wrote
