@@ -35,7 +35,7 @@ def _suite_temp(config: pytest.Config) -> None:
     """The session's temporary files in a folder of its own, removed at its end. What the
     loaders and runners under test leave in the temporary directory by design (Streaming's
     file locks, two a dataset; multiprocessing's pymp-* folders of killed workers; Beam's
-    pipeline temp; Dask's scratch space; torch's and OLMo's compile caches) went into /tmp,
+    pipeline temp; Dask's scratch space; torch's and OLMo-core's compile caches) went into /tmp,
     ~170 entries a run. pytest's own folders (tmp_path, kept for the last 3 sessions) stay
     where they were. Made by the process that starts the session; its workers and every
     process they start inherit TMPDIR."""
@@ -45,6 +45,9 @@ def _suite_temp(config: pytest.Config) -> None:
     folder = tempfile.mkdtemp(prefix="tally-suite-")
     os.environ["TMPDIR"] = os.environ["TALLY_SUITE_TMP"] = folder
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    # OLMo-core makes a triton cache folder for every process that imports it, under a fixed
+    # /tmp path unless told otherwise.
+    os.environ.setdefault("OLMO_TRITON_CACHE_BASE", os.path.join(folder, "olmo-triton-cache"))
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
