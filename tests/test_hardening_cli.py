@@ -112,19 +112,20 @@ class _Stderr(threading.Thread):
 
 
 @pytest.mark.slow
-def test_ctrl_c_at_twelve_points_of_an_ingest_exits_130_in_one_line_and_loses_nothing(
+def test_ctrl_c_at_six_points_of_an_ingest_exits_130_in_one_line_and_loses_nothing(
         tmp_path, big):
-    """SIGINT to the process group (what a terminal's Ctrl-C sends) at twelve points of an
-    ingest: as the ledger opens, then as its progress bar passes 1, 5, ... 37 and 42 of the 48
+    """SIGINT to the process group (what a terminal's Ctrl-C sends) at six points of an
+    ingest: as the ledger opens, then as its progress bar passes 1, 9, 21, 33 and 42 of the 48
     files (points by progress, not by time: the same points on a loaded box), the last one
     twice in a row. Each time:
     status 130, `tally: interrupted` as the last line and no traceback, a ledger of whole
     files, and a second `tally ingest` that completes it to exactly what a clean ingest gives.
     Before: a traceback and status 1 in about half the tries (DuckDB interrupted
-    mid-statement, then "cannot rollback")."""
+    mid-statement, then "cannot rollback"): six points catch that 63 times in 64. Twelve
+    points were tried here until 12-07 (~50 CPU s, the suite's fourth-costliest test)."""
     spool, want = big
     partial = []
-    for i, at in enumerate([0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 42]):
+    for i, at in enumerate([0, 1, 9, 21, 33, 42]):
         path = tmp_path / f"l{i}.duckdb"
         term, child_end = pty.openpty()
         # A new pseudo-terminal is 0 columns wide, where tqdm draws an empty bar.
@@ -163,7 +164,7 @@ def test_ctrl_c_at_twelve_points_of_an_ingest_exits_130_in_one_line_and_loses_no
         r = tally("ingest", spool, "--ledger", path, "-q", *BATCH)
         assert r.returncode == 0, r.stderr
         assert _counts(path) == want, i  # nothing lost, nothing twice
-    assert sum(0 < p < FILES for p in partial) >= 8, partial  # mid-ingest, as intended
+    assert sum(0 < p < FILES for p in partial) >= 4, partial  # mid-ingest, as intended
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -224,48 +223,6 @@ def test_an_inexact_replay_diverges_at_the_resume_step(grain_runs, tmp_path):
     d7 = diff(a=run_source(tmp / "l.duckdb", "straight"), b=run_source(tmp / "spool", "inexact"),
               manifest=tmp / "m.parquet", out=tmp_path / "d7", at_step=RESUME - 1)
     assert d7["status"] == "identical" and d7["steps_compared"] == RESUME
-
-
-# ---- README's Grain and PyTorch examples on the same corpus --------------------------------------
-
-@pytest.mark.slow
-def test_readme_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_order(tmp_path):
-    from tests.test_readme import blocks
-
-    code = {name: next(c for lang, _, c in blocks() if lang == "python" and name in c)
-            for name in ("spool-grain", "spool-torch")}
-    assert tally_bare("corpus", "synth", "corpus", "--records", "1200", "--length-scale", "0.2",
-                      "--max-len", "512", cwd=tmp_path).returncode == 0
-    build_manifest(tmp_path / "corpus", tmp_path / "manifest.parquet")
-    for name, c in code.items():
-        done = subprocess.run([sys.executable, "-c", c], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=600, env={"PYTHONPATH": str(ROOT),
-                                                           "PATH": "/usr/bin:/bin",
-                                                           "JAX_PLATFORMS": "cpu"})
-        assert done.returncode == 0, (name, done.stderr[-3000:])
-    r = tally_bare("diff", "--manifest", "manifest.parquet", "-o", "diff-loaders", "--a",
-                   "spool-grain:grain-run", "--b", "spool-torch:torch-run", "--strict",
-                   cwd=tmp_path)
-    assert r.returncode == 1, r.stderr  # they differ: --strict says so
-    assert "DIFFERENT" in r.stdout and "first divergent step 0" in r.stdout
-    d = json.loads((tmp_path / "diff-loaders" / "diff.json").read_text())
-    for spool in ("spool-grain", "spool-torch"):
-        with Ledger(tmp_path / f"{spool}.duckdb") as ledger:
-            ingest(tmp_path / spool, ledger)
-    agrees(d, tmp_path / "diff-loaders", (tmp_path / "spool-grain.duckdb", "grain-run"),
-           (tmp_path / "spool-torch.duckdb", "torch-run"), tmp_path / "manifest.parquet")
-    # One epoch each: the same 1,176 records; DistributedSampler pads 4 of them twice.
-    n = TokenSource(tmp_path / "corpus").__len__()
-    assert d["epochs"] == [{
-        "epoch": 0, "exposures_a": n, "exposures_b": n + 4, "records_a": n, "records_b": n,
-        "common_records": n, "jaccard": 1.0, "multiset_difference": 4, "same_set": True,
-        "same_multiset": False}]
-    assert d["first_divergent_step"] == 0 and d["jaccard"]["mean"] < 0.2
-    assert d["records"]["more_often_b"] == 4 and d["records"]["same"] == n - 4
-    assert {f["code"] for f in d["findings"]} >= {"diverged", "same_set_per_epoch",
-                                                  "unequal_length"}
-    said = next(f["message"] for f in d["findings"] if f["code"] == "same_set_per_epoch")
-    assert said.startswith("in 1 epoch (0) both runs") and "(s)" not in said, said
 
 
 # ---- the command line ---------------------------------------------------------------------------

@@ -202,3 +202,34 @@ def test_the_tour_and_what_builds_on_it_run_in_order(tmp_path):
     torch_run = json.loads((tmp_path / "report-torch" / "report.json").read_text())
     assert [f["code"] for f in torch_run["findings"] if f["severity"] == "FAIL"] == ["padding"]
     assert torch_run["coverage"]["epoch_duplicate_records"] == 4
+    _the_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_order(tmp_path)
+
+
+def _the_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_order(tour: Path) -> None:
+    """The guides' Grain loop and PyTorch loop over the tour's corpus, as `tally diff` compared
+    them (diff-loaders): the same records in epoch 0, in another order, DistributedSampler's 4
+    padded records twice; every number equal to the SQL reference over their ledgers."""
+    import json
+
+    from tally.audit.ledger.database import Ledger
+    from tally.audit.ledger.ingest import ingest
+    from tally.pipeline.corpus import TokenSource
+    from tests.test_posthoc import agrees
+
+    d = json.loads((tour / "diff-loaders" / "diff.json").read_text())
+    for spool in ("spool-grain", "spool-torch"):
+        with Ledger(tour / f"{spool}-check.duckdb") as ledger:
+            ingest(tour / spool, ledger)
+    agrees(d, tour / "diff-loaders", (tour / "spool-grain-check.duckdb", "grain-run"),
+           (tour / "spool-torch-check.duckdb", "torch-run"), tour / "manifest.parquet")
+    n = len(TokenSource(tour / "corpus"))
+    assert d["epochs"] == [{
+        "epoch": 0, "exposures_a": n, "exposures_b": n + 4, "records_a": n, "records_b": n,
+        "common_records": n, "jaccard": 1.0, "multiset_difference": 4, "same_set": True,
+        "same_multiset": False}]
+    assert d["first_divergent_step"] == 0 and d["jaccard"]["mean"] < 0.2
+    assert d["records"]["more_often_b"] == 4 and d["records"]["same"] == n - 4
+    assert {f["code"] for f in d["findings"]} >= {"diverged", "same_set_per_epoch",
+                                                  "unequal_length"}
+    said = next(f["message"] for f in d["findings"] if f["code"] == "same_set_per_epoch")
+    assert said.startswith("in 1 epoch (0) both runs") and "(s)" not in said, said
