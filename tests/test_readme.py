@@ -208,15 +208,21 @@ def test_the_tour_and_what_builds_on_it_run_in_order(tmp_path):
 def _the_grain_and_pytorch_loops_see_the_same_set_per_epoch_in_another_order(tour: Path) -> None:
     """The guides' Grain loop and PyTorch loop over the tour's corpus, as `tally diff` compared
     them (diff-loaders): the same records in epoch 0, in another order, DistributedSampler's 4
-    padded records twice; every number equal to the SQL reference over their ledgers."""
+    padded records twice; every number equal to the SQL reference over their ledgers; with
+    `--strict`, exit status 1."""
     import json
 
     from tally.audit.ledger.database import Ledger
     from tally.audit.ledger.ingest import ingest
     from tally.pipeline.corpus import TokenSource
+    from tests.support.cli import tally_bare
     from tests.test_posthoc import agrees
 
     d = json.loads((tour / "diff-loaders" / "diff.json").read_text())
+    r = tally_bare("diff", "--manifest", "manifest.parquet", "-o", "diff-loaders-strict", "--a",
+                   "spool-grain:grain-run", "--b", "spool-torch:torch-run", "--strict", cwd=tour)
+    assert r.returncode == 1, r.stderr  # they differ: --strict says so
+    assert "DIFFERENT" in r.stdout and "first divergent step 0" in r.stdout, r.stdout
     for spool in ("spool-grain", "spool-torch"):
         with Ledger(tour / f"{spool}-check.duckdb") as ledger:
             ingest(tour / spool, ledger)
