@@ -187,7 +187,8 @@ class Mergeable:
 @functools.cache
 def _rules(kind: type) -> tuple[tuple[str, Callable[[Any, Any], Any]], ...]:
     """A Mergeable's fields and their merge rules, read once a class: walking
-    `dataclasses.fields` was ~15 of a one-file merge's ~80 us."""
+    `dataclasses.fields` for Partial's 53 fields took 7.6 us of a one-file merge's 74-84 us
+    (timeit, 12-07), the cached tuple 0.1 us."""
     return tuple((f.name, f.metadata["merge"]) for f in dataclasses.fields(kind))
 
 
