@@ -13,6 +13,7 @@ from tally.audit.hook.writer import LedgerWriter, WriterError
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tests.support.batches import record_tokens, unpacked_batch
+from tests.support.processes import popen_py
 
 
 def _published(spool):
@@ -171,6 +172,67 @@ def test_a_reused_run_id_or_a_restart_within_an_attempt_is_refused(spool):
         with pytest.raises(WriterError, match="never go back"):
             w.write_batch(0, unpacked_batch(0))
     assert [(f.attempt, f.first_step) for f in _published(spool)] == [(0, 0), (0, 2), (1, 1)]
+
+
+TWIN = """
+import os, sys, time
+import numpy as np
+from tally.audit.hook.segments import Segments
+from tally.audit.hook.writer import LedgerWriter, WriterError
+spool, me, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.001)
+w = LedgerWriter(spool, "twin", host=0, host_count=2, flush_every=1, fsync=False)
+print("spool_id", w.spool_id, flush=True)
+try:
+    for step in range(40):
+        keys = np.arange(64) + me * 10_000 + step * 64
+        w.write_segments(step, Segments.build(row=np.arange(64), record_key=keys,
+                                              n_tokens=np.full(64, 8), content_hash=keys))
+    w.close()
+    print("done", flush=True)
+except WriterError as exc:
+    print("refused", exc, flush=True)
+"""
+
+
+def test_two_writers_claiming_one_host_never_corrupt_nor_replace_a_file(tmp_path):
+    """Two processes that both believe they are host 0 (a rank taken from LOCAL_RANK on two
+    nodes, a run relaunched while it still runs), started at the same moment: they publish
+    the same file names. At least one is refused ("two writers for one host?"); every file
+    published is whole and holds one writer's rows under that writer's spool id, and the
+    ledger takes them all. Both once wrote one shared temporary file, and the first to rename
+    it published the other's bytes in it too: a file no reader could open."""
+    spool, go = tmp_path / "spool", tmp_path / "go"
+    for trial in range(3):
+        shutil.rmtree(spool, ignore_errors=True)
+        go.unlink(missing_ok=True)
+        twins = [popen_py(TWIN, str(spool), str(me), str(go)) for me in (0, 1)]
+        assert [t.stdout.readline() for t in twins] == ["ready\n"] * 2  # imported, waiting
+        go.touch()
+        said = [t.communicate(timeout=120) for t in twins]
+        assert [t.returncode for t in twins] == [0, 0], said
+        ids = {me: out.split()[1] for me, (out, _) in enumerate(said)}
+        # Refused at a name the other published first, or (one started late, after the other
+        # published) at its first step, which that host's spool already holds.
+        refused = [out for out, _ in said if "refused" in out]
+        assert refused and all("two writers for one host?" in out or "already has a spool"
+                               in out for out in refused), said
+        files = _published(spool)
+        rows = 0
+        for f in files:
+            t = pq.read_table(f.path)  # whole: a torn file raises here
+            if f.kind != "seg":
+                continue
+            writers = set((t["record_key"].to_numpy() // 10_000).tolist())
+            assert len(writers) == 1, (f.name, writers)
+            me = writers.pop()
+            assert t.schema.metadata[b"tally.spool_id"].decode() == ids[me]
+            rows += t.num_rows
+        with Ledger(tmp_path / f"l{trial}.duckdb") as ledger:
+            res = ingest(spool, ledger)
+            assert res.quarantined == [] and res.rows == rows
 
 
 @pytest.mark.parametrize("bad, match", [

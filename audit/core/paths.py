@@ -57,8 +57,8 @@ def atomic_write(final: Path, tmp: Path, *, fsync: bool = True, overwrite: bool 
     """Publish `final` whole or not at all: the body writes the open file `tmp`; then fsync,
     rename to `final`, fsync of the directory. A reader (or a kill) sees the old file or the new
     one, never a part; a failed body leaves no `tmp`. `overwrite=False` refuses an existing
-    `final` (FileExistsError: a spool file is never replaced). `on(step)` is told "synced" and
-    "renamed" as they happen (the crash tests pause there to kill the process).
+    `final` (FileExistsError: a spool file is never replaced; `_publish_new`). `on(step)` is
+    told "synced" and "renamed" as they happen (the crash tests pause there to kill the process).
     `page_cache=False`: the body's writes go past the page cache where the file system allows
     it (`Uncached`), for a large file read back only rarely (a state snapshot)."""
     try:
@@ -69,9 +69,10 @@ def atomic_write(final: Path, tmp: Path, *, fsync: bool = True, overwrite: bool 
                 os.fsync(f.fileno())
         if on is not None:
             on("synced")
-        if not overwrite and final.exists():
-            raise FileExistsError(f"{final} already exists; two writers for one host?")
-        os.rename(tmp, final)
+        if overwrite:
+            os.rename(tmp, final)
+        else:
+            _publish_new(tmp, final)
         if on is not None:
             on("renamed")
         if fsync:
@@ -79,6 +80,35 @@ def atomic_write(final: Path, tmp: Path, *, fsync: bool = True, overwrite: bool 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# Where a file system has no hard links (some FUSE and object-store mounts), a new file is
+# published by rename after a check; the check and the rename are then two steps.
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV}
+
+
+def _publish_new(tmp: Path, final: Path) -> None:
+    """Give `tmp` the name `final` unless `final` exists, in one step: a hard link fails where
+    the name is taken, where a rename would replace it. Two writers publishing the same name at
+    once (two processes that both believe they are host 0, or a run relaunched while it still
+    runs) once both passed an exists() check and the later rename replaced the earlier file:
+    its rows were lost without a word."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise FileExistsError(f"{final} already exists; two writers for one host?") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{tmp.name} was removed while it was written (a writer for "
+                                f"the same host started meanwhile); two writers for one host?"
+                                ) from None
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS:
+            raise
+        if final.exists():
+            raise FileExistsError(f"{final} already exists; two writers for one host?") from None
+        os.rename(tmp, final)
+        return
+    os.unlink(tmp)
 
 
 DIRECT_BLOCK = 4096  # O_DIRECT's unit: file offsets, lengths and buffer addresses (a logical

@@ -16,6 +16,7 @@ import re
 import stat
 import sys
 import time
+import uuid
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,8 +140,11 @@ def file_name(kind: str, first_step: int, seq: int) -> str:
 
 
 def temp_name(final_name: str) -> str:
-    """Dot-prefixed so that no listing of published files can see it."""
-    return f".{final_name}.tmp"
+    """Dot-prefixed so that no listing of published files can see it, and one of its own for
+    each call: two writers of one host writing the same name (a misconfigured host id, a run
+    relaunched while it runs) once shared one temporary file, and the file the first renamed
+    into place took the second's bytes as well: published, and unreadable."""
+    return f".{final_name}.{uuid.uuid4().hex[:12]}.tmp"
 
 
 @dataclass(frozen=True, slots=True)
