@@ -109,6 +109,64 @@ def test_no_sharding_is_named(corpus, tmp_path):
     assert "each of 4 hosts saw the same records" in r["findings"][0]["message"]
 
 
+@pytest.mark.parametrize("hosts, index, groups, said", [
+    (6, lambda h: h % 2, [[0, 2, 4], [1, 3, 5]], "hosts 0, 2 and 4; hosts 1, 3 and 5"),
+    (4, lambda h: 0 if h == 3 else h, [[0, 3]], "hosts 0 and 3"),
+], ids=["local_rank", "one_index_reused"])
+def test_hosts_that_share_a_shard_are_named_in_their_groups(corpus, tmp_path, hosts, index,
+                                                            groups, said):
+    """Each host's Grain slice taken with another index than its own: the rank within its
+    node on 3 nodes of 2 hosts (`[local::6]`: hosts 0, 2, 4 read slice 0 and hosts 1, 3, 5
+    slice 1, slices 2-5 never), or host 3 given host 0's index. The groups are named, with
+    nothing else; each group of g hosts repeats (g - 1)/g of what it consumed."""
+    root, source = corpus
+    cfg = _cfg(global_batch=2 * hosts, seed=1)
+    loaders = {}
+
+    def sliced(h, step, loader, last):
+        if h not in loaders:
+            loaders[h] = KeyedLoader(source, cfg, index(h), hosts)
+        return next(loaders[h])
+
+    _run(tmp_path / "spool", source, cfg, hosts, 150, consume=sliced)
+    r = _reconcile(root, tmp_path / "spool", "shared")
+    assert [x["code"] for x in r["findings"]] == ["shared_shard"], r["findings"]
+    (finding,) = r["findings"]
+    assert finding["numbers"]["groups"] == groups
+    assert finding["numbers"]["hosts"] == sum(map(len, groups))
+    assert f"read the same records as another host ({said})" in finding["message"]
+    assert r["coverage"]["epoch_duplicates"] == sum(300 * (len(g) - 1) for g in groups)
+
+
+def test_shared_shards_without_epochs_are_named_only_where_the_groups_read_apart(corpus,
+                                                                                 tmp_path):
+    """Spools without epochs (-1): 4 hosts in pairs, each pair reading one shard of 800
+    records of a permutation (hosts 0 and 2 the first, 1 and 3 the second): the pairs are
+    named. The same pairs when the second pair's shard holds 600 of the first's: the groups do
+    not read apart, so the repeats stay unexplained (`uneven_exposure`), not a shared shard."""
+    root, source = corpus
+    steps, rows = 100, 8
+    order = np.random.default_rng(5).permutation(len(source))
+    hashes = pq.read_table(root / "m.parquet", columns=["content_hash"])["content_hash"]
+    hashes = hashes.to_numpy()
+    for name, second in (("apart", order[800:1600]), ("mixed", order[200:1000])):
+        shards = {0: order[:800], 1: second}
+        for h in range(4):
+            with LedgerWriter(tmp_path / name, "r", host=h, host_count=4, flush_every=64,
+                              fsync=False) as w:
+                for step in range(steps):
+                    k = shards[h % 2][step * rows:(step + 1) * rows]
+                    w.write_segments(step, Segments.build(
+                        row=np.arange(rows), record_key=k, n_tokens=np.full(rows, 4),
+                        content_hash=hashes[k]))
+    r = _reconcile(root, tmp_path / "apart", "apart")
+    assert not r["epochs"] and r["coverage"]["epoch_duplicates"] == 0  # epochs unknown
+    assert [f["code"] for f in r["findings"]] == ["shared_shard"], r["findings"]
+    assert r["findings"][0]["numbers"]["groups"] == [[0, 2], [1, 3]]
+    r = _reconcile(root, tmp_path / "mixed", "mixed")
+    assert [f["code"] for f in r["findings"]] == ["uneven_exposure"], r["findings"]
+
+
 @pytest.mark.slow
 def test_double_slicing_is_caught(corpus, tmp_path):
     root, source = corpus

@@ -327,6 +327,44 @@ def test_distributed_sampler_padding_named_and_clean_setup_passes(tmp_path):
     assert ok["coverage"]["never_seen"] == 0 and ok["coverage"]["epoch_duplicates"] == 0
 
 
+def test_distributed_samplers_that_share_shards_are_named_and_many_epochs_pass(tmp_path):
+    """Four hosts whose DistributedSamplers share shards. `local`: 2 nodes x 2 ranks given
+    the rank within the node (LOCAL_RANK, num_replicas=4): hosts 0 and 2 read shard 0, hosts
+    1 and 3 shard 1, shards 2 and 3 never, every epoch. `replicas`: num_replicas=2 with rank
+    h // 2 (as tensor-parallel pairs audited as hosts of their own would write): hosts 0 and 1
+    read one half, 2 and 3 the other, so every record is read twice an epoch and none is left
+    out. `shared_shard` names the groups, and which of the two it is, over 2 and 3 epochs (the
+    loop sets each epoch). The clean trap beside them: the right ranks for 12 epochs over 200
+    records, where every host reads nearly every record and all pairs of hosts overlap: PASS."""
+    hosts = 4
+    cases = {"local": (400, 2, 4, lambda h: h % 2), "replicas": (400, 3, 2, lambda h: h // 2),
+             "clean": (200, 12, 4, lambda h: h)}
+    for name, (n, epochs, replicas, rank) in cases.items():
+        ds = Records(n)
+        for h in range(hosts):
+            dl = DataLoader(ds, batch_size=4, sampler=DistributedSampler(
+                ds, num_replicas=replicas, rank=rank(h), shuffle=True, seed=3))
+            loader = tally_torch.audited(dl, tmp_path / name, "r", host=h, host_count=hosts,
+                                         mask_field="attention_mask", fsync=False)
+            run_epochs(loader, epochs)
+            loader.writer.finish()
+        manifest(tmp_path / f"{name}.parquet", n)
+    for name, groups, why, dups in (
+            ("local", [[0, 2], [1, 3]], "the shards those hosts were meant to read are not "
+             "read at all", 2 * 400 // 2),
+            ("replicas", [[0, 1], [2, 3]], "every record was still read", 3 * 800 // 2)):
+        rep = reconcile(tmp_path / name, tmp_path / f"{name}.parquet", tmp_path / f"r{name}")
+        shared = [f for f in rep["findings"] if f["code"] == "shared_shard"]
+        assert rep["verdict"] == "FAIL" and len(shared) == 1, (name, rep["findings"])
+        assert shared[0]["numbers"]["groups"] == groups and why in shared[0]["message"]
+        assert rep["coverage"]["epoch_duplicates"] == dups  # half of each epoch's exposures
+        assert {f["code"] for f in rep["findings"]} <= {"shared_shard", "final_epoch_short"}
+    ok = reconcile(tmp_path / "clean", tmp_path / "clean.parquet", tmp_path / "rc")
+    assert ok["verdict"] == "PASS" and ok["findings"] == [], ok["findings"]
+    overlap = ok["hosts"]["overlap_matrix"]
+    assert min(overlap[i][j] for i in range(hosts) for j in range(hosts)) > 0.9 * 200
+
+
 def test_attach_cost_benchmark_runs():
     from bench import torch_attach_cost
 

@@ -22,12 +22,12 @@ from tally.audit.buckets.partials import EVIDENCE
 from tally.audit.core.exposure import Finding
 
 # Findings about records exposed more often than due: their evidence is where the repeats are.
-REPEATS = {"with_replacement", "no_sharding", "padding", "epoch_duplicates", "uneven_exposure",
-           "loss_flattered", "repeats_on_hosts", "repeats_in_steps", "reshard_band",
-           "resharded", "batch_changed", "resume_band"}
+REPEATS = {"with_replacement", "no_sharding", "shared_shard", "padding", "epoch_duplicates",
+           "uneven_exposure", "loss_flattered", "repeats_on_hosts", "repeats_in_steps",
+           "reshard_band", "resharded", "batch_changed", "resume_band"}
 # ... and about records never consumed.
-SKIPS = {"with_replacement", "uneven_exposure", "reshard_band", "resume_band", "epoch_skipped",
-         "drop_remainder", "final_epoch_short", "files_unread", "host_gap"}
+SKIPS = {"with_replacement", "shared_shard", "uneven_exposure", "reshard_band", "resume_band",
+         "epoch_skipped", "drop_remainder", "final_epoch_short", "files_unread", "host_gap"}
 # Integrity findings and the report's examples that show them.
 EXAMPLES = {"unknown_keys": "unknown", "hash_mismatch": "hash_mismatch",
             "heldout_leak": "heldout"}

@@ -460,6 +460,28 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
                 f"{max(diag):,} shared by every pair): no sharding — every record is seen "
                 f"{len(active)} times per epoch", hosts=len(active))
             return True
+    # Hosts in groups that each read one shard: a sampler rank or shard index taken from the
+    # rank within a node (LOCAL_RANK on every node), or one host's index given to another.
+    shared = _shared_shards(r, at) if len(active) > 2 else []
+    if shared:
+        grouped = sum(len(g) for g in shared)
+        said = "; ".join(_hosts_text(g) for g in shared[:4]) + ("; ..." if len(shared) > 4
+                                                                 else "")
+        if cov["missing_exposures"]:
+            why = ("hosts given one shard between them (a sampler rank or shard index taken "
+                   "from the rank within a node, or one host's index given to another): in "
+                   "each epoch every host of a group reads each record of its shard, and the "
+                   "shards those hosts were meant to read are not read at all")
+        else:  # the groups still read every record: fewer shards than hosts
+            why = ("every record was still read, by every host of a group: fewer data-parallel "
+                   "shards than hosts (a sampler's num_replicas or shard count below the host "
+                   "count), or the processes of one data-parallel replica (tensor- or "
+                   "pipeline-parallel ranks) audited as hosts of their own, where one process "
+                   "of each replica should write")
+        add("FAIL", "shared_shard",
+            f"{plural(grouped, 'host')} of {len(active)} read the same records as another host "
+            f"({said}): {why}", hosts=grouped, groups=[g[:16] for g in shared[:16]])
+        return True
     # Exposure spread like independent draws per host: the histogram matches the binomial
     # model, and nearly every host shares records with some other one (with many hosts, most
     # pairs share none: N/H^2 records each, but each host's records meet the others').
@@ -506,6 +528,57 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             f"batch ({batch})", duplicates=dups)
         return True
     return False
+
+
+SHARED_SHARD = 0.95  # two hosts whose record sets agree this much read one shard
+APART = 0.5  # hosts of different groups share at most this much (epochs unknown)
+MIN_SHARD = 16  # records a grouped host read at least: fewer agree by chance
+
+
+def _shared_shards(r: dict[str, Any], at: list[int]) -> list[list[int]]:
+    """Groups of the active hosts (`at`, indices into per_host) that read the same records
+    as each other, of two hosts or more, when the run has more than one group; [] otherwise.
+    The groups must account for the within-epoch repeats where epochs are known (a group of g
+    hosts repeats (g - 1)/g of what its hosts consumed in each epoch), else hosts of different
+    groups must share at most half of the smaller host's records (sharding works between the
+    groups). Over many epochs a correctly sharded host reads most of the corpus and most pairs
+    of hosts agree to ~95%: that has no within-epoch repeats to account for, and this runs
+    only for a run whose exposure is off."""
+    hosts = r["hosts"]
+    m = np.asarray(hosts["overlap_matrix"], np.int64)[np.ix_(at, at)]
+    d = np.diag(m)
+    same = m >= SHARED_SHARD * np.maximum.outer(d, d)
+    label = np.full(len(at), -1)
+    for i in range(len(at)):  # connected components of `same`
+        if label[i] >= 0:
+            continue
+        label[i], todo = i, [i]
+        while todo:
+            k = todo.pop()
+            new = np.flatnonzero(same[k] & (label < 0))
+            label[new] = i
+            todo += new.tolist()
+    groups = [np.flatnonzero(label == g) for g in np.unique(label)]
+    shared = [g for g in groups if len(g) > 1]
+    if len(groups) < 2 or not shared or min(int(d[g].min()) for g in shared) < MIN_SHARD:
+        return []
+    per = hosts["per_host"]
+    if r.get("epochs"):
+        due = sum(per[at[i]]["exposures"] * (len(g) - 1) / len(g) for g in shared for i in g)
+        if r["coverage"]["epoch_duplicates"] < 0.8 * due:
+            return []
+    else:
+        apart = label[:, None] != label[None, :]
+        if (m[apart] > APART * np.minimum.outer(d, d)[apart]).any():
+            return []
+    return [[per[at[i]]["host"] for i in g] for g in shared]
+
+
+def _hosts_text(hosts: list[int]) -> str:
+    """"hosts 0 and 2", "hosts 0, 2 and 4", "hosts 0, 2, 4, ... (9 hosts)"."""
+    if len(hosts) > 6:
+        return f"hosts {', '.join(map(str, hosts[:3]))}, ... ({len(hosts)} hosts)"
+    return f"hosts {', '.join(map(str, hosts[:-1]))} and {hosts[-1]}"
 
 
 def _plain_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
