@@ -85,6 +85,9 @@ def atomic_write(final: Path, tmp: Path, *, fsync: bool = True, overwrite: bool 
 # Where a file system has no hard links (some FUSE and object-store mounts), a new file is
 # published by rename after a check; the check and the rename are then two steps.
 _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV}
+TWO_WRITERS = ("two writers for one host? (a host index belongs to one process: a rank within "
+               "a node is not one, and of tensor- or pipeline-parallel ranks one process of "
+               "each data-parallel replica writes)")
 
 
 def _publish_new(tmp: Path, final: Path) -> None:
@@ -96,16 +99,16 @@ def _publish_new(tmp: Path, final: Path) -> None:
     try:
         os.link(tmp, final)
     except FileExistsError:
-        raise FileExistsError(f"{final} already exists; two writers for one host?") from None
+        raise FileExistsError(f"{final} already exists; {TWO_WRITERS}") from None
     except FileNotFoundError:
         raise FileNotFoundError(f"{tmp.name} was removed while it was written (a writer for "
-                                f"the same host started meanwhile); two writers for one host?"
+                                f"the same host started meanwhile); {TWO_WRITERS}"
                                 ) from None
     except OSError as exc:
         if exc.errno not in _NO_LINKS:
             raise
         if final.exists():
-            raise FileExistsError(f"{final} already exists; two writers for one host?") from None
+            raise FileExistsError(f"{final} already exists; {TWO_WRITERS}") from None
         os.rename(tmp, final)
         return
     os.unlink(tmp)
