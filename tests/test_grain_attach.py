@@ -277,3 +277,35 @@ def test_a_batched_map_dataset_indexed_past_its_end_reads_later_epochs(tmp_path,
     rows = spool_rows(tmp_path)
     check_rows(rows, got)
     check_epochs(rows, [truth[k] for k in range(60)])
+
+
+def test_equal_shards_that_leave_the_remainder_out_are_a_warning_naming_the_same_records(
+        tmp_path):
+    """Grain's IndexSampler over 103 records on 4 hosts with ShardOptions(drop_remainder=True)
+    for 3 epochs: each host's shard is 25 records, so the same 3 records are left out of every
+    epoch (Grain logs "Dropping 3 examples"). That is the loader's design, not a skip: reconcile
+    says `drop_remainder` (WARN), the host count's remainder and the same 3 records each
+    epoch, and neither `epoch_skipped` nor uneven exposure."""
+    from tally.audit.reconcile import reconcile
+    from tests.support.manifest import keyed_manifest
+
+    hosts = 4
+    for h in range(hosts):
+        sampler = grain.samplers.IndexSampler(
+            N, shuffle=True, seed=3, num_epochs=3,
+            shard_options=grain.sharding.ShardOptions(h, hosts, drop_remainder=True))
+        lo = audited(loader(sampler, host=h, hosts=hosts, batch=2, drop=False),
+                     tmp_path / "spool", run_id="r")
+        for _ in lo:
+            pass
+        lo.writer.finish()
+    keyed_manifest(tmp_path / "m.parquet", N, fingerprint=None, hashes=lambda keys: np.array(
+        [content_hash(tokens_of(int(k))) for k in keys], np.uint64))
+    r = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "rep",
+                  spool=tmp_path / "spool")
+    assert r["coverage"]["never_seen"] == N % hosts == 3
+    assert r["verdict"] == "WARN", r["findings"]
+    (f,) = [f for f in r["findings"] if f["code"] == "drop_remainder"]
+    assert f["numbers"] == {"epochs": 3, "records": 3, "same_records": True}
+    assert "do not divide by the host count of 4" in f["message"]
+    assert [f["code"] for f in r["findings"]] == ["drop_remainder"]

@@ -527,7 +527,7 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             f"sampler pads each epoch to a multiple of the host count ({h}) or of the global "
             f"batch ({batch})", duplicates=dups)
         return True
-    return False
+    return _drop_remainder(r, add)
 
 
 SHARED_SHARD = 0.95  # two hosts whose record sets agree this much read one shard
@@ -666,36 +666,68 @@ def _concentration_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     return bool(named)
 
 
+def _remainder_unit(r: dict[str, Any], k: int, shards: bool = False
+                    ) -> tuple[int, str] | None:
+    """The unit whose remainder of the train records is `k`: the global batch (a batch
+    sampler or a batch that drops its last part) or the host count (a sampler that trims the
+    epoch to a multiple of its replicas, shards of equal size; tried first with `shards`);
+    None when neither is."""
+    n = r["coverage"]["train_records"]
+    units = [(r["consumption"].get("rows_per_step") or 0, "global batch"),
+             (r["hosts"]["count"], "host count")]
+    for unit, what in units[::-1] if shards else units:
+        if k and unit and n % unit == k:
+            return unit, what
+    return None
+
+
+def _drop_remainder(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """Every epoch the run finished left out the same k records' worth, k being the train
+    records' remainder by the global batch or by the host count, and nothing repeated within
+    an epoch: a loader that drops each epoch's remainder (WARN). Over several epochs the
+    records dropped twice or more fall below the ideal: that is this, not uneven exposure.
+    After two epochs or more, the run's never-seen records tell which records it drops: the
+    same k each time (equal shards, the remainder never in any) or others each epoch."""
+    cov = r["coverage"]
+    done = [e for e in r.get("epochs", []) if e["complete"] and e["skipped"]]
+    k = done[0]["skipped"] if done else 0
+    same = len(done) > 1 and cov["never_seen"] == k
+    unit = _remainder_unit(r, k, shards=same)
+    if cov["epoch_duplicates"] or unit is None or any(e["skipped"] != k for e in done):
+        return False
+    n = cov["train_records"]
+    which = ("drop_last samplers, batch drop_remainder, equal shards" if len(done) == 1 else
+             "equal shards, as ShardOptions(drop_remainder=True) makes; the same "
+             f"{plural(k, 'record')} every epoch, never trained on" if same else
+             "drop_last samplers, batch drop_remainder; different records each epoch")
+    add("WARN", "drop_remainder",
+        ("the finished epoch" if len(done) == 1 else f"each of {len(done):,} finished epochs")
+        + f" left out {plural(k, 'record')}: {n:,} train records do not divide by the "
+        f"{unit[1]} of {unit[0]}, and the loader drops each epoch's remainder ({which})",
+        epochs=len(done), records=k, same_records=same)
+    return True
+
+
 def _epoch_findings(r: dict[str, Any], add: Callable[..., Any], explained: bool) -> None:
     """Records an epoch never reached. In an epoch the run has left behind, a loader that drops
-    each epoch's remainder leaves exactly N mod (global batch) out; other counts are skipped
-    records. The last epoch of a finished run may end early by design: said, not flagged."""
+    each epoch's remainder leaves exactly N mod (global batch or host count) out
+    (`_drop_remainder`); other counts are skipped records. The last epoch of a finished run
+    may end early by design: said, not flagged."""
     n = r["coverage"]["train_records"]
-    batch = r["consumption"].get("rows_per_step") or 0
-    remainder = n % batch if batch else None
     done = [e for e in r.get("epochs", []) if e["complete"] and e["skipped"]]
-    if done and not explained:
-        if remainder and all(e["skipped"] == remainder for e in done):
-            add("WARN", "drop_remainder",
-                ("the finished epoch" if len(done) == 1 else
-                 f"each of {len(done):,} finished epochs")
-                + f" left out {plural(remainder, 'record')}: {n:,} train records do not divide "
-                f"by the global batch of {batch}, and the loader "
-                "drops each epoch's remainder (drop_last samplers, batch drop_remainder); "
-                "different records each epoch", epochs=len(done), records=remainder)
-        else:
-            skipped = sum(e["skipped"] for e in done)
-            add("FAIL", "epoch_skipped",
-                f"{plural(skipped, 'record')} {were(skipped)} never consumed in "
-                f"{'the epoch' if len(done) == 1 else 'epochs'} the run has finished ("
-                + ", ".join(f"epoch {e['epoch']}: {e['skipped']:,}" for e in done[:5])
-                + "): the loader skipped them", records=skipped,
-                epochs=[e["epoch"] for e in done])
+    if done and not explained and not _drop_remainder(r, add):
+        skipped = sum(e["skipped"] for e in done)
+        add("FAIL", "epoch_skipped",
+            f"{plural(skipped, 'record')} {were(skipped)} never consumed in "
+            f"{'the epoch' if len(done) == 1 else 'epochs'} the run has finished ("
+            + ", ".join(f"epoch {e['epoch']}: {e['skipped']:,}" for e in done[:5])
+            + "): the loader skipped them", records=skipped,
+            epochs=[e["epoch"] for e in done])
     for e in r.get("epochs", []):
         if e["final"] and not e["complete"] and e["skipped"]:
-            why = (f": {n:,} train records do not divide by the global batch of {batch}, and "
-                   "the run ended with the last full batch" if remainder and
-                   e["skipped"] == remainder else "")
+            unit = _remainder_unit(r, e["skipped"])
+            why = (f": {n:,} train records do not divide by the {unit[1]} of {unit[0]}, and "
+                   "the run ended with the last full batch" if unit else "")
             add("INFO", "final_epoch_short",
                 f"the run finished in epoch {e['epoch']} with {e['skipped']:,} of its records "
                 f"never consumed{why}", epoch=e["epoch"], records=e["skipped"])
