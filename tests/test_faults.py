@@ -167,6 +167,47 @@ def test_shared_shards_without_epochs_are_named_only_where_the_groups_read_apart
     assert [f["code"] for f in r["findings"]] == ["uneven_exposure"], r["findings"]
 
 
+def test_a_domain_never_read_is_named_once_an_epoch_has_passed(corpus, tmp_path):
+    """4 hosts read every train record but the `code` domain's, shuffled, each epoch (a
+    mixture or source list that left the domain out). Within the first epoch that may be a
+    curriculum: PASS, its INFO saying the domain was not read at all. After two epochs:
+    `domain_unread` names it, with its records (before, an unnamed uneven exposure)."""
+    root, source = corpus
+    m = pq.read_table(root / "m.parquet")
+    train = pc.equal(m["split"], "train").to_numpy(zero_copy_only=False)
+    domain = np.array(m["domain"].to_pylist())
+    keys, hashes = m["record_key"].to_numpy(), m["content_hash"].to_numpy()
+    tokens = m["n_tokens"].to_numpy()
+    read = keys[train & (domain != "code")]
+    code = int((train & (domain == "code")).sum())
+    whole = len(read) // 32 * 32  # every host the same steps of 8 records
+    for name, epochs, stop in (("partial", 1, whole // 2 // 32 * 32), ("two", 2, whole)):
+        for h in range(4):
+            with LedgerWriter(tmp_path / name, "r", host=h, host_count=4,
+                              records_per_epoch=int(train.sum()), fsync=False) as w:
+                step = 0
+                for e in range(epochs):
+                    mine = np.random.default_rng(e).permutation(read)[:stop][h::4]
+                    for i in range(0, len(mine), 8):
+                        k = mine[i:i + 8]
+                        w.write_segments(step, Segments.build(
+                            row=np.arange(8), record_key=k, n_tokens=tokens[k],
+                            content_hash=hashes[k], epoch=np.full(8, e)))
+                        step += 1
+                w.finish()
+    r = _reconcile(root, tmp_path / "partial", "partial")
+    assert r["verdict"] == "PASS", r["findings"]
+    (info,) = r["findings"]
+    assert info["code"] == "final_epoch_short"
+    assert info["message"].endswith("; domain code was not read at all")
+    r = _reconcile(root, tmp_path / "two", "two")
+    codes = [f["code"] for f in r["findings"] if f["severity"] == "FAIL"]
+    assert codes == ["domain_unread"], r["findings"]
+    (f,) = [f for f in r["findings"] if f["code"] == "domain_unread"]
+    assert f["numbers"] == {"domains": ["code"], "records": code}
+    assert f["message"].startswith(f"domain code was never read ({code:,} train records")
+
+
 @pytest.mark.slow
 def test_double_slicing_is_caught(corpus, tmp_path):
     root, source = corpus

@@ -27,7 +27,8 @@ REPEATS = {"with_replacement", "no_sharding", "shared_shard", "padding", "epoch_
            "reshard_band", "resharded", "batch_changed", "resume_band"}
 # ... and about records never consumed.
 SKIPS = {"with_replacement", "shared_shard", "uneven_exposure", "reshard_band", "resume_band",
-         "epoch_skipped", "drop_remainder", "final_epoch_short", "files_unread", "host_gap"}
+         "epoch_skipped", "drop_remainder", "final_epoch_short", "files_unread", "domain_unread",
+         "host_gap"}
 # Integrity findings and the report's examples that show them.
 EXAMPLES = {"unknown_keys": "unknown", "hash_mismatch": "hash_mismatch",
             "heldout_leak": "heldout"}

@@ -506,6 +506,21 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
                 seen_2plus=seen2, hosts=len(active))
             return True
     unread = [s for s in r["sources"] if s["never_seen"] == s["records"]]
+    domains = _unread_domains(r)
+    passed = total >= n or any(e["complete"] for e in r.get("epochs") or [])
+    # Files left out by file-level sharding (files % hosts of them) may hold whole domains.
+    sharding_rest = bool(unread) and len(unread) == len(r["sources"]) % h
+    if domains and passed and not sharding_rest:
+        k = sum(d["records"] for d in domains)
+        add("FAIL", "domain_unread",
+            f"{_domains_text(domains)} {were(len(domains))} never read ({k:,} train records, "
+            f"{_pct(k / n)} of the split) while the other domains were, over "
+            + (f"{total / n:.1f} epochs' worth of exposures" if total >= n else
+               "a finished epoch")
+            + ": the loader's sources or mixture left "
+            + ("it" if len(domains) == 1 else "them") + " out",
+            domains=[d["domain"] for d in domains[:16]], records=k)
+        return True
     if unread and len(unread) < len(r["sources"]):
         k = sum(s["records"] for s in unread)
         add("FAIL", "files_unread",
@@ -666,6 +681,22 @@ def _concentration_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     return bool(named)
 
 
+def _unread_domains(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The domains of the train split none of whose records was consumed, when another
+    domain's were."""
+    domains = [d for d in r.get("domains") or [] if d["records"]]
+    unread = [d for d in domains if not d["exposures"]]
+    return unread if len(unread) < len(domains) else []
+
+
+def _domains_text(domains: list[dict[str, Any]]) -> str:
+    names = [d["domain"] for d in domains]
+    if len(names) == 1:
+        return f"domain {names[0]}"
+    return (f"domains {', '.join(names[:-1])} and {names[-1]}" if len(names) <= 6 else
+            f"domains {', '.join(names[:5])}, ... ({len(names)} domains)")
+
+
 def _remainder_unit(r: dict[str, Any], k: int, shards: bool = False
                     ) -> tuple[int, str] | None:
     """The unit whose remainder of the train records is `k`: the global batch (a batch
@@ -679,6 +710,13 @@ def _remainder_unit(r: dict[str, Any], k: int, shards: bool = False
         if k and unit and n % unit == k:
             return unit, what
     return None
+
+
+def _unread_said(r: dict[str, Any]) -> str:
+    """"; domain code was not read at all" where some domain was not, else ""."""
+    domains = _unread_domains(r)
+    return (f"; {_domains_text(domains)} {'was' if len(domains) == 1 else 'were'} not read "
+            "at all" if domains else "")
 
 
 def _drop_remainder(r: dict[str, Any], add: Callable[..., Any]) -> bool:
@@ -721,7 +759,7 @@ def _epoch_findings(r: dict[str, Any], add: Callable[..., Any], explained: bool)
             f"{plural(skipped, 'record')} {were(skipped)} never consumed in "
             f"{'the epoch' if len(done) == 1 else 'epochs'} the run has finished ("
             + ", ".join(f"epoch {e['epoch']}: {e['skipped']:,}" for e in done[:5])
-            + "): the loader skipped them", records=skipped,
+            + "): the loader skipped them" + _unread_said(r), records=skipped,
             epochs=[e["epoch"] for e in done])
     for e in r.get("epochs", []):
         if e["final"] and not e["complete"] and e["skipped"]:
@@ -730,4 +768,4 @@ def _epoch_findings(r: dict[str, Any], add: Callable[..., Any], explained: bool)
                    "the run ended with the last full batch" if unit else "")
             add("INFO", "final_epoch_short",
                 f"the run finished in epoch {e['epoch']} with {e['skipped']:,} of its records "
-                f"never consumed{why}", epoch=e["epoch"], records=e["skipped"])
+                f"never consumed{why}{_unread_said(r)}", epoch=e["epoch"], records=e["skipped"])
