@@ -518,7 +518,9 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             + (f"{total / n:.1f} epochs' worth of exposures" if total >= n else
                "a finished epoch")
             + ": the loader's sources or mixture left "
-            + ("it" if len(domains) == 1 else "them") + " out",
+            + ("it" if len(domains) == 1 else "them") + " out"
+            + ("" if r["run"]["finished"] else
+               " (or a stage of a curriculum the run has not reached yet)"),
             domains=[d["domain"] for d in domains[:16]], records=k)
         return True
     if unread and len(unread) < len(r["sources"]):
