@@ -9,7 +9,7 @@ import pytest
 from tally.audit.core.hashing import content_hash
 from tally.audit.hook import spool as sp
 from tally.audit.hook.segments import Segments, segments_from_batch
-from tally.audit.hook.writer import LedgerWriter, WriterError
+from tally.audit.hook.writer import LedgerWriter, WriterError, publish
 from tally.audit.ledger.database import Ledger
 from tally.audit.ledger.ingest import ingest
 from tests.support.batches import record_tokens, unpacked_batch
@@ -233,6 +233,31 @@ def test_two_writers_claiming_one_host_never_corrupt_nor_replace_a_file(tmp_path
         with Ledger(tmp_path / f"l{trial}.duckdb") as ledger:
             res = ingest(spool, ledger)
             assert res.quarantined == [] and res.rows == rows
+
+
+def test_a_file_system_without_hard_links_still_publishes_and_refuses_a_taken_name(
+        spool, monkeypatch):
+    """Where `os.link` is refused (EPERM: some FUSE and object-store mounts), a spool file is
+    published by rename after a check: the writer works, and a name already published is
+    still refused, never replaced."""
+    import errno
+    import os
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr(os, "link", no_links)
+    with LedgerWriter(spool, "nolink", flush_every=1, fsync=False) as w:
+        w.write_batch(0, unpacked_batch(0))
+        w.write_batch(1, unpacked_batch(1))
+    files = _published(spool)
+    assert [f.first_step for f in files if f.kind == "seg"] == [0, 1]
+    first = files[0].path.read_bytes()
+    table = pq.read_table(files[0].path)
+    with pytest.raises(FileExistsError, match="two writers for one host"):
+        publish(files[0].path.parent, "seg", table, {"run_id": "nolink"}, 0, 0, fsync=False)
+    assert files[0].path.read_bytes() == first
+    assert not list(files[0].path.parent.glob(".*"))  # the refused temporary is gone
 
 
 @pytest.mark.parametrize("bad, match", [
