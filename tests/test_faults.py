@@ -208,6 +208,49 @@ def test_a_domain_never_read_is_named_once_an_epoch_has_passed(corpus, tmp_path)
     assert f["message"].startswith(f"domain code was never read ({code:,} train records")
 
 
+def test_a_weighted_mixture_is_measured_against_the_whole_split_and_says_its_rates(
+        corpus, tmp_path):
+    """Two loaders in one batch, each reshuffling its own pool every pass: 3 of 4 rows from
+    every domain but `code`, 1 of 4 from `code` (a quarter of the batch for a fifth of the
+    records). `code` reaches its third pass while the rest are in their second: beyond the
+    whole split's ideal, so `uneven_exposure` (the ideal is not taken per domain yet), and its
+    message gives each domain's passes so that the mixture shows. The known gap is pinned
+    here: a per-domain ideal would make this PASS."""
+    root, source = corpus
+    m = pq.read_table(root / "m.parquet")
+    train = pc.equal(m["split"], "train").to_numpy(zero_copy_only=False)
+    domain = np.array(m["domain"].to_pylist())
+    hashes, tokens = m["content_hash"].to_numpy(), m["n_tokens"].to_numpy()
+    keys = m["record_key"].to_numpy()
+    pools = {"rest": keys[train & (domain != "code")], "code": keys[train & (domain == "code")]}
+
+    def passes(pool, seed):
+        for e in range(10):
+            for k in np.random.default_rng(seed + e).permutation(pool):
+                yield e, k
+
+    streams = {name: passes(pool, i * 100) for i, (name, pool) in enumerate(pools.items())}
+    code = len(pools["code"])
+    steps = -(-2 * code // 8) + 2  # code into its third pass
+    writers = [LedgerWriter(tmp_path / "spool", "r", host=h, host_count=4, fsync=False)
+               for h in range(4)]
+    for step in range(steps):
+        both = [next(streams["rest"]) for _ in range(24)] + [next(streams["code"])
+                                                              for _ in range(8)]
+        for h, w in enumerate(writers):
+            k = np.array([b[1] for b in both[h::4]])
+            w.write_segments(step, Segments.build(
+                row=np.arange(len(k)), record_key=k, n_tokens=tokens[k],
+                content_hash=hashes[k], epoch=np.array([b[0] for b in both[h::4]])))
+    for w in writers:
+        w.finish()
+    r = _reconcile(root, tmp_path / "spool", "mixture")
+    (f,) = [f for f in r["findings"] if f["severity"] == "FAIL"]
+    assert f["code"] == "uneven_exposure" and f["numbers"]["missing"] == 0, r["findings"]
+    assert "the domains were read at different rates (passes: code 2.0" in f["message"]
+    assert "not each domain's" in f["message"]
+
+
 @pytest.mark.slow
 def test_double_slicing_is_caught(corpus, tmp_path):
     root, source = corpus
