@@ -167,24 +167,30 @@ def test_shared_shards_without_epochs_are_named_only_where_the_groups_read_apart
     assert [f["code"] for f in r["findings"]] == ["uneven_exposure"], r["findings"]
 
 
+def _code_and_the_rest(root):
+    """The manifest's train keys of every domain but `code`, of `code`, and every record's
+    content hash and token count (indexed by key)."""
+    m = pq.read_table(root / "m.parquet")
+    train = pc.equal(m["split"], "train").to_numpy(zero_copy_only=False)
+    code = np.array(m["domain"].to_pylist()) == "code"
+    keys = m["record_key"].to_numpy()
+    return (keys[train & ~code], keys[train & code], m["content_hash"].to_numpy(),
+            m["n_tokens"].to_numpy())
+
+
 def test_a_domain_never_read_is_named_once_an_epoch_has_passed(corpus, tmp_path):
     """4 hosts read every train record but the `code` domain's, shuffled, each epoch (a
     mixture or source list that left the domain out). Within the first epoch that may be a
     curriculum: PASS, its INFO saying the domain was not read at all. After two epochs:
     `domain_unread` names it, with its records (before, an unnamed uneven exposure)."""
     root, source = corpus
-    m = pq.read_table(root / "m.parquet")
-    train = pc.equal(m["split"], "train").to_numpy(zero_copy_only=False)
-    domain = np.array(m["domain"].to_pylist())
-    keys, hashes = m["record_key"].to_numpy(), m["content_hash"].to_numpy()
-    tokens = m["n_tokens"].to_numpy()
-    read = keys[train & (domain != "code")]
-    code = int((train & (domain == "code")).sum())
+    rest, code_keys, hashes, tokens = _code_and_the_rest(root)
+    read, code = rest, len(code_keys)
     whole = len(read) // 32 * 32  # every host the same steps of 8 records
     for name, epochs, stop in (("partial", 1, whole // 2 // 32 * 32), ("two", 2, whole)):
         for h in range(4):
             with LedgerWriter(tmp_path / name, "r", host=h, host_count=4,
-                              records_per_epoch=int(train.sum()), fsync=False) as w:
+                              records_per_epoch=len(read) + code, fsync=False) as w:
                 step = 0
                 for e in range(epochs):
                     mine = np.random.default_rng(e).permutation(read)[:stop][h::4]
@@ -217,12 +223,8 @@ def test_a_weighted_mixture_is_measured_against_the_whole_split_and_says_its_rat
     message gives each domain's passes so that the mixture shows. The known gap is pinned
     here: a per-domain ideal would make this PASS."""
     root, source = corpus
-    m = pq.read_table(root / "m.parquet")
-    train = pc.equal(m["split"], "train").to_numpy(zero_copy_only=False)
-    domain = np.array(m["domain"].to_pylist())
-    hashes, tokens = m["content_hash"].to_numpy(), m["n_tokens"].to_numpy()
-    keys = m["record_key"].to_numpy()
-    pools = {"rest": keys[train & (domain != "code")], "code": keys[train & (domain == "code")]}
+    rest, code_keys, hashes, tokens = _code_and_the_rest(root)
+    pools = {"rest": rest, "code": code_keys}
 
     def passes(pool, seed):
         for e in range(10):
