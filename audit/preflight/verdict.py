@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tally.audit.core.exposure import Findings
+from tally.audit.core.words import listed
 
 STATUSES = {"safe": 0, "unsafe": 1, "unknown": 2}  # status -> exit code
 
@@ -44,8 +45,8 @@ class PreflightVerdict:
                f"plan {n['duplicates']:,} records twice" if n.get("duplicates") else ""]
         bad = [b for b in bad if b]
         if bad and n.get("first_bad_step") is not None:
-            said = bad[0] if len(bad) == 1 else ", ".join(bad[:-1]) + " and " + bad[-1]
-            line += f": would {said} between steps {n['first_bad_step']} and {n['last_bad_step']}"
+            line += (f": would {listed(bad)} between steps {n['first_bad_step']} and "
+                     f"{n['last_bad_step']}")
         return line
 
     def summary(self) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 
 from tally.audit.buckets.left_out import left_out_findings
 from tally.audit.core.exposure import Findings, independent_hosts
-from tally.audit.core.words import plural, were
+from tally.audit.core.words import listed, plural, were
 from tally.audit.reconcile import evidence
 
 
@@ -465,8 +465,8 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     shared = _shared_shards(r, at) if len(active) > 2 else []
     if shared:
         grouped = sum(len(g) for g in shared)
-        said = "; ".join(_hosts_text(g) for g in shared[:4]) + ("; ..." if len(shared) > 4
-                                                                 else "")
+        said = "; ".join(f"hosts {listed(g, 'host')}" for g in shared[:4])
+        said += "; ..." if len(shared) > 4 else ""
         if cov["missing_exposures"]:
             why = ("hosts given one shard between them (a sampler rank or shard index taken "
                    "from the rank within a node, or one host's index given to another): in "
@@ -591,13 +591,6 @@ def _shared_shards(r: dict[str, Any], at: list[int]) -> list[list[int]]:
     return [[per[at[i]]["host"] for i in g] for g in shared]
 
 
-def _hosts_text(hosts: list[int]) -> str:
-    """"hosts 0 and 2", "hosts 0, 2 and 4", "hosts 0, 2, 4, ... (9 hosts)"."""
-    if len(hosts) > 6:
-        return f"hosts {', '.join(map(str, hosts[:3]))}, ... ({len(hosts)} hosts)"
-    return f"hosts {', '.join(map(str, hosts[:-1]))} and {hosts[-1]}"
-
-
 def _plain_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     """What is wrong when no mechanism explains it: repeats within an epoch, or exposure
     spread unevenly around the ideal."""
@@ -708,10 +701,7 @@ def _unread_domains(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _domains_text(domains: list[dict[str, Any]]) -> str:
     names = [d["domain"] for d in domains]
-    if len(names) == 1:
-        return f"domain {names[0]}"
-    return (f"domains {', '.join(names[:-1])} and {names[-1]}" if len(names) <= 6 else
-            f"domains {', '.join(names[:5])}, ... ({len(names)} domains)")
+    return f"domain{'s' if len(names) > 1 else ''} {listed(names, 'domain')}"
 
 
 def _remainder_unit(r: dict[str, Any], k: int, shards: bool = False
