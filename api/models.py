@@ -133,7 +133,9 @@ class LiveFindings(Strict):
     integrity: dict[str, Any] | None = Field(description="integrity against the manifest")
     as_of_step: int | None
     first_bad_step: int | None = Field(description="the first step at which some record had "
-                                       "been exposed more often than a perfect loader allows")
+                                       "been exposed more often than a perfect loader allows "
+                                       "(null for a run measured against its domains' own "
+                                       "ideals)")
     generated_at: str | None
 
 

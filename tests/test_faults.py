@@ -214,43 +214,69 @@ def test_a_domain_never_read_is_named_once_an_epoch_has_passed(corpus, tmp_path)
     assert f["message"].startswith(f"domain code was never read ({code:,} train records")
 
 
-def test_a_weighted_mixture_is_measured_against_the_whole_split_and_says_its_rates(
-        corpus, tmp_path):
+def _mixture(root, spool, code_passes, *, fault=None):
     """Two loaders in one batch, each reshuffling its own pool every pass: 3 of 4 rows from
     every domain but `code`, 1 of 4 from `code` (a quarter of the batch for a fifth of the
-    records). `code` reaches its third pass while the rest are in their second: beyond the
-    whole split's ideal, so `uneven_exposure` (the ideal is not taken per domain yet), and its
-    message gives each domain's passes so that the mixture shows. The known gap is pinned
-    here: a per-domain ideal would make this PASS."""
-    root, source = corpus
+    records), for steps enough to take `code` into pass `code_passes` (0-based) and a bit.
+    `fault="host_seed"`: host 3 draws its code rows from a stream of its own (a per-host
+    seed), the other hosts from the shared one. Returns the reconcile's report."""
     rest, code_keys, hashes, tokens = _code_and_the_rest(root)
-    pools = {"rest": rest, "code": code_keys}
 
     def passes(pool, seed):
         for e in range(10):
             for k in np.random.default_rng(seed + e).permutation(pool):
                 yield e, k
 
-    streams = {name: passes(pool, i * 100) for i, (name, pool) in enumerate(pools.items())}
-    code = len(pools["code"])
-    steps = -(-2 * code // 8) + 2  # code into its third pass
-    writers = [LedgerWriter(tmp_path / "spool", "r", host=h, host_count=4, fsync=False)
-               for h in range(4)]
+    rest_s, code_s, own = passes(rest, 0), passes(code_keys, 100), passes(code_keys, 7)
+    steps = -(-code_passes * len(code_keys) // 8) + 2
+    writers = [LedgerWriter(spool, "r", host=h, host_count=4, fsync=False) for h in range(4)]
     for step in range(steps):
-        both = [next(streams["rest"]) for _ in range(24)] + [next(streams["code"])
-                                                              for _ in range(8)]
+        both = [next(rest_s) for _ in range(24)] + [next(code_s) for _ in range(8)]
         for h, w in enumerate(writers):
-            k = np.array([b[1] for b in both[h::4]])
+            mine = both[h::4]
+            if fault == "host_seed" and h == 3:
+                mine = mine[:6] + [next(own), next(own)]
+            k = np.array([b[1] for b in mine])
             w.write_segments(step, Segments.build(
                 row=np.arange(len(k)), record_key=k, n_tokens=tokens[k],
-                content_hash=hashes[k], epoch=np.array([b[0] for b in both[h::4]])))
+                content_hash=hashes[k], epoch=np.array([b[0] for b in mine])))
     for w in writers:
         w.finish()
-    r = _reconcile(root, tmp_path / "spool", "mixture")
-    (f,) = [f for f in r["findings"] if f["severity"] == "FAIL"]
-    assert f["code"] == "uneven_exposure" and f["numbers"]["missing"] == 0, r["findings"]
-    assert "the domains were read at different rates (passes: code 2.0" in f["message"]
-    assert "not each domain's" in f["message"]
+    return _reconcile(root, spool, spool.name)
+
+
+@pytest.mark.parametrize("code_passes", [1, 2])
+def test_a_weighted_mixture_is_measured_against_each_domains_own_ideal(
+        corpus, tmp_path, code_passes):
+    """`code` read at 1.25x the rate of the other domains (`_mixture`), into its second pass
+    while the rest are in their first, and into its third while they are in their second:
+    against the whole split's ideal that was `uneven_exposure`; each record is within its own
+    domain's passes, so PASS with `domain_weighted` saying the rates, no first bad step."""
+    root, source = corpus
+    r = _mixture(root, tmp_path / "mix", code_passes)
+    assert r["verdict"] == "PASS", r["findings"]
+    assert r["coverage"]["excess_exposures"] > 0  # the split's ideal is not met
+    assert r["domain_ideal"] == {"weighted": True, "excess_exposures": 0,
+                                 "missing_exposures": 0, "epoch_duplicates": 0}
+    assert r["first_bad_step"] is None
+    f = next(f for f in r["findings"] if f["code"] == "domain_weighted")
+    assert f["severity"] == "INFO"
+    assert f["message"].startswith(f"the domains were read at different rates (passes: code "
+                                   f"{code_passes}.0")
+    assert f["numbers"]["split_excess"] == r["coverage"]["excess_exposures"]
+    code = next(d for d in r["domains"] if d["domain"] == "code")
+    assert code["passes"] > max(d["passes"] for d in r["domains"] if d["domain"] != "code")
+
+
+def test_a_fault_within_a_weighted_mixture_is_still_caught(corpus, tmp_path):
+    """The same mixture where one host draws its code rows with a seed of its own: code's
+    records are no longer even within their own domain, so FAIL, and the domain ideal says
+    how far off they are."""
+    root, source = corpus
+    r = _mixture(root, tmp_path / "mixfault", 2, fault="host_seed")
+    assert r["verdict"] == "FAIL", r["findings"]
+    assert r["domain_ideal"]["excess_exposures"] > 0
+    assert not any(f["code"] == "domain_weighted" for f in r["findings"])
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 and on Dask, plus the report files."""
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -101,7 +102,49 @@ def random_run(spool, man, n_train, rng, run_id="r", first=0):
         start = max(first + 1, start + steps - int(rng.integers(1, 6)))
 
 
-def _agree(tmp_path, seed, runner=None, at_step=None, first=0):
+def weighted_run(spool, man, n_train, rng, run_id="r", first=0, epochs="own"):
+    """A mixture that reads `code` at twice the rate of the other domains, each domain's pool
+    reshuffled at every pass, on 2 hosts: whole records, the manifest's hashes. `epochs`:
+    "own", each domain's passes (a loader per domain), or "global", the mixture's: one pass
+    over the other domains, with `code`'s passes going on through it (so repeating within
+    the epoch) and on into the next."""
+    keys = np.arange(n_train)
+    dom = np.array(man["domain"].to_pylist()[:n_train])
+    tokens, hashes = man["n_tokens"].to_numpy(), man["content_hash"].to_numpy()
+    code, rest = keys[dom == "code"], keys[dom != "code"]
+    share = 2 * len(code) / (2 * len(code) + len(rest))  # code's part of a batch
+
+    def passes(pool):
+        for e in range(100):
+            for k in rng.permutation(pool):
+                yield e, int(k)
+
+    def mixed():
+        if epochs == "own":
+            streams = (passes(code), passes(rest))
+            while True:
+                yield next(streams[0] if rng.random() < share else streams[1])
+        code_s = passes(code)
+        for e in range(100):
+            left = list(rng.permutation(rest))
+            while left:
+                yield e, (next(code_s)[1] if rng.random() < share else int(left.pop()))
+
+    rows = mixed()
+    writers = [LedgerWriter(spool, run_id, host=h, host_count=2, fsync=False) for h in (0, 1)]
+    for step in range(first, first + 3 * n_train // 16):
+        batch = [next(rows) for _ in range(16)]
+        for h, w in enumerate(writers):
+            k = np.array([x[1] for x in batch[h::2]])
+            w.write_segments(step, Segments.build(
+                row=np.arange(len(k)), record_key=k, offset=np.zeros(len(k), np.int64),
+                n_tokens=tokens[k], content_hash=hashes[k],
+                epoch=np.array([x[0] for x in batch[h::2]])))
+    for w in writers:
+        w.close()
+
+
+def _agree(tmp_path, seed, runner=None, at_step=None, first=0, run=random_run):
     rng = np.random.default_rng(seed)
     n_train, n_heldout = int(rng.integers(200, 600)), 20
     # Odd seeds: row groups of 50 records, so that buckets are cut on row-group boundaries
@@ -109,7 +152,7 @@ def _agree(tmp_path, seed, runner=None, at_step=None, first=0):
     man = write_manifest(tmp_path / "m.parquet", n_train, n_heldout, rng,
                          row_group=50 if seed % 2 else None)
     spool = tmp_path / "spool"
-    random_run(spool, man, n_train, rng, first=first)
+    run(spool, man, n_train, rng, first=first)
     with Ledger(tmp_path / "l.duckdb") as ledger:
         assert not ingest(spool, ledger).quarantined
     want = reference(str(tmp_path / "l.duckdb"), str(tmp_path / "m.parquet"), "r", at_step)
@@ -140,6 +183,19 @@ def test_beam_on_fnapi_agrees_with_sql_on_random_ledgers(tmp_path, seed):
 @pytest.mark.slow
 def test_beam_on_fnapi_multi_processing_agrees_with_sql(tmp_path):
     _agree(tmp_path, 8, runner=RunnerSpec("direct", mode="multi_processing", workers=2))
+
+
+@pytest.mark.parametrize("epochs", ["own", "global"])
+def test_a_weighted_mixture_agrees_with_sql(tmp_path, epochs):
+    """Each domain's own ideal, its within-epoch repeats beyond what its share forces, whether
+    the run is measured by them, and no first bad step then: the job and the oracle agree on
+    a mixture that weights `code` twice, with each domain's epochs or the mixture's."""
+    report = _agree(tmp_path, 7, run=functools.partial(weighted_run, epochs=epochs))
+    assert report["domain_ideal"]["weighted"] and report["first_bad_step"] is None
+    assert report["verdict"] == "PASS", report["findings"]
+    forced = report["coverage"]["epoch_duplicates"]
+    assert (forced > 0) == (epochs == "global")  # code restarts within the mixture's epoch
+    assert report["domain_ideal"]["epoch_duplicates"] == 0
 
 
 def test_beam_agrees_with_sql_as_of_a_step(tmp_path):
@@ -509,3 +565,36 @@ def test_the_run_aware_sort_sorts_whatever_order_it_is_given():
     u = np.sort(rng.integers(0, 2**64 - 1, 1000, dtype=np.uint64, endpoint=True))
     both = np.concatenate([u[500:], u[:500]])
     assert (sort_in_place(both) == u).all()
+
+
+def test_each_domains_own_ideal_and_when_a_run_is_measured_by_it():
+    """By hand: code's 4 records seen 2, 2, 3, 3 times and web's 6 seen 1 or 2 times are each
+    within their own domain's passes, while 2 of code's exposures are beyond the whole
+    split's ideal (18 over 10 records: 1 or 2 each)."""
+    from tally.audit.core.exposure import (
+        domain_distance,
+        domain_epoch_duplicates,
+        excess,
+        weighted_domains,
+    )
+    levels = {"code": np.array([0, 0, 2, 2]), "web": np.array([0, 4, 2])}
+    assert domain_distance(levels) == {"code": (0, 0), "web": (0, 0)}
+    split = excess(np.array([0, 4, 4, 2]), 18, 10)
+    assert split == (2, 0)
+    assert weighted_domains((*split, 0), (0, 0, 0), levels)
+    assert not weighted_domains((0, 0, 0), (0, 0, 0), levels)  # nothing to explain
+    assert not weighted_domains((*split, 0), (0, 0, 0), {"code": levels["code"]})  # one domain
+    # A domain never read is left out, not weighted at zero.
+    assert not weighted_domains((*split, 0), (0, 0, 0), {**levels, "books": np.array([3])})
+    # Passes a twentieth apart (a sampler's padding landing in one domain): not weights.
+    padded = {"code": np.array([0, 19, 1]), "web": np.array([0, 20])}
+    assert domain_distance(padded) == {"code": (0, 0), "web": (0, 0)}
+    assert not weighted_domains((0, 0, 1), (0, 0, 0), padded)
+    assert weighted_domains((0, 0, 1), (0, 0, 0), {**padded, "code": np.array([0, 9, 1])})
+    # Own ideals that leave more than a tenth of the distance: a fault, not weights.
+    assert weighted_domains((20, 0, 0), (2, 0, 0), levels)
+    assert not weighted_domains((20, 0, 0), (3, 0, 0), levels)
+    # code (4 records) read 10 times in epoch 0 (4 distinct: 6 repeats forced, none beyond)
+    # and 6 times in epoch 1 with 3 distinct (2 forced, 1 beyond).
+    assert domain_epoch_duplicates({"code": 4}, {"code": np.array([4, 3])},
+                                   {"code": np.array([10, 6])}) == 1

@@ -251,10 +251,13 @@ class Partial(Mergeable):
     epoch_repeats_by_host: np.ndarray = summed(_empty)
     epoch_duplicated_by_host: np.ndarray = summed(_empty)  # repeated records a host was in
     records_by_epoch: np.ndarray = summed(_empty)
+    domain_records_by_epoch: dict[str, np.ndarray] = summed(dict)  # ... of each domain
+    domain_exposures_by_epoch: dict[str, np.ndarray] = summed(dict)  # its exposures by epoch
     # Training loss of exposures by (step window, rank): count, sum, sum of squares.
     loss_by_rank: np.ndarray = summed(lambda: np.zeros((0, RANK_CAP, 3)))
     # name -> (records, tokens, exposures, tokens consumed, never seen)
     domain: dict[str, np.ndarray] = summed(dict)
+    domain_levels: dict[str, np.ndarray] = summed(dict)  # name -> train records seen e times
     source: dict[str, np.ndarray] = summed(dict)  # name -> (records, never seen, mismatched)
 
     # ---- per replayed step ----

@@ -14,6 +14,11 @@ test oracle (bench/reference/reconcile_sql.py) restates them independently, on p
   times, coverage min(1, C/N). Excess and missing exposures measure the distance from it; the
   first bad step is the first step at which some record's exposure rank exceeds
   ceil(C_s / N), C_s the exposures up to and including that step.
+- A mixture that weights its domains (some read in more passes than others) is measured
+  against each domain's own ideal, floor or ceil of C_d / N_d, when those account for nearly
+  all of its distance from the split's (`weighted_domains`).
+  Its within-epoch duplicates are then those beyond what each domain's share of the epoch
+  forces (`domain_epoch_duplicates`).
 - Within one epoch a record is due at most once: exposures beyond the first of a record in the
   same (known) epoch are within-epoch duplicates.
 """
@@ -142,6 +147,60 @@ def first_bad_step(max_rank_by_step: np.ndarray, exposures_by_step: np.ndarray,
     rank[:k] = np.asarray(max_rank_by_step)[:k]
     bad = np.flatnonzero(rank > allowed)
     return int(bad[0]) if bad.size else None
+
+
+# A mixture that weights its domains reads some in more passes than others: each record is
+# then due floor or ceil of its own domain's passes, C_d / N_d. The run is measured against
+# those when they account for nearly all of its distance from the split's ideal (at most a
+# tenth is left). Not on a rate difference alone: a loader drawing with replacement over one
+# epoch's worth has domains on both sides of one pass by chance, and their own ideals take
+# about half of its distance away (the split's ideal is a single level there).
+WEIGHTED = 0.1
+# ... and when the domains' passes differ by a tenth or more: a sampler's padding adds at most
+# a global batch an epoch, which lands in some domains and reads as a weight just as well (the
+# few records it repeats are "forced" in those domains), but moves their passes far less.
+WEIGHT_RATIO = 1.1
+
+
+def domain_distance(levels: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+    """Each domain's (excess, missing) exposures against its own ideal, floor or ceil of
+    C_d / N_d, from levels[d][e] = the domain's train records seen e times."""
+    out = {}
+    for d, counts in levels.items():
+        counts = np.asarray(counts, np.int64)
+        total = int((np.arange(len(counts)) * counts).sum())
+        out[d] = excess(counts, total, int(counts.sum()))
+    return out
+
+
+def weighted_domains(split: tuple[int, ...], own: tuple[int, ...],
+                     levels: dict[str, np.ndarray]) -> bool:
+    """Whether the run weights its domains: it is off the split's ideal (`split`: excess,
+    missing and within-epoch duplicates), it read every domain (`levels`, as for
+    `domain_distance`: a domain left out is a fault, not a weight of zero), and measured by
+    each domain's own (`own`: the same three, from `domain_distance` and
+    `domain_epoch_duplicates`) all but a tenth of that is gone (`WEIGHTED`), and the
+    domains' passes differ by a tenth or more (`WEIGHT_RATIO`)."""
+    passes = [int((np.arange(len(c)) * c).sum()) / int(c.sum()) for c in map(np.asarray,
+                                                                             levels.values())]
+    off = sum(split)
+    return (len(levels) > 1 and min(passes) > 0 and max(passes) >= WEIGHT_RATIO * min(passes)
+            and off > 0 and sum(own) <= WEIGHTED * off)
+
+
+def domain_epoch_duplicates(records: dict[str, int], seen: dict[str, np.ndarray],
+                            exposed: dict[str, np.ndarray]) -> int:
+    """Within-epoch duplicates that a mixture's weights do not explain. A domain of N_d train
+    records given C_de exposures in epoch e (a loader that restarts a small domain within
+    the epoch, e.g. interleaving until every source is exhausted) must repeat C_de - N_d of
+    them when C_de > N_d; the rest, min(N_d, C_de) - (its distinct records in the epoch),
+    are repeats it did not need. `records`: N_d; `seen`, `exposed`: per domain, distinct
+    records and exposures by epoch."""
+    out = 0
+    for d, v in seen.items():
+        c = np.asarray(exposed[d], np.int64)
+        out += int((np.minimum(records[d], c) - np.asarray(v, np.int64)).sum())
+    return out
 
 
 def independent_hosts(total: int, n: int, hosts: int) -> dict[str, float]:

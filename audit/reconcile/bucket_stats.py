@@ -105,9 +105,14 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     with_loss = bool(np.isfinite(losses).any())
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
-    (per_epoch, repeats_at, repeats_on, out.records_by_epoch, out.epoch_duplicated_by_host,
+    (per_epoch, repeats_at, repeats_on, (by_epoch, exposed), out.epoch_duplicated_by_host,
      repeats_of, (jj, sj)) = _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, at[ep],
-                                            hosts, n)
+                                            hosts, n, man["domain"])
+    out.records_by_epoch = by_epoch.sum(axis=0)
+    for code, name in enumerate(man["domain_names"][:len(by_epoch)]):
+        if by_epoch[code].any():  # per domain: a mixture's domains pass epochs apart, or
+            out.domain_records_by_epoch[name] = by_epoch[code]  # pass one several times
+            out.domain_exposures_by_epoch[name] = exposed[code]
     out.epoch_repeats_by_step = Spans([(lo, repeats_at)])
     out.epoch_repeats_by_host = repeats_on
     if not with_loss and int(ep.sum()) == int(ev.sum()) and \
@@ -181,6 +186,16 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
         for code, name in enumerate(man[f"{col}_names"]):
             if sums["records"][code]:
                 per_name[name] = np.array([sums[f][code] for f in fields]).astype(np.int64)
+    # Each domain's records by how often they were seen (its own ideal: a mixture that
+    # weights its domains, tally.audit.core.exposure.domain_distance): one bincount.
+    levels = len(out.exposure_counts)  # 0: the bucket holds no train record
+    if levels:
+        by_level = np.bincount(of_train(man["domain"]).astype(np.int64) * levels + e_train,
+                               minlength=len(man["domain_names"]) * levels
+                               ).reshape(-1, levels)
+        for code, name in enumerate(man["domain_names"]):
+            if by_level[code].any():
+                out.domain_levels[name] = by_level[code]
     records = pa.table({
         "record_key": man["record_key"],
         "split": _strings(man, "split"),
@@ -285,16 +300,17 @@ def loss_by_rank(step: np.ndarray, rank: np.ndarray, loss: np.ndarray,
 
 
 def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.ndarray,
-                  hosts: int, n: int) -> tuple[np.ndarray, ...]:
+                  hosts: int, n: int, domain: np.ndarray) -> tuple[np.ndarray, ...]:
     """From train start events with known epochs: how often each (record, epoch) occurs (those
     that occur), the within-epoch repeats (every occurrence after the first, in step order) by
-    step and by host, the distinct records seen per epoch, per host the records repeated
+    step and by host, the distinct records seen and the exposures per epoch by domain (two
+    [domain code, epoch] arrays; `domain`: each record's code), per host the records repeated
     within an epoch that it took part in (once per record and epoch), and per record (of n)
     its within-epoch repeats; and the events' (record, step) in that order."""
     if not j.size:
         empty = np.zeros(0, np.int64)
-        return (empty, empty, np.zeros(hosts, np.int64), empty, np.zeros(hosts, np.int64),
-                np.zeros(n, np.int64), (empty, empty))
+        return (empty, empty, np.zeros(hosts, np.int64), (np.zeros((0, 0), np.int64),) * 2,
+                np.zeros(hosts, np.int64), np.zeros(n, np.int64), (empty, empty))
     # In (record, epoch, step) order, ties at one step by host: one plain sort of the four
     # packed into an int64 where they fit (a stable argsort and the gathers after it were a
     # quarter of a bucket's time), else a lexsort.
@@ -318,8 +334,12 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
     starts = np.flatnonzero(head)
     counts = np.diff(np.r_[starts, len(jj)])
     again = ~head
+    epochs, size = int(ee[head].max()) + 1, int(domain.max(initial=0)) + 1
+    cell = domain[jj].astype(np.int64) * epochs + ee  # (domain, epoch) of each event
+    by_epoch = np.bincount(cell[head], minlength=size * epochs).reshape(-1, epochs)
+    exposed = np.bincount(cell, minlength=size * epochs).reshape(-1, epochs)
     return (counts, bincount(ss[again]),
-            bincount(hh[again], n=hosts), bincount(ee[head].astype(np.int64)),
+            bincount(hh[again], n=hosts), (by_epoch, exposed),
             _hosts_of_repeated(starts, counts, hh, hosts),
             bincount(jj[again].astype(np.int64, copy=False), n=n), (jj, ss))
 

@@ -94,8 +94,8 @@ CHECKPOINT = "checkpoint.pickle"
 CHECKPOINT_S = 60.0
 CHECKPOINT_SHARE = 0.05
 # Of the checkpoint: one of another format is not read (4: edges fused, footers by path in
-# the spool).
-_FORMAT = 4
+# the spool; 5: each domain's exposure levels, records and exposures by epoch).
+_FORMAT = 5
 # The follower's state a checkpoint keeps as it is (besides the store, the manifest cache and
 # the seen bits).
 _SAVED = ("_footers", "plan", "rounds", "full_passes", "files", "file_parts", "blocks",
@@ -577,6 +577,8 @@ class Follower:
             setattr(acc, name, out)
         acc.exposure_counts = _trimmed(acc.exposure_counts)
         acc.records_by_epoch = _trimmed(acc.records_by_epoch)
+        for name in ("domain_levels", "domain_records_by_epoch", "domain_exposures_by_epoch"):
+            setattr(acc, name, {d: _trimmed(v) for d, v in getattr(acc, name).items()})
         return True
 
     def _never_seen(self) -> list[int]:

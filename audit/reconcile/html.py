@@ -584,6 +584,16 @@ def render_html(r: dict, steps: pa.Table, api_url: str | None = None) -> str:
         ("exposures", f"{c['exposures']:,}", f"ideal {lo}..{hi} per record"),
         ("excess / missing", f"{c['excess_exposures']:,} / {c['missing_exposures']:,}", ""),
         ("within-epoch repeats", f"{c['epoch_duplicates']:,}", ""),
+    ]
+    own = r["domain_ideal"]
+    if own["weighted"]:  # a mixture that weights its domains is measured by their own ideals
+        facts[-2:] = [
+            ("excess / missing", f"{own['excess_exposures']:,} / {own['missing_exposures']:,}",
+             f"against each domain's own passes (the split's: {c['excess_exposures']:,} / "
+             f"{c['missing_exposures']:,})"),
+            ("within-epoch repeats", f"{own['epoch_duplicates']:,}",
+             f"beyond the weights' own ({c['epoch_duplicates']:,} in all)")]
+    facts += [
         ("first bad step", step_or_none(first_bad), ""),
         ("run", state, f"last step {step_or_none(r['consumption']['last_step'])}"),
     ]
@@ -662,13 +672,15 @@ if r['at_step'] is not None else ''}. {_links_note(links, api)}</small></p>
                             ("overlap_with_others", "shared with others"),
                             ("epoch_repeats", "within-epoch repeats"), ("tokens", "tokens")],
        "hosts", hosts_note)}
-{table("Domains", [{**d, **{k: f"{100 * d[k]:.1f}%" for k in (
+{table("Domains", [{**d, "passes": f"{d['passes']:.2f}", **{k: f"{100 * d[k]:.1f}%" for k in (
     "planned_share", "actual_share", "planned_token_share", "actual_token_share")}}
                    for d in doms], [("domain", "domain"), ("records", "records"),
                          ("planned_share", "planned"), ("actual_share", "actual"),
                          ("planned_token_share", "planned tokens"),
                          ("actual_token_share", "actual tokens"),
-                         ("never_seen", "never seen")], "domains")}
+                         ("passes", "passes"), ("never_seen", "never seen"),
+                         ("excess_exposures", "beyond its own ideal"),
+                         ("missing_exposures", "below it")], "domains")}
 <section id="integrity"><h2>Integrity</h2><p>unknown keys {integ['unknown_keys']:,};
 content-hash mismatches {integ['hash_mismatches']:,} of {integ['hash_checked']:,} checked
 ({integ['hash_unverifiable']:,} partial segments not checkable); held-out records consumed

@@ -90,6 +90,17 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                 for i, host in enumerate(plan.host_ids.tolist())]
 
     dom = merged.domain
+    # Each domain against its own ideal: where the run weights its domains, that is the ideal
+    # it is measured against (tally.audit.core.exposure.weighted_domains).
+    own = exposure.domain_distance(merged.domain_levels)
+    domain_ideal = {"excess_exposures": sum(a for a, _ in own.values()),
+                    "missing_exposures": sum(b for _, b in own.values()),
+                    "epoch_duplicates": exposure.domain_epoch_duplicates(
+                        {d: int(v[0]) for d, v in dom.items()},
+                        merged.domain_records_by_epoch, merged.domain_exposures_by_epoch)}
+    weighted = exposure.weighted_domains(
+        (coverage["excess_exposures"], coverage["missing_exposures"], merged.epoch_duplicates),
+        tuple(domain_ideal.values()), merged.domain_levels)
     rec_total = sum(int(v[0]) for v in dom.values()) or 1
     tok_total = sum(int(v[1]) for v in dom.values()) or 1
     exp_total = sum(int(v[2]) for v in dom.values()) or 1
@@ -99,7 +110,10 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                 "never_seen": int(v[4]),
                 "planned_share": v[0] / rec_total, "actual_share": v[2] / exp_total,
                 "planned_token_share": v[1] / tok_total,
-                "actual_token_share": v[3] / ctok_total}
+                "actual_token_share": v[3] / ctok_total,
+                "passes": v[2] / v[0] if v[0] else 0.0,
+                "excess_exposures": own.get(d, (0, 0))[0],
+                "missing_exposures": own.get(d, (0, 0))[1]}
                for d, v in sorted(dom.items())]
     sources = [{"source": s, "records": int(v[0]), "never_seen": int(v[1]),
                 "mismatched_records": int(v[2]) if len(v) > 2 else 0}
@@ -120,7 +134,10 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
             "first_differing_step": merged.first_differing_step.get(a)})
         prev_hosts = info["host_count"]
 
-    bad_at = exposure.first_bad_step(series(merged.max_rank_by_step), exp_step, n)
+    # Taken against the split's ideal: a run that weights its domains has none (ranks by step
+    # are not kept per domain).
+    bad_at = None if weighted else exposure.first_bad_step(
+        series(merged.max_rank_by_step), exp_step, n)
     first_bad = None if bad_at is None else base + bad_at
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
@@ -161,8 +178,12 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                       {a: v["host_count"] for a, v in plan.attempts.items()}, _ended(plan)),
                       strict=True))},
         "run": {"finished": plan.finished, "finished_step": plan.finished_step},
-        "epochs": _epochs(merged, plan, n, last, _data_ended(steps, changes, plan)),
+        "epochs": _epochs(merged, plan, n, last, _data_ended(steps, changes, plan), weighted),
         "domains": domains,
+        # The distance from each domain's own ideal, summed, and the within-epoch duplicates
+        # beyond what each domain's share of an epoch forces; `weighted`: the run is measured
+        # by those (its domains are read in different passes on purpose).
+        "domain_ideal": {"weighted": weighted, **domain_ideal},
         "sources": sources,
         "integrity": {**{k: int(getattr(merged, k)) for k in (
             "unknown_keys", "unknown_segments", "hash_checked", "hash_mismatches",
@@ -180,7 +201,8 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                      # Evidence: train records repeated within an epoch or seen beyond the
                      # ideal, most first, with where they were seen; records never seen.
                      "most_repeated": [x for x in merged.most_repeated if x["epoch_repeats"]
-                                       or x["exposures"] > coverage["ideal"]["max"]],
+                                       or not weighted
+                                       and x["exposures"] > coverage["ideal"]["max"]],
                      "never_seen": merged.never_seen_examples},
         "restarts": [r for r in restarts if r["resumed_from_step"] is not None
                      or r["rolled_back_from_step"] is not None],
@@ -229,15 +251,28 @@ def _ended(plan: Plan) -> dict[int, bool]:
 
 
 def _epochs(merged: Partial, plan: Plan, n: int, last: int | None,
-            data_ended: bool = False) -> list[dict[str, Any]]:
+            data_ended: bool = False, weighted: bool = False) -> list[dict[str, Any]]:
     """Per known epoch: its steps, the distinct train records seen in it, and, once the run has
     left it behind, the records it skipped. An epoch is complete when a later one has started
     and no host consumed it at the last step, or when it is the last of a finished run whose
     loader ran out of data in it (`data_ended`); the last epoch of a finished run is reported as
-    `final` (the run may have ended inside it by design)."""
+    `final` (the run may have ended inside it by design). A run that weights its domains
+    (`weighted`) passes epochs domain by domain (each loader of a mixture counts its own): an
+    epoch skips only the records of domains that went on past it, or, the final one, of
+    domains that ended in it."""
     out = []
     seen = merged.records_by_epoch
     known = sorted(merged.epoch_steps)
+    # Per domain: its train records, records seen by epoch, and the last epoch it reached.
+    domains = [(int(merged.domain[d][0]), v, int(np.flatnonzero(v)[-1]))
+               for d, v in merged.domain_records_by_epoch.items() if v.any()]
+
+    def skipped(e: int, records: int) -> int:
+        if not weighted:
+            return n - records
+        return sum(size - int(v[e] if e < len(v) else 0) for size, v, reached in domains
+                   if reached > e or reached == e == known[-1])
+
     for e in known:
         first, end = merged.epoch_steps[e]
         later = any(x > e for x in known)
@@ -248,7 +283,7 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None,
             data_ended and plan.finished and not later)
         out.append({"epoch": e, "first_step": first, "last_step": end, "records": records,
                     "complete": bool(complete), "final": plan.finished and not later,
-                    "skipped": n - records if complete or (plan.finished and not later)
+                    "skipped": skipped(e, records) if complete or (plan.finished and not later)
                     else None})
     return out
 
@@ -337,6 +372,17 @@ def _first_bad(report: dict) -> str:
             + ", ".join(dict.fromkeys(fails)))
 
 
+def _distance_line(report: dict) -> str:
+    """Excess and missing exposures against the ideal the run is measured by."""
+    c, d = report["coverage"], report["domain_ideal"]
+    line = f"  excess exposures {c['excess_exposures']:,}, missing {c['missing_exposures']:,}"
+    if d["weighted"]:
+        line = (f"  against each domain's own ideal (a mixture that weights its domains): excess "
+                f"exposures {d['excess_exposures']:,}, missing {d['missing_exposures']:,} (the "
+                f"whole split's: {c['excess_exposures']:,}, {c['missing_exposures']:,})")
+    return line + "; "
+
+
 def summary(report: dict, out: Path | None = None) -> str:
     c = report["coverage"]
     f = c["histogram_fraction"]
@@ -348,8 +394,7 @@ def summary(report: dict, out: Path | None = None) -> str:
         f"never seen {100 * f['0']:.1f}%, seen once {100 * f['1']:.1f}%, "
         f"seen 2+ {100 * (f['2'] + f['3+']):.1f}% ({c['exposures']:,} exposures; ideal "
         f"{c['ideal']['min']}..{c['ideal']['max']} each)",
-        f"  excess exposures {c['excess_exposures']:,}, missing {c['missing_exposures']:,}; "
-        + _first_bad(report),
+        _distance_line(report) + _first_bad(report),
     ]
     lines += [f"  {x['severity']}: {x['message']}" for x in report["findings"]]
     if out is not None:

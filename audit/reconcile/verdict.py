@@ -142,8 +142,24 @@ def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
     if not n:
         return
     by_hosts = _host_findings(r, add)
-    dups = cov["epoch_duplicates"]
-    off = total and (cov["excess_exposures"] or cov["missing_exposures"] or dups)
+    dups = _duplicates(r)
+    excess, missing = _distance(r)
+    off = total and (excess or missing or dups)
+    if r["domain_ideal"]["weighted"]:
+        forced = cov["epoch_duplicates"] - dups
+        said = ([f"{cov['excess_exposures']:,} exposures beyond the whole split's ideal and "
+                 f"{cov['missing_exposures']:,} below it"]
+                if cov["excess_exposures"] or cov["missing_exposures"] else [])
+        said += [f"{forced:,} repeats within an epoch, which a domain's share of the epoch "
+                 "forces"] if forced else []
+        add("INFO", "domain_weighted",
+            f"the domains were read at different rates (passes: {_rates(r)}) and each record "
+            "about as often as its own domain's passes allow: a mixture that weights its "
+            f"domains, measured against each domain's own ideal ({'; '.join(said)}: the "
+            "weights' doing). If the mixture does not mean these weights, they are the fault",
+            passes={d["domain"]: round(d["passes"], 4) for d in r["domains"][:16]},
+            split_excess=cov["excess_exposures"], split_missing=cov["missing_exposures"],
+            forced_repeats=forced)
     # A resume on the same topology is named only where neither a host nor the whole run's
     # pattern accounts for what its steps did (asked without saying it).
     explained = _resume_findings(r, add, lambda: by_hosts or bool(
@@ -595,8 +611,7 @@ def _plain_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     """What is wrong when no mechanism explains it: repeats within an epoch, or exposure
     spread unevenly around the ideal."""
     cov = r["coverage"]
-    excess, missing, dups = (cov["excess_exposures"], cov["missing_exposures"],
-                             cov["epoch_duplicates"])
+    (excess, missing), dups = _distance(r), _duplicates(r)
     first_bad = r["first_bad_step"]
     where = f" from step {first_bad}" if first_bad is not None else ""
     if dups and not excess and not missing:
@@ -605,27 +620,52 @@ def _plain_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
         return True
     if excess or missing:
         seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
+        if r["domain_ideal"]["weighted"]:
+            said = (f"{excess:,} exposures beyond their own domain's ideal and {missing:,} "
+                    "below it")
+        else:
+            said = f"{excess:,} exposures beyond the ideal and {missing:,} below it{where}"
         add("FAIL", "uneven_exposure",
-            f"{excess:,} exposures beyond the ideal and {missing:,} below it{where}: "
-            f"{_pct(cov['never_seen_fraction'])} never seen, {_pct(seen2)} seen 2+"
+            f"{said}: {_pct(cov['never_seen_fraction'])} never seen, {_pct(seen2)} seen 2+"
             + _domain_rates(r), excess=excess, missing=missing)
         return True
     return False
 
 
+def _distance(r: dict[str, Any]) -> tuple[int, int]:
+    """(excess, missing) exposures against the ideal the run is measured by: each domain's
+    own where it weights its domains, else the whole train split's."""
+    ideal = r["domain_ideal"] if r["domain_ideal"]["weighted"] else r["coverage"]
+    return ideal["excess_exposures"], ideal["missing_exposures"]
+
+
+def _duplicates(r: dict[str, Any]) -> int:
+    """Within-epoch duplicates the run is measured by: where it weights its domains, those
+    beyond what each domain's share of an epoch forces; else all of them."""
+    ideal = r["domain_ideal"] if r["domain_ideal"]["weighted"] else r["coverage"]
+    return ideal["epoch_duplicates"]
+
+
+def _rates(r: dict[str, Any]) -> str:
+    """The domains' passes (exposures per record), most first: "code 2.02, web 1.54"."""
+    rates = sorted(((d["passes"], d["domain"]) for d in r["domains"] if d["records"]),
+                   reverse=True)
+    return ", ".join(f"{name} {rate:.2f}" for rate, name in rates[:4]) + (
+        ", ..." if len(rates) > 4 else "")
+
+
 def _domain_rates(r: dict[str, Any]) -> str:
-    """Where the domains were read at clearly different rates (passes: exposures per record),
-    what they were: a run that weights its domains on purpose is still measured against the
-    whole train split's ideal (the ideal is not yet taken per domain), so this is what to
-    look at first."""
-    rates = sorted(((d["exposures"] / d["records"], d["domain"]) for d in r.get("domains") or []
-                    if d["records"]), reverse=True)
-    if len(rates) < 2 or rates[-1][0] <= 0 or rates[0][0] < 1.25 * rates[-1][0]:
+    """Where the domains were read at clearly different rates but their own ideals do not
+    account for the distance (a weighted mixture with a fault of its own, or a fault that
+    reads some domains more), what the rates and that distance were."""
+    rates = [d["passes"] for d in r["domains"] if d["records"]]
+    ideal = r["domain_ideal"]
+    if ideal["weighted"] or len(rates) < 2 or min(rates) <= 0 or \
+            max(rates) < 1.25 * min(rates):
         return ""
-    said = ", ".join(f"{name} {rate:.2f}" for rate, name in rates[:4])
-    return (f"; the domains were read at different rates (passes: {said}"
-            f"{', ...' if len(rates) > 4 else ''}): a mixture that weights its domains is "
-            "measured here against the whole split's ideal, not each domain's")
+    return (f"; the domains were read at different rates (passes: {_rates(r)}), and against "
+            f"each domain's own ideal {ideal['excess_exposures']:,} exposures are beyond it "
+            f"and {ideal['missing_exposures']:,} below: more than a mixture's weights explain")
 
 
 def _singled_out(r: dict[str, Any]) -> tuple[list[int], dict[int, float], float]:
@@ -738,7 +778,7 @@ def _drop_remainder(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     k = done[0]["skipped"] if done else 0
     same = len(done) > 1 and cov["never_seen"] == k
     unit = _remainder_unit(r, k, shards=same)
-    if cov["epoch_duplicates"] or unit is None or any(e["skipped"] != k for e in done):
+    if _duplicates(r) or unit is None or any(e["skipped"] != k for e in done):
         return False
     n = cov["train_records"]
     which = ("drop_last samplers, batch drop_remainder, equal shards" if len(done) == 1 else

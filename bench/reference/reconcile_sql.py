@@ -93,7 +93,29 @@ def reference(ledger_path: str, manifest: str, run_id: str, at_step: int | None 
                coalesce(sum(j.n_tokens), 0),
                (SELECT count(*) FROM per_record p WHERE p.domain = m.domain AND p.e = 0)
         FROM m LEFT JOIN j USING (record_key) WHERE m.split = 'train' GROUP BY m.domain""")}
-    out["first_bad_step"] = one(f"""
+    # Each domain against its own ideal (floor or ceil of its exposures per record); the run
+    # is measured by those when it has more than one domain, read every one, is off the
+    # split's ideal (or repeats within an epoch), and they leave at most a tenth of that.
+    out["domain_distance"] = {r[0]: [int(r[1]), int(r[2])] for r in all_("""
+        WITH d AS (SELECT domain, count(*) AS n, sum(e) AS c FROM per_record GROUP BY ALL)
+        SELECT p.domain, sum(greatest(0, p.e - (d.c + d.n - 1) // d.n)),
+               sum(greatest(0, d.c // d.n - p.e))
+        FROM per_record p JOIN d USING (domain) GROUP BY p.domain""")}
+    # Within-epoch repeats beyond what a domain's exposures in the epoch force (more of them
+    # than it has records force the rest to repeat).
+    out["domain_epoch_duplicates"] = int(one("""
+        WITH d AS (SELECT domain, count(*) AS n FROM per_record GROUP BY ALL),
+        de AS (SELECT domain, epoch, count(*) AS c, count(DISTINCT record_key) AS k
+               FROM starts WHERE epoch >= 0 GROUP BY ALL)
+        SELECT coalesce(sum(least(d.n, de.c) - de.k), 0) FROM de JOIN d USING (domain)""")[0])
+    within = sum(a + b for a, b in out["domain_distance"].values()) + out[
+        "domain_epoch_duplicates"]
+    all_read = one("SELECT bool_and(c > 0) FROM (SELECT sum(e) AS c FROM per_record "
+                   "GROUP BY domain)")[0]
+    off = out["excess"] + out["missing"] + out["epoch_duplicates"]
+    out["domain_weighted"] = bool(len(out["domain_distance"]) > 1 and all_read and off > 0
+                                  and within * 10 <= off)
+    out["first_bad_step"] = None if out["domain_weighted"] else one(f"""
         WITH cum AS (SELECT step, sum(count(*)) OVER (ORDER BY step) AS c FROM starts
                      GROUP BY step),
         ranked AS (SELECT record_key, step, row_number() OVER (PARTITION BY record_key
@@ -154,6 +176,10 @@ def from_report(r: dict, steps, records=None) -> dict:
             st["new_unique"], strict=True)},
         "domains": {d["domain"]: [d["records"], d["tokens"], d["exposures"],
                                   d["tokens_consumed"], d["never_seen"]] for d in r["domains"]},
+        "domain_distance": {d["domain"]: [d["excess_exposures"], d["missing_exposures"]]
+                            for d in r["domains"]},
+        "domain_epoch_duplicates": r["domain_ideal"]["epoch_duplicates"],
+        "domain_weighted": r["domain_ideal"]["weighted"],
         "first_bad_step": r["first_bad_step"],
         "replay": {x["attempt"]: [x["rolled_back_steps"], x["replayed_steps"],
                                   x["identical_steps"]] for x in r["restarts"]
