@@ -257,7 +257,8 @@ def test_a_weighted_mixture_is_measured_against_each_domains_own_ideal(
     assert r["verdict"] == "PASS", r["findings"]
     assert r["coverage"]["excess_exposures"] > 0  # the split's ideal is not met
     assert r["domain_ideal"] == {"weighted": True, "excess_exposures": 0,
-                                 "missing_exposures": 0, "epoch_duplicates": 0}
+                                 "missing_exposures": 0, "epoch_duplicates": 0,
+                                 "epochs_even": True}
     assert r["first_bad_step"] is None
     f = next(f for f in r["findings"] if f["code"] == "domain_weighted")
     assert f["severity"] == "INFO"

@@ -268,6 +268,48 @@ def test_forgotten_split_named_and_split_passes(tmp_path):
     assert bad["coverage"]["histogram"]["2"] == n and bad["coverage"]["never_seen"] == 0
 
 
+def test_interleaved_sources_weighted_by_probabilities_are_a_mixture_not_a_fault(tmp_path):
+    """`interleave_datasets` of a web and a code source (a fifth of the records), probabilities
+    0.5/0.5, each source shuffled, over 3 epochs (`set_epoch`). Until every source is exhausted:
+    code is restarted within each epoch, read about 4 times an epoch to web's once: PASS with
+    `domain_weighted` giving the passes (against the whole split's ideal it was FAIL
+    `epoch_duplicates`). Until the first is exhausted: each epoch stops when code runs out,
+    half of web unread while web records read in another epoch come again: FAIL."""
+    from datasets import interleave_datasets
+
+    n = 400
+    ds = token_dataset(n).add_column("domain", ["code" if i % 5 == 0 else "web"
+                                                for i in range(n)])
+    ds.save_to_disk(str(tmp_path / "hf"), num_shards=2)
+    m = tally_manifest(tmp_path / "hf", tmp_path / "m.parquet")
+    full = datasets.load_from_disk(str(tmp_path / "hf")).map(
+        lambda _, i: {hf_datasets.KEY_FIELD: i}, with_indices=True)
+    runs = {}
+    for strategy in ("all_exhausted", "first_exhausted"):
+        sources = [full.filter(lambda r, d=d: r["domain"] == d).to_iterable_dataset(
+            num_shards=2).shuffle(seed=i, buffer_size=64) for i, d in enumerate(("web", "code"))]
+        mix = interleave_datasets(sources, probabilities=[0.5, 0.5], seed=3,
+                                  stopping_strategy=strategy)
+        node = mix.remove_columns(["domain"]).with_format("torch")
+        loader = hf_datasets.audited(DataLoader(node, batch_size=4), tmp_path / strategy, "r",
+                                     host=0, host_count=1, fsync=False, records_per_epoch=n)
+        for epoch in range(3 if strategy == "all_exhausted" else 2):
+            node.set_epoch(epoch)
+            list(loader)
+        loader.writer.finish()
+        runs[strategy] = reconcile(tmp_path / strategy, m, tmp_path / f"r-{strategy}")
+    r = runs["all_exhausted"]
+    assert r["verdict"] == "PASS", r["findings"]
+    assert r["coverage"]["epoch_duplicates"] > 0 and r["domain_ideal"]["weighted"]
+    (f,) = [f for f in r["findings"] if f["code"] == "domain_weighted"]
+    passes = f["numbers"]["passes"]
+    assert passes["code"] > 3 * passes["web"] and passes["web"] == 3.0
+    r = runs["first_exhausted"]
+    assert r["verdict"] == "FAIL", r["findings"]
+    assert not r["domain_ideal"]["weighted"]
+    assert next(d for d in r["domains"] if d["domain"] == "web")["excess_exposures"] > 0
+
+
 # ---- replay of an IterableDataset: the factory's loader over the key column ------------------
 
 SHARDS, WORKERS, ITER_BS = 4, 2, 6

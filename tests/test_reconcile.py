@@ -573,6 +573,7 @@ def test_each_domains_own_ideal_and_when_a_run_is_measured_by_it():
     split's ideal (18 over 10 records: 1 or 2 each)."""
     from tally.audit.core.exposure import (
         domain_distance,
+        domain_epoch_distance,
         domain_epoch_duplicates,
         excess,
         weighted_domains,
@@ -594,7 +595,10 @@ def test_each_domains_own_ideal_and_when_a_run_is_measured_by_it():
     # Own ideals that leave more than a tenth of the distance: a fault, not weights.
     assert weighted_domains((20, 0, 0), (2, 0, 0), levels)
     assert not weighted_domains((20, 0, 0), (3, 0, 0), levels)
-    # code (4 records) read 10 times in epoch 0 (4 distinct: 6 repeats forced, none beyond)
-    # and 6 times in epoch 1 with 3 distinct (2 forced, 1 beyond).
-    assert domain_epoch_duplicates({"code": 4}, {"code": np.array([4, 3])},
-                                   {"code": np.array([10, 6])}) == 1
+    # code (4 records) seen 3, 3, 2, 2 times in epoch 0 (10 exposures, 4 distinct: 6 repeats
+    # forced, none beyond) and 2, 2, 2, 0 times in epoch 1 (6 exposures, 3 distinct: 2
+    # forced, 1 beyond; the record not seen is 1 below that epoch's floor of 1.5 passes).
+    by_epoch = {"code": np.array([[0, 0, 2, 2], [0, 0, 3, 0]])}
+    assert domain_epoch_duplicates({"code": 4}, by_epoch) == 1
+    assert domain_epoch_distance({"code": 4}, by_epoch) == (0, 1)
+    assert domain_epoch_distance({"code": 4}, {"code": by_epoch["code"][:1]}) == (0, 0)

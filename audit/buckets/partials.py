@@ -251,8 +251,8 @@ class Partial(Mergeable):
     epoch_repeats_by_host: np.ndarray = summed(_empty)
     epoch_duplicated_by_host: np.ndarray = summed(_empty)  # repeated records a host was in
     records_by_epoch: np.ndarray = summed(_empty)
-    domain_records_by_epoch: dict[str, np.ndarray] = summed(dict)  # ... of each domain
-    domain_exposures_by_epoch: dict[str, np.ndarray] = summed(dict)  # its exposures by epoch
+    # name -> [epoch, e]: the domain's train records seen e times (e >= 1) in the epoch
+    domain_epoch_levels: dict[str, np.ndarray] = summed(dict)
     # Training loss of exposures by (step window, rank): count, sum, sum of squares.
     loss_by_rank: np.ndarray = summed(lambda: np.zeros((0, RANK_CAP, 3)))
     # name -> (records, tokens, exposures, tokens consumed, never seen)

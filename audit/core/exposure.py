@@ -18,7 +18,9 @@ test oracle (bench/reference/reconcile_sql.py) restates them independently, on p
   against each domain's own ideal, floor or ceil of C_d / N_d, when those account for nearly
   all of its distance from the split's (`weighted_domains`).
   Its within-epoch duplicates are then those beyond what each domain's share of the epoch
-  forces (`domain_epoch_duplicates`).
+  forces (`domain_epoch_duplicates`); where each epoch read each domain evenly, a distance
+  over the whole run is the loader restarting a domain's partial pass each epoch
+  (`domain_epoch_distance`).
 - Within one epoch a record is due at most once: exposures beyond the first of a record in the
   same (known) epoch are within-epoch duplicates.
 """
@@ -188,19 +190,36 @@ def weighted_domains(split: tuple[int, ...], own: tuple[int, ...],
             and off > 0 and sum(own) <= WEIGHTED * off)
 
 
-def domain_epoch_duplicates(records: dict[str, int], seen: dict[str, np.ndarray],
-                            exposed: dict[str, np.ndarray]) -> int:
+def domain_epoch_duplicates(records: dict[str, int], levels: dict[str, np.ndarray]) -> int:
     """Within-epoch duplicates that a mixture's weights do not explain. A domain of N_d train
     records given C_de exposures in epoch e (a loader that restarts a small domain within
     the epoch, e.g. interleaving until every source is exhausted) must repeat C_de - N_d of
     them when C_de > N_d; the rest, min(N_d, C_de) - (its distinct records in the epoch),
-    are repeats it did not need. `records`: N_d; `seen`, `exposed`: per domain, distinct
-    records and exposures by epoch."""
+    are repeats it did not need. `records`: N_d; `levels`: per domain, [epoch, e] = its
+    records seen e times in the epoch (e >= 1)."""
     out = 0
-    for d, v in seen.items():
-        c = np.asarray(exposed[d], np.int64)
-        out += int((np.minimum(records[d], c) - np.asarray(v, np.int64)).sum())
+    for d, h in levels.items():
+        h = np.asarray(h, np.int64)
+        exposed = h @ np.arange(h.shape[1])
+        out += int((np.minimum(records[d], exposed) - h[:, 1:].sum(axis=1)).sum())
     return out
+
+
+def domain_epoch_distance(records: dict[str, int], levels: dict[str, np.ndarray]
+                          ) -> tuple[int, int]:
+    """(excess, missing) exposures of every domain in every epoch against that epoch's own
+    ideal for it: floor or ceil of C_de / N_d (`records`, `levels` as for
+    `domain_epoch_duplicates`). Zero where each epoch read each domain evenly, even when
+    the run as a whole did not: a loader that restarts a domain's partial pass every epoch
+    gives the extra read to other records each time."""
+    out = np.zeros(2, np.int64)
+    for d, h in levels.items():
+        for row in np.asarray(h, np.int64):
+            if row.any():
+                counts = row.copy()
+                counts[0] = records[d] - row[1:].sum()  # not seen in the epoch
+                out += excess(counts, int(row @ np.arange(len(row))), records[d])
+    return int(out[0]), int(out[1])
 
 
 def independent_hosts(total: int, n: int, hosts: int) -> dict[str, float]:

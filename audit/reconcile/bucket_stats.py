@@ -9,6 +9,8 @@ over the records on many hosts). No per-row Python objects.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyarrow as pa
 
@@ -105,14 +107,13 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     with_loss = bool(np.isfinite(losses).any())
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
-    (per_epoch, repeats_at, repeats_on, (by_epoch, exposed), out.epoch_duplicated_by_host,
+    (per_epoch, repeats_at, repeats_on, levels, out.epoch_duplicated_by_host,
      repeats_of, (jj, sj)) = _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, at[ep],
                                             hosts, n, man["domain"])
-    out.records_by_epoch = by_epoch.sum(axis=0)
-    for code, name in enumerate(man["domain_names"][:len(by_epoch)]):
-        if by_epoch[code].any():  # per domain: a mixture's domains pass epochs apart, or
-            out.domain_records_by_epoch[name] = by_epoch[code]  # pass one several times
-            out.domain_exposures_by_epoch[name] = exposed[code]
+    out.records_by_epoch = levels[:, :, 1:].sum(axis=(0, 2))
+    for code, name in enumerate(man["domain_names"][:len(levels)]):
+        if levels[code].any():  # per domain: a mixture's domains pass epochs apart, or
+            out.domain_epoch_levels[name] = levels[code]  # pass one several times in one
     out.epoch_repeats_by_step = Spans([(lo, repeats_at)])
     out.epoch_repeats_by_host = repeats_on
     if not with_loss and int(ep.sum()) == int(ev.sum()) and \
@@ -303,13 +304,13 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
                   hosts: int, n: int, domain: np.ndarray) -> tuple[np.ndarray, ...]:
     """From train start events with known epochs: how often each (record, epoch) occurs (those
     that occur), the within-epoch repeats (every occurrence after the first, in step order) by
-    step and by host, the distinct records seen and the exposures per epoch by domain (two
-    [domain code, epoch] arrays; `domain`: each record's code), per host the records repeated
-    within an epoch that it took part in (once per record and epoch), and per record (of n)
-    its within-epoch repeats; and the events' (record, step) in that order."""
+    step and by host, the records seen e times (e >= 1) by domain and epoch ([domain code,
+    epoch, e]; `domain`: each record's code), per host the records repeated within an epoch
+    that it took part in (once per record and epoch), and per record (of n) its within-epoch
+    repeats; and the events' (record, step) in that order."""
     if not j.size:
         empty = np.zeros(0, np.int64)
-        return (empty, empty, np.zeros(hosts, np.int64), (np.zeros((0, 0), np.int64),) * 2,
+        return (empty, empty, np.zeros(hosts, np.int64), np.zeros((0, 0, 0), np.int64),
                 np.zeros(hosts, np.int64), np.zeros(n, np.int64), (empty, empty))
     # In (record, epoch, step) order, ties at one step by host: one plain sort of the four
     # packed into an int64 where they fit (a stable argsort and the gathers after it were a
@@ -334,12 +335,13 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
     starts = np.flatnonzero(head)
     counts = np.diff(np.r_[starts, len(jj)])
     again = ~head
-    epochs, size = int(ee[head].max()) + 1, int(domain.max(initial=0)) + 1
-    cell = domain[jj].astype(np.int64) * epochs + ee  # (domain, epoch) of each event
-    by_epoch = np.bincount(cell[head], minlength=size * epochs).reshape(-1, epochs)
-    exposed = np.bincount(cell, minlength=size * epochs).reshape(-1, epochs)
+    shape = (int(domain.max(initial=0)) + 1, int(ee[head].max()) + 1, int(counts.max()) + 1)
+    # (domain, epoch, times seen in it) of each (record, epoch), as one index: a bincount
+    first = jj[head]
+    cell = (domain[first].astype(np.int64) * shape[1] + ee[head]) * shape[2] + counts
+    levels = np.bincount(cell, minlength=math.prod(shape)).reshape(shape)
     return (counts, bincount(ss[again]),
-            bincount(hh[again], n=hosts), (by_epoch, exposed),
+            bincount(hh[again], n=hosts), levels,
             _hosts_of_repeated(starts, counts, hh, hosts),
             bincount(jj[again].astype(np.int64, copy=False), n=n), (jj, ss))
 

@@ -94,7 +94,7 @@ CHECKPOINT = "checkpoint.pickle"
 CHECKPOINT_S = 60.0
 CHECKPOINT_SHARE = 0.05
 # Of the checkpoint: one of another format is not read (4: edges fused, footers by path in
-# the spool; 5: each domain's exposure levels, records and exposures by epoch).
+# the spool; 5: each domain's exposure levels, overall and by epoch).
 _FORMAT = 5
 # The follower's state a checkpoint keeps as it is (besides the store, the manifest cache and
 # the seen bits).
@@ -577,7 +577,7 @@ class Follower:
             setattr(acc, name, out)
         acc.exposure_counts = _trimmed(acc.exposure_counts)
         acc.records_by_epoch = _trimmed(acc.records_by_epoch)
-        for name in ("domain_levels", "domain_records_by_epoch", "domain_exposures_by_epoch"):
+        for name in ("domain_levels", "domain_epoch_levels"):
             setattr(acc, name, {d: _trimmed(v) for d, v in getattr(acc, name).items()})
         return True
 

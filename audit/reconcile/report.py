@@ -93,14 +93,20 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
     # Each domain against its own ideal: where the run weights its domains, that is the ideal
     # it is measured against (tally.audit.core.exposure.weighted_domains).
     own = exposure.domain_distance(merged.domain_levels)
+    sizes = {d: int(v[0]) for d, v in dom.items()}
     domain_ideal = {"excess_exposures": sum(a for a, _ in own.values()),
                     "missing_exposures": sum(b for _, b in own.values()),
                     "epoch_duplicates": exposure.domain_epoch_duplicates(
-                        {d: int(v[0]) for d, v in dom.items()},
-                        merged.domain_records_by_epoch, merged.domain_exposures_by_epoch)}
+                        sizes, merged.domain_epoch_levels)}
     weighted = exposure.weighted_domains(
         (coverage["excess_exposures"], coverage["missing_exposures"], merged.epoch_duplicates),
         tuple(domain_ideal.values()), merged.domain_levels)
+    # Every exposure in a known epoch, and each epoch even within each domain: a distance over
+    # the whole run is partial passes restarted epoch by epoch, the loader's design.
+    in_epochs = sum(int(h.sum(axis=0) @ np.arange(h.shape[1]))
+                    for h in merged.domain_epoch_levels.values())
+    domain_ideal["epochs_even"] = bool(in_epochs and in_epochs == total) and \
+        exposure.domain_epoch_distance(sizes, merged.domain_epoch_levels) == (0, 0)
     rec_total = sum(int(v[0]) for v in dom.values()) or 1
     tok_total = sum(int(v[1]) for v in dom.values()) or 1
     exp_total = sum(int(v[2]) for v in dom.values()) or 1
@@ -182,7 +188,8 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
         "domains": domains,
         # The distance from each domain's own ideal, summed, and the within-epoch duplicates
         # beyond what each domain's share of an epoch forces; `weighted`: the run is measured
-        # by those (its domains are read in different passes on purpose).
+        # by those (its domains are read in different passes on purpose); `epochs_even`: each
+        # epoch read each domain evenly.
         "domain_ideal": {"weighted": weighted, **domain_ideal},
         "sources": sources,
         "integrity": {**{k: int(getattr(merged, k)) for k in (
@@ -264,8 +271,9 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None,
     seen = merged.records_by_epoch
     known = sorted(merged.epoch_steps)
     # Per domain: its train records, records seen by epoch, and the last epoch it reached.
+    seen_by = {d: h[:, 1:].sum(axis=1) for d, h in merged.domain_epoch_levels.items()}
     domains = [(int(merged.domain[d][0]), v, int(np.flatnonzero(v)[-1]))
-               for d, v in merged.domain_records_by_epoch.items() if v.any()]
+               for d, v in seen_by.items() if v.any()]
 
     def skipped(e: int, records: int) -> int:
         if not weighted:

@@ -108,6 +108,24 @@ def reference(ledger_path: str, manifest: str, run_id: str, at_step: int | None 
         de AS (SELECT domain, epoch, count(*) AS c, count(DISTINCT record_key) AS k
                FROM starts WHERE epoch >= 0 GROUP BY ALL)
         SELECT coalesce(sum(least(d.n, de.c) - de.k), 0) FROM de JOIN d USING (domain)""")[0])
+    # Each epoch against its own ideal for each domain (floor or ceil of the domain's
+    # exposures in the epoch per record, its records not seen in the epoch at 0), and whether
+    # every exposure is in a known epoch.
+    con.execute("""
+        CREATE TEMP VIEW ce AS SELECT record_key, epoch, count(*) AS c FROM starts
+            WHERE epoch >= 0 GROUP BY ALL;
+        CREATE TEMP VIEW cells AS SELECT p.domain, g.epoch, coalesce(ce.c, 0) AS c
+            FROM per_record p
+            JOIN (SELECT DISTINCT p2.domain, ce.epoch FROM ce JOIN per_record p2
+                  USING (record_key)) g USING (domain)
+            LEFT JOIN ce ON ce.record_key = p.record_key AND ce.epoch = g.epoch""")
+    uneven_in_epochs = int(one("""
+        WITH t AS (SELECT domain, epoch, count(*) AS n, sum(c) AS s FROM cells GROUP BY ALL)
+        SELECT coalesce(sum(greatest(0, x.c - (t.s + t.n - 1) // t.n)
+                            + greatest(0, t.s // t.n - x.c)), 0)
+        FROM cells x JOIN t USING (domain, epoch)""")[0])
+    unknown_epoch = one("SELECT count(*) FROM starts WHERE epoch < 0")[0]
+    out["domain_epochs_even"] = bool(total and not unknown_epoch and not uneven_in_epochs)
     within = sum(a + b for a, b in out["domain_distance"].values()) + out[
         "domain_epoch_duplicates"]
     all_read = one("SELECT bool_and(c > 0) FROM (SELECT sum(e) AS c FROM per_record "
@@ -179,6 +197,7 @@ def from_report(r: dict, steps, records=None) -> dict:
         "domain_distance": {d["domain"]: [d["excess_exposures"], d["missing_exposures"]]
                             for d in r["domains"]},
         "domain_epoch_duplicates": r["domain_ideal"]["epoch_duplicates"],
+        "domain_epochs_even": r["domain_ideal"]["epochs_even"],
         "domain_weighted": r["domain_ideal"]["weighted"],
         "first_bad_step": r["first_bad_step"],
         "replay": {x["attempt"]: [x["rolled_back_steps"], x["replayed_steps"],
