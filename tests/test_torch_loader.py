@@ -365,27 +365,31 @@ def test_distributed_samplers_that_share_shards_are_named_and_many_epochs_pass(t
     assert min(overlap[i][j] for i in range(hosts) for j in range(hosts)) > 0.9 * 200
 
 
-@pytest.mark.parametrize("batch_drop, records", [(False, 3), (True, 11)])
-def test_drop_last_samplers_are_a_warning_over_many_epochs(tmp_path, batch_drop, records):
+@pytest.mark.parametrize("batch_drop, records, hosts, epochs", [
+    (False, 3, 4, 3), (True, 11, 4, 3), (True, 3, 2, 12)])
+def test_drop_last_samplers_are_a_warning_over_many_epochs(tmp_path, batch_drop, records,
+                                                           hosts, epochs):
     """DistributedSampler(drop_last=True) on 4 ranks over 203 records trims each epoch to 200
     (203 mod 4 = 3 left out, others each epoch), and a DataLoader(drop_last=True) of 4 on top
     of it leaves 11 out (203 mod 16). Over 3 epochs some records are left out twice and fall
     below the ideal: that is the samplers' design, named `drop_remainder` (WARN) with its unit,
-    never `epoch_skipped` or uneven exposure (a FAIL before)."""
-    hosts, n = 4, 203
+    never `epoch_skipped` or uneven exposure (a FAIL before). On 2 ranks over 12 epochs every
+    record has been read on both hosts: never `no_sharding` (a FAIL before), which would
+    repeat every record within each epoch."""
+    n = 203
     ds = Records(n)
     for h in range(hosts):
         dl = DataLoader(ds, batch_size=4, drop_last=batch_drop, sampler=DistributedSampler(
             ds, num_replicas=hosts, rank=h, shuffle=True, seed=3, drop_last=True))
         loader = tally_torch.audited(dl, tmp_path / "spool", "r", mask_field="attention_mask",
                                      fsync=False)
-        run_epochs(loader, 3)
+        run_epochs(loader, epochs)
         loader.writer.finish()
     rep = reconcile(tmp_path / "spool", manifest(tmp_path / "m.parquet", n), tmp_path / "rep")
     assert rep["verdict"] == "WARN", rep["findings"]
     (f,) = [f for f in rep["findings"] if f["code"] == "drop_remainder"]
-    assert f["numbers"] == {"epochs": 2, "records": records, "same_records": False}
-    unit = "global batch of 16" if batch_drop else "host count of 4"
+    assert f["numbers"] == {"epochs": epochs - 1, "records": records, "same_records": False}
+    unit = (f"global batch of {4 * hosts}" if batch_drop else "host count of 4")
     assert f"do not divide by the {unit}" in f["message"]
     assert {f["code"] for f in rep["findings"]} == {"drop_remainder", "final_epoch_short"}
 
