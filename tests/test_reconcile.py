@@ -602,3 +602,24 @@ def test_each_domains_own_ideal_and_when_a_run_is_measured_by_it():
     assert domain_epoch_duplicates({"code": 4}, by_epoch) == 1
     assert domain_epoch_distance({"code": 4}, by_epoch) == (0, 1)
     assert domain_epoch_distance({"code": 4}, {"code": by_epoch["code"][:1]}) == (0, 0)
+
+
+def test_domains_epochs_untold_beyond_the_cells_kept_count_every_repeat(tmp_path, monkeypatch):
+    """A bucket whose (domain, epoch, times seen) cells exceed what is kept leaves each
+    domain's epochs untold: the within-epoch repeats then count in full (none is said to be
+    forced by a weight) and no epoch is said even; the rest of the report is unchanged."""
+    from tally.audit.reconcile import bucket_stats
+
+    rng = np.random.default_rng(7)
+    n_train = int(rng.integers(200, 600))
+    man = write_manifest(tmp_path / "m.parquet", n_train, 20, rng, row_group=50)
+    weighted_run(tmp_path / "spool", man, n_train, rng, epochs="global")
+    told = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "told",
+                     spool=tmp_path / "spool")
+    monkeypatch.setattr(bucket_stats, "DOMAIN_EPOCH_CELLS", 4)
+    untold = reconcile(run_id="r", manifest=tmp_path / "m.parquet", out=tmp_path / "untold",
+                       spool=tmp_path / "spool")
+    assert told["domain_ideal"]["epoch_duplicates"] == 0 and told["domain_ideal"]["weighted"]
+    assert untold["domain_ideal"]["epoch_duplicates"] == untold["coverage"]["epoch_duplicates"] > 0
+    assert not untold["domain_ideal"]["epochs_even"] and not untold["domain_ideal"]["weighted"]
+    assert untold["coverage"] == told["coverage"] and untold["domains"] == told["domains"]

@@ -251,8 +251,10 @@ class Partial(Mergeable):
     epoch_repeats_by_host: np.ndarray = summed(_empty)
     epoch_duplicated_by_host: np.ndarray = summed(_empty)  # repeated records a host was in
     records_by_epoch: np.ndarray = summed(_empty)
-    # name -> [epoch, e]: the domain's train records seen e times (e >= 1) in the epoch
+    # name -> [epoch, e]: the domain's train records seen e times (e >= 1) in the epoch;
+    # untold: a bucket had too many epochs to keep them (bucket_stats.DOMAIN_EPOCH_CELLS)
     domain_epoch_levels: dict[str, np.ndarray] = summed(dict)
+    domain_epochs_untold: bool = merged_by(largest, default=False)
     # Training loss of exposures by (step window, rank): count, sum, sum of squares.
     loss_by_rank: np.ndarray = summed(lambda: np.zeros((0, RANK_CAP, 3)))
     # name -> (records, tokens, exposures, tokens consumed, never seen)

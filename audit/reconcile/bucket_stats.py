@@ -27,6 +27,10 @@ from tally.audit.core.arrays import bincount, distinct, host_overlap, ranks, sor
 from tally.audit.core.exposure import hash_checks
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
+# Cells of a bucket's records by (domain, epoch, times seen in the epoch) kept at most: 2 MB a
+# bucket (20 domains over 4,000 epochs seen up to 3 times each). A spool whose epochs run into
+# the hundreds of thousands (an epoch counter that counts steps) has them untold instead.
+DOMAIN_EPOCH_CELLS = 1 << 18
 # Per-record exposure: one row per manifest record (report's records/ table).
 RECORDS_SCHEMA = pa.schema([
     ("record_key", pa.int64()), ("split", _STRING), ("domain", _STRING),
@@ -107,11 +111,12 @@ def compute(man: dict | None, c: dict[str, np.ndarray], host_ids: np.ndarray,
     with_loss = bool(np.isfinite(losses).any())
     # Within one epoch a record is due at most once: count the exposures beyond that.
     ep = ev & (c["epoch"] >= 0)
-    (per_epoch, repeats_at, repeats_on, levels, out.epoch_duplicated_by_host,
-     repeats_of, (jj, sj)) = _within_epoch(j[ep], c["epoch"][ep], step[ep] - lo, at[ep],
-                                            hosts, n, man["domain"])
-    out.records_by_epoch = levels[:, :, 1:].sum(axis=(0, 2))
-    for code, name in enumerate(man["domain_names"][:len(levels)]):
+    (per_epoch, repeats_at, repeats_on, (out.records_by_epoch, levels),
+     out.epoch_duplicated_by_host, repeats_of, (jj, sj)) = _within_epoch(
+        j[ep], c["epoch"][ep], step[ep] - lo, at[ep], hosts, n, man["domain"])
+    if levels is None:
+        out.domain_epochs_untold = True
+    for code, name in enumerate(man["domain_names"][:len(levels) if levels is not None else 0]):
         if levels[code].any():  # per domain: a mixture's domains pass epochs apart, or
             out.domain_epoch_levels[name] = levels[code]  # pass one several times in one
     out.epoch_repeats_by_step = Spans([(lo, repeats_at)])
@@ -304,13 +309,14 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
                   hosts: int, n: int, domain: np.ndarray) -> tuple[np.ndarray, ...]:
     """From train start events with known epochs: how often each (record, epoch) occurs (those
     that occur), the within-epoch repeats (every occurrence after the first, in step order) by
-    step and by host, the records seen e times (e >= 1) by domain and epoch ([domain code,
-    epoch, e]; `domain`: each record's code), per host the records repeated within an epoch
+    step and by host, the distinct records seen per epoch and those seen e times (e >= 1) by
+    domain and epoch ([domain code, epoch, e]; `domain`: each record's code; None beyond
+    DOMAIN_EPOCH_CELLS cells), per host the records repeated within an epoch
     that it took part in (once per record and epoch), and per record (of n) its within-epoch
     repeats; and the events' (record, step) in that order."""
     if not j.size:
         empty = np.zeros(0, np.int64)
-        return (empty, empty, np.zeros(hosts, np.int64), np.zeros((0, 0, 0), np.int64),
+        return (empty, empty, np.zeros(hosts, np.int64), (empty, np.zeros((0, 0, 0), np.int64)),
                 np.zeros(hosts, np.int64), np.zeros(n, np.int64), (empty, empty))
     # In (record, epoch, step) order, ties at one step by host: one plain sort of the four
     # packed into an int64 where they fit (a stable argsort and the gathers after it were a
@@ -336,12 +342,14 @@ def _within_epoch(j: np.ndarray, epoch: np.ndarray, step: np.ndarray, host: np.n
     counts = np.diff(np.r_[starts, len(jj)])
     again = ~head
     shape = (int(domain.max(initial=0)) + 1, int(ee[head].max()) + 1, int(counts.max()) + 1)
-    # (domain, epoch, times seen in it) of each (record, epoch), as one index: a bincount
-    first = jj[head]
-    cell = (domain[first].astype(np.int64) * shape[1] + ee[head]) * shape[2] + counts
-    levels = np.bincount(cell, minlength=math.prod(shape)).reshape(shape)
+    levels = None  # beyond DOMAIN_EPOCH_CELLS (epochs by the thousand): not kept
+    if math.prod(shape) <= DOMAIN_EPOCH_CELLS:
+        # (domain, epoch, times seen in it) of each (record, epoch), as one index: a bincount
+        first = jj[head]
+        cell = (domain[first].astype(np.int64) * shape[1] + ee[head]) * shape[2] + counts
+        levels = np.bincount(cell, minlength=math.prod(shape)).reshape(shape)
     return (counts, bincount(ss[again]),
-            bincount(hh[again], n=hosts), levels,
+            bincount(hh[again], n=hosts), (bincount(ee[head].astype(np.int64)), levels),
             _hosts_of_repeated(starts, counts, hh, hosts),
             bincount(jj[again].astype(np.int64, copy=False), n=n), (jj, ss))
 

@@ -94,19 +94,21 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
     # it is measured against (tally.audit.core.exposure.weighted_domains).
     own = exposure.domain_distance(merged.domain_levels)
     sizes = {d: int(v[0]) for d, v in dom.items()}
+    # Epochs by the thousand in a bucket leave each domain's epochs untold: their repeats
+    # then count in full, and no epoch is said even.
+    by_epoch = {} if merged.domain_epochs_untold else merged.domain_epoch_levels
     domain_ideal = {"excess_exposures": sum(a for a, _ in own.values()),
                     "missing_exposures": sum(b for _, b in own.values()),
-                    "epoch_duplicates": exposure.domain_epoch_duplicates(
-                        sizes, merged.domain_epoch_levels)}
+                    "epoch_duplicates": merged.epoch_duplicates if merged.domain_epochs_untold
+                    else exposure.domain_epoch_duplicates(sizes, by_epoch)}
     weighted = exposure.weighted_domains(
         (coverage["excess_exposures"], coverage["missing_exposures"], merged.epoch_duplicates),
         tuple(domain_ideal.values()), merged.domain_levels)
     # Every exposure in a known epoch, and each epoch even within each domain: a distance over
     # the whole run is partial passes restarted epoch by epoch, the loader's design.
-    in_epochs = sum(int(h.sum(axis=0) @ np.arange(h.shape[1]))
-                    for h in merged.domain_epoch_levels.values())
+    in_epochs = sum(int(h.sum(axis=0) @ np.arange(h.shape[1])) for h in by_epoch.values())
     domain_ideal["epochs_even"] = bool(in_epochs and in_epochs == total) and \
-        exposure.domain_epoch_distance(sizes, merged.domain_epoch_levels) == (0, 0)
+        exposure.domain_epoch_distance(sizes, by_epoch) == (0, 0)
     rec_total = sum(int(v[0]) for v in dom.values()) or 1
     tok_total = sum(int(v[1]) for v in dom.values()) or 1
     exp_total = sum(int(v[2]) for v in dom.values()) or 1
@@ -184,7 +186,8 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                       {a: v["host_count"] for a, v in plan.attempts.items()}, _ended(plan)),
                       strict=True))},
         "run": {"finished": plan.finished, "finished_step": plan.finished_step},
-        "epochs": _epochs(merged, plan, n, last, _data_ended(steps, changes, plan), weighted),
+        "epochs": _epochs(merged, plan, n, last, _data_ended(steps, changes, plan),
+                          weighted and not merged.domain_epochs_untold),
         "domains": domains,
         # The distance from each domain's own ideal, summed, and the within-epoch duplicates
         # beyond what each domain's share of an epoch forces; `weighted`: the run is measured
