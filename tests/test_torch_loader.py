@@ -29,11 +29,14 @@ from torch.utils.data import (  # noqa: E402
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    get_worker_info,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
 from tally.audit.core.hashing import content_hash  # noqa: E402
+from tally.audit.hook.segments import Segments  # noqa: E402
+from tally.audit.hook.writer import LedgerWriter  # noqa: E402
 from tally.pipeline.loaders import AttachError  # noqa: E402
 from tally.pipeline.loaders import torch_loader as tally_torch  # noqa: E402
 from tests.support.cli import tally  # noqa: E402
@@ -392,6 +395,60 @@ def test_drop_last_samplers_are_a_warning_over_many_epochs(tmp_path, batch_drop,
     unit = (f"global batch of {4 * hosts}" if batch_drop else "host count of 4")
     assert f"do not divide by the {unit}" in f["message"]
     assert {f["code"] for f in rep["findings"]} == {"drop_remainder", "final_epoch_short"}
+
+
+class _HostStream(IterableDataset):
+    """Host `rank`'s share of `n` records, reshuffled each epoch, as dicts of key and epoch;
+    split between the DataLoader's workers only when `split_workers`."""
+
+    def __init__(self, n: int, rank: int, world: int, split_workers: bool) -> None:
+        self.n, self.rank, self.world, self.split, self.epoch = n, rank, world, split_workers, 0
+
+    def __iter__(self):
+        keys = np.random.default_rng(self.epoch).permutation(self.n)[self.rank::self.world]
+        info = get_worker_info()
+        if self.split and info is not None:
+            keys = keys[info.id::info.num_workers]
+        for k in keys.tolist():
+            yield {"key": k, "epoch": self.epoch}
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_an_iterable_dataset_copied_into_every_worker_is_named(tmp_path, workers):
+    """An IterableDataset that does not split its records between a DataLoader's workers (the
+    torch pitfall): each worker makes the host's whole share, and the loader hands their
+    identical batches out in turn. Reconcile names the lockstep repeats as the workers'
+    copies (`repeated_batches` with the worker count), not a stalled pipeline; the same
+    dataset split by get_worker_info() passes."""
+    n, hosts = 203, 2
+    for name, split in (("copies", False), ("split", True)):
+        for h in range(hosts):
+            ds = _HostStream(n, h, hosts, split)
+            loader = DataLoader(ds, batch_size=4, num_workers=workers)
+            with LedgerWriter(tmp_path / name, "r", host=h, host_count=hosts,
+                              records_per_epoch=n, fsync=False) as w:
+                step = 0
+                for epoch in range(2):
+                    ds.epoch = epoch
+                    for batch in loader:
+                        keys = batch["key"].numpy()
+                        w.write_segments(step, Segments.build(
+                            row=np.arange(len(keys)), record_key=keys,
+                            n_tokens=np.full(len(keys), SEQ), epoch=batch["epoch"].numpy(),
+                            content_hash=np.array([content_hash(record_tokens(int(k)))
+                                                   for k in keys], np.uint64)))
+                        step += 1
+                w.finish()
+    m = manifest(tmp_path / "m.parquet", n)
+    ok = reconcile(tmp_path / "split", m, tmp_path / "r-split")
+    assert ok["verdict"] == "PASS", ok["findings"]
+    bad = reconcile(tmp_path / "copies", m, tmp_path / "r-copies")
+    found = [f for f in bad["findings"] if f["severity"] == "FAIL"]
+    assert {f["code"] for f in found} == {"repeated_batches"}, bad["findings"]
+    assert sorted(f["numbers"]["host"] for f in found) == list(range(hosts))
+    for f in found:
+        assert f["numbers"]["workers"] == workers
+        assert f"its DataLoader's {workers} workers each make the same batches" in f["message"]
 
 
 def test_attach_cost_benchmark_runs():

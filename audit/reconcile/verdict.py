@@ -193,12 +193,18 @@ def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
     for host, spans in sorted(by_host.items()):
         steps = sum(x["steps"] for x in spans)
         where = ", ".join(_steps(x) for x in spans[:5]) + (" ..." if len(spans) > 5 else "")
+        w = _workers_in_step(spans)
+        why = ("a stalled or stuck input pipeline" if not w else
+               f"the same batch {w} times in a row, over and over: its DataLoader's {w} workers "
+               "each make the same batches (an IterableDataset that does not split its records "
+               "between workers by torch.utils.data.get_worker_info(), or a shard list handed "
+               "whole to every worker; unless the loop feeds each batch that often on purpose, "
+               "data echoing)")
         add("FAIL", "repeated_batches",
             f"host {host} handed the same batch again at {plural(steps, 'step')} ({where}): each "
-            f"of "
-            "those steps consumed exactly the records of the step before it, a stalled or "
-            "stuck input pipeline", host=host, steps=steps,
-            ranges=[[x["first_step"], x["last_step"]] for x in spans])
+            f"of those steps consumed exactly the records of the step before it, {why}",
+            host=host, steps=steps, ranges=[[x["first_step"], x["last_step"]] for x in spans],
+            **({"workers": w} if w else {}))
         found = True
     for g in hosts.get("gaps", []):
         add("FAIL", "host_gap",
@@ -221,6 +227,17 @@ def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             last_step=g["last_step"], attempt=g["attempt"])
         found = True
     return found
+
+
+def _workers_in_step(spans: list[dict[str, Any]]) -> int | None:
+    """W when a host's repeated batches come in lockstep, W - 1 repeats every W steps, at
+    least 4 times and 9 in 10 of them so (W workers each making the same batches, which the
+    loader hands out in turn); None for repeats at random (a stalled pipeline)."""
+    if len(spans) < 4 or len({x["steps"] for x in spans}) != 1:
+        return None
+    w = spans[0]["steps"] + 1
+    apart = [b["first_step"] - a["first_step"] for a, b in zip(spans, spans[1:], strict=False)]
+    return w if sum(d == w for d in apart) >= 0.9 * len(apart) else None
 
 
 def _steps(x: dict[str, Any]) -> str:
