@@ -397,34 +397,63 @@ def test_drop_last_samplers_are_a_warning_over_many_epochs(tmp_path, batch_drop,
     assert {f["code"] for f in rep["findings"]} == {"drop_remainder", "final_epoch_short"}
 
 
+def test_a_sampler_whose_set_epoch_is_never_called_passes_each_epoch_as_its_own(tmp_path):
+    """DistributedSampler on 2 ranks over 3 passes without set_epoch (torch's documented
+    pitfall: the same order every epoch): every record is still read once a pass. The
+    sampler's epoch stays 0, which read as every record repeated 3 times within epoch 0 (FAIL);
+    each pass after a whole one is now recorded as the next epoch, with a warning: PASS."""
+    n, hosts = 202, 2  # no padding
+    ds = Records(n)
+    for h in range(hosts):
+        sampler = DistributedSampler(ds, num_replicas=hosts, rank=h, shuffle=True, seed=3)
+        loader = tally_torch.audited(DataLoader(ds, batch_size=4, sampler=sampler),
+                                     tmp_path / "spool", "r", mask_field="attention_mask",
+                                     fsync=False)
+        with pytest.warns(UserWarning, match=r"call sampler.set_epoch\(epoch\)"):
+            for _ in range(3):
+                list(loader)
+        loader.writer.finish()
+    epochs = sorted(set(spool_table(tmp_path / "spool")["epoch"].to_pylist()))
+    assert epochs == [0, 1, 2]
+    rep = reconcile(tmp_path / "spool", manifest(tmp_path / "m.parquet", n), tmp_path / "rep")
+    assert rep["verdict"] == "PASS", rep["findings"]
+    assert rep["coverage"]["epoch_duplicates"] == 0 and rep["findings"] == []
+
+
 class _HostStream(IterableDataset):
     """Host `rank`'s share of `n` records, reshuffled each epoch, as dicts of key and epoch;
     split between the DataLoader's workers only when `split_workers`."""
 
-    def __init__(self, n: int, rank: int, world: int, split_workers: bool) -> None:
+    def __init__(self, n: int, rank: int, world: int, split_workers: bool,
+                 shuffle_in_worker: bool = False) -> None:
         self.n, self.rank, self.world, self.split, self.epoch = n, rank, world, split_workers, 0
+        self.shuffle = shuffle_in_worker
 
     def __iter__(self):
         keys = np.random.default_rng(self.epoch).permutation(self.n)[self.rank::self.world]
         info = get_worker_info()
         if self.split and info is not None:
             keys = keys[info.id::info.num_workers]
+        if self.shuffle:  # torch seeds each worker's generator apart
+            keys = keys[torch.randperm(len(keys)).numpy()]
         for k in keys.tolist():
             yield {"key": k, "epoch": self.epoch}
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_an_iterable_dataset_copied_into_every_worker_is_named(tmp_path, workers):
+@pytest.mark.parametrize("workers, shuffled", [(2, False), (3, False), (2, True)])
+def test_an_iterable_dataset_copied_into_every_worker_is_named(tmp_path, workers, shuffled):
     """An IterableDataset that does not split its records between a DataLoader's workers (the
-    torch pitfall): each worker makes the host's whole share, and the loader hands their
-    identical batches out in turn. Reconcile names the lockstep repeats as the workers'
-    copies (`repeated_batches` with the worker count), not a stalled pipeline; the same
-    dataset split by get_worker_info() passes."""
-    n, hosts = 203, 2
+    torch pitfall): each worker makes the host's whole share. In one order, the loader hands
+    their identical batches out in turn: reconcile names the lockstep repeats as the workers'
+    copies (`repeated_batches` with the worker count), not a stalled pipeline. Each worker
+    shuffling its copy: every record W times in its epoch, on its host (`worker_copies`), not
+    bare within-epoch repeats. The same dataset split by get_worker_info() passes."""
+    n, hosts = 200, 2  # whole batches of 4 (two copies' last short batches may agree)
     for name, split in (("copies", False), ("split", True)):
         for h in range(hosts):
-            ds = _HostStream(n, h, hosts, split)
-            loader = DataLoader(ds, batch_size=4, num_workers=workers)
+            ds = _HostStream(n, h, hosts, split, shuffle_in_worker=shuffled and not split)
+            loader = DataLoader(ds, batch_size=4, num_workers=workers,  # workers' seeds
+                                generator=torch.Generator().manual_seed(h))
             with LedgerWriter(tmp_path / name, "r", host=h, host_count=hosts,
                               records_per_epoch=n, fsync=False) as w:
                 step = 0
@@ -444,6 +473,11 @@ def test_an_iterable_dataset_copied_into_every_worker_is_named(tmp_path, workers
     assert ok["verdict"] == "PASS", ok["findings"]
     bad = reconcile(tmp_path / "copies", m, tmp_path / "r-copies")
     found = [f for f in bad["findings"] if f["severity"] == "FAIL"]
+    if shuffled:
+        (f,) = found
+        assert f["code"] == "worker_copies" and f["numbers"]["workers"] == workers, found
+        assert f"makes {workers} copies of its share" in f["message"]
+        return
     assert {f["code"] for f in found} == {"repeated_batches"}, bad["findings"]
     assert sorted(f["numbers"]["host"] for f in found) == list(range(hosts))
     for f in found:

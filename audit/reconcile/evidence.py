@@ -22,7 +22,8 @@ from tally.audit.buckets.partials import EVIDENCE
 from tally.audit.core.exposure import Finding
 
 # Findings about records exposed more often than due: their evidence is where the repeats are.
-REPEATS = {"with_replacement", "no_sharding", "shared_shard", "padding", "epoch_duplicates",
+REPEATS = {"with_replacement", "no_sharding", "shared_shard", "worker_copies", "padding",
+           "epoch_duplicates",
            "uneven_exposure", "loss_flattered", "repeats_on_hosts", "repeats_in_steps",
            "reshard_band", "resharded", "batch_changed", "resume_band"}
 # ... and about records never consumed.

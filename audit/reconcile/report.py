@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pyarrow.parquet as pq
 
 from tally.audit.buckets import host_steps
 from tally.audit.buckets.left_out import files_left_out
-from tally.audit.buckets.partials import Partial, Spans
+from tally.audit.buckets.partials import Partial, Spans, padded_sum
 from tally.audit.buckets.plan import Plan
 from tally.audit.core import exposure
 from tally.audit.core.arrays import json_default
@@ -275,6 +276,9 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None,
     known = sorted(merged.epoch_steps)
     # Per domain: its train records, records seen by epoch, and the last epoch it reached.
     seen_by = {d: h[:, 1:].sum(axis=1) for d, h in merged.domain_epoch_levels.items()}
+    # Records by times seen in each epoch, all domains (None: untold, too many epochs).
+    times = None if merged.domain_epochs_untold else functools.reduce(
+        padded_sum, merged.domain_epoch_levels.values(), np.zeros((0, 0), np.int64))
     domains = [(int(merged.domain[d][0]), v, int(np.flatnonzero(v)[-1]))
                for d, v in seen_by.items() if v.any()]
 
@@ -295,7 +299,10 @@ def _epochs(merged: Partial, plan: Plan, n: int, last: int | None,
         out.append({"epoch": e, "first_step": first, "last_step": end, "records": records,
                     "complete": bool(complete), "final": plan.finished and not later,
                     "skipped": skipped(e, records) if complete or (plan.finished and not later)
-                    else None})
+                    else None,
+                    # records seen 1, 2, ... times in the epoch
+                    "times_seen": None if times is None else np.trim_zeros(
+                        times[e, 1:] if e < len(times) else np.zeros(0, np.int64), "b").tolist()})
     return out
 
 

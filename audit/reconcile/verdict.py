@@ -260,6 +260,11 @@ class _StepSeries:
         keep = (self.step >= lo) & (True if hi is None else self.step < hi)
         return int(self.repeats[keep].sum())
 
+    def first(self, lo: int, hi: int) -> int | None:
+        """The first step lo <= s <= hi with a repeat (None: none)."""
+        at = np.flatnonzero((self.step >= lo) & (self.step <= hi) & (self.repeats > 0))
+        return int(self.step[at[0]]) if at.size else None
+
 
 def _repeats_between(r: dict[str, Any], lo: int, hi: int | None) -> int:
     """Within-epoch repeats at steps lo <= s < hi."""
@@ -528,6 +533,19 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             f"{plural(grouped, 'host')} of {len(active)} read the same records as another host "
             f"({said}): {why}", hosts=grouped, groups=[g[:16] for g in shared[:16]])
         return True
+    # Every host read each record of its share W times an epoch, on its own: W copies made
+    # within the host (identical batches in lockstep are named by repeated_batches first).
+    copies = _worker_copies(r)
+    if copies:
+        w, share = copies
+        add("FAIL", "worker_copies",
+            f"{_pct(share)} of the records a host read in an epoch it read {w} times in that "
+            f"epoch, each time on that same host ({dups:,} exposures repeat a record within its "
+            f"epoch): the host's data pipeline makes {w} copies of its share (an "
+            f"IterableDataset in a DataLoader with {w} workers that does not split its records "
+            "between them by torch.utils.data.get_worker_info(), or a shard list handed whole "
+            "to every worker)", workers=w, duplicates=dups)
+        return True
     # Exposure spread like independent draws per host: the histogram matches the binomial
     # model, and nearly every host shares records with some other one (with many hosts, most
     # pairs share none: N/H^2 records each, but each host's records meet the others').
@@ -591,6 +609,35 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             f"batch ({batch})", duplicates=dups)
         return True
     return _drop_remainder(r, add)
+
+
+def _worker_copies(r: dict[str, Any]) -> tuple[int, float] | None:
+    """(W, share) when 9 in 10 of the (record, epoch) pairs read were read exactly W >= 2
+    times, every record repeated within an epoch was repeated on one host only, and in each
+    epoch the repeats began within its first 1/(2W) of steps (W copies read side by side);
+    None otherwise: a run that weights its domains (its repeats are its weights'), or the
+    same share read W times one pass after the other under one epoch number (an epoch
+    counter that did not advance: the first repeat comes only after a whole pass)."""
+    cov, per = r["coverage"], r["hosts"]["per_host"]
+    groups = cov["epoch_duplicate_records"]
+    epochs = r.get("epochs") or []
+    times = [e.get("times_seen") for e in epochs]
+    if not groups or r["domain_ideal"]["weighted"] or None in times or not times or \
+            sum(p.get("epoch_duplicated_records", 0) for p in per) != groups:
+        return None
+    seen = np.zeros(max(len(t) for t in times), np.int64)
+    for t in times:
+        seen[:len(t)] += t
+    w = int(np.argmax(seen)) + 1  # the commonest times seen
+    share = float(seen[w - 1] / seen.sum())
+    if w < 2 or share < 0.9:
+        return None
+    for e in epochs:
+        first = r["_steps"].first(e["first_step"], e["last_step"])
+        span = e["last_step"] - e["first_step"] + 1
+        if first is not None and first - e["first_step"] >= span / (2 * w):
+            return None
+    return w, share
 
 
 SHARED_SHARD = 0.95  # two hosts whose record sets agree this much read one shard

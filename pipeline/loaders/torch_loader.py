@@ -18,7 +18,9 @@ None, `in_order=False` with workers.
 
 Record key of sampler index i: `key_of(indices)` (vectorised), else the dataset's
 `tally_record_keys(indices)`, else i. Epoch: `epoch_of(indices)`, else the sampler's `epoch`
-(DistributedSampler's `set_epoch`, StatefulDistributedSampler) when the pass began, else -1.
+(DistributedSampler's `set_epoch`, StatefulDistributedSampler) when the pass began, else -1; a
+pass that begins after a whole one with that epoch unchanged (set_epoch not called) is recorded
+as the epoch after the last, with a warning.
 Step: the epoch's base step + the batch's ordinal in the epoch; the base is `start_step` for the
 first pass, then where the previous pass ended; a state from the audited loader's `state_dict()`
 carries it (`tally_epoch_base`), so a restored loader continues steps exactly across epochs.
@@ -34,6 +36,7 @@ import collections
 import itertools
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -124,6 +127,7 @@ class _Recorder:
 
     def __init__(self, it: Iterator, epoch: int) -> None:
         self._it, self.epoch = it, epoch
+        self.told = epoch  # the sampler's own epoch when the pass began
         self.drawn: collections.deque = collections.deque()
         self.count = 0  # draws since this recorder began (or was restored)
         self.base: int | None = 0  # epoch ordinal of draw 0 (None: restored, not yet known)
@@ -180,7 +184,20 @@ class _RecordingBatchSampler:
     def __iter__(self) -> _Recorder:
         it = iter(self._inner)
         cls = _StatefulRecorder if _stateful(it) else _Recorder
-        self.latest = cls(it, sampler_epoch(self._inner))
+        told, prev = sampler_epoch(self._inner), self.latest
+        epoch = told
+        if told >= 0 and prev is not None and prev.told == told and prev.base == 0 and \
+                prev.count >= len(self._inner):
+            # A new pass after a whole one with the sampler's epoch unchanged: set_epoch was
+            # not called. The pass is an epoch of its own all the same (recorded as the one
+            # after the last), or every later pass would read as repeats within epoch `told`.
+            epoch = prev.epoch + 1
+            warnings.warn(f"the sampler's epoch is still {told} at a new pass over the "
+                          "DataLoader: call sampler.set_epoch(epoch) before each epoch "
+                          "(DistributedSampler reads the same order every epoch without it); "
+                          "Tally records this pass as epoch " + str(epoch), stacklevel=2)
+        self.latest = cls(it, epoch)
+        self.latest.told = told
         return self.latest
 
     def __len__(self) -> int:
