@@ -483,6 +483,8 @@ def test_an_iterable_dataset_copied_into_every_worker_is_named(tmp_path, workers
     for f in found:
         assert f["numbers"]["workers"] == workers
         assert f"its DataLoader's {workers} workers each make the same batches" in f["message"]
+        # 2 epochs of 25 batches a worker: 50 runs of repeats, 16 of them listed
+        assert len(f["numbers"]["ranges"]) == 16 and f["numbers"]["ranges_in_all"] == 50
 
 
 def test_attach_cost_benchmark_runs():

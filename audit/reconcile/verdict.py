@@ -203,8 +203,10 @@ def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
         add("FAIL", "repeated_batches",
             f"host {host} handed the same batch again at {plural(steps, 'step')} ({where}): each "
             f"of those steps consumed exactly the records of the step before it, {why}",
-            host=host, steps=steps, ranges=[[x["first_step"], x["last_step"]] for x in spans],
-            **({"workers": w} if w else {}))
+            host=host, steps=steps,
+            ranges=[[x["first_step"], x["last_step"]] for x in spans[:RANGES]],
+            **({"workers": w} if w else {}),
+            **({"ranges_in_all": len(spans)} if len(spans) > RANGES else {}))
         found = True
     for g in hosts.get("gaps", []):
         add("FAIL", "host_gap",
@@ -227,6 +229,11 @@ def _host_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
             last_step=g["last_step"], attempt=g["attempt"])
         found = True
     return found
+
+
+# Ranges of steps a repeated_batches finding lists, at most (W workers' copies over a
+# 1.4M-step run would make 700k a host): the report's hosts.repeated_batches keeps them all.
+RANGES = 16
 
 
 def _workers_in_step(spans: list[dict[str, Any]]) -> int | None:
