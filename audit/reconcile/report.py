@@ -104,7 +104,8 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                     else exposure.domain_epoch_duplicates(sizes, by_epoch)}
     weighted = exposure.weighted_domains(
         (coverage["excess_exposures"], coverage["missing_exposures"], merged.epoch_duplicates),
-        tuple(domain_ideal.values()), merged.domain_levels)
+        (domain_ideal["excess_exposures"], domain_ideal["missing_exposures"],
+         domain_ideal["epoch_duplicates"]), merged.domain_levels)
     # Every exposure in a known epoch, and each epoch even within each domain: a distance over
     # the whole run is partial passes restarted epoch by epoch, the loader's design.
     in_epochs = sum(int(h.sum(axis=0) @ np.arange(h.shape[1])) for h in by_epoch.values())
