@@ -32,6 +32,7 @@ integrity check then proves nothing about the corpus). Epochs are exact for Grai
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import pickle
@@ -42,6 +43,9 @@ from typing import Any
 
 import grain
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from tally.audit.core.errors import TallyError
 from tally.audit.core.hashing import as_token_array, hash_runs
@@ -292,6 +296,98 @@ class SourceHashes:
                               content_hash=hash_runs(flat, starts, lengths), epoch=epochs)
 
 
+class FileKeyedHashes:
+    """ManifestHashes for sources that read files (Grain's and array_record's
+    `ArrayRecordDataSource`): a source's record i is record j of file f by the source's own read
+    instructions, and its record key is the manifest's row whose `source` names file f and
+    whose `source_index` is j. MaxText lists its files with `glob.glob` (directory order, not
+    sorted) and mixes its patterns in the order the user wrote them, where `tally manifest`
+    keys files sorted by path: by position alone a key would name another file's record (and,
+    in a mixture, another domain's)."""
+
+    def __init__(self, hashes: ManifestHashes, source: Leaves) -> None:
+        self.inner, self.fingerprint = hashes, hashes.fingerprint
+        self.content_basis = hashes.content_basis
+        files = _manifest_files(hashes.path)
+        starts, bases = [], []
+        for offset, src in zip(source.offsets, source.sources, strict=True):
+            at = offset
+            for name, lo, hi in _read_instructions(src):
+                r = _manifest_file(files, name, hashes.path)
+                first, last = r["first"], r["last"]
+                if r["rows"] != last - first + 1 or lo < first or hi - 1 > last:
+                    raise AttachError(f"file {name} (records {lo}..{hi - 1}) is not among "
+                                      f"records {first}..{last} of its entry in the manifest "
+                                      f"{hashes.path}: is it this corpus' manifest?")
+                starts.append(at)
+                bases.append(r["key"] + lo - first)
+                at += hi - lo
+        self.starts, self.bases = np.array(starts, np.int64), np.array(bases, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def keys(self, keys: np.ndarray) -> np.ndarray:
+        f = np.searchsorted(self.starts, keys, side="right") - 1
+        return self.bases[f] + (keys - self.starts[f])
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.lookup(self.keys(keys))
+
+    def segments(self, keys: np.ndarray, epochs: np.ndarray) -> Segments:
+        return self.inner.segments(self.keys(keys), epochs)
+
+
+def _manifest_files(manifest: str) -> dict[str, dict[str, int]]:
+    """Per file of the manifest's train split (its `source`): the least and greatest
+    `source_index`, the least record key and the rows, read a batch at a time with the file
+    names dictionary-encoded (a manifest of billions of records is never held whole)."""
+    files: dict[str, dict[str, int]] = {}
+    pf = pq.ParquetFile(manifest, read_dictionary=["source"])
+    for batch in pf.iter_batches(columns=["record_key", "split", "source", "source_index"],
+                                 batch_size=1 << 20):
+        train = pc.equal(batch["split"], "train").to_numpy(zero_copy_only=False)
+        if not train.any():
+            continue
+        src = batch["source"].filter(pa.array(train))
+        codes = src.indices.to_numpy(zero_copy_only=False)
+        names = src.dictionary.to_pylist()
+        key = batch["record_key"].to_numpy()[train]
+        index = batch["source_index"].to_numpy()[train]
+        for c in np.unique(codes).tolist():
+            at = codes == c
+            k, i = key[at], index[at]
+            r = files.setdefault(names[c], {"key": int(k.min()), "first": int(i.min()),
+                                            "last": int(i.max()), "rows": 0})
+            r["key"], r["rows"] = min(r["key"], int(k.min())), r["rows"] + int(at.sum())
+            r["first"], r["last"] = min(r["first"], int(i.min())), max(r["last"], int(i.max()))
+    return files
+
+
+def _read_instructions(source: Any) -> list[tuple[str, int, int]]:
+    return [(os.fspath(r.filename), int(r.start), int(r.end))
+            for r in source._read_instructions]
+
+
+def _manifest_file(files: Mapping[str, Any], name: str, manifest: str) -> Any:
+    """The manifest's entry for file `name`: its `source` is the file's path under the corpus
+    directory, so the longest one that `name` ends with."""
+    found = [s for s in files if name == s or name.endswith("/" + s)]
+    if not found:
+        raise AttachError(f"file {name} is not among the sources of the manifest {manifest}: "
+                          "make the manifest of the files the loader reads")
+    return files[max(found, key=len)]
+
+
+def keyed_by_file(hashes: ManifestHashes | None, source: Leaves
+                  ) -> ManifestHashes | FileKeyedHashes | None:
+    """`hashes` keyed by file where every source the loader reads is a file reader (see
+    FileKeyedHashes); as they are otherwise (a source of records in the manifest's order)."""
+    if hashes is None or not all(hasattr(s, "_read_instructions") for s in source.sources):
+        return hashes
+    return FileKeyedHashes(hashes, source)
+
+
 # ---- the live attach -------------------------------------------------------------------
 
 def _private_copy(obj: Any) -> Any:
@@ -376,7 +472,8 @@ class AuditedLoader:
         self.loader, self.writer, self.start_step = loader, writer, start_step
         self.contract = contract_of(loader)
         self._keys = SamplerKeys(_private_copy(loader._sampler), epoch_of)
-        self._hashes = hashes or SourceHashes(_private_copy(loader._data_source), tokens_field)
+        self._hashes = keyed_by_file(hashes, Leaves((loader._data_source,), (0,))) or \
+            SourceHashes(_private_copy(loader._data_source), tokens_field)
 
     def __iter__(self) -> AuditedIterator:
         return AuditedIterator(iter(self.loader), self.writer, self.contract,
@@ -412,7 +509,7 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *,
     dataset = isinstance(loader, (grain.MapDataset, grain.IterDataset))
     if dataset:
         elements = dataset_contract(loader).elements
-        records = len(source_indices(elements, np.zeros(1, np.int64))[1])
+        records = len(leaves(elements))
         if not isinstance(spool, LedgerWriter) and not {"host", "host_count"} <= set(
                 writer_options):
             raise AttachError("a dataset pipeline does not know its host: give host= and "
@@ -454,10 +551,19 @@ def _length(source: Any) -> int | None:
 # the chain to the source: a slice maps i to start + (i % len) * step + (i // len) * parent's
 # length, a shuffle through Grain's per-epoch index shuffle, a repeat passes it on (or takes it
 # modulo with reseed_each_epoch=False), 1:1 maps pass it on, and the source reads index % N:
-# the record key is g % N and the epoch g // N. Filter, flat map, mix, window shuffle and zip
-# change that correspondence and are refused.
+# the record key is g % N and the epoch g // N. A mixture (`MapDataset.mix`, `concatenate`)
+# hands index i to parent j at index i_j, both from its own selection map (Grain's, asked
+# element by element, so any selection map is followed exactly); each parent's chain goes on
+# from there. The sources under a mixture are keyed in its order, each after the records of
+# the ones before (`Leaves`), and an epoch is a pass over the record's own source: Grain's mix
+# of a 10-record and a 40-record source at even weights reads the small one in every mix epoch
+# and the next 10 of the large one (a probe: ids 100-109, then 110-119, ...), so the large
+# source's passes are a quarter as many, which the reconcile measures by each domain's own
+# ideal where the manifest gives each source its domain. Filter, flat map, window shuffle and
+# zip change the correspondence and are refused.
 _PASS_THROUGH = ("MapMapDataset", "RandomMapMapDataset", "MapWithIndexMapDataset",
                  "_WithSeedMapDataset")
+_MIXTURES = ("MixedMapDataset", "ConcatenateMapDataset")
 _ITER_PASS_THROUGH = ("MapIterDataset", "RandomMapIterDataset", "_WithSeedIterDataset",
                       "_WithOptionsIterDataset", "WithOptionsIterDataset")
 
@@ -467,8 +573,57 @@ def _parent(ds: Any) -> Any:
     return parents[0] if parents else None
 
 
-def source_indices(ds: grain.MapDataset, idx: np.ndarray) -> tuple[np.ndarray, Any]:
-    """(global source indices epoch * N + record key, the source) of elements `idx` of `ds`."""
+@dataclass(frozen=True)
+class Leaves:
+    """The data sources under a MapDataset pipeline in its mixtures' order: source j's record
+    i has record key `offsets[j] + i`. Reads a record by its key (what SourceHashes hashes)."""
+
+    sources: tuple[Any, ...]
+    offsets: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return self.offsets[-1] + len(self.sources[-1])
+
+    def __getitem__(self, key: int) -> Any:
+        j = bisect.bisect_right(self.offsets, key) - 1
+        return self.sources[j][key - self.offsets[j]]
+
+    def __repr__(self) -> str:
+        return f"Leaves({', '.join(repr(s) for s in self.sources)})"
+
+
+def leaves(ds: grain.MapDataset) -> Leaves:
+    """The sources `ds` reads, in key order; AttachError for a chain the attach cannot follow."""
+    found: list[Any] = []
+    stack = [ds]
+    while stack:
+        d = stack.pop()
+        name = type(d).__name__
+        if name == "SourceMapDataset":
+            found.append(d._source)
+        elif name in _MIXTURES:
+            stack.extend(reversed(d._parents))
+        elif name in _PASS_THROUGH + ("SliceMapDataset", "ShuffleMapDataset",
+                                      "RepeatMapDataset"):
+            if name == "SliceMapDataset" and d._length == 0:
+                raise AttachError("an empty slice in the pipeline: nothing to read")
+            if _parent(d) is None:
+                raise AttachError("the pipeline does not start at MapDataset.source(...)")
+            stack.append(_parent(d))
+        else:
+            raise AttachError(
+                f"{name} in the MapDataset pipeline changes which record an index names "
+                "(filter, flat map, window shuffle, zip): carry the record key instead "
+                "(map_with_index right after the source) and hand batches to "
+                "LedgerWriter.write_batch (docs/guides/attach.md: 'Attaching Tally to your own "
+                "loop')")
+    lengths = [len(s) for s in found]
+    return Leaves(tuple(found), tuple(int(x) for x in np.cumsum([0, *lengths[:-1]])))
+
+
+def source_indices(ds: grain.MapDataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(record keys, epochs) of elements `idx` of `ds`: keys as `leaves(ds)` numbers them, the
+    epoch the pass over the record's own source."""
     idx = np.asarray(idx, np.int64)
     while True:
         name = type(ds).__name__
@@ -489,18 +644,33 @@ def source_indices(ds: grain.MapDataset, idx: np.ndarray) -> tuple[np.ndarray, A
         elif name == "RepeatMapDataset":
             if not ds._reseed_each_epoch:
                 idx = idx % ds._parent_length
+        elif name in _MIXTURES:
+            return _mixed_indices(ds, idx)
         elif name == "SourceMapDataset":
-            return idx, ds._source
+            n = len(ds._source)
+            return idx % n, idx // n
         else:
-            raise AttachError(
-                f"{name} in the MapDataset pipeline changes which record an index names "
-                "(filter, flat map, mix, window shuffle, zip): carry the record key instead "
-                "(map_with_index right after the source) and hand batches to "
-                "LedgerWriter.write_batch (docs/guides/attach.md: 'Attaching Tally to your own "
-                "loop')")
+            leaves(ds)  # raises the refusal, in one line
+            raise AttachError(f"{name} in the MapDataset pipeline cannot be followed")
         ds = _parent(ds)
         if ds is None:
             raise AttachError("the pipeline does not start at MapDataset.source(...)")
+
+
+def _mixed_indices(ds: Any, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    selection = ds._selection_map
+    picked = [selection[i] for i in idx.tolist()]
+    which = np.fromiter((j for j, _ in picked), np.int64, len(picked))
+    within = np.fromiter((i for _, i in picked), np.int64, len(picked))
+    keys, epochs = np.empty_like(idx), np.empty_like(idx)
+    base = 0
+    for j, parent in enumerate(ds._parents):
+        at = which == j
+        if at.any():
+            k, e = source_indices(parent, within[at])
+            keys[at], epochs[at] = k + base, e
+        base += len(leaves(parent))
+    return keys, epochs
 
 
 @dataclass(frozen=True)
@@ -542,7 +712,7 @@ def dataset_contract(ds: Any) -> DatasetContract:
             raise AttachError(f"{type(d).__name__} between to_iter_dataset() and .batch(): "
                               "only 1:1 maps keep positions naming records")
         d = _parent(d)
-    source_indices(d, np.zeros(1, np.int64))  # refuses an unsupported chain now, not mid-run
+    leaves(d)  # refuses an unsupported chain now, not mid-run
     return DatasetContract(d, b, drop, batches, wraps)
 
 
@@ -557,17 +727,17 @@ class AuditedDataset:
                  tokens_field: str = "tokens", hashes: ManifestHashes | None = None) -> None:
         self.ds, self.writer, self.start_step = ds, writer, start_step
         self.contract = dataset_contract(ds)
-        _, source = source_indices(self.contract.elements, np.zeros(1, np.int64))
+        source = leaves(self.contract.elements)
         self.records = len(source)
-        self._hashes = hashes or SourceHashes(_private_copy(source), tokens_field)
+        self._hashes = keyed_by_file(hashes, source) or SourceHashes(_private_copy(source),
+                                                                     tokens_field)
 
     def _record(self, k: int) -> None:
         idx = self.contract.batch_indices(k)
-        contract, hashes, n = self.contract, self._hashes, self.records
+        contract, hashes = self.contract, self._hashes
 
         def segments() -> Segments:  # on the writer's thread
-            g, _ = source_indices(contract.elements, idx)
-            return hashes.segments(g % n, g // n)
+            return hashes.segments(*source_indices(contract.elements, idx))
 
         self.writer.write_segments(self.start_step + k, segments)
 

@@ -178,6 +178,7 @@ class ManifestHashes:
                              f"0..{len(keys) - 1} in order")
         self.hash = train["content_hash"].to_numpy()
         self.n_tokens = train["n_tokens"].to_numpy()
+        self.path = os.fspath(manifest)
         self.fingerprint = info["manifest_fingerprint"]
         # Hashes taken from the manifest are under its content basis (tally.pipeline.text), which
         # the run's spool then says ("" for a manifest that records none: token ids).

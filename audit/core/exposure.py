@@ -205,6 +205,17 @@ def domain_epoch_duplicates(records: dict[str, int], levels: dict[str, np.ndarra
     return out
 
 
+def domain_epoch_repeats(levels: dict[str, np.ndarray]) -> dict[str, int]:
+    """Each domain's exposures that repeat a record within its epoch, all of them (`levels` as
+    for `domain_epoch_duplicates`): what no sharding makes of every domain alike, where a
+    mixture's weights force repeats only in the domains it reads more than once an epoch."""
+    out = {}
+    for d, h in levels.items():
+        h = np.asarray(h, np.int64)
+        out[d] = int((h @ np.arange(h.shape[1])).sum() - h[:, 1:].sum())
+    return out
+
+
 def domain_epoch_distance(records: dict[str, int], levels: dict[str, np.ndarray]
                           ) -> tuple[int, int]:
     """(excess, missing) exposures of every domain in every epoch against that epoch's own

@@ -111,6 +111,7 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
     in_epochs = sum(int(h.sum(axis=0) @ np.arange(h.shape[1])) for h in by_epoch.values())
     domain_ideal["epochs_even"] = bool(in_epochs and in_epochs == total) and \
         exposure.domain_epoch_distance(sizes, by_epoch) == (0, 0)
+    repeats = None if merged.domain_epochs_untold else exposure.domain_epoch_repeats(by_epoch)
     rec_total = sum(int(v[0]) for v in dom.values()) or 1
     tok_total = sum(int(v[1]) for v in dom.values()) or 1
     exp_total = sum(int(v[2]) for v in dom.values()) or 1
@@ -123,7 +124,8 @@ def build(plan: Plan, merged: Partial, source: tuple[str, str | Path] | None = N
                 "actual_token_share": v[3] / ctok_total,
                 "passes": v[2] / v[0] if v[0] else 0.0,
                 "excess_exposures": own.get(d, (0, 0))[0],
-                "missing_exposures": own.get(d, (0, 0))[1]}
+                "missing_exposures": own.get(d, (0, 0))[1],
+                "epoch_duplicates": None if repeats is None else repeats.get(d, 0)}
                for d, v in sorted(dom.items())]
     sources = [{"source": s, "records": int(v[0]), "never_seen": int(v[1]),
                 "mismatched_records": int(v[2]) if len(v) > 2 else 0}

@@ -145,7 +145,11 @@ def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
     dups = _duplicates(r)
     excess, missing = _distance(r)
     off = total and (excess or missing or dups)
-    if r["domain_ideal"]["weighted"]:
+    # Each domain even by its own ideal is what a mixture read on unsliced hosts looks like
+    # too (every domain H times over): no sharding is asked first, and then said alone.
+    unsharded = not off and r["domain_ideal"]["weighted"] and _no_sharding(
+        r, lambda *a, **k: None)
+    if r["domain_ideal"]["weighted"] and not unsharded:
         own, forced = r["domain_ideal"], cov["epoch_duplicates"] - dups
         said = ([f"{cov['excess_exposures']:,} exposures beyond the whole split's ideal and "
                  f"{cov['missing_exposures']:,} below it"]
@@ -175,6 +179,8 @@ def _exposure_findings(r: dict[str, Any], add: Callable[..., Any]) -> None:
         off and _run_findings(r, lambda *a, **k: None))) or by_hosts
     if off and not explained:
         explained = _run_findings(r, add)
+    elif unsharded and not explained:
+        explained = _no_sharding(r, add)
     if dups and not explained:
         explained = _concentration_findings(r, add)
     if off and not explained:
@@ -492,25 +498,17 @@ def _resume_findings(r: dict[str, Any], add: Callable[..., Any],
     return found
 
 
-def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
-    """Patterns of the whole run's exposure: no sharding, sampling with replacement, files
-    never read, sampler padding, plain within-epoch repeats or an uneven spread."""
-    cov, hosts = r["coverage"], r["hosts"]
-    n, total, h = cov["train_records"], cov["exposures"], hosts["count"]
-    dups = cov["epoch_duplicates"]
-    seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
-    unseen = cov["never_seen_fraction"]
+def _no_sharding(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """Every host saw (almost) everything any host saw: no sharding at all."""
+    hosts = r["hosts"]
     overlap = hosts["overlap_matrix"]  # rows and columns in per_host's order
     at = [i for i, p in enumerate(hosts["per_host"]) if p["exposures"]]
     active = [hosts["per_host"][i] for i in at]
-
-    # Every host saw (almost) everything any host saw: no sharding at all. Where epochs are
-    # known, each host then reads each record in every epoch: (H - 1)/H of the exposures
-    # repeat within their epoch. Over several epochs a few correctly sharded hosts come to
-    # share most records too (2 hosts over 4 epochs: 7 in 8 expected, 1 - 2/2^4; 365 of 383
-    # in a probe of HF interleaving), with no such repeats.
-    repeats_due = 0.8 * total * (len(active) - 1) / max(1, len(active))
-    if len(active) > 1 and not (r.get("epochs") and _duplicates(r) < repeats_due):
+    # Where epochs are known, each host then reads each record in every epoch: (H - 1)/H of
+    # the exposures repeat within their epoch. Over several epochs a few correctly sharded
+    # hosts come to share most records too (2 hosts over 4 epochs: 7 in 8 expected,
+    # 1 - 2/2^4; 365 of 383 in a probe of HF interleaving), with no such repeats.
+    if len(active) > 1 and not (r.get("epochs") and not _repeated_as_unsharded(r, len(active))):
         diag = [overlap[i][i] for i in at]
         off = [overlap[i][j] for i in at for j in at if i != j]
         if min(off) >= 0.95 * max(diag):
@@ -519,6 +517,22 @@ def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
                 f"{max(diag):,} shared by every pair): no sharding — every record is seen "
                 f"{len(active)} times per epoch", hosts=len(active))
             return True
+    return False
+
+
+def _run_findings(r: dict[str, Any], add: Callable[..., Any]) -> bool:
+    """Patterns of the whole run's exposure: no sharding, sampling with replacement, files
+    never read, sampler padding, plain within-epoch repeats or an uneven spread."""
+    cov, hosts = r["coverage"], r["hosts"]
+    n, total, h = cov["train_records"], cov["exposures"], hosts["count"]
+    dups = cov["epoch_duplicates"]
+    seen2 = cov["histogram_fraction"]["2"] + cov["histogram_fraction"]["3+"]
+    unseen = cov["never_seen_fraction"]
+    at = [i for i, p in enumerate(hosts["per_host"]) if p["exposures"]]
+    active = [hosts["per_host"][i] for i in at]
+
+    if _no_sharding(r, add):
+        return True
     # Hosts in groups that each read one shard: a sampler rank or shard index taken from the
     # rank within a node (LOCAL_RANK on every node), or one host's index given to another.
     shared = _shared_shards(r, at) if len(active) > 2 else []
@@ -728,6 +742,21 @@ def _distance(r: dict[str, Any]) -> tuple[int, int]:
     elif ideal["epochs_even"]:
         return 0, 0
     return ideal["excess_exposures"], ideal["missing_exposures"]
+
+
+def _repeated_as_unsharded(r: dict[str, Any], hosts: int) -> bool:
+    """Whether the within-epoch repeats are what H unsharded hosts make: (H - 1)/H of the
+    exposures (four fifths of that, for epochs a loader ends early), in the run and in every
+    domain alike. All repeats count, those a mixture's weights force too: a mixture read
+    without sharding reads each domain H times an epoch on its own passes, which its own
+    ideal takes for an upsampled domain (Grain's `mix` on 2 unsliced hosts: every record of
+    each domain exactly twice an epoch, each on both hosts). A correctly sharded mixture
+    repeats within epochs only the domains it reads more than once an epoch."""
+    due = 0.8 * (hosts - 1) / hosts
+    if r["coverage"]["epoch_duplicates"] < due * r["coverage"]["exposures"]:
+        return False
+    return all(d["epoch_duplicates"] is None or d["epoch_duplicates"] >= due * d["exposures"]
+               for d in r["domains"] if d["exposures"])
 
 
 def _duplicates(r: dict[str, Any]) -> int:

@@ -1,0 +1,174 @@
+"""MaxText's Grain mixture audited in one line: `grain.MapDataset.mix` over ArrayRecord files of
+`tf.train.Example` (MaxText's `grain_train_files="web/*:0.5;code/*:0.5"`), shuffled, repeated,
+sliced per host, batched. The keys come from Grain's own selection map and the sources' files
+(MaxText lists them with glob, in directory order, where the manifest sorts them), the epochs
+are each source's own passes, and the reconcile measures each domain by its own ideal. Real
+Grain, real ArrayRecord files, the real manifest job; the document hashes the tests compare
+against travel in a batch field the attach never reads."""
+
+from __future__ import annotations
+
+import glob
+
+import grain
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from tally.audit.core.hashing import bytes_hash
+from tally.pipeline.formats.tf_example import example_class
+from tally.pipeline.grain_attach import AttachError, audited, leaves, source_indices
+from tests.test_grain_attach import spool_rows
+
+LENGTH = 64
+
+
+def _write(path, texts, domain):
+    example = example_class()
+    w = ArrayRecordWriter(str(path), "group_size:1")
+    for t in texts:
+        e = example()
+        e.features.feature["text"].bytes_list.value.append(t.encode())
+        e.features.feature["domain"].bytes_list.value.append(domain.encode())
+        w.write(e.SerializeToString())
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """web: 60 documents in 2 files; code: 20 in 1; its manifest (keys: code first, sorted)."""
+    from tally.pipeline.manifest import build_manifest
+
+    root = tmp_path_factory.mktemp("mix")
+    (root / "web").mkdir()
+    (root / "code").mkdir()
+    for part in range(2):
+        _write(root / "web" / f"web-{part}.array_record",
+               [f"web page {part}-{i} " * (1 + i % 4) for i in range(30)], "web")
+    _write(root / "code" / "code-0.array_record",
+           [f"def f{i}(): return {i}" for i in range(20)], "code")
+    build_manifest(root, root / "manifest.parquet", chunk_records=25)
+    return root
+
+
+class Parse(grain.transforms.Map):
+    """MaxText's ParseFeatures and PadOrTrim, in one 1:1 map: the text's bytes, padded; and
+    the document's hash for the tests (the attach never reads it)."""
+
+    def map(self, raw: bytes) -> dict:
+        e = example_class()()
+        e.ParseFromString(raw)
+        text = e.features.feature["text"].bytes_list.value[0]
+        out = np.zeros(LENGTH, np.int32)
+        b = np.frombuffer(text, np.uint8)[:LENGTH]
+        out[: len(b)] = b
+        return {"inputs": out, "doc_hash": np.uint64(bytes_hash(text))}
+
+
+def get_datasets(root, patterns, host, hosts, *, epochs=3, shard=True):
+    """MaxText's get_datasets for ArrayRecord: glob each pattern (directory order: here
+    reversed from sorted, as glob may give it), mix by weight, shuffle, repeat, slice."""
+    sources = [grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
+        sorted(glob.glob(str(root / p)), reverse=True))) for p, _ in patterns]
+    ds = grain.MapDataset.mix(sources, [w for _, w in patterns]) if len(sources) > 1 else \
+        sources[0]
+    ds = ds.shuffle(seed=5).repeat(epochs)
+    if shard:
+        ds = ds[host::hosts]
+    return ds.to_iter_dataset().map(Parse()).batch(4, drop_remainder=False)
+
+
+MIX = [("web/*.array_record", 0.5), ("code/*.array_record", 0.5)]
+
+
+def run(corpus, spool, patterns=MIX, hosts=2, **kw):
+    got = []
+    for h in range(hosts):
+        ds = audited(get_datasets(corpus, patterns, h, hosts, **kw), spool, run_id="r",
+                     host=h, host_count=hosts, hashes=corpus / "manifest.parquet")
+        got.append(list(ds))
+        ds.writer.finish()
+    return got
+
+
+def test_mixture_keys_follow_grains_selection_map_and_each_sources_passes():
+    class Ids(grain.sources.RandomAccessDataSource):
+        def __init__(self, n, base):
+            self.n, self.base = n, base
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return self.base + i
+
+    small, large = grain.MapDataset.source(Ids(10, 0)), grain.MapDataset.source(Ids(40, 10))
+    for mixed in (grain.MapDataset.mix([small, large.shuffle(seed=4)], [0.5, 0.5]),
+                  grain.MapDataset.concatenate([small, large]),
+                  grain.MapDataset.mix([grain.MapDataset.mix([small, large], [1, 3]),
+                                        grain.MapDataset.source(Ids(7, 50))], [0.9, 0.1])):
+        ds = mixed.shuffle(seed=1).repeat(4)[1::2]
+        keys, epochs = source_indices(ds, np.arange(len(ds)))
+        assert keys.tolist() == [ds[i] for i in range(len(ds))]  # Grain's own answer
+        assert len(leaves(ds)) == 50 + 7 * (len(leaves(ds).sources) == 3)
+        pairs = set(zip(keys.tolist(), epochs.tolist(), strict=True))
+        assert len(pairs) == len(keys)  # no record twice within one pass of its source
+    # The even mix reads the 10 small records in each of 4 mix epochs and the next 10 of the
+    # large source: the small source's epochs 0..3, the large one's 0 only.
+    ds = grain.MapDataset.mix([small, large], [0.5, 0.5]).shuffle(seed=1).repeat(4)
+    keys, epochs = source_indices(ds, np.arange(len(ds)))
+    assert sorted(set(epochs[keys < 10].tolist())) == [0, 1, 2, 3]
+    assert set(epochs[keys >= 10].tolist()) == {0} and len(set(keys[keys >= 10].tolist())) == 40
+
+
+def test_maxtexts_mixture_over_array_record_files_is_keyed_by_file(corpus, tmp_path):
+    import pyarrow.parquet as pq
+
+    got = run(corpus, tmp_path / "spool")
+    rows = spool_rows(tmp_path / "spool")
+    # Every row's hash (the manifest's, by the key the attach gave it) is the hash of the
+    # document the loop got at that place.
+    want = [int(h) for host in got for b in host for h in b["doc_hash"]]
+    by_host = sorted(zip(rows["host"].tolist(), rows["step"].tolist(), rows["row"].tolist(),
+                         rows["content_hash"].tolist(), strict=True))
+    assert [h for *_, h in by_host] == want
+    m = pq.read_table(corpus / "manifest.parquet").to_pydict()
+    domain = dict(zip(m["record_key"], m["domain"], strict=True))
+    keys = rows["record_key"].tolist()
+    assert {domain[k] for k in keys} == {"web", "code"}
+    # 3 mix epochs of 40 (20 code + 20 web): code's 20 records 3 times, web's first 60 once.
+    code = [k for k in keys if domain[k] == "code"]
+    web = [k for k in keys if domain[k] == "web"]
+    assert sorted(np.bincount(code).tolist()[min(code):]) == [3] * 20
+    assert len(web) == len(set(web)) == 60
+
+
+def test_the_mixture_reconciles_by_each_domains_ideal_and_a_fault_in_it_fails(corpus,
+                                                                             tmp_path):
+    from tally.audit.reconcile import reconcile
+
+    run(corpus, tmp_path / "ok")
+    r = reconcile(run_id="r", manifest=corpus / "manifest.parquet", out=tmp_path / "rep",
+                  spool=tmp_path / "ok")
+    assert r["verdict"] == "PASS", r["findings"]
+    assert [f["code"] for f in r["findings"]] == ["domain_weighted"]
+    assert {d["domain"]: (d["passes"], d["epoch_duplicates"]) for d in r["domains"]} == {
+        "code": (3.0, 0), "web": (1.0, 0)}
+
+    # MaxText's sharding slice left out: each host reads the whole mixture.
+    run(corpus, tmp_path / "bad", shard=False)
+    r = reconcile(run_id="r", manifest=corpus / "manifest.parquet", out=tmp_path / "rep2",
+                  spool=tmp_path / "bad")
+    # Each domain is even by its own ideal (code 6 passes, web 2), which reads as weighted;
+    # the repeats within every domain's own passes, on every host, are no sharding's.
+    assert [f["code"] for f in r["findings"]] == ["no_sharding"], r["findings"]
+    assert {d["domain"]: d["epoch_duplicates"] for d in r["domains"]} == {"code": 60, "web": 60}
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(corpus, tmp_path):
+    other = tmp_path / "other.array_record"
+    _write(other, ["x"], "web")
+    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource([str(other)]))
+    with pytest.raises(AttachError, match="other.array_record is not among the sources"):
+        audited(ds.to_iter_dataset().map(Parse()).batch(2), tmp_path / "s", run_id="r",
+                host=0, host_count=1, hashes=corpus / "manifest.parquet")
