@@ -491,8 +491,9 @@ def audited(loader: Any, spool: Any, run_id: str | None = None, *,
     """`loader`, recording every batch its iterators hand out.
 
     `loader` is a `grain.DataLoader`, or a MapDataset pipeline ending in `.batch(B)` (or its
-    `to_iter_dataset()...batch(B)`): for those, give `host=` and `host_count=` with a spool
-    directory (a MapDataset does not know its host).
+    `to_iter_dataset()...batch(B)`, then 1:1 maps and `mp_prefetch` as MaxText's): for those,
+    give `host=` and `host_count=` with a spool directory (a MapDataset does not know its
+    host). Its sources may be mixed (`MapDataset.mix`, `concatenate`).
 
     `spool`: a spool directory (a `LedgerWriter` is made for this host: host and host count
     from the loader's `ShardOptions`, records_per_epoch from the data source, `run_id` and
@@ -682,6 +683,7 @@ class DatasetContract:
     drop_remainder: bool
     batches: int  # batches in one pass over `elements`
     wraps: bool  # a MapDataset's batch k >= `batches` reads a later pass (Grain's rule)
+    workers: int = 0  # `mp_prefetch` worker processes: worker w batches elements w, w + W, ...
 
     def batch_indices(self, k: int) -> np.ndarray:
         n = len(self.elements)
@@ -696,6 +698,9 @@ def dataset_contract(ds: Any) -> DatasetContract:
     d = ds
     names = _ITER_PASS_THROUGH if isinstance(ds, grain.IterDataset) else _PASS_THROUGH
     while d is not None and type(d).__name__ in names:
+        d = _parent(d)
+    workers, d = _prefetch_workers(d)
+    while workers and d is not None and type(d).__name__ in names:
         d = _parent(d)
     if type(d).__name__ not in ("BatchMapDataset", "BatchIterDataset"):
         raise AttachError(f"expected a pipeline ending in .batch(B) (1:1 maps after it), found "
@@ -713,7 +718,38 @@ def dataset_contract(ds: Any) -> DatasetContract:
                               "only 1:1 maps keep positions naming records")
         d = _parent(d)
     leaves(d)  # refuses an unsupported chain now, not mid-run
-    return DatasetContract(d, b, drop, batches, wraps)
+    return DatasetContract(d, b, drop, batches, wraps, workers)
+
+
+# `mp_prefetch(MultiprocessingOptions(num_workers=W))` (MaxText's last step) makes, in Grain
+# 0.2.x, WithOptions(Interleave([ProcessPrefetch(MpContext(WorkerSlice(ds, w::W))) for w])):
+# each worker process runs the whole pipeline with the MapDataset under to_iter_dataset()
+# sliced to elements w, w + W, ..., and the interleave takes a batch from each in turn. Its
+# checkpoint state lists each worker's own iterator state (`next_index`: elements it read).
+_PREFETCH_CHAIN = ("ProcessPrefetchIterDataset", "_MpContextIterDataset")
+
+
+def _prefetch_workers(d: Any) -> tuple[int, Any]:
+    """(W, the pipeline each worker runs) for an mp_prefetch's interleave; (0, d) otherwise."""
+    shards = getattr(d, "_datasets", None)
+    if type(d).__name__ != "InterleaveIterDataset" or not shards or not all(
+            type(p).__name__ == _PREFETCH_CHAIN[0] for p in shards):
+        return 0, d
+    inner = shards[0]
+    for name in _PREFETCH_CHAIN:
+        if type(inner).__name__ != name:
+            raise AttachError(f"an mp_prefetch whose workers run {type(inner).__name__}, not "
+                              "Grain's worker chain: this Grain version is not supported")
+        inner = _parent(inner)
+    w = len(shards)
+    if type(inner).__name__ == "_LazyWorkerSliceIterDataset":
+        if inner._slice != slice(0, None, w) or inner._sequential_slice:
+            raise AttachError(f"mp_prefetch's workers read {inner._slice} of the pipeline, "
+                              f"not every {w}th element: not supported")
+        inner = _parent(inner)
+    elif w != 1:
+        raise AttachError(f"mp_prefetch with {w} workers that do not slice the pipeline")
+    return w, inner
 
 
 class AuditedDataset:
@@ -732,8 +768,8 @@ class AuditedDataset:
         self._hashes = keyed_by_file(hashes, source) or SourceHashes(_private_copy(source),
                                                                      tokens_field)
 
-    def _record(self, k: int) -> None:
-        idx = self.contract.batch_indices(k)
+    def _record(self, k: int, idx: np.ndarray | None = None) -> None:
+        idx = self.contract.batch_indices(k) if idx is None else idx
         contract, hashes = self.contract, self._hashes
 
         def segments() -> Segments:  # on the writer's thread
@@ -756,16 +792,47 @@ class AuditedDataset:
         return _AuditedDatasetIterator(iter(ds), self)
 
 
+def _worker_positions(state: Any, workers: int) -> list[int]:
+    """Elements each mp_prefetch worker had read, from the interleave's checkpoint state."""
+    try:
+        at = dict(zip(state["iterators_in_use_indices"], state["iterators_in_use_states"],
+                      strict=True))
+        return [int(at[w]["next_index"]) for w in range(workers)]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AttachError(f"not the state of Grain's mp_prefetch ({type(exc).__name__}: "
+                          f"{exc}): this Grain version is not supported") from None
+
+
 class _AuditedDatasetIterator(Iterator[Any]):
     def __init__(self, it: Any, owner: AuditedDataset) -> None:
         self._it, self._owner = it, owner
 
     def __next__(self) -> Any:
+        contract = self._owner.contract
+        if contract.workers:
+            return self._next_of_workers(contract)
         k = int(self._it.get_state()["next_index"])  # batches read (elements, for an
         if isinstance(self._owner.ds, grain.IterDataset):  # IterDataset batched on top)
-            k //= self._owner.contract.batch_size
+            k //= contract.batch_size
         batch = next(self._it)
         self._owner._record(k)
+        return batch
+
+    def _next_of_workers(self, contract: DatasetContract) -> Any:
+        """The batch an mp_prefetch hands out: the worker whose position moved made it, of
+        its elements [before, after), and it is the loader's batch number sum over workers
+        of the batches each had made (ceil: a worker's last batch may be short)."""
+        w_count, b = contract.workers, contract.batch_size
+        before = _worker_positions(self._it.get_state(), w_count)
+        batch = next(self._it)
+        after = _worker_positions(self._it.get_state(), w_count)
+        moved = [w for w in range(w_count) if after[w] != before[w]]
+        if len(moved) != 1:
+            raise AttachError(f"mp_prefetch's state moved {len(moved)} workers for one batch: "
+                              "this Grain version is not supported")
+        w = moved[0]
+        idx = w + w_count * np.arange(before[w], after[w], dtype=np.int64)
+        self._owner._record(sum(-(-p // b) for p in before), idx)
         return batch
 
     def get_state(self) -> Any:

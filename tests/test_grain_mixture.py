@@ -13,6 +13,7 @@ import glob
 import grain
 import numpy as np
 import pytest
+from absl import flags
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from tally.audit.core.hashing import bytes_hash
@@ -21,6 +22,11 @@ from tally.pipeline.grain_attach import AttachError, audited, leaves, source_ind
 from tests.test_grain_attach import spool_rows
 
 LENGTH = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _absl():
+    flags.FLAGS.mark_as_parsed()  # Grain's worker processes read absl flags
 
 
 def _write(path, texts, domain):
@@ -63,6 +69,13 @@ class Parse(grain.transforms.Map):
         b = np.frombuffer(text, np.uint8)[:LENGTH]
         out[: len(b)] = b
         return {"inputs": out, "doc_hash": np.uint64(bytes_hash(text))}
+
+
+class Shift(grain.transforms.Map):
+    """MaxText's ShiftData after the batch (1:1 on batches)."""
+
+    def map(self, batch: dict) -> dict:
+        return {**batch, "targets": np.roll(batch["inputs"], -1, axis=1)}
 
 
 def get_datasets(root, patterns, host, hosts, *, epochs=3, shard=True):
@@ -163,6 +176,34 @@ def test_the_mixture_reconciles_by_each_domains_ideal_and_a_fault_in_it_fails(co
     # the repeats within every domain's own passes, on every host, are no sharding's.
     assert [f["code"] for f in r["findings"]] == ["no_sharding"], r["findings"]
     assert {d["domain"]: d["epoch_duplicates"] for d in r["domains"]} == {"code": 60, "web": 60}
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_maxtexts_whole_pipeline_with_mp_prefetch_workers_and_a_restore(corpus, tmp_path,
+                                                                       workers):
+    """MaxText's last steps: a 1:1 map on the batches, then `mp_prefetch` (worker w reads
+    elements w, w + W, ... and the loader takes a batch from each in turn); a checkpoint
+    state restored into a new pipeline goes on with the keys and steps."""
+    def pipeline():
+        ds = get_datasets(corpus, MIX, 1, 2).map(Shift())
+        return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+
+    spool = tmp_path / "spool"
+    first = audited(pipeline(), spool, run_id="r", host=1, host_count=2,
+                    hashes=corpus / "manifest.parquet")
+    it = iter(first)
+    got = [next(it) for _ in range(4)]
+    state = it.get_state()
+    again = audited(pipeline(), first.writer, hashes=corpus / "manifest.parquet")
+    it = iter(again)
+    it.set_state(state)
+    got += list(it)
+    first.writer.finish()
+    rows = spool_rows(spool)
+    assert len(got) == 15  # 60 elements for the host: 3 mix epochs of 40, every other one
+    assert rows["step"].tolist() == [k for k, b in enumerate(got) for _ in b["doc_hash"]]
+    assert rows["content_hash"].tolist() == [int(h) for b in got for h in b["doc_hash"]]
+    assert len(set(zip(rows["record_key"].tolist(), rows["epoch"].tolist(), strict=True))) == 60
 
 
 def test_a_file_the_manifest_does_not_list_is_refused(corpus, tmp_path):
