@@ -334,6 +334,13 @@ class FileKeyedHashes:
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.inner.lookup(self.keys(keys))
 
+    def resolve(self, keys: np.ndarray, epochs: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(manifest record keys, lengths, content hashes) of the sources' keys."""
+        keys = self.keys(keys)
+        h, n = self.inner.lookup(keys)
+        return keys, n, h
+
     def segments(self, keys: np.ndarray, epochs: np.ndarray) -> Segments:
         return self.inner.segments(self.keys(keys), epochs)
 
@@ -690,6 +697,28 @@ class DatasetContract:
         epoch, k = divmod(k, self.batches) if self.wraps and self.batches else (0, k)
         lo = k * self.batch_size
         return np.arange(lo, min(lo + self.batch_size, n), dtype=np.int64) + epoch * n
+
+    def batch_elements(self, k: int) -> np.ndarray | None:
+        """Elements of the k-th batch the pipeline hands out, None past its end: a MapDataset
+        indexed by step (`ds[k]`, later passes beyond its length); an IterDataset in one pass,
+        its `mp_prefetch` workers in turn (each worker's batches of its own elements w + W*p;
+        workers' slices differ by one element at most, so only the last round is partial, in
+        worker order)."""
+        if self.wraps:
+            return self.batch_indices(k)
+        n, b, w_n = len(self.elements), self.batch_size, max(1, self.workers)
+        per = [len(range(w, n, w_n)) for w in range(w_n)]
+        made = [p // b if self.drop_remainder else -(-p // b) for p in per]
+        rounds = min(made)
+        if k < w_n * rounds:
+            w, j = k % w_n, k // w_n
+        else:
+            more = [w for w in range(w_n) if made[w] > rounds]
+            if k - w_n * rounds >= len(more):
+                return None
+            w, j = more[k - w_n * rounds], rounds
+        lo = j * b
+        return w + w_n * np.arange(lo, min(lo + b, per[w]), dtype=np.int64)
 
 
 def dataset_contract(ds: Any) -> DatasetContract:

@@ -55,7 +55,13 @@ if TYPE_CHECKING:
 
 # Rows a replayed file holds, the writer_version it says, what a host's replay did and the
 # error that stops one: one home for every replay, Grain's and the PyTorch side's.
-from tally.pipeline.loaders.replayed import ROWS_PER_FILE, WRITER_VERSION, HostReplay, ReplayError
+from tally.pipeline.loaders.replayed import (
+    ROWS_PER_FILE,
+    WRITER_VERSION,
+    HostReplay,
+    ReplayedHost,
+    ReplayError,
+)
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,8 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
         from tally.pipeline.loaders.olmo_core import replay_spec_host as replay_olmo_host
 
         return replay_olmo_host(spec, host, hashes, loader)
+    if _grain_dataset(loader):
+        return _replay_dataset_host(spec, host, hashes, loader)
     from tally.pipeline.grain_attach import AttachError, SamplerKeys, SourceHashes, contract_of
 
     try:
@@ -299,6 +307,59 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
         if batches_done < n:  # a finite loader ran out
             break
     return HostReplay(host, rows, files, first, last, time.perf_counter() - t0)
+
+
+def _grain_dataset(loader: Any) -> bool:
+    grain = sys.modules.get("grain")
+    return grain is not None and isinstance(loader, (grain.MapDataset, grain.IterDataset))
+
+
+def _dataset_contract(spec: ReplaySpec, host: int, loader: Any) -> Any:
+    from tally.pipeline.grain_attach import AttachError, dataset_contract
+
+    if spec.states is not None:
+        raise ReplayError(f"--loader {spec.loader}: --states reads a grain.DataLoader's saved "
+                          "states; a dataset pipeline is replayed from its start "
+                          "(--start-step numbers its first step)")
+    try:
+        return dataset_contract(loader)
+    except AttachError as exc:
+        raise ReplayError(f"--loader {spec.loader} (host {host}): {exc}") from None
+
+
+def _replay_dataset_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None,
+                         loader: Any) -> HostReplay:
+    """A Grain dataset pipeline's batches (tally.pipeline.grain_attach.DatasetContract): a
+    MapDataset indexed by step, an IterDataset in one pass (its mp_prefetch workers in turn)."""
+    from tally.pipeline.grain_attach import SourceHashes, keyed_by_file, leaves, source_indices
+
+    contract = _dataset_contract(spec, host, loader)
+    source = leaves(contract.elements)
+    by_file = keyed_by_file(hashes, source)
+    if spec.hashes == "source":
+        reader = SourceHashes(source)
+
+        def resolve(keys: np.ndarray, epochs: np.ndarray) -> tuple[Any, Any, Any]:
+            seg = reader.segments(keys, epochs)
+            return seg.record_key, seg.n_tokens, seg.content_hash
+    elif by_file is not hashes:
+        resolve = by_file.resolve
+    else:
+        def resolve(keys: np.ndarray, epochs: np.ndarray) -> tuple[Any, Any, Any]:
+            h, n = hashes.lookup(keys)
+            return keys, n, h
+    out = ReplayedHost(spec.spool, spec.run_id, host, spec.hosts,
+                       records_per_epoch=len(hashes) if hashes is not None else len(source),
+                       resolve=resolve, fingerprint=hashes.fingerprint if hashes else "",
+                       content_basis=hashes.content_basis if hashes else "", fsync=spec.fsync)
+    for k in range(spec.steps):
+        idx = contract.batch_elements(k)
+        if idx is None:
+            break
+        keys, epochs = source_indices(contract.elements, idx)
+        out.add(spec.start_step + k, keys, epochs)
+    out.flush()
+    return HostReplay(host, out.rows, out.files, out.first, out.last, out.seconds())
 
 
 def _advance(contract: Contract, cursor: Cursor, k: int) -> Cursor:
@@ -426,6 +487,11 @@ def check(spec: ReplaySpec) -> None:
         from tally.pipeline.loaders.olmo_core import check_replay as check_olmo
 
         return check_olmo(spec, loader)
+    if _grain_dataset(loader):
+        for h in range(spec.hosts):  # every host's pipeline, as the factory makes it
+            _dataset_contract(spec, h, loader if h == 0 else make_loader(spec.loader, h,
+                                                                         spec.hosts))
+        return None
     from tally.pipeline.grain_attach import AttachError, contract_of
 
     try:

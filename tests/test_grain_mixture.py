@@ -78,7 +78,7 @@ class Shift(grain.transforms.Map):
         return {**batch, "targets": np.roll(batch["inputs"], -1, axis=1)}
 
 
-def get_datasets(root, patterns, host, hosts, *, epochs=3, shard=True):
+def get_datasets(root, patterns, host, hosts, *, epochs=3, shard=True, batch=4):
     """MaxText's get_datasets for ArrayRecord: glob each pattern (directory order: here
     reversed from sorted, as glob may give it), mix by weight, shuffle, repeat, slice."""
     sources = [grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
@@ -88,7 +88,7 @@ def get_datasets(root, patterns, host, hosts, *, epochs=3, shard=True):
     ds = ds.shuffle(seed=5).repeat(epochs)
     if shard:
         ds = ds[host::hosts]
-    return ds.to_iter_dataset().map(Parse()).batch(4, drop_remainder=False)
+    return ds.to_iter_dataset().map(Parse()).batch(batch, drop_remainder=False)
 
 
 MIX = [("web/*.array_record", 0.5), ("code/*.array_record", 0.5)]
@@ -213,3 +213,55 @@ def test_a_file_the_manifest_does_not_list_is_refused(corpus, tmp_path):
     with pytest.raises(AttachError, match="other.array_record is not among the sources"):
         audited(ds.to_iter_dataset().map(Parse()).batch(2), tmp_path / "s", run_id="r",
                 host=0, host_count=1, hashes=corpus / "manifest.parquet")
+
+
+FACTORY = '''
+import glob
+import grain
+from tests.test_grain_mixture import MIX, Shift, get_datasets
+from pathlib import Path
+
+
+def make(host, hosts):
+    ds = get_datasets(Path({root!r}), MIX, host, hosts, epochs={epochs}, batch={batch})
+    ds = ds.map(Shift())
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers={workers}))
+'''
+
+
+@pytest.mark.parametrize(("workers", "hosts", "epochs", "batch"), [
+    (0, 2, 3, 4), pytest.param(3, 2, 3, 4, marks=pytest.mark.slow),
+    # 80 elements on 3 hosts, 2 workers, batches of 13: host 0's workers read 14 and 13
+    # elements, 2 batches and 1, so its last round is worker 0's alone.
+    pytest.param(2, 3, 2, 13, marks=pytest.mark.slow)])
+def test_replay_of_the_mixture_pipeline_writes_what_the_live_audit_wrote(
+        corpus, tmp_path, monkeypatch, workers, hosts, epochs, batch):
+    """`tally replay` of a MaxText dataset factory (nothing of it runs) writes the rows the
+    live attach wrote for the same pipeline run with its worker processes."""
+    from tally.pipeline.replay import ReplaySpec, replay
+
+    name = f"maxtext_data_{workers}_{hosts}"
+    (tmp_path / f"{name}.py").write_text(FACTORY.format(
+        root=str(corpus), workers=workers, epochs=epochs, batch=batch))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for h in range(hosts):
+        ds = get_datasets(corpus, MIX, h, hosts, epochs=epochs, batch=batch).map(Shift())
+        if workers:
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        live = audited(ds, tmp_path / "live", run_id="r", host=h, host_count=hosts,
+                       hashes=corpus / "manifest.parquet")
+        for _ in live:
+            pass
+        live.writer.finish()
+    replay(ReplaySpec(loader=f"{name}:make", hosts=hosts, steps=100,
+                      spool=tmp_path / "replayed", run_id="r",
+                      manifest=corpus / "manifest.parquet", fsync=False))
+    live, again = spool_rows(tmp_path / "live"), spool_rows(tmp_path / "replayed")
+    cols = ("step", "host", "row", "record_key", "epoch", "content_hash", "n_tokens")
+
+    def ordered(rows):
+        return sorted(zip(*(rows[c].tolist() for c in cols), strict=True))
+
+    assert len(live["step"]) == 40 * epochs
+    assert ordered(again) == ordered(live)

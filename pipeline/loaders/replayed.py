@@ -68,8 +68,9 @@ class ReplayedHost:
         self._pending: list[tuple[int, np.ndarray, int]] = []
         self._n = 0
 
-    def add(self, step: int, indices: np.ndarray, epoch: int) -> None:
-        """The host read `indices` (the loader's) at `step`, in `epoch` (-1: unknown)."""
+    def add(self, step: int, indices: np.ndarray, epoch: int | np.ndarray) -> None:
+        """The host read `indices` (the loader's) at `step`, in `epoch` (-1: unknown; or one
+        epoch an index)."""
         self._pending.append((step, np.asarray(indices, np.int64), epoch))
         self._n += len(indices)
         if self._n >= self.rows_per_file:
@@ -82,7 +83,8 @@ class ReplayedHost:
         lens = [len(i) for _, i, _ in pending]
         step = np.repeat(np.array([s for s, _, _ in pending], np.int64), lens)
         idx = np.concatenate([i for _, i, _ in pending])
-        epoch = np.repeat(np.array([e for _, _, e in pending], np.int64), lens)
+        epoch = np.concatenate([np.broadcast_to(np.asarray(e, np.int64), (len(i),))
+                                for _, i, e in pending])
         row = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
         key, n_tokens, content = self.resolve(idx, epoch)
         lo, hi = int(step[0]), int(step[-1])
