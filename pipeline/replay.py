@@ -248,7 +248,14 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
         return replay_olmo_host(spec, host, hashes, loader)
     if _grain_dataset(loader):
         return _replay_dataset_host(spec, host, hashes, loader)
-    from tally.pipeline.grain_attach import AttachError, SamplerKeys, SourceHashes, contract_of
+    from tally.pipeline.grain_attach import (
+        AttachError,
+        Leaves,
+        SamplerKeys,
+        SourceHashes,
+        contract_of,
+        keyed_by_file,
+    )
 
     try:
         contract = contract_of(loader)
@@ -258,6 +265,8 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
     cursor = contract.cursor(state)
     keys = SamplerKeys(loader._sampler)
     source = SourceHashes(loader._data_source) if spec.hashes == "source" else None
+    # A source that reads files is keyed by file, as the live attach keys it.
+    lookup = keyed_by_file(hashes, Leaves((loader._data_source,), (0,)))
     directory = sp.host_dir(spec.spool, spec.run_id, 0, host)
     directory.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": sp.FORMAT_VERSION, "run_id": spec.run_id, "attempt": "0",
@@ -287,6 +296,8 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
         if source is not None:
             seg = source.segments(record_key, epoch)
             content, n_tokens = seg.content_hash, seg.n_tokens
+        elif lookup is not hashes:
+            record_key, n_tokens, content = lookup.resolve(record_key, epoch)
         else:
             content, n_tokens = hashes.lookup(record_key)
         table = pa.Table.from_pydict({

@@ -265,3 +265,43 @@ def test_replay_of_the_mixture_pipeline_writes_what_the_live_audit_wrote(
 
     assert len(live["step"]) == 40 * epochs
     assert ordered(again) == ordered(live)
+
+
+def make_dataloader(root, host, hosts):
+    """A grain.DataLoader over one pattern's ArrayRecord files in glob's (unsorted) order."""
+    source = grain.sources.ArrayRecordDataSource(sorted(glob.glob(str(root / "web" / "*")),
+                                                        reverse=True))
+    return grain.DataLoader(
+        data_source=source, sampler=grain.samplers.IndexSampler(len(source), shuffle=True,
+                                                                seed=2, num_epochs=2),
+        operations=[Parse(), grain.transforms.Batch(4)],
+        shard_options=grain.sharding.ShardOptions(host, hosts), worker_count=0)
+
+
+def test_a_dataloader_over_array_record_files_is_keyed_by_file_live_and_by_replay(
+        corpus, tmp_path, monkeypatch):
+    from tally.pipeline.replay import ReplaySpec, replay
+
+    got = []
+    for h in range(2):
+        live = audited(make_dataloader(corpus, h, 2), tmp_path / "live", run_id="r",
+                       hashes=corpus / "manifest.parquet")
+        got += [(h, k, b) for k, b in enumerate(live)]
+        live.writer.finish()
+    rows = spool_rows(tmp_path / "live")
+    by_place = sorted(zip(rows["host"].tolist(), rows["step"].tolist(), rows["row"].tolist(),
+                          rows["content_hash"].tolist(), strict=True))
+    assert [x[3] for x in by_place] == [int(d) for _, _, b in got for d in b["doc_hash"]]
+    (tmp_path / "ar_loader.py").write_text(
+        "from pathlib import Path\nfrom tests.test_grain_mixture import make_dataloader\n\n"
+        f"def make(host, hosts):\n    return make_dataloader(Path({str(corpus)!r}), host, "
+        "hosts)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    replay(ReplaySpec(loader="ar_loader:make", hosts=2, steps=100, spool=tmp_path / "again",
+                      run_id="r", manifest=corpus / "manifest.parquet", fsync=False))
+    again = spool_rows(tmp_path / "again")
+    cols = ("step", "host", "row", "record_key", "epoch", "content_hash")
+    assert sorted(zip(*(again[c].tolist() for c in cols), strict=True)) == \
+        sorted(zip(*(rows[c].tolist() for c in cols), strict=True))
+    assert len(rows["step"]) == 120
