@@ -83,6 +83,7 @@ class Shard:
     olmo: olmo.OlmoFile | None = None  # fmt 'olmo': the token file, its label and layout
     fields: Fields | None = None  # a text format: which field holds what
     name: str = ""  # a text format: the file's path relative to the corpus directory
+    domain: str | None = None  # every record's domain, by the file (`tally manifest --domain`)
 
     @property
     def text(self) -> bool:

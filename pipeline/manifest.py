@@ -18,10 +18,13 @@ raised by the driver as one clear error naming the file and the record; no manif
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +59,7 @@ def manifest_rows(shard: Shard, start: int, end: int) -> pa.Table:
         "record_key": np.arange(shard.base_key + start, shard.base_key + end, dtype=np.int64),
         "content_hash": hashes,
         "n_tokens": lengths,
-        "domain": domains,
+        "domain": domains if shard.domain is None else repeat(shard.domain, n),
         "split": repeat(shard.split, n),
         "source": repeat(shard.source, n),
         "source_index": np.arange(start, end, dtype=np.int64),
@@ -82,7 +85,7 @@ def document_rows(shard: Shard, docs: Documents, hasher: TextHasher | None) -> p
         np.full(n, -1, np.int64),
         "content_hash": hashes,
         "n_tokens": lengths,
-        "domain": docs.domain,
+        "domain": docs.domain if shard.domain is None else repeat(shard.domain, n),
         "split": repeat(shard.split, n),
         "source": repeat(shard.source, n),
         "source_index": index,
@@ -160,7 +163,8 @@ def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | N
                    fmt: str | None = None, fields: Fields | None = None,
                    tokenizer: str | Path | None = None, bos_id: int | None = None,
                    eos_id: int | None = None, special_tokens: bool = False,
-                   max_tokens: int | None = None) -> ManifestSummary:
+                   max_tokens: int | None = None,
+                   domains: Sequence[str] | None = None) -> ManifestSummary:
     """Run the manifest job over `corpus` and write `out` (Parquet) atomically.
 
     `corpus`: a directory of shards, an OLMo mix's index JSON, OLMo token files (a list, or
@@ -168,7 +172,10 @@ def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | N
     text corpus (a directory or files of a format of tally.pipeline.formats, `fmt` to name it,
     `fields` to say which field holds what). A text corpus is hashed over the token ids
     `tokenizer` makes of each document with the run's settings (tally.pipeline.text), or over its
-    bytes without a tokenizer; a token field is hashed as it is."""
+    bytes without a tokenizer; a token field is hashed as it is. `domains`: "NAME=GLOB" each,
+    every record of a file whose path (under the corpus directory, or whole) matches GLOB has
+    domain NAME, the first that matches (a mixture's components, MaxText's
+    `grain_train_files="web/*:0.7;code/*:0.3"`, as the domains the reconcile measures)."""
     runner = runner or RunnerSpec()
     t0 = time.perf_counter()
     settings = dict(bos_id=bos_id, eos_id=eos_id, special_tokens=special_tokens,
@@ -179,7 +186,7 @@ def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | N
     source = open_corpus([Path(c).absolute() for c in (
         [corpus] if isinstance(corpus, str | Path) else corpus)],
         sequence_length=sequence_length, dtype=dtype, fmt=fmt, fields=fields)
-    shards = source.shards
+    shards = by_domain(source.shards, domains or ())
     basis = _basis(shards, hasher, tokenizer, settings)
     if hasher is None and basis.kind != TOKEN_IDS:
         hasher = TextHasher(None)
@@ -215,6 +222,27 @@ def build_manifest(corpus: CorpusArg, out: str | Path, *, runner: RunnerSpec | N
     summary.bytes_read = sum(s.size_bytes for s in shards)
     summary.basis = basis
     return summary
+
+
+def by_domain(shards: list[Shard], domains: Sequence[str]) -> list[Shard]:
+    """`shards` with the domain of each file that a "NAME=GLOB" of `domains` matches (its
+    `source` or its whole path, fnmatch); CorpusError for a malformed one or a GLOB that
+    matches no file (a typo would otherwise leave the files in their own domains)."""
+    rules = []
+    for d in domains:
+        name, sep, pattern = d.partition("=")
+        if not sep or not name.strip() or not pattern.strip():
+            raise CorpusError(f"--domain {d!r}: expected NAME=GLOB (e.g. web='web/*')")
+        rules.append((name.strip(), pattern.strip()))
+    def matches(s: Shard, pattern: str) -> bool:
+        return fnmatch.fnmatch(s.source, pattern) or fnmatch.fnmatch(str(s.path), pattern)
+
+    for name, pattern in rules:
+        if not any(matches(s, pattern) for s in shards):
+            raise CorpusError(f"--domain {name}={pattern}: matches none of the corpus' files "
+                              f"(they are named as {shards[0].source!r})")
+    return [next((dataclasses.replace(s, domain=n) for n, g in rules if matches(s, g)), s)
+            for s in shards]
 
 
 def _basis(shards: list[Shard], hasher: TextHasher | None, tokenizer: str | Path | None,

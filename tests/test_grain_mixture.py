@@ -9,6 +9,7 @@ against travel in a batch field the attach never reads."""
 from __future__ import annotations
 
 import glob
+import json
 
 import grain
 import numpy as np
@@ -29,13 +30,14 @@ def _absl():
     flags.FLAGS.mark_as_parsed()  # Grain's worker processes read absl flags
 
 
-def _write(path, texts, domain):
+def _write(path, texts, domain=None):
     example = example_class()
     w = ArrayRecordWriter(str(path), "group_size:1")
     for t in texts:
         e = example()
         e.features.feature["text"].bytes_list.value.append(t.encode())
-        e.features.feature["domain"].bytes_list.value.append(domain.encode())
+        if domain is not None:
+            e.features.feature["domain"].bytes_list.value.append(domain.encode())
         w.write(e.SerializeToString())
     w.close()
 
@@ -305,3 +307,40 @@ def test_a_dataloader_over_array_record_files_is_keyed_by_file_live_and_by_repla
     assert sorted(zip(*(again[c].tolist() for c in cols), strict=True)) == \
         sorted(zip(*(rows[c].tolist() for c in cols), strict=True))
     assert len(rows["step"]) == 120
+
+
+def test_a_corpus_without_domains_gets_the_mixtures_components_from_manifest_domain_globs(
+        tmp_path, monkeypatch, capsys):
+    """MaxText's corpora rarely carry a domain feature: a mixture of two patterns over one
+    domain ("default") is measured against the whole split's ideal and fails on a correct
+    run; `tally manifest --domain web='web/*' --domain code='code/*'` names the components."""
+    from tests.support.cli import tally_here
+
+    root = tmp_path / "corpus"
+    for d, n in (("web", 60), ("code", 20)):
+        (root / d).mkdir(parents=True)
+        _write(root / d / f"{d}-0.array_record", [f"{d} document {i}" for i in range(n)])
+    verdicts = {}
+    for name, flags_ in (("plain", []), ("globs", ["--domain", "web=web/*",
+                                                    "--domain", "code=*/code-*"])):
+        code, _, err = tally_here(monkeypatch, capsys, "manifest", root, "-o",
+                                  tmp_path / f"{name}.parquet", "-q", *flags_)
+        assert code == 0, err
+        for h in range(2):
+            ds = audited(get_datasets(root, MIX, h, 2), tmp_path / f"spool-{name}",
+                         run_id="r", host=h, host_count=2, hashes=tmp_path / f"{name}.parquet")
+            for _ in ds:
+                pass
+            ds.writer.finish()
+        code, out, err = tally_here(monkeypatch, capsys, "reconcile", "--run", "r",
+                                    "--manifest", tmp_path / f"{name}.parquet",
+                                    "--spool", tmp_path / f"spool-{name}",
+                                    "--out", tmp_path / f"rep-{name}", "--json")
+        r = json.loads(out)
+        verdicts[name] = (r["verdict"], sorted({f["code"] for f in r["findings"]}))
+    assert verdicts["plain"][0] == "FAIL"  # code's records 3 times, web's once: "uneven"
+    assert verdicts["globs"] == ("PASS", ["domain_weighted"])
+    code, _, err = tally_here(monkeypatch, capsys, "manifest", root, "-o", tmp_path / "x.parquet",
+                              "--domain", "web=wbe/*")
+    assert code != 0 and "--domain web=wbe/*: matches none of the corpus' files" in err
+    assert len(err.strip().splitlines()) == 1

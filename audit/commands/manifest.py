@@ -21,7 +21,8 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
                              sequence_length=args.sequence_length, dtype=args.dtype,
                              fmt=args.format, fields=fields, tokenizer=args.tokenizer,
                              bos_id=args.bos_id, eos_id=args.eos_id,
-                             special_tokens=args.special_tokens, max_tokens=args.max_tokens)
+                             special_tokens=args.special_tokens, max_tokens=args.max_tokens,
+                             domains=args.domain)
     if args.json:
         print_json({"path": str(summary.path), "records": summary.records,
                      "train_records": summary.train_records, "tokens": summary.tokens,
@@ -42,6 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "mix's index (*.json), or OLMo token files (several, or a directory of "
                         "*.npy) with --sequence-length and --dtype")
     s.add_argument("-o", "--output", required=True, help="manifest Parquet file to write")
+    s.add_argument("--domain", action="append", metavar="NAME=GLOB",
+                   help="every record of the files matching GLOB (their path under the corpus "
+                        "directory, or whole) is in domain NAME; repeat it for each component "
+                        "of a mixture (MaxText's grain_train_files patterns), the first match "
+                        "wins")
     s.add_argument("--chunk-records", type=int, default=20_000,
                    help="records per pipeline element (default 20000)")
     g = s.add_argument_group("OLMo token files without an index")
