@@ -698,27 +698,50 @@ class DatasetContract:
         lo = k * self.batch_size
         return np.arange(lo, min(lo + self.batch_size, n), dtype=np.int64) + epoch * n
 
-    def batch_elements(self, k: int) -> np.ndarray | None:
-        """Elements of the k-th batch the pipeline hands out, None past its end: a MapDataset
-        indexed by step (`ds[k]`, later passes beyond its length); an IterDataset in one pass,
-        its `mp_prefetch` workers in turn (each worker's batches of its own elements w + W*p;
-        workers' slices differ by one element at most, so only the last round is partial, in
-        worker order)."""
+    def positions(self, state: Mapping[str, Any] | None) -> tuple[list[int], int]:
+        """(elements each stream had read, the stream whose batch is next) at an iterator
+        state (None: the start): a MapDataset's batches read, an IterDataset's elements, or
+        mp_prefetch's workers' elements and its next worker in the interleave's cycle."""
+        if state is None:
+            return [0] * max(1, self.workers), 0
+        try:
+            if not self.workers:
+                return [int(state["next_index"])], 0
+            cycle = int(state["next_index_in_cycle"])
+            return (_worker_positions(state, self.workers),
+                    int(state["iterators_in_use_indices"][cycle]))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise AttachError(f"not this pipeline's iterator state ({type(exc).__name__}: "
+                              f"{exc})") from None
+
+    def schedule(self, state: Mapping[str, Any] | None = None
+                 ) -> Iterator[tuple[int, np.ndarray]]:
+        """(batch number, elements) of the batches the pipeline hands out from `state` on: a
+        MapDataset indexed by step (`ds[k]`, later passes beyond its length, endless); an
+        IterDataset in one pass, its `mp_prefetch` workers in turn from the next one, each
+        worker's batches of its own elements w + W*p, passing over a worker with none left
+        (what the live attach records, batch by batch)."""
+        pos, w = self.positions(state)
         if self.wraps:
-            return self.batch_indices(k)
+            k = pos[0]
+            while True:
+                yield k, self.batch_indices(k)
+                k += 1
         n, b, w_n = len(self.elements), self.batch_size, max(1, self.workers)
-        per = [len(range(w, n, w_n)) for w in range(w_n)]
-        made = [p // b if self.drop_remainder else -(-p // b) for p in per]
-        rounds = min(made)
-        if k < w_n * rounds:
-            w, j = k % w_n, k // w_n
-        else:
-            more = [w for w in range(w_n) if made[w] > rounds]
-            if k - w_n * rounds >= len(more):
-                return None
-            w, j = more[k - w_n * rounds], rounds
-        lo = j * b
-        return w + w_n * np.arange(lo, min(lo + b, per[w]), dtype=np.int64)
+        per = [len(range(v, n, w_n)) for v in range(w_n)]
+        left = [p - q for p, q in zip(per, pos, strict=True)]
+        k = sum(-(-q // b) for q in pos)
+        while True:
+            ready = [left[v] >= b or (left[v] > 0 and not self.drop_remainder)
+                     for v in range(w_n)]
+            if not any(ready):
+                return
+            while not ready[w]:
+                w = (w + 1) % w_n
+            hi = min(pos[w] + b, per[w])
+            yield k, w + w_n * np.arange(pos[w], hi, dtype=np.int64)
+            left[w] -= hi - pos[w]
+            pos[w], k, w = hi, k + 1, (w + 1) % w_n
 
 
 def dataset_contract(ds: Any) -> DatasetContract:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -328,14 +329,29 @@ def _grain_dataset(loader: Any) -> bool:
 def _dataset_contract(spec: ReplaySpec, host: int, loader: Any) -> Any:
     from tally.pipeline.grain_attach import AttachError, dataset_contract
 
-    if spec.states is not None:
-        raise ReplayError(f"--loader {spec.loader}: --states reads a grain.DataLoader's saved "
-                          "states; a dataset pipeline is replayed from its start "
-                          "(--start-step numbers its first step)")
     try:
         return dataset_contract(loader)
     except AttachError as exc:
         raise ReplayError(f"--loader {spec.loader} (host {host}): {exc}") from None
+
+
+def _dataset_state(spec: ReplaySpec, host: int, contract: Any) -> Any:
+    """Host `host`'s saved iterator state (the JSON of `get_state()`, Grain's checkpoint
+    handler's `process_<i>-of-<n>.json`), checked against its pipeline; None without --states."""
+    from tally.pipeline.grain_attach import AttachError
+
+    if spec.states is None:
+        return None
+    path = state_path(spec.states, host, spec.hosts)
+    try:
+        state = json.loads(path.read_text())
+        contract.positions(state)
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"{path}: no iterator state of host {host} of {spec.hosts} "
+                          f"({type(exc).__name__}: {exc})") from None
+    except AttachError as exc:
+        raise ReplayError(f"{path}: {exc}") from None
+    return state
 
 
 def _replay_dataset_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None,
@@ -363,10 +379,8 @@ def _replay_dataset_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | N
                        records_per_epoch=len(hashes) if hashes is not None else len(source),
                        resolve=resolve, fingerprint=hashes.fingerprint if hashes else "",
                        content_basis=hashes.content_basis if hashes else "", fsync=spec.fsync)
-    for k in range(spec.steps):
-        idx = contract.batch_elements(k)
-        if idx is None:
-            break
+    state = _dataset_state(spec, host, contract)
+    for k, idx in itertools.islice(contract.schedule(state), spec.steps):
         keys, epochs = source_indices(contract.elements, idx)
         out.add(spec.start_step + k, keys, epochs)
     out.flush()
@@ -499,9 +513,9 @@ def check(spec: ReplaySpec) -> None:
 
         return check_olmo(spec, loader)
     if _grain_dataset(loader):
-        for h in range(spec.hosts):  # every host's pipeline, as the factory makes it
-            _dataset_contract(spec, h, loader if h == 0 else make_loader(spec.loader, h,
-                                                                         spec.hosts))
+        for h in range(spec.hosts):  # every host's pipeline and state, as the run has them
+            _dataset_state(spec, h, _dataset_contract(
+                spec, h, loader if h == 0 else make_loader(spec.loader, h, spec.hosts)))
         return None
     from tally.pipeline.grain_attach import AttachError, contract_of
 

@@ -344,3 +344,107 @@ def test_a_corpus_without_domains_gets_the_mixtures_components_from_manifest_dom
                               "--domain", "web=wbe/*")
     assert code != 0 and "--domain web=wbe/*: matches none of the corpus' files" in err
     assert len(err.strip().splitlines()) == 1
+
+
+EVEN = [("web/*.array_record", 0.75), ("code/*.array_record", 0.25)]  # by the sources' sizes
+PREFLIGHT_FACTORY = '''
+import grain
+from pathlib import Path
+from tests.test_grain_mixture import EVEN, get_datasets
+
+
+def make(host, hosts):
+    ds = get_datasets(Path({root!r}), EVEN, host, hosts, batch=2)
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers={workers}))
+'''
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_preflight_of_a_maxtext_pipeline_from_its_checkpointed_iterator_states(
+        corpus, tmp_path, monkeypatch, capsys, workers):
+    """4 hosts run 7 steps (56 of the 80 records) and checkpoint each iterator's state (the
+    JSON of get_state(), as Grain's checkpoint handler writes it); the relaunch is checked
+    with the user's own factory: the same 4 hosts restored: SAFE; the states restored on 2
+    hosts (positions in another slicing) or the pipelines started over at step 7: UNSAFE."""
+    from tests.support.cli import tally_here
+
+    name = f"maxtext_preflight_{workers}"
+    (tmp_path / f"{name}.py").write_text(PREFLIGHT_FACTORY.format(root=str(corpus),
+                                                                  workers=workers))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    states = tmp_path / "states"
+    states.mkdir()
+    factory = __import__(name).make
+    for h in range(4):
+        ds = audited(factory(h, 4), tmp_path / "spool", run_id="r", host=h, host_count=4,
+                     hashes=corpus / "manifest.parquet")
+        it = iter(ds)
+        for _ in range(7):
+            next(it)
+        (states / f"process_{h}-of-4.json").write_text(json.dumps(it.get_state()))
+        ds.writer.finish()
+    code, _, err = tally_here(monkeypatch, capsys, "ingest", tmp_path / "spool", "--ledger",
+                              tmp_path / "ledger.duckdb", "-q")
+    assert code == 0, err
+
+    def preflight(hosts, *how):
+        code, out, err = tally_here(
+            monkeypatch, capsys, "preflight", "--run", "r", "--ledger", tmp_path / "ledger.duckdb",
+            "--manifest", corpus / "manifest.parquet", "--loader", f"{name}:make", "--hosts",
+            hosts, "--json", "-q", *how, cwd=tmp_path)
+        assert code in (0, 1), err
+        return json.loads(out)
+
+    same = preflight(4, "--states", states)
+    assert same["status"] == "safe", same["findings"]
+    assert same["numbers"]["checkpoint_step"] == 7
+    assert same["numbers"]["loader_kind"] == "grain_dataset"
+    moved = preflight(2, "--states", states)
+    assert moved["status"] == "unsafe"
+    assert {"repeats", "skips"} & {f["code"] for f in moved["findings"]}
+    # Started over: up to the next multiple of N (80 - 56 = 24 exposures, 3 steps) the plan
+    # reads the first 24 records of the run's order again.
+    again = preflight(4, "--at-step", "7")
+    assert again["status"] == "unsafe"
+    assert again["numbers"]["repeats"] == 24
+
+
+def test_replay_from_the_iterator_states_a_run_checkpointed(corpus, tmp_path, monkeypatch,
+                                                            capsys):
+    """`tally replay --states` of a dataset pipeline goes on from each host's saved iterator
+    state: the rows the live run wrote after its checkpoint, step for step."""
+    from tests.support.cli import tally_here
+
+    (tmp_path / "maxtext_states.py").write_text(PREFLIGHT_FACTORY.format(root=str(corpus),
+                                                                         workers=0))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    factory = __import__("maxtext_states").make
+    states = tmp_path / "states"
+    states.mkdir()
+    for h in range(2):
+        ds = audited(factory(h, 2), tmp_path / "live", run_id="r", host=h, host_count=2,
+                     hashes=corpus / "manifest.parquet")
+        it = iter(ds)
+        for _ in range(5):
+            next(it)
+        (states / f"process_{h}-of-2.json").write_text(json.dumps(it.get_state()))
+        for _ in range(4):
+            next(it)
+        ds.writer.finish()
+    code, _, err = tally_here(monkeypatch, capsys, "replay", "--loader", "maxtext_states:make",
+                              "--hosts", 2, "--steps", 4, "--states", states, "--spool",
+                              tmp_path / "again", "--run", "r", "--manifest",
+                              corpus / "manifest.parquet", cwd=tmp_path)
+    assert code == 0, err
+    live, again = spool_rows(tmp_path / "live"), spool_rows(tmp_path / "again")
+    cols = ("step", "host", "row", "record_key", "epoch", "content_hash")
+    after = sorted(x for x in zip(*(live[c].tolist() for c in cols), strict=True) if x[0] >= 5)
+    assert len(after) == 2 * 4 * 2
+    assert sorted(zip(*(again[c].tolist() for c in cols), strict=True)) == after
+    (states / "process_1-of-2.json").write_text('{"last_seen_indices": {}}')
+    code, _, err = tally_here(monkeypatch, capsys, "replay", "--loader", "maxtext_states:make",
+                              "--hosts", 2, "--steps", 4, "--states", states, "--spool",
+                              tmp_path / "bad", "--run", "r", "--manifest",
+                              corpus / "manifest.parquet", cwd=tmp_path)
+    assert code != 0 and "process_1-of-2.json: not this pipeline's iterator state" in err
+    assert len(err.strip().splitlines()) == 1

@@ -9,7 +9,10 @@ the
 tool's own contract exactly as replay reads it; nothing of the pipeline runs and no record is
 read, so a plan of 64 hosts x 1,000 steps takes seconds:
 - Grain: the index contract (`tally.pipeline.grain_attach`); states `process_<i>-of-<n>.json`, new
-  host h taking old host h % n's (the transfer a job does when the host count changes).
+  host h taking old host h % n's (the transfer a job does when the host count changes). A
+  dataset pipeline (MaxText's: mixture, mp_prefetch) by `DatasetContract.schedule`, its states
+  the JSON of each iterator's `get_state()`, its keys by file through the manifest where its
+  sources read files.
 - torch DataLoader / torchdata StatefulDataLoader (any sampler): the batch sampler drawn alone
   (`tally.pipeline.loaders.torch_loader.index_batches`, torchdata's own restore of a saved state);
   states `dataloader_<i>-of-<n>.json|.pt`, new host h restoring old host h % n's as the job's
@@ -94,7 +97,8 @@ def run_loader_preflight(ledger: Ledger | str | Path, run_id: str, manifest: str
     from tally.pipeline.manifest_file import manifest_info
 
     n = int(manifest_info(manifest)["train_records"])
-    relaunch = _Relaunch(run_id, n, loader, new_hosts, at_step, states, horizon, ranks_per_node)
+    relaunch = _Relaunch(run_id, n, loader, new_hosts, at_step, states, horizon, ranks_per_node,
+                         Path(manifest))
     if isinstance(ledger, Ledger):
         return _check(ledger, relaunch, t0)
     if not Path(ledger).is_file():
@@ -124,7 +128,7 @@ class _Plan:
 
 
 def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None, n: int,
-             ranks_per_node: int) -> _Plan:
+             ranks_per_node: int, manifest: Path) -> _Plan:
     first = make_loader(spec, 0, new_hosts)
     kind = loader_kind(first)
     if ranks_per_node != 1 and kind != "streaming":
@@ -144,6 +148,8 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
             return _olmo_plan(spec, first, new_hosts, at_step, states, n)
         if kind == "hf_iterable":
             return _hf_iterable_plan(spec, first, new_hosts, at_step, states)
+        if _grain_dataset(first):
+            return _grain_dataset_plan(spec, first, new_hosts, at_step, states, manifest)
     except AttachError as exc:
         raise TallyError(f"--loader {spec}: {exc}") from None
     return _grain_plan(spec, first, new_hosts, at_step, states, n)
@@ -191,6 +197,86 @@ def _grain_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
     # N mod global batch records unread each epoch, by design.
     remainder = n % new_hosts + n % max(1, new_batch)
     return _Plan("grain", step, new_batch, keys, slack, remainder)
+
+
+def _grain_dataset_plan(spec: str, first: Any, new_hosts: int, at_step: int | None,
+                        states: Path | None, manifest: Path) -> _Plan:
+    """A Grain dataset pipeline's plan (MaxText's: a mixture, mp_prefetch): the same
+    `DatasetContract.schedule` as its live audit and replay, each new host from the start
+    (fresh at --at-step) or restored from old host h % n's iterator state (the JSON of
+    `get_state()`, `process_<i>-of-<n>.json` as Grain's checkpoint handler writes it)."""
+    import itertools
+
+    from tally.pipeline.grain_attach import dataset_contract, keyed_by_file, leaves
+    from tally.pipeline.grain_attach import source_indices as element_keys
+    from tally.pipeline.manifest_file import ManifestHashes
+
+    pipelines = [first] + [make_loader(spec, h, new_hosts) for h in range(1, new_hosts)]
+    contracts = [dataset_contract(x) for x in pipelines]
+    old: dict[int, Any] = {}
+    if states is not None:
+        old = _old_dataset_states(states)
+    cursors = [c.schedule(old[h % len(old)] if old else None) for h, c in enumerate(contracts)]
+    heads = [next(cu, None) for cu in cursors]
+    firsts = [hd[0] if hd is not None else None for hd in heads]
+    known = [f for f in firsts if f is not None]
+    step = int(at_step) if at_step is not None else min(known, default=0)
+    # Sources that read files are keyed by file through the manifest, as the live attach did.
+    hashes = ManifestHashes(manifest)
+    by_file = keyed_by_file(hashes, leaves(contracts[0].elements))
+    mapped = None if by_file is hashes else by_file
+    taken: list[list[tuple[int, np.ndarray]]] = [[] if hd is None else [hd] for hd in heads]
+
+    def keys(steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
+        k, at, on = [], [], []
+        for h, c in enumerate(contracts):
+            while len(taken[h]) < steps:  # the horizon grows: go on where the plan stopped
+                more = list(itertools.islice(cursors[h], steps - len(taken[h])))
+                if not more:
+                    break
+                taken[h] += more
+            for ordinal, idx in taken[h][:steps]:
+                got, _ = element_keys(c.elements, idx)
+                k.append(mapped.keys(got) if mapped is not None else got)
+                at.append(np.full(len(idx), ordinal - (firsts[h] or 0) + step, np.int64))
+                on.append(np.full(len(idx), h, np.int32))
+        if not k:
+            return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), None)
+        return np.concatenate(k), np.concatenate(at), np.concatenate(on), None
+
+    new_batch = sum(c.batch_size for c in contracts)
+    slack = 2 * sum((max(1, c.workers) - 1) * c.batch_size for c in contracts)
+    n = len(leaves(contracts[0].elements))
+    return _Plan("grain_dataset", step, new_batch, keys, slack,
+                 n % new_hosts + n % max(1, new_batch))
+
+
+def _grain_dataset(loader: Any) -> bool:
+    import sys
+
+    grain = sys.modules.get("grain")
+    return grain is not None and isinstance(loader, (grain.MapDataset, grain.IterDataset))
+
+
+def _old_dataset_states(states: Path) -> dict[int, Any]:
+    """Every old host's dataset iterator state (process_<i>-of-<n>.json), by host."""
+    import json
+
+    found = sorted(states.glob("process_*-of-*.json"))
+    counts = {p.name.rsplit("-of-", 1)[1].removesuffix(".json") for p in found}
+    if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
+        raise TallyError(f"--states {states}: expected Grain's process_<i>-of-<n>.json for "
+                         f"one host count n, found {[p.name for p in found[:4]]}")
+    old = int(next(iter(counts)))
+    out = {}
+    for h in range(old):
+        path = states / f"process_{h}-of-{old}.json"
+        try:
+            out[h] = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise TallyError(f"{path}: not a loader state ({type(exc).__name__}: {exc})"
+                             ) from None
+    return out
 
 
 def _old_grain_states(states: Path, spec: str) -> tuple[dict[int, dict], int]:
@@ -387,6 +473,7 @@ class _Relaunch:
     states: str | Path | None
     horizon: int | None
     ranks_per_node: int
+    manifest: Path
 
 
 def _check(ledger: Ledger, relaunch: _Relaunch, t0: float) -> PreflightVerdict:
@@ -401,7 +488,7 @@ def _check(ledger: Ledger, relaunch: _Relaunch, t0: float) -> PreflightVerdict:
                              "first)")
         run = row[0]
         plan = _planner(spec, new_hosts, at_step, None if states is None else Path(states), n,
-                        ranks_per_node)
+                        ranks_per_node, relaunch.manifest)
         step, new_batch = plan.step, plan.batch
         old_hosts, old_batch, last = _ledger_shape(cur, run, step)
         v = PreflightVerdict(run_id, "safe", numbers={
