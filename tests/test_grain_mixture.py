@@ -359,6 +359,29 @@ def make(host, hosts):
 '''
 
 
+def checkpointed_run(corpus, tmp_path, monkeypatch, name, workers, *, hosts, before, after):
+    """The factory module `name` (PREFLIGHT_FACTORY) run live on `hosts` hosts into
+    tmp_path/spool: `before` steps, each iterator's state saved as Grain's checkpoint handler
+    writes it (tmp_path/states/process_<h>-of-<hosts>.json), then `after` steps more."""
+    (tmp_path / f"{name}.py").write_text(PREFLIGHT_FACTORY.format(root=str(corpus),
+                                                                  workers=workers))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    factory = __import__(name).make
+    states = tmp_path / "states"
+    states.mkdir()
+    for h in range(hosts):
+        ds = audited(factory(h, hosts), tmp_path / "spool", run_id="r", host=h,
+                     host_count=hosts, hashes=corpus / "manifest.parquet")
+        it = iter(ds)
+        for _ in range(before):
+            next(it)
+        (states / f"process_{h}-of-{hosts}.json").write_text(json.dumps(it.get_state()))
+        for _ in range(after):
+            next(it)
+        ds.writer.finish()
+    return states
+
+
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_preflight_of_a_maxtext_pipeline_from_its_checkpointed_iterator_states(
         corpus, tmp_path, monkeypatch, capsys, workers):
@@ -369,20 +392,8 @@ def test_preflight_of_a_maxtext_pipeline_from_its_checkpointed_iterator_states(
     from tests.support.cli import tally_here
 
     name = f"maxtext_preflight_{workers}"
-    (tmp_path / f"{name}.py").write_text(PREFLIGHT_FACTORY.format(root=str(corpus),
-                                                                  workers=workers))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    states = tmp_path / "states"
-    states.mkdir()
-    factory = __import__(name).make
-    for h in range(4):
-        ds = audited(factory(h, 4), tmp_path / "spool", run_id="r", host=h, host_count=4,
-                     hashes=corpus / "manifest.parquet")
-        it = iter(ds)
-        for _ in range(7):
-            next(it)
-        (states / f"process_{h}-of-4.json").write_text(json.dumps(it.get_state()))
-        ds.writer.finish()
+    states = checkpointed_run(corpus, tmp_path, monkeypatch, name, workers, hosts=4,
+                              before=7, after=0)
     code, _, err = tally_here(monkeypatch, capsys, "ingest", tmp_path / "spool", "--ledger",
                               tmp_path / "ledger.duckdb", "-q")
     assert code == 0, err
@@ -415,28 +426,14 @@ def test_replay_from_the_iterator_states_a_run_checkpointed(corpus, tmp_path, mo
     state: the rows the live run wrote after its checkpoint, step for step."""
     from tests.support.cli import tally_here
 
-    (tmp_path / "maxtext_states.py").write_text(PREFLIGHT_FACTORY.format(root=str(corpus),
-                                                                         workers=0))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    factory = __import__("maxtext_states").make
-    states = tmp_path / "states"
-    states.mkdir()
-    for h in range(2):
-        ds = audited(factory(h, 2), tmp_path / "live", run_id="r", host=h, host_count=2,
-                     hashes=corpus / "manifest.parquet")
-        it = iter(ds)
-        for _ in range(5):
-            next(it)
-        (states / f"process_{h}-of-2.json").write_text(json.dumps(it.get_state()))
-        for _ in range(4):
-            next(it)
-        ds.writer.finish()
+    states = checkpointed_run(corpus, tmp_path, monkeypatch, "maxtext_states", 0, hosts=2,
+                              before=5, after=4)
     code, _, err = tally_here(monkeypatch, capsys, "replay", "--loader", "maxtext_states:make",
                               "--hosts", 2, "--steps", 4, "--states", states, "--spool",
                               tmp_path / "again", "--run", "r", "--manifest",
                               corpus / "manifest.parquet", cwd=tmp_path)
     assert code == 0, err
-    live, again = spool_rows(tmp_path / "live"), spool_rows(tmp_path / "again")
+    live, again = spool_rows(tmp_path / "spool"), spool_rows(tmp_path / "again")
     cols = ("step", "host", "row", "record_key", "epoch", "content_hash")
     after = sorted(x for x in zip(*(live[c].tolist() for c in cols), strict=True) if x[0] >= 5)
     assert len(after) == 2 * 4 * 2

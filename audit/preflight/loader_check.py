@@ -258,16 +258,21 @@ def _grain_dataset(loader: Any) -> bool:
     return grain is not None and isinstance(loader, (grain.MapDataset, grain.IterDataset))
 
 
-def _old_dataset_states(states: Path) -> dict[int, Any]:
-    """Every old host's dataset iterator state (process_<i>-of-<n>.json), by host."""
-    import json
-
+def _old_host_count(states: Path) -> int:
+    """The old host count n of Grain's process_<i>-of-<n>.json files (one n for all)."""
     found = sorted(states.glob("process_*-of-*.json"))
     counts = {p.name.rsplit("-of-", 1)[1].removesuffix(".json") for p in found}
     if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
         raise TallyError(f"--states {states}: expected Grain's process_<i>-of-<n>.json for "
                          f"one host count n, found {[p.name for p in found[:4]]}")
-    old = int(next(iter(counts)))
+    return int(next(iter(counts)))
+
+
+def _old_dataset_states(states: Path) -> dict[int, Any]:
+    """Every old host's dataset iterator state (process_<i>-of-<n>.json), by host."""
+    import json
+
+    old = _old_host_count(states)
     out = {}
     for h in range(old):
         path = states / f"process_{h}-of-{old}.json"
@@ -285,12 +290,7 @@ def _old_grain_states(states: Path, spec: str) -> tuple[dict[int, dict], int]:
     from tally.pipeline.grain_attach import contract_of
     from tally.pipeline.replay import read_state
 
-    found = sorted(states.glob("process_*-of-*.json"))
-    counts = {p.name.rsplit("-of-", 1)[1].removesuffix(".json") for p in found}
-    if not found or len(counts) != 1 or not next(iter(counts)).isdigit():
-        raise TallyError(f"--states {states}: expected Grain's process_<i>-of-<n>.json for "
-                         f"one host count n, found {[p.name for p in found[:4]]}")
-    old = int(next(iter(counts)))
+    old = _old_host_count(states)
     out, step = {}, None
     for h in range(old):
         loader = make_loader(spec, h, old)
