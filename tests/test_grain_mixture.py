@@ -350,21 +350,22 @@ EVEN = [("web/*.array_record", 0.75), ("code/*.array_record", 0.25)]  # by the s
 PREFLIGHT_FACTORY = '''
 import grain
 from pathlib import Path
-from tests.test_grain_mixture import EVEN, get_datasets
+from tests.test_grain_mixture import EVEN, MIX, get_datasets
 
 
 def make(host, hosts):
-    ds = get_datasets(Path({root!r}), EVEN, host, hosts, batch=2)
+    ds = get_datasets(Path({root!r}), {mix}, host, hosts, batch=2)
     return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers={workers}))
 '''
 
 
-def checkpointed_run(corpus, tmp_path, monkeypatch, name, workers, *, hosts, before, after):
+def checkpointed_run(corpus, tmp_path, monkeypatch, name, workers, *, hosts, before, after,
+                     mix="EVEN"):
     """The factory module `name` (PREFLIGHT_FACTORY) run live on `hosts` hosts into
     tmp_path/spool: `before` steps, each iterator's state saved as Grain's checkpoint handler
     writes it (tmp_path/states/process_<h>-of-<hosts>.json), then `after` steps more."""
     (tmp_path / f"{name}.py").write_text(PREFLIGHT_FACTORY.format(root=str(corpus),
-                                                                  workers=workers))
+                                                                  workers=workers, mix=mix))
     monkeypatch.syspath_prepend(str(tmp_path))
     factory = __import__(name).make
     states = tmp_path / "states"
@@ -382,18 +383,22 @@ def checkpointed_run(corpus, tmp_path, monkeypatch, name, workers, *, hosts, bef
     return states
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("workers", "mix"), [
+    (0, "EVEN"), (0, "MIX"), pytest.param(2, "EVEN", marks=pytest.mark.slow)])
 def test_preflight_of_a_maxtext_pipeline_from_its_checkpointed_iterator_states(
-        corpus, tmp_path, monkeypatch, capsys, workers):
-    """4 hosts run 7 steps (56 of the 80 records) and checkpoint each iterator's state (the
-    JSON of get_state(), as Grain's checkpoint handler writes it); the relaunch is checked
-    with the user's own factory: the same 4 hosts restored: SAFE; the states restored on 2
-    hosts (positions in another slicing) or the pipelines started over at step 7: UNSAFE."""
+        corpus, tmp_path, monkeypatch, capsys, workers, mix):
+    """4 hosts run 7 steps (56 exposures of the 80 records) and checkpoint each iterator's
+    state (the JSON of get_state(), as Grain's checkpoint handler writes it); the relaunch is
+    checked with the user's own factory: the same 4 hosts restored: SAFE; the states
+    restored on 2 hosts (positions in another slicing) or the pipelines started over at
+    step 7: UNSAFE. The mixture by the sources' sizes reads every record once a mix epoch;
+    the even one reads code 3 times as often as web, which is judged by each domain's own
+    ideal (the split's would call the continuation's code reads repeats)."""
     from tests.support.cli import tally_here
 
-    name = f"maxtext_preflight_{workers}"
+    name = f"maxtext_preflight_{workers}_{mix}"
     states = checkpointed_run(corpus, tmp_path, monkeypatch, name, workers, hosts=4,
-                              before=7, after=0)
+                              before=7, after=0, mix=mix)
     code, _, err = tally_here(monkeypatch, capsys, "ingest", tmp_path / "spool", "--ledger",
                               tmp_path / "ledger.duckdb", "-q")
     assert code == 0, err
@@ -410,14 +415,35 @@ def test_preflight_of_a_maxtext_pipeline_from_its_checkpointed_iterator_states(
     assert same["status"] == "safe", same["findings"]
     assert same["numbers"]["checkpoint_step"] == 7
     assert same["numbers"]["loader_kind"] == "grain_dataset"
+    assert ("domain_weighted" in {f["code"] for f in same["findings"]}) == (mix == "MIX")
     moved = preflight(2, "--states", states)
-    assert moved["status"] == "unsafe"
+    assert moved["status"] == "unsafe", moved["findings"]
     assert {"repeats", "skips"} & {f["code"] for f in moved["findings"]}
     # Started over: up to the next multiple of N (80 - 56 = 24 exposures, 3 steps) the plan
     # reads the first 24 records of the run's order again.
     again = preflight(4, "--at-step", "7")
-    assert again["status"] == "unsafe"
-    assert again["numbers"]["repeats"] == 24
+    assert again["status"] == "unsafe", again["findings"]
+    assert again["numbers"]["repeats"] == (24 if mix == "EVEN" else again["numbers"]["repeats"])
+    assert again["numbers"]["repeats"] > 0
+
+
+
+def test_preflight_takes_weights_only_from_a_run_that_already_had_them():
+    """A relaunch that reads one domain over again where the run read every domain alike is
+    the fault (a naive restore over domain-ordered records), not a weight: judged by the
+    split's ideal. A run that already read its domains at different rates is judged by
+    each domain's own."""
+    from tally.audit.preflight.loader_check import _weighted
+
+    codes = np.array([0] * 20 + [1] * 60, np.uint8)
+    domains = (codes, ["code", "web"])
+    even = np.ones(80, np.int64)  # one pass over both
+    # The relaunch reads code twice more: code 3 each, web 1, against the split's ideal of
+    # 1 or 2 (120 exposures of 80): 20 beyond it, none beyond each domain's own.
+    code_again = even + 2 * (codes == 0)
+    assert not _weighted(domains, even, code_again)
+    upsampled = even + (codes == 0)  # the run read code twice as often already
+    assert _weighted(domains, upsampled, upsampled + 2 * (codes == 0))
 
 
 def test_replay_from_the_iterator_states_a_run_checkpointed(corpus, tmp_path, monkeypatch,

@@ -51,6 +51,9 @@ _plan_findings):
 - `skips`: records the plan leaves below floor(C/N) when its horizon reaches a multiple of N;
 - `planned_twice`: records planned more often than the horizon itself allows, on two hosts;
 - `global_batch_changed`, `ledger_behind`, `horizon_short` as the keyed-loader check says them.
+Where the run with the plan weights its domains (tally.audit.core.exposure.weighted_domains on
+the exposures, with the manifest's domains), each domain is judged so against its own ideal,
+its records renumbered 0..N_d - 1, and the findings name their domain (INFO domain_weighted).
 What a correct loader also does is allowed and said as INFO: with W Grain worker streams a
 host's reads at a step boundary are not a prefix of its order (each stream but one up to a batch
 ahead; torch and Streaming hand batches over in the order drawn: no allowance), and a sampler
@@ -531,9 +534,98 @@ def _check(ledger: Ledger, relaunch: _Relaunch, t0: float) -> PreflightVerdict:
                 break  # the loaders have nothing more to give
     except AttachError as exc:
         raise TallyError(f"--loader {spec}: {exc}") from None
-    _plan_findings(v, counts, k, s, hh, n, steps, add, slack=plan.slack,
-                   remainder=plan.remainder, epochs=ep, by_epoch=plan.by_epoch)
+    domains = _domains(relaunch.manifest, n)
+    if domains is not None and len(k) and k.min() >= 0 and k.max() < n and _weighted(
+            domains, counts, counts + np.bincount(k, minlength=n)):
+        _domain_findings(v, domains, counts, (k, s, hh, ep), steps, plan)
+    else:
+        _plan_findings(v, counts, k, s, hh, n, steps, add, slack=plan.slack,
+                       remainder=plan.remainder, epochs=ep, by_epoch=plan.by_epoch)
     return _done(v, t0)
+
+
+def _domains(manifest: Path, n: int) -> tuple[np.ndarray, list[str]] | None:
+    """Each train record's domain (a code into the names), or None for a corpus of one domain.
+    A byte a record where the domains fit (the check already holds 8 bytes a record)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    names: dict[str, int] = {}
+    parts = []
+    pf = pq.ParquetFile(manifest, read_dictionary=["domain"])
+    for batch in pf.iter_batches(columns=["domain", "split"], batch_size=1 << 20):
+        train = pc.equal(batch["split"], "train").to_numpy(zero_copy_only=False)
+        col = batch["domain"].filter(pa.array(train))
+        if not isinstance(col.type, pa.DictionaryType):
+            col = col.dictionary_encode()
+        ids = np.array([names.setdefault(x, len(names)) for x in col.dictionary.to_pylist()],
+                       np.int32)
+        parts.append(ids[col.indices.to_numpy(zero_copy_only=False)] if len(ids) else
+                     np.zeros(0, np.int32))
+    if len(names) < 2:
+        return None
+    codes = np.concatenate(parts)[:n]
+    return codes.astype(np.uint8 if len(names) < 256 else np.int32), list(names)
+
+
+def _weighted(domains: tuple[np.ndarray, list[str]], before: np.ndarray,
+              after: np.ndarray) -> bool:
+    """Whether the run with the plan weights its domains (tally.audit.core.exposure's rule,
+    on the exposures alone: the check has no epochs), and the run had already read them at
+    different rates before the step: then each domain is judged by its own ideal, where the
+    split's would call a mixture's upsampled domain repeated. A relaunch that reads one
+    domain again where the run read all alike (a naive restore over domain-ordered records)
+    is not a weight but the fault, and is judged by the split's."""
+    from tally.audit.core import exposure
+
+    codes, names = domains
+    rates = [before[codes == d].sum() / max(1, int((codes == d).sum()))
+             for d in range(len(names))]
+    if min(rates) <= 0 or max(rates) < exposure.WEIGHT_RATIO * min(rates):
+        return False
+    levels = {name: np.bincount(after[codes == d]) for d, name in enumerate(names)}
+    own = exposure.domain_distance(levels)
+    split = exposure.excess(np.bincount(after), int(after.sum()), len(after))
+    return exposure.weighted_domains((*split, 0), (sum(a for a, _ in own.values()),
+                                                   sum(b for _, b in own.values()), 0), levels)
+
+
+def _domain_findings(v: PreflightVerdict, domains: tuple[np.ndarray, list[str]],
+                     counts: np.ndarray, planned: tuple, steps: int, plan: _Plan) -> None:
+    """The plan judged domain by domain, each against its own ideal (its records renumbered
+    0..N_d - 1): findings say their domain; repeats and skips add up."""
+    codes, names = domains
+    k, s, hh, ep = planned
+    totals: dict[str, Any] = {"repeats": 0, "skipped": None, "duplicates": 0}
+    reached, bad = True, []
+    for d, name in enumerate(names):
+        keys = np.flatnonzero(codes == d)
+        at = codes[k] == d
+        sub = PreflightVerdict(v.run_id, "safe", numbers=dict(v.numbers))
+        _plan_findings(sub, counts[keys], np.searchsorted(keys, k[at]), s[at], hh[at],
+                       len(keys), steps, sub.findings.add, slack=plan.slack,
+                       remainder=plan.remainder, epochs=None if ep is None else ep[at],
+                       by_epoch=plan.by_epoch)
+        for f in sub.findings:
+            v.findings.add(f.severity, f.code, f"domain {name}: {f.message}",
+                           **{**f.numbers, "domain": name})
+        for key in totals:
+            if sub.numbers.get(key) is not None:
+                totals[key] = (totals[key] or 0) + sub.numbers[key]
+        reached = reached and sub.numbers["reached_multiple"]
+        bad += [x for x in (sub.numbers.get("first_bad_step"),
+                            sub.numbers.get("last_bad_step")) if x is not None]
+        if d == 0:
+            v.numbers.update({key: sub.numbers[key] for key in (
+                "horizon_steps", "planned", "allowance_streams", "epoch_end_step")})
+    v.numbers.update(totals, consumed_exposures=int(counts.sum()), planned=len(k),
+                     by_domain=True, reached_multiple=reached,
+                     first_bad_step=min(bad, default=None),
+                     last_bad_step=max(bad, default=None))
+    v.findings.add("INFO", "domain_weighted",
+                   f"the run weights its domains ({len(names)}): each is checked against its "
+                   "own ideal, as the reconcile measures such a run")
 
 
 def _reaches_multiple(c0: int, c1: int, n: int) -> bool:
