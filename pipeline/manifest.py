@@ -234,6 +234,7 @@ def by_domain(shards: list[Shard], domains: Sequence[str]) -> list[Shard]:
         if not sep or not name.strip() or not pattern.strip():
             raise CorpusError(f"--domain {d!r}: expected NAME=GLOB (e.g. web='web/*')")
         rules.append((name.strip(), pattern.strip()))
+
     def matches(s: Shard, pattern: str) -> bool:
         return fnmatch.fnmatch(s.source, pattern) or fnmatch.fnmatch(str(s.path), pattern)
 

@@ -247,7 +247,7 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
         from tally.pipeline.loaders.olmo_core import replay_spec_host as replay_olmo_host
 
         return replay_olmo_host(spec, host, hashes, loader)
-    if _grain_dataset(loader):
+    if grain_dataset(loader):
         return _replay_dataset_host(spec, host, hashes, loader)
     from tally.pipeline.grain_attach import (
         AttachError,
@@ -321,7 +321,9 @@ def replay_host(spec: ReplaySpec, host: int, hashes: ManifestHashes | None) -> H
     return HostReplay(host, rows, files, first, last, time.perf_counter() - t0)
 
 
-def _grain_dataset(loader: Any) -> bool:
+def grain_dataset(loader: Any) -> bool:
+    """A Grain dataset pipeline (MapDataset or IterDataset; Grain imported only when the
+    factory already did)."""
     grain = sys.modules.get("grain")
     return grain is not None and isinstance(loader, (grain.MapDataset, grain.IterDataset))
 
@@ -512,7 +514,7 @@ def check(spec: ReplaySpec) -> None:
         from tally.pipeline.loaders.olmo_core import check_replay as check_olmo
 
         return check_olmo(spec, loader)
-    if _grain_dataset(loader):
+    if grain_dataset(loader):
         for h in range(spec.hosts):  # every host's pipeline and state, as the run has them
             _dataset_state(spec, h, _dataset_contract(
                 spec, h, loader if h == 0 else make_loader(spec.loader, h, spec.hosts)))

@@ -76,7 +76,7 @@ from tally.audit.core.errors import TallyError
 from tally.audit.core.exposure import effective_sql, start_sql
 from tally.audit.ledger.database import Ledger, one
 from tally.audit.preflight.verdict import PreflightVerdict
-from tally.pipeline.replay import check_hf_keys, loader_kind, make_loader
+from tally.pipeline.replay import check_hf_keys, grain_dataset, loader_kind, make_loader
 
 DEFAULT_MAX_HORIZON = 1000
 
@@ -151,7 +151,7 @@ def _planner(spec: str, new_hosts: int, at_step: int | None, states: Path | None
             return _olmo_plan(spec, first, new_hosts, at_step, states, n)
         if kind == "hf_iterable":
             return _hf_iterable_plan(spec, first, new_hosts, at_step, states)
-        if _grain_dataset(first):
+        if grain_dataset(first):
             return _grain_dataset_plan(spec, first, new_hosts, at_step, states, manifest)
     except AttachError as exc:
         raise TallyError(f"--loader {spec}: {exc}") from None
@@ -252,13 +252,6 @@ def _grain_dataset_plan(spec: str, first: Any, new_hosts: int, at_step: int | No
     n = len(leaves(contracts[0].elements))
     return _Plan("grain_dataset", step, new_batch, keys, slack,
                  n % new_hosts + n % max(1, new_batch))
-
-
-def _grain_dataset(loader: Any) -> bool:
-    import sys
-
-    grain = sys.modules.get("grain")
-    return grain is not None and isinstance(loader, (grain.MapDataset, grain.IterDataset))
 
 
 def _old_host_count(states: Path) -> int:

@@ -755,7 +755,7 @@ def _repeated_as_unsharded(r: dict[str, Any], hosts: int) -> bool:
     due = 0.8 * (hosts - 1) / hosts
     if r["coverage"]["epoch_duplicates"] < due * r["coverage"]["exposures"]:
         return False
-    return all(d["epoch_duplicates"] is None or d["epoch_duplicates"] >= due * d["exposures"]
+    return all(d.get("epoch_duplicates") is None or d["epoch_duplicates"] >= due * d["exposures"]
                for d in r["domains"] if d["exposures"])
 
 
