@@ -285,7 +285,18 @@ class SourceHashes:
                                   f"{self.field!r} (fields: {sorted(rec)}): name the token "
                                   "field with tokens_field=")
             rec = rec[self.field]
+        if isinstance(rec, (bytes, str)):
+            raise AttachError(f"record {key} of the data source is {type(rec).__name__}, not "
+                              "token ids (a serialized record: MaxText's tf.Example in "
+                              "ArrayRecord files): give hashes= the corpus manifest")
         return as_token_array(np.asarray(rec).reshape(-1))
+
+    def check(self) -> SourceHashes:
+        """Itself, once its first record reads as tokens: a source Tally cannot hash is
+        refused when the loader is attached, not by the writer after the first batch."""
+        if len(self.source):
+            self.tokens(0)
+        return self
 
     def segments(self, keys: np.ndarray, epochs: np.ndarray) -> Segments:
         toks = [self.tokens(k) for k in keys.tolist()]
@@ -480,7 +491,7 @@ class AuditedLoader:
         self.contract = contract_of(loader)
         self._keys = SamplerKeys(_private_copy(loader._sampler), epoch_of)
         self._hashes = keyed_by_file(hashes, Leaves((loader._data_source,), (0,))) or \
-            SourceHashes(_private_copy(loader._data_source), tokens_field)
+            SourceHashes(_private_copy(loader._data_source), tokens_field).check()
 
     def __iter__(self) -> AuditedIterator:
         return AuditedIterator(iter(self.loader), self.writer, self.contract,
@@ -818,7 +829,7 @@ class AuditedDataset:
         source = leaves(self.contract.elements)
         self.records = len(source)
         self._hashes = keyed_by_file(hashes, source) or SourceHashes(_private_copy(source),
-                                                                     tokens_field)
+                                                                     tokens_field).check()
 
     def _record(self, k: int, idx: np.ndarray | None = None) -> None:
         idx = self.contract.batch_indices(k) if idx is None else idx

@@ -215,6 +215,12 @@ def test_a_file_the_manifest_does_not_list_is_refused(corpus, tmp_path):
     with pytest.raises(AttachError, match="other.array_record is not among the sources"):
         audited(ds.to_iter_dataset().map(Parse()).batch(2), tmp_path / "s", run_id="r",
                 host=0, host_count=1, hashes=corpus / "manifest.parquet")
+    # Without the manifest's hashes the records (serialized tf.Example) cannot be hashed:
+    # said when the loader is attached, not by the writer after the first batch.
+    with pytest.raises(AttachError, match="record 0 of the data source is bytes, not token "
+                                          "ids .* give hashes= the corpus manifest"):
+        audited(ds.to_iter_dataset().map(Parse()).batch(2), tmp_path / "s", run_id="r",
+                host=0, host_count=1)
 
 
 FACTORY = '''
